@@ -1,0 +1,179 @@
+"""The public entry points: :func:`attention`, :func:`shard` and :func:`unshard`.
+
+Every argument is checked up front; an error names the argument, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import schedule
+from .backend import check_handoff
+from .comm import resolve_group
+from .lifetime import check_policy
+from .plugins import select_backend
+from .ring import RingAttention, RingConfig, ring_forward
+
+_LAYOUT = "[batch, seq, heads, head_dim]"
+
+
+def _check_tensor(name: str, x: Any) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor; got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"{name}: expected 4 dims {_LAYOUT}; got {x.dim()} dims, shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point dtype; got {x.dtype}")
+    return x
+
+
+def check_inputs(q: Any, k: Any, v: Any) -> None:
+    """Raise a TypeError or ValueError naming the first argument that does not fit with the others."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q); got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (the device of q); got {x.device}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected shape {tuple(k.shape)} (the shape of k); got {tuple(v.shape)}")
+    b, s, h, d = q.shape
+    if k.shape[0] != b:
+        raise ValueError(f"k: expected batch {b} (the batch of q); got {k.shape[0]}")
+    if k.shape[1] != s:
+        raise ValueError(f"k: expected local sequence length {s} (that of q); got {k.shape[1]}")
+    if k.shape[3] != d:
+        raise ValueError(f"k: expected head_dim {d} (that of q); got {k.shape[3]}")
+    if k.shape[2] < 1 or h % k.shape[2]:
+        raise ValueError(f"k: expected a number of heads that divides the {h} heads of q; got {k.shape[2]}")
+    if min(b, s, h, d) < 1:
+        raise ValueError(f"q: expected every dim of {_LAYOUT} >= 1; got shape {tuple(q.shape)}")
+
+
+def _check_scale(scale: Any, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: expected a positive finite number or None; got {scale!r}")
+    return float(scale)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    group: Any = None,
+    scale: float | None = None,
+    balance: str = schedule.DEFAULT_BALANCE,
+    device: str | torch.device | None = None,
+    policy: str = "bounded",
+    handoff: str | None = None,
+) -> torch.Tensor:
+    """Ring attention over the ranks of ``group``; differentiable in q, k and v.
+
+    :param q: this rank's queries {layout}, a shard made by :func:`shard` with the same ``balance``.
+    :param k: this rank's keys [batch, seq, kv_heads, head_dim]; kv_heads divides heads (GQA/MQA).
+    :param v: this rank's values, shaped like k.
+    :param causal: causal attention over the *global* sequence.
+    :param group: a torch.distributed ProcessGroup, a group from :class:`xcp.LocalWorld`, or None (the
+        default process group when one is initialised, else a world of one rank).
+    :param scale: factor on q·k; default 1/sqrt(head_dim).
+    :param balance: how the sequence was sharded (``zigzag``, ``contiguous`` or ``stripe``).
+    :param device: backend name (``cpu``, ``cuda``, ``npu``, ...); default the tensors' device type.
+    :param policy: ``bounded`` (two receive slots) or ``keep_all`` (every received shard kept; for
+        comparisons only).
+    :param handoff: override the backend's hand-off policy (``record_stream``, ``clone``, ``event``,
+        ``none``).
+    :returns: this rank's output, shaped and typed like q.
+    """
+    check_inputs(q, k, v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool; got {type(causal).__name__}")
+    schedule.check_balance(balance)
+    check_policy(policy)
+    if handoff is not None:
+        check_handoff(handoff)
+    scale = _check_scale(scale, q.shape[3])
+    comm = resolve_group(group)
+    backend = select_backend(None if device is None else str(device), q.device.type)
+    if backend.device_type != q.device.type:
+        raise ValueError(f"device: backend {backend.name!r} runs on {backend.device_type} tensors; q is on {q.device}")
+    if q.dtype not in backend.dtypes:
+        names = ", ".join(str(d) for d in backend.dtypes)
+        raise TypeError(f"q: backend {backend.name!r} serves dtypes {names}; got {q.dtype}")
+    if comm.size > 1 and causal and balance == "zigzag" and q.shape[1] % 2:
+        raise ValueError(
+            f"q: balance 'zigzag' needs an even local sequence length (two chunks per rank); got {q.shape[1]}"
+        )
+    cfg = RingConfig(comm, backend, causal, scale, balance, policy, handoff)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return RingAttention.apply(q, k, v, cfg)
+    return ring_forward(q, k, v, cfg)[0]
+
+
+attention.__doc__ = attention.__doc__.replace("{layout}", _LAYOUT)
+
+
+def _check_dim(x: torch.Tensor, dim: int, name: str = "dim") -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{name}: expected an integer in [{-x.dim()}, {x.dim()}); got {dim!r}")
+    return dim % x.dim()
+
+
+def _slice(x: torch.Tensor, dim: int, start: int, stop: int, step: int) -> torch.Tensor:
+    index = [slice(None)] * x.dim()
+    index[dim] = slice(start, stop, step)
+    return x[tuple(index)]
+
+
+def shard(
+    x: torch.Tensor, world_size: int, rank: int, dim: int = 1, balance: str = schedule.DEFAULT_BALANCE
+) -> torch.Tensor:
+    """Rank ``rank``'s part of the sequence ``x`` along ``dim`` (a new contiguous tensor).
+
+    :raises ValueError: when the length along ``dim`` is not a multiple of what ``balance`` needs.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor; got {type(x).__name__}")
+    dim = _check_dim(x, dim)
+    schedule.check_world(world_size, rank)
+    schedule.check_seq_len(x.shape[dim], world_size, balance, what=f"x.shape[{dim}]")
+    parts = [_slice(x, dim, a, b, c) for a, b, c in schedule.chunk_slices(x.shape[dim], world_size, rank, balance)]
+    return torch.cat(parts, dim=dim).contiguous() if len(parts) > 1 else parts[0].contiguous()
+
+
+def unshard(shards: Sequence[torch.Tensor], dim: int = 1, balance: str = schedule.DEFAULT_BALANCE) -> torch.Tensor:
+    """The whole sequence from the shards of ranks 0..P-1 (the inverse of :func:`shard`)."""
+    if isinstance(shards, torch.Tensor) or not isinstance(shards, Sequence) or not shards:
+        raise TypeError(f"shards: expected a non-empty list of tensors, one per rank; got {type(shards).__name__}")
+    for r, s in enumerate(shards):
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"shards[{r}]: expected a torch.Tensor; got {type(s).__name__}")
+        if s.shape != shards[0].shape:
+            raise ValueError(
+                f"shards[{r}]: expected shape {tuple(shards[0].shape)} (that of shards[0]); got {tuple(s.shape)}"
+            )
+    schedule.check_balance(balance)
+    world = len(shards)
+    dim = _check_dim(shards[0], dim)
+    n = shards[0].shape[dim]
+    seq_len = n * world
+    schedule.check_seq_len(seq_len, world, balance, what=f"{world} shards of length {n} along dim {dim}")
+    if balance == "stripe":  # global token j*P + r is local token j of rank r
+        stacked = torch.stack(list(shards), dim=dim + 1)
+        return stacked.flatten(dim, dim + 1)
+    pieces = []
+    for r, s in enumerate(shards):
+        offset = 0
+        for start, stop, _ in schedule.chunk_slices(seq_len, world, r, balance):
+            pieces.append((start, s.narrow(dim, offset, stop - start)))
+            offset += stop - start
+    pieces.sort(key=lambda p: p[0])
+    return torch.cat([p for _, p in pieces], dim=dim)

@@ -1,0 +1,237 @@
+"""The Backend contract: everything the ring needs that differs by device, and nothing else.
+
+A backend is one class with grouped methods (identity, streams and events, hand-off, block kernel,
+memory). The core calls nothing device-specific except through an instance of it. Generic stream and
+event defaults come from ``torch.get_device_module(device_type)``, which serves any device that follows
+torch's accelerator conventions (cuda, npu, xpu, ...), so a backend for such a device overrides only what
+differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from .schedule import MASKS
+
+HANDOFF_POLICIES = ("record_stream", "clone", "event", "none")
+"""How a tensor made on one stream is given to another (DESIGN.md, buffer lifetime rule 3)."""
+
+
+def check_handoff(policy: str) -> str:
+    """Return ``policy`` if known, else raise a ValueError listing the known policies."""
+    if policy not in HANDOFF_POLICIES:
+        raise ValueError(f"handoff: expected one of {', '.join(HANDOFF_POLICIES)}; got {policy!r}")
+    return policy
+
+
+def check_mask(mask: str) -> str:
+    """Return ``mask`` if known, else raise a ValueError listing the known masks."""
+    if mask not in MASKS:
+        raise ValueError(f"mask: expected one of {', '.join(MASKS)}; got {mask!r}")
+    return mask
+
+
+class Backend:
+    """Base class of every backend. Subclasses set the identity attributes and the kernel.
+
+    Identity
+        ``name`` (what users pass as ``device=``), ``device_type`` (torch's device type of its tensors),
+        ``dist_backend`` (the torch.distributed backend for its collectives), ``handoff_policy`` (the
+        default hand-off), ``kernel`` (a short description of the block kernel, for ``xcp backends``),
+        ``dtypes`` (the dtypes its kernel serves).
+    """
+
+    name: str = "base"
+    device_type: str = "cpu"
+    dist_backend: str = "gloo"
+    handoff_policy: str = "event"
+    kernel: str = "none"
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+    masks: tuple[str, ...] = MASKS
+
+    # ------------------------------------------------------------------ identity
+    def available(self) -> tuple[bool, str]:
+        """Whether the backend can run here: ``(True, "")`` or ``(False, reason)``."""
+        return True, ""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} ({self.device_type}, {self.dist_backend})>"
+
+    # ------------------------------------------------------------------ streams and events
+    def _module(self) -> Any:
+        return torch.get_device_module(self.device_type)
+
+    def current_stream(self, device: torch.device | None = None) -> Any:
+        """The stream work is issued on now (the caller's stream C)."""
+        return self._module().current_stream(device)
+
+    def new_stream(self, device: torch.device | None = None) -> Any:
+        """A new side stream on ``device`` (compute X or comm M)."""
+        return self._module().Stream(device)
+
+    def stream_context(self, stream: Any) -> contextlib.AbstractContextManager:
+        """A context in which ``stream`` is the current stream."""
+        return self._module().stream(stream)
+
+    def new_event(self) -> Any:
+        """A new event, to be recorded on one stream and waited for on another."""
+        return self._module().Event()
+
+    def record_event(self, event: Any, stream: Any) -> None:
+        """Record ``event`` on ``stream``: it completes when the work issued there so far does."""
+        event.record(stream)
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Make later work on ``stream`` wait for ``event``."""
+        stream.wait_event(event)
+
+    def wait_stream(self, stream: Any, other: Any) -> None:
+        """Make later work on ``stream`` wait for the work issued on ``other`` so far."""
+        stream.wait_stream(other)
+
+    def synchronize_event(self, event: Any) -> None:
+        """Block the host until ``event`` has completed."""
+        event.synchronize()
+
+    def is_capturing(self) -> bool:
+        """True while the current stream is being captured into a graph."""
+        return False
+
+    # ------------------------------------------------------------------ hand-off
+    def handoff(self, tensor: torch.Tensor, consumer_stream: Any, policy: str | None = None) -> torch.Tensor:
+        """Give ``tensor`` (made on the current stream) to ``consumer_stream``; return what to use there.
+
+        ``record_stream`` tells the allocator the consumer reads it (zero copy); ``clone`` copies it in the
+        consumer's context so the consumer owns the copy; ``event`` and ``none`` return it unchanged (the
+        caller orders the streams with events, or there is no asynchrony).
+        """
+        policy = check_handoff(policy or self.handoff_policy)
+        if policy == "record_stream":
+            if not self.is_capturing():
+                tensor.record_stream(consumer_stream)
+            return tensor
+        if policy == "clone":
+            with self.stream_context(consumer_stream):
+                self.wait_stream(consumer_stream, self.current_stream(tensor.device))
+                return tensor.clone()
+        return tensor
+
+    # ------------------------------------------------------------------ block kernel
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of one block.
+
+        :param q: queries [B, Sq, H, D].
+        :param k: keys [B, Sk, Hkv, D], H % Hkv == 0.
+        :param v: values [B, Sk, Hkv, D].
+        :param mask: ``none``, ``causal`` (query i sees keys 0..i) or ``strict`` (keys 0..i-1).
+        :param scale: the factor applied to q·k.
+        :returns: ``(out, lse)``: out [B, Sq, H, D] in q's dtype or float32, zeros on rows that see no
+            key; lse [B, H, Sq] float32 (float64 for float64 inputs), -inf on such rows.
+        """
+        raise NotImplementedError(f"backend {self.name!r} has no forward kernel")
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        mask: str,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients of one block given the *merged* output and log-sum-exp of the whole row.
+
+        :param dout: gradient of the output [B, Sq, H, D].
+        :param out: the final (merged) output [B, Sq, H, D].
+        :param lse: the final (merged) log-sum-exp [B, H, Sq].
+        :returns: ``(dq, dk, dv)`` shaped like q, k, v, in their dtype or float32.
+        """
+        raise NotImplementedError(f"backend {self.name!r} has no backward kernel")
+
+    def merge_(
+        self,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        block_out: torch.Tensor,
+        block_lse: torch.Tensor,
+        rows: slice = slice(None),
+    ) -> None:
+        """Fold a block into the running (out, lse); a backend may override with a fused kernel."""
+        from .merge import merge_
+
+        merge_(out, lse, block_out, block_lse, rows)
+
+    # ------------------------------------------------------------------ memory
+    def memory_stats(self, device: torch.device | None = None) -> dict[str, int] | None:
+        """Allocator statistics (``allocated``, ``peak``) where the device has them, else None."""
+        return None
+
+    def reset_peak_memory(self, device: torch.device | None = None) -> None:
+        """Reset the allocator's peak counter, where the device has one."""
+
+
+class NullStream:
+    """A stream for devices without asynchrony: every operation runs at once, in program order."""
+
+    def __init__(self, name: str = "cpu") -> None:
+        self.name = name
+
+    def wait_event(self, event: Any) -> None:  # noqa: D102 - nothing to wait for
+        pass
+
+    def wait_stream(self, other: Any) -> None:  # noqa: D102
+        pass
+
+    def __repr__(self) -> str:
+        return f"<NullStream {self.name}>"
+
+
+class NullEvent:
+    """An event that is complete as soon as it is recorded."""
+
+    def record(self, stream: Any = None) -> None:  # noqa: D102
+        pass
+
+    def synchronize(self) -> None:  # noqa: D102
+        pass
+
+    def query(self) -> bool:  # noqa: D102
+        return True
+
+
+class SynchronousBackend(Backend):
+    """Base for backends whose device runs everything in program order (the CPU): no-op streams."""
+
+    handoff_policy = "none"
+    _stream = NullStream()
+
+    def current_stream(self, device: torch.device | None = None) -> Any:
+        return self._stream
+
+    def new_stream(self, device: torch.device | None = None) -> Any:
+        return self._stream
+
+    def stream_context(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def new_event(self) -> Any:
+        return NullEvent()
+
+    def record_event(self, event: Any, stream: Any) -> None:
+        pass
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any, other: Any) -> None:
+        pass
+
+    def synchronize_event(self, event: Any) -> None:
+        pass

@@ -1,0 +1,288 @@
+"""Communicators: how a shard moves to the next rank.
+
+Three kinds, one interface (``size``, ``rank``, ``exchange(sends, recvs, tag, backend) -> work``,
+``work.wait()``):
+
+- :class:`DistCommunicator`: torch.distributed point-to-point through ``batch_isend_irecv`` on any
+  process group (NCCL, HCCL, gloo), launched with torchrun, across hosts;
+- :class:`LocalGroup`: one virtual rank of a :class:`LocalWorld`, P ranks as threads of one process with
+  an in-process exchange that keeps stream semantics (the receiver's copy waits on the sender's event, the
+  sender's wait waits on the copy);
+- :class:`SingleRank`: a world of one, for calls without a group.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Sends = Sequence[tuple[torch.Tensor, int]]
+Recvs = Sequence[tuple[torch.Tensor, int]]
+
+_TAGS = {"kv": 1, "dkv": 2}
+
+
+class RankAborted(RuntimeError):
+    """Raised in a virtual rank whose world was aborted because another rank failed."""
+
+
+class CommTimeout(TimeoutError):
+    """A virtual rank waited longer than its world's timeout for a peer."""
+
+
+class _DoneWork:
+    def wait(self) -> None:
+        pass
+
+
+class SingleRank:
+    """A world of one rank: nothing to exchange."""
+
+    size = 1
+    rank = 0
+    kind = "single"
+
+    def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any) -> _DoneWork:
+        if sends or recvs:
+            raise RuntimeError("a world of one rank has no peer to exchange with")
+        return _DoneWork()
+
+
+class DistCommunicator:
+    """Point-to-point over a torch.distributed process group (``batch_isend_irecv``)."""
+
+    kind = "torch.distributed"
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group if group is not None else dist.group.WORLD
+        self.size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self._global = [dist.get_global_rank(self.group, r) for r in range(self.size)]
+
+    def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any) -> Any:
+        dist = self._dist
+        base = _TAGS[tag] * 16
+        ops = [dist.P2POp(dist.isend, t, self._global[p], self.group, base + i) for i, (t, p) in enumerate(sends)]
+        ops += [dist.P2POp(dist.irecv, b, self._global[p], self.group, base + i) for i, (b, p) in enumerate(recvs)]
+        if not ops:
+            return _DoneWork()
+        return _DistWork(dist.batch_isend_irecv(ops))
+
+
+class _DistWork:
+    def __init__(self, requests: list) -> None:
+        self._requests = requests
+
+    def wait(self) -> None:
+        for req in self._requests:
+            req.wait()
+
+
+# ----------------------------------------------------------------------------------------------------
+# LocalWorld: virtual ranks as threads
+
+
+@dataclass
+class _Message:
+    tensor: torch.Tensor
+    ready: Any  # event recorded on the sender's stream when the send was issued
+    done: threading.Event = field(default_factory=threading.Event)
+    copied: Any = None  # event recorded on the receiver's comm stream after its copy
+
+
+class LocalWorld:
+    """``size`` virtual ranks in one process, each a thread, exchanging tensors in memory.
+
+    :param size: number of ranks (>= 1).
+    :param device: device of the ranks' tensors ("cpu", "cuda", ...).
+    :param timeout: seconds a rank waits for a peer before failing with a message naming both.
+
+    On a GPU, PyTorch runs the backward of all threads on one autograd worker per device, so a ring
+    backward that waits for peers cannot go through ``Tensor.backward()`` there; use
+    :func:`xcp.ring_forward` / :func:`xcp.ring_backward` directly (autograd raises a clear error).
+    """
+
+    def __init__(self, size: int, device: str | torch.device = "cpu", timeout: float = 120.0) -> None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"size: expected an integer >= 1; got {size!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout: expected a positive number of seconds; got {timeout!r}")
+        self.size = size
+        self.device = torch.device(device)
+        self.timeout = float(timeout)
+        self._lock = threading.Lock()
+        self._boxes: dict[tuple[int, int, str], queue.Queue] = {}
+        self._failure: tuple[int, BaseException] | None = None
+
+    def __repr__(self) -> str:
+        return f"LocalWorld(size={self.size}, device={str(self.device)!r})"
+
+    def group(self, rank: int) -> LocalGroup:
+        """The group handle of virtual rank ``rank``."""
+        if not isinstance(rank, int) or not 0 <= rank < self.size:
+            raise ValueError(f"rank: expected an integer in [0, {self.size}); got {rank!r}")
+        return LocalGroup(self, rank)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Run ``fn(group, *args)`` on every rank, one thread each; return the results in rank order.
+
+        An exception in any rank aborts the others (their waits raise :class:`RankAborted`) and is
+        re-raised here as a RuntimeError naming the rank.
+        """
+        self._boxes.clear()
+        self._failure = None
+        results: list[Any] = [None] * self.size
+        errors: list[BaseException | None] = [None] * self.size
+
+        def body(rank: int) -> None:
+            group = self.group(rank)
+            try:
+                results[rank] = fn(group, *args)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                errors[rank] = exc
+                with self._lock:
+                    if self._failure is None and not isinstance(exc, RankAborted):
+                        self._failure = (rank, exc)
+
+        threads = [threading.Thread(target=body, args=(r,), name=f"xcp-rank-{r}") for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self._failure is None and any(errors):
+            rank = next(r for r, e in enumerate(errors) if e is not None)
+            self._failure = (rank, errors[rank])
+        if self._failure is not None:
+            rank, exc = self._failure
+            raise RuntimeError(f"LocalWorld rank {rank} of {self.size} failed: {type(exc).__name__}: {exc}") from exc
+        return results
+
+    # -- mailbox
+    def _box(self, src: int, dst: int, tag: str) -> queue.Queue:
+        with self._lock:
+            return self._boxes.setdefault((src, dst, tag), queue.Queue())
+
+    def _check_abort(self, rank: int) -> None:
+        failure = self._failure
+        if failure is not None and failure[0] != rank:
+            raise RankAborted(f"rank {rank}: aborted because rank {failure[0]} failed")
+
+    def _wait_for(self, rank: int, what: str, poll: Callable[[float], Any]) -> Any:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            self._check_abort(rank)
+            got = poll(0.02)
+            if got is not None:
+                return got
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"rank {rank} waited {self.timeout:g} s for {what}; is a peer stuck or missing?")
+
+
+class LocalGroup:
+    """One virtual rank of a :class:`LocalWorld`; pass it as ``group=`` to :func:`xcp.attention`."""
+
+    kind = "LocalWorld"
+
+    def __init__(self, world: LocalWorld, rank: int) -> None:
+        self.world = world
+        self.size = world.size
+        self.rank = rank
+        self.thread = threading.get_ident()
+        self._comm_streams: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"<LocalGroup rank {self.rank} of {self.size}>"
+
+    def comm_stream(self, backend: Any, device: torch.device) -> Any:
+        """This rank's communication stream M on ``device`` (created once per backend)."""
+        key = f"{backend.name}:{device}"
+        if key not in self._comm_streams:
+            self._comm_streams[key] = backend.new_stream(device)
+        return self._comm_streams[key]
+
+    def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any) -> _LocalWork:
+        if tag not in _TAGS:
+            raise ValueError(f"tag: expected one of {', '.join(_TAGS)}; got {tag!r}")
+        ready = None
+        if sends or recvs:
+            device = (sends[0][0] if sends else recvs[0][0]).device
+            ready = backend.new_event()
+            backend.record_event(ready, backend.current_stream(device))
+        messages = []
+        for i, (tensor, peer) in enumerate(sends):
+            msg = _Message(tensor, ready)
+            self.world._box(self.rank, peer, f"{tag}{i}").put(msg)
+            messages.append(msg)
+        return _LocalWork(self, backend, messages, [(b, p, f"{tag}{i}") for i, (b, p) in enumerate(recvs)], ready)
+
+
+class _LocalWork:
+    def __init__(self, group: LocalGroup, backend: Any, sends: list[_Message], recvs: list, ready: Any) -> None:
+        self._group, self._backend, self._sends, self._recvs, self._ready = group, backend, sends, recvs, ready
+        self._waited = False
+
+    def wait(self) -> None:
+        if self._waited:
+            return
+        self._waited = True
+        g, be, world = self._group, self._backend, self._group.world
+        for buf, peer, key in self._recvs:
+            box = world._box(peer, g.rank, key)
+
+            def poll(timeout: float, box: queue.Queue = box) -> Any:
+                try:
+                    return box.get(timeout=timeout)
+                except queue.Empty:
+                    return None
+
+            msg = world._wait_for(g.rank, f"{key!r} from rank {peer}", poll)
+            if msg.tensor.shape != buf.shape or msg.tensor.dtype != buf.dtype:
+                raise RuntimeError(
+                    f"rank {g.rank}: received {key!r} from rank {peer} shaped {tuple(msg.tensor.shape)} "
+                    f"{msg.tensor.dtype}; expected {tuple(buf.shape)} {buf.dtype} (do all ranks pass equal shapes?)"
+                )
+            stream = g.comm_stream(be, buf.device)
+            be.wait_event(stream, msg.ready)
+            be.wait_event(stream, self._ready)
+            with be.stream_context(stream):
+                buf.copy_(msg.tensor)
+            msg.copied = be.new_event()
+            be.record_event(msg.copied, stream)
+            msg.done.set()
+            be.wait_event(be.current_stream(buf.device), msg.copied)
+        for msg in self._sends:
+            world._wait_for(g.rank, "a peer to receive its send", lambda t, m=msg: True if m.done.wait(t) else None)
+            be.wait_event(be.current_stream(msg.tensor.device), msg.copied)
+
+
+def resolve_group(group: Any) -> Any:
+    """The communicator for ``group``: a LocalGroup or communicator as is, a ProcessGroup wrapped, None
+    the default process group when torch.distributed is initialised, else a world of one."""
+    if group is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return DistCommunicator(None)
+        return SingleRank()
+    if hasattr(group, "exchange") and hasattr(group, "size") and hasattr(group, "rank"):
+        return group
+    try:
+        import torch.distributed as dist
+
+        if isinstance(group, dist.ProcessGroup):
+            return DistCommunicator(group)
+    except (ImportError, AttributeError):  # pragma: no cover - torch built without distributed
+        pass
+    raise TypeError(
+        f"group: expected a torch.distributed ProcessGroup, a group from xcp.LocalWorld, or None; "
+        f"got {type(group).__name__}"
+    )

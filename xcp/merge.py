@@ -1,0 +1,53 @@
+"""Online log-sum-exp merge of partial attention outputs.
+
+Each block gives (O_b, L_b), L_b the log-sum-exp of the block's scores per query row. The running
+(O, L) is updated in the stable form
+
+    L' = logaddexp(L, L_b),   O' = O - sigmoid(L_b - L) * (O - O_b)
+
+which never exponentiates a large number. Rows that no key may attend to keep L = -inf and O = 0:
+the weight of a block whose L_b is -inf is forced to 0, so -inf - -inf never reaches the output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 inputs accumulate in float64, every other dtype in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Running output [B, S, H, D] (zeros) and log-sum-exp [B, H, S] (-inf) for queries ``q``."""
+    acc = accumulator_dtype(q.dtype)
+    b, s, h, d = q.shape
+    out = torch.zeros((b, s, h, d), dtype=acc, device=q.device)
+    lse = torch.full((b, h, s), NEG_INF, dtype=acc, device=q.device)
+    return out, lse
+
+
+def merge_(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block_out: torch.Tensor,
+    block_lse: torch.Tensor,
+    rows: slice = slice(None),
+) -> None:
+    """Fold one block into the running (out, lse) in place, on query rows ``rows``.
+
+    :param out: running output [B, S, H, D], accumulator dtype; updated in place.
+    :param lse: running log-sum-exp [B, H, S], accumulator dtype; updated in place.
+    :param block_out: the block's output [B, s, H, D] for the rows, any float dtype.
+    :param block_lse: the block's log-sum-exp [B, H, s], -inf where a row saw no key.
+    :param rows: the slice of query rows the block covers.
+    """
+    o = out[:, rows]
+    l_old = lse[:, :, rows]
+    b_lse = block_lse.to(lse.dtype)
+    weight = torch.where(b_lse == NEG_INF, 0.0, torch.sigmoid(b_lse - l_old))
+    o.sub_(weight.transpose(1, 2).unsqueeze(-1) * (o - block_out.to(o.dtype)))
+    l_old.copy_(torch.logaddexp(l_old, b_lse))

@@ -1,0 +1,236 @@
+"""The ring schedule: which KV shard each rank works on at each step, and how.
+
+Pure Python (no torch), so every property of the schedule can be checked exhaustively.
+
+Rank r of P holds, at step i, the KV shard owned by ``src = (r - i) mod P``. While it computes on that
+shard it sends it to ``next = (r + 1) mod P`` and receives the shard of step i + 1 from
+``prev = (r - 1) mod P``. In the backward pass the dK/dV of a shard follow one step behind it and a final
+hop brings them home.
+
+A step's query and key sub-ranges are given in *halves* of the local shard (0..2), so that the same plan
+serves any shard length: ``(0, 2)`` is the whole shard, ``(1, 2)`` its second half.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BALANCES = ("zigzag", "contiguous", "stripe")
+"""Ways to place a sequence on ranks. ``zigzag`` is the default everywhere."""
+
+DEFAULT_BALANCE = "zigzag"
+
+MASKS = ("none", "causal", "strict")
+"""Block masks: no mask; causal (query i sees keys 0..i, top-left aligned); strict (keys 0..i-1)."""
+
+# Block kinds and what they mean for a kernel call.
+FULL = "full"  # every local query against every key of the shard, no mask
+DIAGONAL = "diagonal"  # the rank's own shard under a causal mask
+LOWER = "lower"  # zigzag, src < r: all queries against the first half of the keys, no mask
+UPPER = "upper"  # zigzag, src > r: second half of the queries against all keys, no mask
+STRIPE_CAUSAL = "stripe-causal"  # stripe, src <= r (src < r or the diagonal): causal mask
+STRIPE_STRICT = "stripe-strict"  # stripe, src > r: strictly-causal mask
+SKIP = "skip"  # contiguous causal, src > r: every key lies in the future, nothing to compute
+
+BLOCK_KINDS = (FULL, DIAGONAL, LOWER, UPPER, STRIPE_CAUSAL, STRIPE_STRICT, SKIP)
+
+
+def check_balance(balance: str) -> str:
+    """Return ``balance`` if it is known, else raise a ValueError that lists the known ones."""
+    if balance not in BALANCES:
+        raise ValueError(f"balance: expected one of {', '.join(BALANCES)}; got {balance!r}")
+    return balance
+
+
+def check_world(world_size: int, rank: int | None = None) -> None:
+    """Raise a ValueError unless ``world_size >= 1`` and ``0 <= rank < world_size``."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size: expected an integer >= 1; got {world_size!r}")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size):
+        raise ValueError(f"rank: expected an integer in [0, {world_size}); got {rank!r}")
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one rank does at one step of the ring.
+
+    ``q_halves``/``k_halves`` are half-open ranges in halves of the local shard; ``work`` is the share of
+    a full shard-by-shard block that the step computes (1.0 for an unmasked full block, 0.5 for a causal
+    diagonal). ``send_to``/``recv_from`` are None where no KV transfer follows the step (the last step).
+    ``dkv_send_to``/``dkv_recv_from`` route the dK/dV of ``src``: after computing, the rank sends the dKV
+    of ``src`` to ``dkv_send_to``; before adding its contribution it received that dKV from
+    ``dkv_recv_from`` (None at step 0, where the rank starts the accumulation of its own shard).
+    """
+
+    step: int
+    rank: int
+    src: int
+    kind: str
+    mask: str
+    q_halves: tuple[int, int]
+    k_halves: tuple[int, int]
+    work: float
+    send_to: int | None
+    recv_from: int | None
+    dkv_send_to: int
+    dkv_recv_from: int | None
+
+    @property
+    def computes(self) -> bool:
+        """True unless the block is empty (contiguous causal, future keys)."""
+        return self.kind != SKIP
+
+    def q_range(self, local_len: int) -> tuple[int, int]:
+        """The query rows ``[start, stop)`` of a local shard of ``local_len`` tokens."""
+        return _halves_to_range(self.q_halves, local_len)
+
+    def k_range(self, local_len: int) -> tuple[int, int]:
+        """The key rows ``[start, stop)`` of a KV shard of ``local_len`` tokens."""
+        return _halves_to_range(self.k_halves, local_len)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The steps of one rank, plus where its finished dKV comes home from (``dkv_home_from``)."""
+
+    world_size: int
+    rank: int
+    causal: bool
+    balance: str
+    steps: tuple[Step, ...]
+
+    @property
+    def dkv_home_from(self) -> int:
+        """The rank that sends this rank its own finished dK/dV after the last step."""
+        return (self.rank - 1) % self.world_size
+
+    @property
+    def dkv_home_to(self) -> int:
+        """The owner of the dK/dV this rank holds after the last step (it sends them there)."""
+        return (self.rank + 1) % self.world_size
+
+
+def _halves_to_range(halves: tuple[int, int], local_len: int) -> tuple[int, int]:
+    lo, hi = halves
+    if (lo, hi) == (0, 2):
+        return 0, local_len
+    if local_len % 2:
+        raise ValueError(f"local shard length: expected an even number for a half block; got {local_len}")
+    return lo * local_len // 2, hi * local_len // 2
+
+
+def _block(balance: str, causal: bool, rank: int, src: int) -> tuple[str, str, tuple, tuple, float]:
+    """Kind, mask, query halves, key halves and work of the block (rank's queries, src's keys)."""
+    whole = (0, 2)
+    if not causal:
+        return FULL, "none", whole, whole, 1.0
+    if balance == "zigzag":
+        if src == rank:
+            return DIAGONAL, "causal", whole, whole, 0.5
+        if src < rank:
+            return LOWER, "none", whole, (0, 1), 0.5
+        return UPPER, "none", (1, 2), whole, 0.5
+    if balance == "stripe":
+        if src <= rank:
+            return STRIPE_CAUSAL, "causal", whole, whole, 0.5
+        return STRIPE_STRICT, "strict", whole, whole, 0.5
+    # contiguous
+    if src == rank:
+        return DIAGONAL, "causal", whole, whole, 0.5
+    if src < rank:
+        return FULL, "none", whole, whole, 1.0
+    return SKIP, "none", (0, 0), (0, 0), 0.0
+
+
+def plan(world_size: int, rank: int, causal: bool = False, balance: str = DEFAULT_BALANCE) -> Plan:
+    """The per-step plan of ``rank`` in a ring of ``world_size`` ranks.
+
+    :param world_size: number of ranks P (>= 1).
+    :param rank: this rank, 0 <= rank < P.
+    :param causal: whether the global attention is causal.
+    :param balance: how the sequence is placed on ranks (one of :data:`BALANCES`).
+    :returns: a :class:`Plan` with one :class:`Step` per source shard, step 0 being the rank's own.
+    """
+    check_world(world_size, rank)
+    check_balance(balance)
+    nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
+    steps = []
+    for i in range(world_size):
+        src = (rank - i) % world_size
+        kind, mask, qh, kh, work = _block(balance, causal, rank, src)
+        last = i == world_size - 1
+        steps.append(
+            Step(
+                step=i,
+                rank=rank,
+                src=src,
+                kind=kind,
+                mask=mask,
+                q_halves=qh,
+                k_halves=kh,
+                work=work,
+                send_to=None if last else nxt,
+                recv_from=None if last else prv,
+                dkv_send_to=nxt,
+                dkv_recv_from=None if i == 0 else prv,
+            )
+        )
+    return Plan(world_size, rank, causal, balance, tuple(steps))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sharding index maps
+
+
+def required_multiple(world_size: int, balance: str = DEFAULT_BALANCE) -> int:
+    """The number the sequence length must be a multiple of for ``balance`` over ``world_size`` ranks."""
+    check_world(world_size)
+    check_balance(balance)
+    return 2 * world_size if balance == "zigzag" else world_size
+
+
+def check_seq_len(seq_len: int, world_size: int, balance: str = DEFAULT_BALANCE, what: str = "sequence length") -> None:
+    """Raise a ValueError naming the multiple needed when ``seq_len`` cannot be split by ``balance``."""
+    m = required_multiple(world_size, balance)
+    if seq_len < m or seq_len % m:
+        raise ValueError(
+            f"{what}: balance {balance!r} over {world_size} ranks needs a positive multiple of {m}; got {seq_len}"
+        )
+
+
+def shard_indices(seq_len: int, world_size: int, rank: int, balance: str = DEFAULT_BALANCE) -> list[int]:
+    """Global token positions held by ``rank``, in local order.
+
+    :param seq_len: global sequence length S (a multiple of :func:`required_multiple`).
+    :returns: a list of S / P positions; local token j of the rank is global token ``result[j]``.
+    """
+    check_world(world_size, rank)
+    check_seq_len(seq_len, world_size, balance)
+    if balance == "contiguous":
+        n = seq_len // world_size
+        return list(range(rank * n, (rank + 1) * n))
+    if balance == "stripe":
+        return list(range(rank, seq_len, world_size))
+    c = seq_len // (2 * world_size)
+    first, second = rank, 2 * world_size - 1 - rank
+    return list(range(first * c, (first + 1) * c)) + list(range(second * c, (second + 1) * c))
+
+
+def chunk_slices(
+    seq_len: int, world_size: int, rank: int, balance: str = DEFAULT_BALANCE
+) -> list[tuple[int, int, int]]:
+    """The same map as :func:`shard_indices`, as ``(start, stop, step)`` slices of the global sequence.
+
+    Concatenating ``x[start:stop:step]`` over the slices gives the rank's shard; a tensor implementation
+    uses these to avoid index tensors.
+    """
+    check_world(world_size, rank)
+    check_seq_len(seq_len, world_size, balance)
+    if balance == "contiguous":
+        n = seq_len // world_size
+        return [(rank * n, (rank + 1) * n, 1)]
+    if balance == "stripe":
+        return [(rank, seq_len, world_size)]
+    c = seq_len // (2 * world_size)
+    second = 2 * world_size - 1 - rank
+    return [(rank * c, (rank + 1) * c, 1), (second * c, (second + 1) * c, 1)]
