@@ -3,6 +3,7 @@
 from .api import attention, shard, unshard
 from .backend import Backend
 from .comm import LocalGroup, LocalWorld
+from .hookspecs import hookimpl
 from .lifetime import BufferLedger, track_buffers
 from .plugins import get_backend, list_backends
 from .ring import RingConfig, ring_backward, ring_forward
@@ -19,6 +20,7 @@ __all__ = [
     "Step",
     "attention",
     "get_backend",
+    "hookimpl",
     "list_backends",
     "plan",
     "ring_backward",
