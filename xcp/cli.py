@@ -1,0 +1,116 @@
+"""The ``xcp`` command: run the checked demo, print or plot a ring plan, list backends."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from . import schedule
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1; got {value}")
+    return value
+
+
+def _add_run(sub) -> None:
+    from .demo import DTYPES, DemoConfig
+
+    d = DemoConfig()
+    p = sub.add_parser("run", help="ring attention on a LocalWorld (or under torchrun), checked against float64")
+    p.add_argument("--world", type=_positive, default=d.world, help="virtual ranks (ignored under torchrun)")
+    p.add_argument("--batch", type=_positive, default=d.batch)
+    p.add_argument("--seq", type=_positive, default=d.seq, help="global sequence length")
+    p.add_argument("--heads", type=_positive, default=d.heads)
+    p.add_argument("--kv-heads", type=_positive, default=d.kv_heads)
+    p.add_argument("--head-dim", type=_positive, default=d.head_dim)
+    p.add_argument("--dtype", choices=list(DTYPES), default=d.dtype)
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=d.causal)
+    p.add_argument("--balance", choices=schedule.BALANCES, default=d.balance)
+    p.add_argument("--device", default=d.device, help="backend name: cpu, cuda, npu, ...")
+    p.add_argument("--seed", type=int, default=d.seed)
+
+
+def _cmd_run(args) -> int:
+    from .demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(
+        world=args.world,
+        batch=args.batch,
+        seq=args.seq,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        causal=args.causal,
+        balance=args.balance,
+        device=args.device,
+        seed=args.seed,
+    )
+    result = run_demo(cfg)
+    print(result.table())
+    return 0 if result.ok else 1
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="print (or plot) the step x rank table of a ring plan")
+    p.add_argument("--world", type=_positive, required=True)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--balance", choices=schedule.BALANCES, default=schedule.DEFAULT_BALANCE)
+    p.add_argument("--plot", metavar="FILE.png", help="also draw the plan into this file (needs matplotlib)")
+
+
+def _cmd_plan(args) -> int:
+    from .planview import plan_table, plot_plan
+
+    print(plan_table(args.world, args.causal, args.balance))
+    if args.plot:
+        plot_plan(args.world, args.causal, args.balance, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _add_backends(sub) -> None:
+    sub.add_parser("backends", help="list installed backends and whether each is usable here")
+
+
+def _cmd_backends(args) -> int:
+    from .plugins import list_backends
+
+    print(f"{'name':<8}{'device':<8}{'collective':<12}{'hand-off':<15}{'kernel':<44}status")
+    for b in list_backends():
+        ok, reason = b.available()
+        print(
+            f"{b.name:<8}{b.device_type:<8}{b.dist_backend:<12}{b.handoff_policy:<15}{b.kernel:<44}"
+            f"{'available' if ok else 'unavailable: ' + reason}"
+        )
+    return 0
+
+
+COMMANDS = {"run": (_add_run, _cmd_run), "plan": (_add_plan, _cmd_plan), "backends": (_add_backends, _cmd_backends)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``xcp`` command."""
+    parser = argparse.ArgumentParser(prog="xcp", description="Context-parallel (ring) attention on any device.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add, _ in COMMANDS.values():
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``xcp`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command][1](args)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        print(f"xcp {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
