@@ -90,7 +90,80 @@ def _cmd_backends(args) -> int:
     return 0
 
 
-COMMANDS = {"run": (_add_run, _cmd_run), "plan": (_add_plan, _cmd_plan), "backends": (_add_backends, _cmd_backends)}
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers; got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1; got {text!r}")
+    return values
+
+
+def _add_bench(sub) -> None:
+    from .bench import BenchConfig
+    from .demo import DTYPES
+
+    d = BenchConfig()
+    p = sub.add_parser("bench", help="ring overhead vs one whole-sequence kernel, memory, graph capture")
+    p.add_argument("--seqs", type=_ints, default=d.seqs, help="comma-separated sequence lengths")
+    p.add_argument("--worlds", type=_ints, default=d.worlds, help="comma-separated virtual rank counts")
+    p.add_argument("--mask", choices=("both", "causal", "full"), default="both")
+    p.add_argument("--batch", type=_positive, default=d.batch)
+    p.add_argument("--heads", type=_positive, default=d.heads)
+    p.add_argument("--kv-heads", type=_positive, default=d.kv_heads)
+    p.add_argument("--head-dim", type=_positive, default=d.head_dim)
+    p.add_argument("--dtype", choices=list(DTYPES), default=d.dtype)
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--reps", type=_positive, default=d.reps)
+    p.add_argument("--memory-seq", type=_positive, default=d.memory_seq)
+    p.add_argument("--memory-worlds", type=_ints, default=d.memory_worlds)
+    p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the graph-capture figure")
+    p.add_argument("--no-check", dest="check", action="store_false", help="skip the correctness check")
+    p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="draw ratio vs S and memory vs P")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _cmd_bench(args) -> int:
+    from .bench import BenchConfig, format_report, plot_report, run_bench, write_json
+
+    cfg = BenchConfig(
+        seqs=args.seqs,
+        worlds=args.worlds,
+        causal={"both": [False, True], "causal": [True], "full": [False]}[args.mask],
+        batch=args.batch,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        device=args.device,
+        warmup=args.warmup,
+        reps=args.reps,
+        memory_seq=args.memory_seq,
+        memory_worlds=args.memory_worlds,
+        graph=args.graph,
+        check=args.check,
+    )
+    report = run_bench(cfg, progress=not args.quiet)
+    print(format_report(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"JSON written to {args.json}")
+    if args.plot:
+        plot_report(report, args.plot)
+        print(f"plot written to {args.plot}")
+    failed = [r for r in report["timing"] if not all(r.get(f"{m}_check_ok", True) for m in ("fwd", "fwd_bwd"))]
+    return 1 if failed else 0
+
+
+COMMANDS = {
+    "run": (_add_run, _cmd_run),
+    "plan": (_add_plan, _cmd_plan),
+    "backends": (_add_backends, _cmd_backends),
+    "bench": (_add_bench, _cmd_bench),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,420 @@
+"""``xcp bench``: ring overhead, memory and graph-capture figures measured side by side in one process.
+
+The overhead ratio is the forward(+backward) time of ring attention over a LocalWorld of P virtual ranks on
+one device, divided by the time of the backend's own kernel on the whole sequence (the same total work,
+and with a causal mask the same causal work): the ring's cost over ideal. Virtual ranks are threads, each
+on its own stream, driving :func:`xcp.ring_forward` / :func:`xcp.ring_backward` directly (autograd cannot
+run a waiting backward per thread on a GPU; FACTS.md). Nothing here asserts anything about time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .comm import LocalWorld
+from .demo import DTYPES
+from .lifetime import track_buffers
+from .plugins import select_backend
+from .ring import RingConfig, ring_backward, ring_forward
+
+
+@dataclass
+class BenchConfig:
+    """What to measure; the defaults are the H200 grid of issue 5."""
+
+    seqs: list[int] = field(default_factory=lambda: [16384, 65536, 131072])
+    worlds: list[int] = field(default_factory=lambda: [2, 4, 8])
+    causal: list[bool] = field(default_factory=lambda: [False, True])
+    batch: int = 1
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    balance: str = "zigzag"
+    warmup: int = 1
+    reps: int = 5
+    memory_seq: int = 262144
+    memory_worlds: list[int] = field(default_factory=lambda: [2, 4, 8])
+    graph: bool = True
+    check: bool = True
+    check_tolerance: float = 2e-2
+
+    def validate(self) -> None:
+        """Raise a ValueError naming the first field that cannot be measured."""
+        for name in ("seqs", "worlds", "memory_worlds"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"{name}: expected a non-empty list of integers >= 1; got {values!r}")
+        for name in ("batch", "heads", "kv_heads", "head_dim", "reps", "memory_seq"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an integer >= 1; got {getattr(self, name)!r}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup: expected an integer >= 0; got {self.warmup!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads: expected a divisor of heads={self.heads}; got {self.kv_heads}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        for s in self.seqs:
+            for p in self.worlds:
+                if s % (2 * p):
+                    raise ValueError(f"seqs: {s} is not a multiple of 2 x world {p} (zigzag needs it)")
+
+
+def median(values: list[float]) -> float:
+    """The median of ``values`` (the figure every timing reports)."""
+    if not values:
+        raise ValueError("values: expected at least one timing; got none")
+    return statistics.median(values)
+
+
+def ratio(ring_seconds: float, reference_seconds: float) -> float:
+    """Overhead ratio: ring time over the whole-sequence kernel time (1.0 is ideal)."""
+    if reference_seconds <= 0:
+        raise ValueError(f"reference_seconds: expected a positive time; got {reference_seconds!r}")
+    return ring_seconds / reference_seconds
+
+
+def attention_flops(batch: int, seq: int, heads: int, head_dim: int, causal: bool, backward: bool) -> float:
+    """FLOPs of attention on the whole sequence (forward 4*B*S^2*H*D, halved if causal; fwd+bwd 3.5x)."""
+    flops = 4.0 * batch * seq * seq * heads * head_dim
+    if causal:
+        flops /= 2
+    return flops * (3.5 if backward else 1.0)
+
+
+class _Clock:
+    """Wall time of a region bracketed by device synchronisation (device events where the device has them)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.module = torch.get_device_module(device.type) if device.type != "cpu" else None
+
+    def time(self, fn: Callable[[], Any]) -> float:
+        if self.module is None:
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        begin, end = self.module.Event(enable_timing=True), self.module.Event(enable_timing=True)
+        self.module.synchronize(self.device)
+        begin.record()
+        fn()
+        end.record()
+        self.module.synchronize(self.device)
+        return begin.elapsed_time(end) / 1000.0
+
+
+def _inputs(cfg: BenchConfig, seq: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = DTYPES[cfg.dtype]
+    shapes = [(cfg.batch, seq, h, cfg.head_dim) for h in (cfg.heads, cfg.kv_heads, cfg.kv_heads, cfg.heads)]
+    return tuple(torch.randn(s, generator=gen, device=device, dtype=dtype) for s in shapes)
+
+
+class VirtualRing:
+    """P virtual ranks on one device, each a thread with its own stream, sharing pre-sharded inputs."""
+
+    def __init__(
+        self, backend, world: int, full: tuple[torch.Tensor, ...], causal: bool, balance: str, policy="bounded"
+    ):
+        from .api import shard
+
+        self.backend, self.world_size, self.causal, self.balance, self.policy = backend, world, causal, balance, policy
+        self.device = full[0].device
+        self.world = LocalWorld(world, device=self.device)
+        self.shards = [tuple(shard(x, world, r, balance=balance) for x in full) for r in range(world)]
+        self.streams = [backend.new_stream(self.device) for _ in range(world)]
+        self.scale = 1.0 / math.sqrt(full[0].shape[-1])
+        self.ledgers: list[Any] = [None] * world
+
+    def _rank(self, group, backward: bool, main_stream) -> Any:
+        be = self.backend
+        stream = self.streams[group.rank]
+        be.wait_stream(stream, main_stream)
+        q, k, v, dout = self.shards[group.rank]
+        cfg = RingConfig(group, be, self.causal, self.scale, self.balance, self.policy)
+        with be.stream_context(stream), track_buffers() as ledger:
+            out, lse = ring_forward(q, k, v, cfg)
+            grads = ring_backward(dout, q, k, v, out, lse, cfg) if backward else None
+        self.ledgers[group.rank] = ledger
+        return stream, out, grads
+
+    def run(self, backward: bool) -> list[Any]:
+        """One forward (and backward) of every rank; the caller's stream waits for all of them."""
+        main = self.backend.current_stream(self.device)
+        results = self.world.run(self._rank, backward, main)
+        for stream, _, _ in results:
+            self.backend.wait_stream(main, stream)
+        return results
+
+
+def _whole(backend, full, causal: bool, backward: bool):
+    q, k, v, dout = full
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    mask = "causal" if causal else "none"
+    out, lse = backend.forward(q, k, v, mask, scale)
+    grads = None
+    if backward:
+        grads = backend.backward(dout, q, k, v, out.to(q.dtype), lse, mask, scale)
+    return out, grads
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.float(), ref.float()
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check_against_whole(ring: VirtualRing, results, whole_out, whole_grads) -> dict[str, float]:
+    """Relative errors of the ring's out (and grads) against the whole-sequence kernel."""
+    from .api import unshard
+
+    errs = {"out": _rel(unshard([r[1] for r in results], balance=ring.balance), whole_out)}
+    if whole_grads is not None:
+        for i, name in enumerate(("dq", "dk", "dv")):
+            errs[name] = _rel(unshard([r[2][i] for r in results], balance=ring.balance), whole_grads[i])
+    return errs
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 30
+    filled = int(width * done / max(total, 1))
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<48}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
+    """Measure every figure of ``cfg``; returns a JSON-ready dict (rows of timing, memory and graph)."""
+    cfg.validate()
+    backend = select_backend(cfg.device, None)
+    device = (
+        torch.device(cfg.device if cfg.device != "cuda" else "cuda:0") if cfg.device != "cpu" else torch.device("cpu")
+    )
+    clock = _Clock(device)
+    jobs = [(s, p, c) for s in cfg.seqs for c in cfg.causal for p in cfg.worlds]
+    total = len(jobs) + len(cfg.memory_worlds) * 2 + (1 if cfg.graph else 0)
+    report: dict[str, Any] = {"meta": _meta(cfg, backend, device), "timing": [], "memory": [], "graph": None}
+    step = 0
+    for seq, world, causal in jobs:
+        if progress:
+            _progress(step, total, f"S={seq} P={world} {'causal' if causal else 'full'}")
+        report["timing"].append(_time_one(cfg, backend, clock, device, seq, world, causal))
+        step += 1
+    for world in cfg.memory_worlds:
+        for policy in ("bounded", "keep_all"):
+            if progress:
+                _progress(step, total, f"memory P={world} {policy}")
+            report["memory"].append(_memory_one(cfg, backend, device, world, policy))
+            step += 1
+    if cfg.graph:
+        if progress:
+            _progress(step, total, "graph capture")
+        report["graph"] = _graph_one(cfg, backend, clock, device)
+        step += 1
+    if progress:
+        _progress(step, total, "done")
+    return report
+
+
+def _meta(cfg: BenchConfig, backend, device: torch.device) -> dict[str, Any]:
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": getattr(torch.version, "cuda", None),
+        "backend": backend.name,
+        "kernel": backend.kernel,
+        "config": asdict(cfg),
+    }
+    if device.type != "cpu":
+        meta["device_name"] = torch.get_device_module(device.type).get_device_name(device)
+    return meta
+
+
+def _time_one(cfg, backend, clock, device, seq, world, causal) -> dict[str, Any]:
+    full = _inputs(cfg, seq, device)
+    ring = VirtualRing(backend, world, full, causal, cfg.balance)
+    row: dict[str, Any] = {"seq": seq, "world": world, "causal": causal}
+    for mode, backward in (("fwd", False), ("fwd_bwd", True)):
+        whole_out, whole_grads = _whole(backend, full, causal, backward)
+        results = ring.run(backward)
+        if cfg.check:
+            errs = check_against_whole(ring, results, whole_out, whole_grads)
+            row[f"{mode}_errors"] = errs
+            row[f"{mode}_check_ok"] = all(math.isfinite(e) and e <= cfg.check_tolerance for e in errs.values())
+        del whole_out, whole_grads, results
+        for _ in range(cfg.warmup):
+            _whole(backend, full, causal, backward)
+            ring.run(backward)
+        ref_t, ring_t = [], []
+        for _ in range(cfg.reps):  # interleaved, so drifts in clock or temperature hit both alike
+            ref_t.append(clock.time(lambda b=backward: _whole(backend, full, causal, b)))
+            ring_t.append(clock.time(lambda b=backward: ring.run(b)))
+        row[f"{mode}_ref_s"] = median(ref_t)
+        row[f"{mode}_ring_s"] = median(ring_t)
+        row[f"{mode}_ratio"] = ratio(row[f"{mode}_ring_s"], row[f"{mode}_ref_s"])
+        flops = attention_flops(cfg.batch, seq, cfg.heads, cfg.head_dim, causal, backward)
+        row[f"{mode}_ring_tflops"] = flops / row[f"{mode}_ring_s"] / 1e12
+    return row
+
+
+def _memory_one(cfg, backend, device, world, policy) -> dict[str, Any]:
+    seq = cfg.memory_seq - cfg.memory_seq % (2 * world)
+    full = _inputs(cfg, seq, device)
+    ring = VirtualRing(backend, world, full, True, cfg.balance, policy)
+    if device.type != "cpu":
+        torch.get_device_module(device.type).synchronize(device)
+    backend.reset_peak_memory(device)
+    before = backend.memory_stats(device)
+    ring.run(backward=True)
+    if device.type != "cpu":
+        torch.get_device_module(device.type).synchronize(device)
+    after = backend.memory_stats(device)
+    shard_bytes = 2 * full[1].numel() * full[1].element_size() // world
+    row = {
+        "seq": seq,
+        "world": world,
+        "policy": policy,
+        "kv_shard_bytes": shard_bytes,
+        "peak_kv_shards": max(led.peak_kv_shards for led in ring.ledgers),
+        "peak_ring_bytes_per_rank": max(led.peak_bytes for led in ring.ledgers),
+    }
+    if before is not None and after is not None:
+        row["device_peak_over_start_bytes"] = after["peak"] - before["allocated"]
+    return row
+
+
+def _graph_one(cfg, backend, clock, device) -> dict[str, Any] | None:
+    """Captured forward of a world of one (the whole ring loop, merge included) against eager."""
+    if device.type == "cpu" or not hasattr(torch.get_device_module(device.type), "CUDAGraph"):
+        return None
+    mod = torch.get_device_module(device.type)
+    seq = min(cfg.seqs)
+    q, k, v, _ = _inputs(cfg, seq, device)
+    from .comm import SingleRank
+
+    rcfg = RingConfig(SingleRank(), backend, True, 1.0 / math.sqrt(cfg.head_dim), cfg.balance)
+    side = mod.Stream(device)
+    side.wait_stream(mod.current_stream(device))
+    with mod.stream(side):
+        for _ in range(2):
+            ring_forward(q, k, v, rcfg)
+    mod.current_stream(device).wait_stream(side)
+    graph = mod.CUDAGraph()
+    with mod.graph(graph):
+        captured_out, _ = ring_forward(q, k, v, rcfg)
+    graph.replay()
+    eager_out, _ = ring_forward(q, k, v, rcfg)
+    same = torch.equal(captured_out, eager_out)
+    eager = median([clock.time(lambda: ring_forward(q, k, v, rcfg)) for _ in range(cfg.reps)])
+    replay = median([clock.time(graph.replay) for _ in range(cfg.reps)])
+    return {
+        "seq": seq,
+        "world": 1,
+        "eager_s": eager,
+        "replay_s": replay,
+        "speedup": eager / replay,
+        "same_output": same,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable tables of a report."""
+    m = report["meta"]
+    c = m["config"]
+    lines = [
+        f"xcp bench {m['date']} on {m.get('device_name', m['host'])}, torch {m['torch']}, cuda {m['cuda']}, "
+        f"backend {m['backend']} ({m['kernel']})",
+        f"B={c['batch']} H={c['heads']} Hkv={c['kv_heads']} D={c['head_dim']} {c['dtype']} balance {c['balance']}, "
+        f"median of {c['reps']} after {c['warmup']} warm-up",
+        "",
+        f"{'S':>8} {'P':>3} {'mask':>6} | {'fwd ref ms':>10} {'fwd ring ms':>11} {'ratio':>6} | "
+        f"{'f+b ref ms':>10} {'f+b ring ms':>11} {'ratio':>6} {'TFLOP/s':>8} | check",
+    ]
+    for r in report["timing"]:
+        ok = all(r.get(f"{m}_check_ok", True) for m in ("fwd", "fwd_bwd"))
+        worst = max([e for m in ("fwd", "fwd_bwd") for e in r.get(f"{m}_errors", {}).values()] or [float("nan")])
+        lines.append(
+            f"{r['seq']:>8} {r['world']:>3} {'causal' if r['causal'] else 'full':>6} | "
+            f"{r['fwd_ref_s'] * 1e3:>10.2f} {r['fwd_ring_s'] * 1e3:>11.2f} {r['fwd_ratio']:>6.3f} | "
+            f"{r['fwd_bwd_ref_s'] * 1e3:>10.2f} {r['fwd_bwd_ring_s'] * 1e3:>11.2f} {r['fwd_bwd_ratio']:>6.3f} "
+            f"{r['fwd_bwd_ring_tflops']:>8.1f} | {'ok' if ok else 'FAIL'} ({worst:.1e})"
+        )
+    if report["memory"]:
+        lines += [
+            "",
+            f"{'S':>8} {'P':>3} {'policy':>9} | {'peak KV shards':>14} {'ring MiB/rank':>13} {'device MiB':>10}",
+        ]
+        for r in report["memory"]:
+            dev = r.get("device_peak_over_start_bytes")
+            lines.append(
+                f"{r['seq']:>8} {r['world']:>3} {r['policy']:>9} | {r['peak_kv_shards']:>14} "
+                f"{r['peak_ring_bytes_per_rank'] / 2**20:>13.1f} {'-' if dev is None else f'{dev / 2**20:.1f}':>10}"
+            )
+    g = report.get("graph")
+    if g:
+        lines += [
+            "",
+            f"graph capture (S={g['seq']}, world 1, causal fwd): eager {g['eager_s'] * 1e3:.3f} ms, replay "
+            f"{g['replay_s'] * 1e3:.3f} ms, speedup {g['speedup']:.2f}x, same output: {g['same_output']}",
+        ]
+    return "\n".join(lines)
+
+
+def write_json(report: dict[str, Any], path: str) -> None:
+    """Write the report as JSON."""
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+def plot_report(report: dict[str, Any], path: str) -> None:
+    """Ratio against S (per P and mask) and ring memory against P (bounded vs keep_all)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError(f"--plot needs matplotlib, which is not importable: {exc}") from exc
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    rows = report["timing"]
+    for world in sorted({r["world"] for r in rows}):
+        for causal in (False, True):
+            pts = sorted((r["seq"], r["fwd_bwd_ratio"]) for r in rows if r["world"] == world and r["causal"] == causal)
+            if pts:
+                a.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    marker="o",
+                    ls="-" if causal else "--",
+                    label=f"P={world} {'causal' if causal else 'full'}",
+                )
+    a.axhline(1.10, color="red", lw=0.8, label="target 1.10")
+    a.set_xscale("log", base=2)
+    a.set_xlabel("sequence length S")
+    a.set_ylabel("fwd+bwd time / whole-sequence kernel")
+    a.legend(fontsize=7)
+    mem = report["memory"]
+    for policy in ("bounded", "keep_all"):
+        pts = sorted((r["world"], r["peak_ring_bytes_per_rank"] / 2**20) for r in mem if r["policy"] == policy)
+        if pts:
+            b.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+    b.set_xlabel("ranks P")
+    b.set_ylabel("peak ring buffers per rank (MiB)")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
