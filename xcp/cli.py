@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -124,10 +125,16 @@ def _add_bench(sub) -> None:
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw ratio vs S and memory vs P")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--distributed", action="store_true", help="real ranks under torchrun, one device each")
+    p.add_argument("--check-seq", type=_positive, default=32768, help="--distributed: length of the correctness check")
+    p.add_argument("--reference-seq", type=_positive, default=65536, help="--distributed: whole-sequence reference")
 
 
 def _cmd_bench(args) -> int:
     from .bench import BenchConfig, format_report, plot_report, run_bench, write_json
+
+    if args.distributed:
+        return _cmd_bench_distributed(args)
 
     cfg = BenchConfig(
         seqs=args.seqs,
@@ -156,6 +163,42 @@ def _cmd_bench(args) -> int:
         print(f"plot written to {args.plot}")
     failed = [r for r in report["timing"] if not all(r.get(f"{m}_check_ok", True) for m in ("fwd", "fwd_bwd"))]
     return 1 if failed else 0
+
+
+def _cmd_bench_distributed(args) -> int:
+    from .bench import write_json
+    from .distbench import DistBenchConfig, format_distributed, run_distributed_bench
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError("--distributed: expected to run under torchrun (RANK and WORLD_SIZE set); they are not")
+    cfg = DistBenchConfig(
+        check_seq=args.check_seq,
+        seqs=args.seqs,
+        reference_seq=args.reference_seq,
+        memory_seq=args.memory_seq,
+        batch=args.batch,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        device=args.device,
+        warmup=args.warmup,
+        reps=args.reps,
+    )
+    try:
+        report = run_distributed_bench(cfg)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if report is None:
+        return 0
+    print(format_distributed(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"JSON written to {args.json}")
+    return 0 if report["check"]["ok"] else 1
 
 
 COMMANDS = {

@@ -1,0 +1,204 @@
+"""``xcp bench --distributed``: the ring over real ranks (torchrun), one device per rank.
+
+Run under ``torchrun --nproc-per-node N -m xcp.cli bench --distributed ...`` (benchmarks/multigpu.sh wraps
+it for NCCL). Three figures, all printed by rank 0:
+
+- correctness: out, dq, dk, dv of the sharded ring, gathered to rank 0, against the backend's kernel on the
+  whole sequence on rank 0 (relative error);
+- efficiency: each rank's forward+backward throughput on its share of the work (total FLOPs / N over the
+  ring's time) against the throughput of the backend kernel on one whole sequence on one device;
+- memory: the device's peak allocation per rank and the ledger's peak ring buffers, bounded vs keep_all.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .api import attention, shard, unshard
+from .bench import _Clock, attention_flops, median
+from .demo import DTYPES
+from .lifetime import track_buffers
+from .plugins import select_backend
+
+
+@dataclass
+class DistBenchConfig:
+    """Sizes for the distributed run; defaults are the 8-GPU H200 targets of issue 6."""
+
+    check_seq: int = 32768
+    seqs: list[int] = field(default_factory=lambda: [131072, 262144, 524288, 1048576])
+    reference_seq: int = 65536
+    memory_seq: int = 262144
+    batch: int = 1
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    warmup: int = 1
+    reps: int = 3
+    check_tolerance: float = 2e-2
+
+
+def _device(cfg: DistBenchConfig) -> torch.device:
+    if cfg.device == "cpu":
+        return torch.device("cpu")
+    dev = torch.device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
+    torch.get_device_module(dev.type).set_device(dev)
+    return dev
+
+
+def _random(cfg, seq: int, heads: int, device, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(cfg.batch, seq, heads, cfg.head_dim, generator=gen, device=device, dtype=DTYPES[cfg.dtype])
+
+
+def _full_inputs(cfg, seq: int, device) -> tuple[torch.Tensor, ...]:
+    """The same whole-sequence q, k, v, dout on every rank (same seeds, same device type)."""
+    heads = (cfg.heads, cfg.kv_heads, cfg.kv_heads, cfg.heads)
+    return tuple(_random(cfg, seq, h, device, seed) for seed, h in enumerate(heads))
+
+
+def _ring_step(cfg, shards, policy: str = "bounded"):
+    q, k, v, dout = (x.detach().requires_grad_(i < 3) for i, x in enumerate(shards))
+    out = attention(q, k, v, causal=True, device=cfg.device, policy=policy)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def run_distributed_bench(cfg: DistBenchConfig) -> dict[str, Any] | None:
+    """Run every figure on this rank; rank 0 returns the report, the others None."""
+    import torch.distributed as dist
+
+    backend = select_backend(cfg.device, None)
+    device = _device(cfg)
+    if not dist.is_initialized():
+        dist.init_process_group(backend.dist_backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    clock = _Clock(device)
+    report: dict[str, Any] = {"world": world, "backend": backend.name, "dist_backend": dist.get_backend()}
+
+    # correctness: gather the ring's results to rank 0 and compare with the whole-sequence kernel
+    full = _full_inputs(cfg, cfg.check_seq, device)
+    got = _ring_step(cfg, [shard(x, world, rank) for x in full])
+    gathered = []
+    for t in got:
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous())
+        gathered.append(unshard(parts))
+    if rank == 0:
+        q, k, v, dout = full
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        ref_out, ref_lse = backend.forward(q, k, v, "causal", scale)
+        ref = (ref_out, *backend.backward(dout, q, k, v, ref_out.to(q.dtype), ref_lse, "causal", scale))
+        errs = {
+            n: ((g.float() - r.float()).norm() / r.float().norm()).item()
+            for n, g, r in zip(("out", "dq", "dk", "dv"), gathered, ref)
+        }
+        report["check"] = {
+            "seq": cfg.check_seq,
+            "errors": errs,
+            "ok": all(e <= cfg.check_tolerance for e in errs.values()),
+        }
+    del full, got, gathered
+
+    # efficiency: the whole-sequence kernel's throughput on one device, then the ring per rank
+    if rank == 0:
+        q, k, v, dout = _full_inputs(cfg, cfg.reference_seq, device)
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+
+        def whole():
+            o, lse = backend.forward(q, k, v, "causal", scale)
+            backend.backward(dout, q, k, v, o.to(q.dtype), lse, "causal", scale)
+
+        for _ in range(cfg.warmup):
+            whole()
+        t = median([clock.time(whole) for _ in range(cfg.reps)])
+        flops = attention_flops(cfg.batch, cfg.reference_seq, cfg.heads, cfg.head_dim, True, True)
+        report["reference"] = {"seq": cfg.reference_seq, "seconds": t, "tflops": flops / t / 1e12}
+        del q, k, v, dout
+    rows = []
+    for seq in cfg.seqs:
+        local = seq // world
+        shards = [
+            _random(cfg, local, h, device, 100 + rank * 4 + i)
+            for i, h in enumerate((cfg.heads, cfg.kv_heads, cfg.kv_heads, cfg.heads))
+        ]
+        for _ in range(cfg.warmup):
+            _ring_step(cfg, shards)
+        times = []
+        for _ in range(cfg.reps):
+            dist.barrier()
+            times.append(clock.time(lambda s=shards: _ring_step(cfg, s)))
+        t = torch.tensor([median(times)], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        flops = attention_flops(cfg.batch, seq, cfg.heads, cfg.head_dim, True, True)
+        row = {"seq": seq, "seconds": t.item(), "tflops_per_rank": flops / world / t.item() / 1e12}
+        if rank == 0:
+            row["efficiency"] = row["tflops_per_rank"] / report["reference"]["tflops"]
+        rows.append(row)
+        del shards
+    report["throughput"] = rows
+
+    # memory: bounded against keep_all, per rank
+    mem = []
+    local = cfg.memory_seq // world
+    shards = [
+        _random(cfg, local, h, device, 200 + i)
+        for i, h in enumerate((cfg.heads, cfg.kv_heads, cfg.kv_heads, cfg.heads))
+    ]
+    for policy in ("bounded", "keep_all"):
+        backend.reset_peak_memory(device)
+        before = backend.memory_stats(device)
+        with track_buffers() as ledger:
+            _ring_step(cfg, shards, policy)
+        after = backend.memory_stats(device)
+        vals = [ledger.peak_bytes, ledger.peak_kv_shards, -1 if after is None else after["peak"] - before["allocated"]]
+        t = torch.tensor(vals, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        mem.append(
+            {
+                "policy": policy,
+                "seq": cfg.memory_seq,
+                "peak_ring_bytes": int(t[0]),
+                "peak_kv_shards": int(t[1]),
+                "device_peak_over_start_bytes": int(t[2]),
+            }
+        )
+    report["memory"] = mem
+    return report if rank == 0 else None
+
+
+def format_distributed(report: dict[str, Any]) -> str:
+    """Rank 0's tables."""
+    lines = [
+        f"xcp bench --distributed: {report['world']} ranks, backend {report['backend']} over {report['dist_backend']}"
+    ]
+    c = report["check"]
+    lines.append(
+        f"check S={c['seq']}: "
+        + ", ".join(f"{k} {v:.2e}" for k, v in c["errors"].items())
+        + (" ok" if c["ok"] else " FAIL")
+    )
+    r = report["reference"]
+    lines.append(
+        f"whole-sequence kernel, one device, S={r['seq']}: {r['seconds'] * 1e3:.1f} ms, {r['tflops']:.1f} TFLOP/s"
+    )
+    lines.append(f"{'S':>9} {'fwd+bwd ms':>11} {'TFLOP/s/rank':>13} {'efficiency':>10}")
+    for row in report["throughput"]:
+        lines.append(
+            f"{row['seq']:>9} {row['seconds'] * 1e3:>11.1f} {row['tflops_per_rank']:>13.1f} {row['efficiency']:>10.3f}"
+        )
+    lines.append(f"{'policy':>9} {'S':>9} {'ring MiB/rank':>14} {'KV shards':>9} {'device MiB':>10}")
+    for m in report["memory"]:
+        dev = m["device_peak_over_start_bytes"]
+        lines.append(
+            f"{m['policy']:>9} {m['seq']:>9} {m['peak_ring_bytes'] / 2**20:>14.1f} {m['peak_kv_shards']:>9} "
+            f"{'-' if dev < 0 else f'{dev / 2**20:.1f}':>10}"
+        )
+    return "\n".join(lines)
