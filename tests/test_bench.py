@@ -1,0 +1,128 @@
+"""The bench's arithmetic and argument handling, with tiny sizes on the CPU (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from xcp.bench import BenchConfig, attention_flops, format_report, median, ratio, run_bench
+from xcp.cli import main
+
+
+def tiny(**kw) -> BenchConfig:
+    base = dict(
+        seqs=[32],
+        worlds=[2],
+        causal=[True],
+        heads=4,
+        kv_heads=2,
+        head_dim=8,
+        dtype="float32",
+        device="cpu",
+        warmup=0,
+        reps=1,
+        memory_seq=64,
+        memory_worlds=[2, 4],
+        graph=False,
+    )
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+def test_median_and_ratio():
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([4.0, 1.0]) == 2.5
+    assert ratio(1.1, 1.0) == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="reference_seconds: expected a positive time; got 0"):
+        ratio(1.0, 0.0)
+    with pytest.raises(ValueError, match="values"):
+        median([])
+
+
+def test_flops_count():
+    # 4 * B * S^2 * H * D forward; causal halves it; forward+backward is 3.5 times the forward
+    assert attention_flops(1, 1024, 32, 128, False, False) == 4 * 1024**2 * 32 * 128
+    assert attention_flops(2, 1024, 32, 128, True, True) == pytest.approx(2 * 4 * 1024**2 * 32 * 128 / 2 * 3.5)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("seqs", [], "seqs: expected a non-empty list"),
+        ("worlds", [0], "worlds: expected a non-empty list of integers >= 1"),
+        ("kv_heads", 3, "kv_heads: expected a divisor of heads=4; got 3"),
+        ("dtype", "int8", "dtype: expected one of"),
+        ("seqs", [30], "seqs: 30 is not a multiple of 2 x world 2"),
+        ("warmup", -1, "warmup: expected an integer >= 0"),
+    ],
+)
+def test_config_errors(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(**{field: value}).validate()
+
+
+def test_run_bench_report_is_consistent():
+    report = run_bench(tiny(causal=[False, True]), progress=False)
+    rows = report["timing"]
+    assert [(r["seq"], r["world"], r["causal"]) for r in rows] == [(32, 2, False), (32, 2, True)]
+    for r in rows:
+        for mode in ("fwd", "fwd_bwd"):
+            assert r[f"{mode}_check_ok"], r[f"{mode}_errors"]
+            assert r[f"{mode}_ratio"] == pytest.approx(r[f"{mode}_ring_s"] / r[f"{mode}_ref_s"])
+        assert set(r["fwd_bwd_errors"]) == {"out", "dq", "dk", "dv"}
+    mem = {(m["world"], m["policy"]): m for m in report["memory"]}
+    # the bound: at most 4 received shards (2 KV + 2 dKV) per rank; keep_all grows with P
+    assert mem[(4, "bounded")]["peak_kv_shards"] <= 4
+    assert mem[(4, "keep_all")]["peak_kv_shards"] > mem[(4, "bounded")]["peak_kv_shards"]
+    assert mem[(4, "keep_all")]["peak_ring_bytes_per_rank"] > mem[(4, "bounded")]["peak_ring_bytes_per_rank"]
+    text = format_report(report)
+    assert "keep_all" in text and "causal" in text
+    json.dumps(report)  # every figure is JSON-ready
+
+
+def test_cli_bench_json(tmp_path, capsys):
+    path = tmp_path / "b.json"
+    code = main(
+        ["bench", "--device", "cpu", "--seqs", "16", "--worlds", "2", "--heads", "2", "--kv-heads", "1",
+         "--head-dim", "4", "--dtype", "float64", "--reps", "1", "--warmup", "0", "--memory-seq", "16",
+         "--memory-worlds", "2", "--quiet", "--mask", "full", "--json", str(path)]
+    )  # fmt: skip
+    assert code == 0
+    data = json.loads(path.read_text())
+    assert data["meta"]["config"]["dtype"] == "float64"
+    assert math.isfinite(data["timing"][0]["fwd_bwd_ratio"])
+
+
+def test_cli_bench_rejects_bad_lists(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--seqs", "12,x"])
+    assert "expected comma-separated integers" in capsys.readouterr().err
+
+
+def test_distributed_needs_torchrun(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["bench", "--distributed", "--device", "cpu"]) == 2
+    assert "expected to run under torchrun" in capsys.readouterr().err
+
+
+def test_distributed_bench_gloo_two_processes(tmp_path):
+    """The torchrun path of issue 6 on CPU processes with gloo: correctness, throughput and memory rows."""
+    out = tmp_path / "d.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "xcp.cli",
+           "bench", "--distributed", "--device", "cpu", "--seqs", "32", "--check-seq", "32", "--reference-seq", "32",
+           "--memory-seq", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--dtype", "float32",
+           "--reps", "1", "--warmup", "0", "--json", str(out)]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["world"] == 2 and data["dist_backend"] == "gloo"
+    assert data["check"]["ok"] and max(data["check"]["errors"].values()) < 1e-4
+    policies = {m["policy"]: m for m in data["memory"]}
+    assert policies["bounded"]["peak_kv_shards"] <= 4
+    assert policies["keep_all"]["peak_ring_bytes"] >= policies["bounded"]["peak_ring_bytes"]

@@ -1,0 +1,54 @@
+"""The ``xcp`` command: run, plan and backends, with tiny sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+from xcp.cli import main
+
+
+def test_run_checks_and_prints_table(capsys):
+    code = main(["run", "--world", "2", "--seq", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "8"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    for name in ("out", "dq", "dk", "dv", "peak received-KV", "PASS"):
+        assert name in text
+
+
+def test_run_float64_non_causal_stripe(capsys):
+    args = ["run", "--world", "3", "--seq", "48", "--heads", "2", "--kv-heads", "1", "--head-dim", "5",
+            "--dtype", "float64", "--no-causal", "--balance", "stripe"]  # fmt: skip
+    assert main(args) == 0
+    assert "full" in capsys.readouterr().out
+
+
+def test_run_bad_sequence_is_a_clear_error(capsys):
+    assert main(["run", "--world", "4", "--seq", "60"]) == 2
+    err = capsys.readouterr().err
+    assert "needs a positive multiple of 8" in err and "got 60" in err
+
+
+def test_run_rejects_non_positive(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--world", "0"])
+    assert "expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_plan_table(capsys):
+    assert main(["plan", "--world", "4", "--causal"]) == 0
+    text = capsys.readouterr().out
+    assert "diagonal" in text and "lower" in text and "upper" in text
+    rows = text.splitlines()[3:7]  # title, legend, header, then one row per step
+    assert [row.count("src ") for row in rows] == [4, 4, 4, 4]
+
+
+def test_plan_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
+    path = tmp_path / "plan.png"
+    assert main(["plan", "--world", "3", "--balance", "stripe", "--causal", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_backends_lists_cpu(capsys):
+    assert main(["backends"]) == 0
+    assert "cpu" in capsys.readouterr().out
