@@ -1,0 +1,72 @@
+"""Input generators shared by the tests: random tensors, Hypothesis strategies for ring configurations,
+and the error measure the numerical tests use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+import xcp
+
+
+def random_inputs(
+    batch: int,
+    seq: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fresh random (q, k, v, dout) in ``dtype``, [B, S, H, D] (k and v with ``kv_heads`` heads).
+
+    Drawn in float64 from a seeded generator and rounded once to ``dtype``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(h: int) -> torch.Tensor:
+        return torch.randn(batch, seq, h, head_dim, generator=gen, dtype=torch.float64).to(dtype)
+
+    return rnd(heads), rnd(kv_heads), rnd(kv_heads), rnd(heads)
+
+
+def max_rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|, in float64: the worst error relative to the tensor's scale."""
+    got, want = got.to(torch.float64), want.to(torch.float64)
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()
+
+
+@dataclass(frozen=True)
+class RingCase:
+    """One configuration of a ring call on tiny shapes."""
+
+    world: int
+    balance: str
+    causal: bool
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seq: int
+    seed: int
+
+
+@st.composite
+def ring_cases(draw: st.DrawFn, max_world: int = 6) -> RingCase:
+    """A ring configuration whose sequence every balance can split (a multiple of 2·P)."""
+    world = draw(st.integers(1, max_world))
+    kv_heads = draw(st.sampled_from([1, 2, 3]))
+    heads = kv_heads * draw(st.sampled_from([1, 2, 4]))
+    return RingCase(
+        world=world,
+        balance=draw(st.sampled_from(xcp.BALANCES)),
+        causal=draw(st.booleans()),
+        batch=draw(st.integers(1, 2)),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=draw(st.integers(1, 12)),
+        seq=2 * world * draw(st.integers(1, 3)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )

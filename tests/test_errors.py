@@ -1,0 +1,186 @@
+"""Every bad input to xcp.attention, xcp.shard and xcp.unshard fails up front with an error that names the
+argument, what was expected and what came."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import xcp
+
+
+def t(*shape, dtype=torch.float32, device="cpu"):
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+Q = (2, 8, 4, 6)  # [batch, seq, heads, head_dim]
+KV = (2, 8, 2, 6)
+
+
+def good():
+    return t(*Q), t(*KV), t(*KV)
+
+
+def raises(exc, *parts: str):
+    """pytest.raises matching every part of the message literally, in order."""
+    return pytest.raises(exc, match=".*".join(re.escape(p) for p in parts))
+
+
+# ------------------------------------------------------------------------------------- xcp.attention
+
+
+@pytest.mark.parametrize(
+    ("q", "k", "v", "exc", "parts"),
+    [
+        ([0.0], t(*KV), t(*KV), TypeError, ["q: expected a torch.Tensor", "got list"]),
+        (t(*Q), None, t(*KV), TypeError, ["k: expected a torch.Tensor", "got NoneType"]),
+        (t(*Q), t(*KV), 3.0, TypeError, ["v: expected a torch.Tensor", "got float"]),
+        (t(8, 4, 6), t(*KV), t(*KV), ValueError, ["q: expected 4 dims", "got 3 dims, shape (8, 4, 6)"]),
+        (t(*Q), t(1, *KV), t(*KV), ValueError, ["k: expected 4 dims", "got 5 dims, shape (1, 2, 8, 2, 6)"]),
+        (t(*Q, dtype=torch.int64), t(*KV), t(*KV), TypeError, ["q: expected a floating-point dtype", "torch.int64"]),
+        (t(*Q), t(*KV, dtype=torch.float64), t(*KV), TypeError, ["k: expected dtype torch.float32", "torch.float64"]),
+        (t(*Q), t(*KV), t(*KV, dtype=torch.bfloat16), TypeError, ["v: expected dtype torch.float32", "bfloat16"]),
+        (t(*Q), t(*KV, device="meta"), t(*KV), ValueError, ["k: expected device cpu", "got meta"]),
+        (t(*Q), t(*KV), t(2, 8, 1, 6), ValueError, ["v: expected shape (2, 8, 2, 6)", "got (2, 8, 1, 6)"]),
+        (t(*Q), t(3, 8, 2, 6), t(3, 8, 2, 6), ValueError, ["k: expected batch 2", "got 3"]),
+        (t(*Q), t(2, 6, 2, 6), t(2, 6, 2, 6), ValueError, ["k: expected local sequence length 8", "got 6"]),
+        (t(*Q), t(2, 8, 2, 5), t(2, 8, 2, 5), ValueError, ["k: expected head_dim 6", "got 5"]),
+        (
+            t(*Q),
+            t(2, 8, 3, 6),
+            t(2, 8, 3, 6),
+            ValueError,
+            ["k: expected a number of heads that divides the 4", "got 3"],
+        ),
+        (t(*Q), t(2, 8, 8, 6), t(2, 8, 8, 6), ValueError, ["divides the 4 heads of q", "got 8"]),
+        (t(2, 0, 4, 6), t(2, 0, 2, 6), t(2, 0, 2, 6), ValueError, ["q: expected every dim", "got shape (2, 0, 4, 6)"]),
+    ],
+)
+def test_attention_rejects_bad_tensors(q, k, v, exc, parts):
+    with raises(exc, *parts):
+        xcp.attention(q, k, v)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "parts"),
+    [
+        ({"causal": 1}, TypeError, ["causal: expected a bool", "got int"]),
+        ({"causal": "yes"}, TypeError, ["causal: expected a bool", "got str"]),
+        ({"balance": "ring"}, ValueError, ["balance: expected one of zigzag, contiguous, stripe", "got 'ring'"]),
+        ({"scale": 0}, ValueError, ["scale: expected a positive finite number or None", "got 0"]),
+        ({"scale": -0.5}, ValueError, ["scale: expected a positive", "got -0.5"]),
+        ({"scale": float("nan")}, ValueError, ["scale: expected a positive finite", "got nan"]),
+        ({"scale": float("inf")}, ValueError, ["scale: expected a positive finite", "got inf"]),
+        ({"scale": "0.1"}, ValueError, ["scale: expected a positive finite", "got '0.1'"]),
+        ({"scale": True}, ValueError, ["scale: expected a positive finite", "got True"]),
+        ({"policy": "grow"}, ValueError, ["policy: expected one of bounded, keep_all", "got 'grow'"]),
+        ({"handoff": "copy"}, ValueError, ["handoff: expected one of record_stream, clone, event, none", "'copy'"]),
+        ({"group": 3}, TypeError, ["group: expected a torch.distributed ProcessGroup", "got int"]),
+        ({"group": "world"}, TypeError, ["group: expected", "xcp.LocalWorld", "got str"]),
+    ],
+)
+def test_attention_rejects_bad_options(kwargs, exc, parts):
+    with raises(exc, *parts):
+        xcp.attention(*good(), **kwargs)
+
+
+def test_unknown_device_lists_the_installed_backends():
+    # xcp.plugins.get_backend reports a backend it cannot give as a RuntimeError (a lookup failure, not a
+    # malformed value); the message names the argument and the value and lists what is installed.
+    with pytest.raises(RuntimeError) as info:
+        xcp.attention(*good(), device="tpu9")
+    msg = str(info.value)
+    assert msg.startswith("device: ") and "'tpu9'" in msg and "unknown" in msg
+    assert "cpu: available" in msg
+
+
+def test_a_backend_for_another_device_type_is_refused():
+    q, k, v = (x.to("meta") for x in good())
+    with raises(ValueError, "device: backend 'cpu' runs on cpu tensors", "q is on meta"):
+        xcp.attention(q, k, v, device="cpu")
+
+
+def test_odd_local_length_under_zigzag_causal():
+    """Zigzag causal splits each rank's shard into two equal chunks: an odd local length cannot be split."""
+
+    def rank_fn(group):
+        q = t(1, 3, 2, 4, dtype=torch.float64)
+        return xcp.attention(q, q, q, causal=True, group=group)
+
+    # both ranks fail the same check; whichever fails first is the one reported
+    with pytest.raises(
+        RuntimeError,
+        match=r"rank [01] of 2 failed: ValueError: q: balance 'zigzag' needs an even local "
+        r"sequence length .*got 3",
+    ):
+        xcp.LocalWorld(2).run(rank_fn)
+    # the same shapes are fine where no half block is needed
+    for kwargs in ({"causal": False}, {"causal": True, "balance": "stripe"}, {"causal": True, "balance": "contiguous"}):
+
+        def ok(group, kwargs=kwargs):
+            q = t(1, 3, 2, 4, dtype=torch.float64)
+            return xcp.attention(q, q, q, group=group, **kwargs).shape
+
+        assert xcp.LocalWorld(2).run(ok) == [(1, 3, 2, 4)] * 2
+
+
+def test_bad_input_raises_before_any_communication():
+    """A rank with bad input fails at once; its peer is released instead of waiting for it."""
+
+    def rank_fn(group):
+        if group.rank == 1:
+            return xcp.attention(*good(), scale=-1.0, group=group)
+        return xcp.attention(*good(), group=group)
+
+    with raises(RuntimeError, "rank 1 of 2 failed: ValueError: scale: expected a positive"):
+        xcp.LocalWorld(2, timeout=30).run(rank_fn)
+
+
+# ----------------------------------------------------------------------------------------- xcp.shard
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "exc", "parts"),
+    [
+        (([1.0, 2.0], 2, 0), {}, TypeError, ["x: expected a torch.Tensor", "got list"]),
+        ((t(1, 8), 0, 0), {}, ValueError, ["world_size: expected an integer >= 1", "got 0"]),
+        ((t(1, 8), -3, 0), {}, ValueError, ["world_size: expected an integer >= 1", "got -3"]),
+        ((t(1, 8), 2.0, 0), {}, ValueError, ["world_size: expected an integer >= 1", "got 2.0"]),
+        ((t(1, 8), 2, 2), {}, ValueError, ["rank: expected an integer in [0, 2)", "got 2"]),
+        ((t(1, 8), 2, -1), {}, ValueError, ["rank: expected an integer in [0, 2)", "got -1"]),
+        ((t(1, 8), 2, None), {}, ValueError, ["rank: expected an integer in [0, 2)", "got None"]),
+        ((t(1, 8), 2, 0), {"dim": 2}, ValueError, ["dim: expected an integer in [-2, 2)", "got 2"]),
+        ((t(1, 8), 2, 0), {"dim": -3}, ValueError, ["dim: expected an integer in [-2, 2)", "got -3"]),
+        ((t(1, 8), 2, 0), {"dim": "1"}, ValueError, ["dim: expected an integer", "got '1'"]),
+        ((t(1, 8), 2, 0), {"balance": "head-tail"}, ValueError, ["balance: expected one of", "got 'head-tail'"]),
+        ((t(1, 6), 2, 0), {}, ValueError, ["x.shape[1]: balance 'zigzag' over 2 ranks", "multiple of 4; got 6"]),
+        ((t(5, 8), 2, 0), {"dim": 0}, ValueError, ["x.shape[0]: balance 'zigzag'", "multiple of 4; got 5"]),
+        ((t(1, 8), 3, 0), {"balance": "stripe"}, ValueError, ["balance 'stripe' over 3 ranks", "of 3; got 8"]),
+    ],
+)
+def test_shard_rejects_bad_arguments(args, kwargs, exc, parts):
+    with raises(exc, *parts):
+        xcp.shard(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------- xcp.unshard
+
+
+@pytest.mark.parametrize(
+    ("shards", "kwargs", "exc", "parts"),
+    [
+        (t(2, 4), {}, TypeError, ["shards: expected a non-empty list of tensors", "got Tensor"]),
+        ([], {}, TypeError, ["shards: expected a non-empty list of tensors", "got list"]),
+        (None, {}, TypeError, ["shards: expected a non-empty list", "got NoneType"]),
+        ([t(1, 4), "x"], {}, TypeError, ["shards[1]: expected a torch.Tensor", "got str"]),
+        ([t(1, 4), t(1, 6)], {}, ValueError, ["shards[1]: expected shape (1, 4) (that of shards[0])", "got (1, 6)"]),
+        ([t(1, 4)] * 2, {"balance": "ring"}, ValueError, ["balance: expected one of", "got 'ring'"]),
+        ([t(1, 4)] * 2, {"dim": 5}, ValueError, ["dim: expected an integer in [-2, 2)", "got 5"]),
+        ([t(1, 3)] * 2, {}, ValueError, ["2 shards of length 3 along dim 1", "multiple of 4; got 6"]),
+    ],
+)
+def test_unshard_rejects_bad_arguments(shards, kwargs, exc, parts):
+    with raises(exc, *parts):
+        xcp.unshard(shards, **kwargs)

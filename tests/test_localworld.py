@@ -1,0 +1,122 @@
+"""xcp.LocalWorld: virtual ranks as threads. Results come back in rank order; a failing or missing rank
+is reported by rank and never leaves the others hanging."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from strategies import random_inputs
+
+import xcp
+from xcp.comm import CommTimeout, RankAborted
+
+
+def test_run_returns_results_in_rank_order():
+    world = xcp.LocalWorld(5)
+
+    def rank_fn(group, base):
+        time.sleep(0.01 * (5 - group.rank))  # finish in reverse order
+        return base + group.rank, group.size, threading.current_thread().name
+
+    results = world.run(rank_fn, 100)
+    assert [r[0] for r in results] == [100, 101, 102, 103, 104]
+    assert all(r[1] == 5 for r in results)
+    assert [r[2] for r in results] == [f"xcp-rank-{r}" for r in range(5)]
+    assert len({r[2] for r in results}) == 5, "each rank runs in its own thread"
+
+
+def test_a_world_can_run_several_times():
+    world = xcp.LocalWorld(3)
+    q, k, v, _ = random_inputs(1, 12, 2, 1, 4, seed=1)
+
+    def rank_fn(group):
+        local = [xcp.shard(x, 3, group.rank) for x in (q, k, v)]
+        return xcp.attention(*local, causal=True, group=group)
+
+    first, second = world.run(rank_fn), world.run(rank_fn)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_an_exception_in_one_rank_names_it_and_releases_the_others():
+    """Rank 1 fails before sending; ranks 0 and 2 wait for it in the ring and must be aborted, not hang."""
+    q, k, v, _ = random_inputs(1, 12, 2, 1, 4, seed=2)
+    outcome: dict[int, str] = {}
+
+    def rank_fn(group):
+        if group.rank == 1:
+            raise KeyError("boom in rank 1")
+        local = [xcp.shard(x, 3, group.rank) for x in (q, k, v)]
+        try:
+            return xcp.attention(*local, causal=True, group=group)
+        except BaseException as exc:
+            outcome[group.rank] = type(exc).__name__
+            raise
+
+    world = xcp.LocalWorld(3, timeout=60)  # far above the time allowed below: release must be by abort
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"LocalWorld rank 1 of 3 failed: KeyError: 'boom in rank 1'") as info:
+        world.run(rank_fn)
+    assert time.monotonic() - start < 10
+    assert isinstance(info.value.__cause__, KeyError)
+    assert outcome == {0: RankAborted.__name__, 2: RankAborted.__name__}
+
+
+def test_a_rank_that_never_sends_makes_its_peer_time_out():
+    q, k, v, _ = random_inputs(1, 8, 2, 1, 4, seed=3)
+
+    def rank_fn(group):
+        if group.rank == 1:
+            return "gone"  # returns without taking part in the ring
+        local = [xcp.shard(x, 2, group.rank) for x in (q, k, v)]
+        return xcp.attention(*local, group=group)
+
+    start = time.monotonic()
+    with pytest.raises(
+        RuntimeError, match=r"LocalWorld rank 0 of 2 failed: CommTimeout: rank 0 waited 1 s for .* rank 1"
+    ) as info:
+        xcp.LocalWorld(2, timeout=1).run(rank_fn)
+    assert 0.9 < time.monotonic() - start < 10
+    assert isinstance(info.value.__cause__, CommTimeout)
+
+
+def test_ranks_with_different_shapes_get_a_clear_error():
+    def rank_fn(group):
+        n = 4 if group.rank == 0 else 6
+        x = torch.zeros(1, n, 2, 4)
+        return xcp.attention(x, x, x, group=group)
+
+    with pytest.raises(RuntimeError, match=r"received .* shaped \(1, \d, 2, 4\) .*do all ranks pass equal shapes"):
+        xcp.LocalWorld(2, timeout=5).run(rank_fn)
+
+
+def test_a_world_of_one():
+    assert xcp.LocalWorld(1).run(lambda group: (group.rank, group.size)) == [(0, 1)]
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, True, "2", None])
+def test_bad_size(size):
+    with pytest.raises(ValueError, match=rf"size: expected an integer >= 1; got {size!r}"):
+        xcp.LocalWorld(size)
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), "1", None])
+def test_bad_timeout(timeout):
+    with pytest.raises(ValueError, match=r"timeout: expected a positive number of seconds; got "):
+        xcp.LocalWorld(2, timeout=timeout)
+
+
+@pytest.mark.parametrize("rank", [2, -1, "0"])
+def test_bad_group_rank(rank):
+    with pytest.raises(ValueError, match=rf"rank: expected an integer in \[0, 2\); got {rank!r}"):
+        xcp.LocalWorld(2).group(rank)
+
+
+def test_group_describes_itself():
+    world = xcp.LocalWorld(3)
+    assert repr(world) == "LocalWorld(size=3, device='cpu')"
+    g = world.group(2)
+    assert (g.rank, g.size) == (2, 3)
+    assert repr(g) == "<LocalGroup rank 2 of 3>"

@@ -1,0 +1,233 @@
+"""Properties of the pure ring schedule (DESIGN.md, "The ring schedule"), over P in 1..16, every balance,
+causal or not. Everything here is plain Python: no tensors, so the checks are exact and exhaustive."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from xcp import schedule
+from xcp.schedule import BALANCES, plan, shard_indices
+
+worlds = st.integers(1, 16)
+balances = st.sampled_from(BALANCES)
+causals = st.booleans()
+chunk_lengths = st.integers(1, 3)  # tokens per chunk of the zigzag cut; the local length is twice that
+
+
+def all_plans(p: int, causal: bool, balance: str) -> list[schedule.Plan]:
+    return [plan(p, r, causal, balance) for r in range(p)]
+
+
+def block_pairs(step: schedule.Step, q_index: list[int], k_index: list[int]) -> list[tuple[int, int]]:
+    """The global (query, key) pairs one block computes.
+
+    Block semantics: local rows ``Step.q_range`` of the rank's queries against rows ``Step.k_range`` of the
+    source's keys; within the block, ``causal`` lets block query i see block keys j <= i (top-left) and
+    ``strict`` only j < i.
+    """
+    if not step.computes:
+        return []
+    n = len(q_index)
+    q0, q1 = step.q_range(n)
+    k0, k1 = step.k_range(n)
+    pairs = []
+    for i in range(q1 - q0):
+        for j in range(k1 - k0):
+            if step.mask == "causal" and j > i or step.mask == "strict" and j >= i:
+                continue
+            pairs.append((q_index[q0 + i], k_index[k0 + j]))
+    return pairs
+
+
+def allowed_pairs(seq: int, causal: bool) -> Counter:
+    return Counter((a, b) for a in range(seq) for b in range(seq) if not causal or b <= a)
+
+
+@given(worlds, causals, balances)
+def test_each_rank_meets_every_source_exactly_once(p, causal, balance):
+    for r, pl in enumerate(all_plans(p, causal, balance)):
+        assert (pl.world_size, pl.rank, pl.causal, pl.balance) == (p, r, causal, balance)
+        assert [s.step for s in pl.steps] == list(range(p))
+        assert all(s.rank == r for s in pl.steps)
+        assert pl.steps[0].src == r, "step 0 must read the rank's own KV"
+        assert sorted(s.src for s in pl.steps) == list(range(p))
+        for s in pl.steps:
+            assert s.src == (r - s.step) % p
+
+
+@given(worlds, causals, balances)
+def test_what_a_rank_sends_is_what_its_neighbour_receives(p, causal, balance):
+    plans = all_plans(p, causal, balance)
+    for r, pl in enumerate(plans):
+        for s in pl.steps:
+            if s.step == p - 1:
+                assert s.send_to is None and s.recv_from is None, "no KV transfer after the last step"
+                continue
+            assert s.send_to == (r + 1) % p and s.recv_from == (r - 1) % p
+            peer = plans[s.send_to].steps[s.step]
+            assert peer.recv_from == r, f"rank {r} sends to {s.send_to} at step {s.step}, which does not receive"
+            # the shard sent at step i is the one the receiver computes on at step i + 1
+            assert plans[s.send_to].steps[s.step + 1].src == s.src
+
+
+@given(worlds, causals, balances, chunk_lengths)
+def test_blocks_cover_the_global_mask_exactly_once(p, causal, balance, chunk):
+    seq = 2 * p * chunk
+    index = [shard_indices(seq, p, r, balance) for r in range(p)]
+    covered = Counter()
+    for r, pl in enumerate(all_plans(p, causal, balance)):
+        for s in pl.steps:
+            covered.update(block_pairs(s, index[r], index[s.src]))
+    want = allowed_pairs(seq, causal)
+    missing = want - covered
+    extra = covered - want
+    assert not missing, f"pairs never computed: {sorted(missing)[:5]}"
+    assert not extra, f"pairs computed twice or not allowed: {sorted(extra)[:5]}"
+
+
+@pytest.mark.parametrize("balance", BALANCES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocks_cover_the_global_mask_for_every_world_size(balance, causal):
+    """The same coverage property, exhaustively over P = 1..16 with the smallest sequence."""
+    for p in range(1, 17):
+        seq = 2 * p
+        index = [shard_indices(seq, p, r, balance) for r in range(p)]
+        covered = Counter()
+        for r, pl in enumerate(all_plans(p, causal, balance)):
+            for s in pl.steps:
+                covered.update(block_pairs(s, index[r], index[s.src]))
+        assert covered == allowed_pairs(seq, causal), f"P={p}"
+
+
+@given(worlds, causals, balances, chunk_lengths)
+def test_step_work_matches_the_pairs_computed(p, causal, balance, chunk):
+    """``Step.work`` is the share of an n x n block; it is off by at most half a diagonal (n/2 pairs)."""
+    seq = 2 * p * chunk
+    n = seq // p
+    index = [shard_indices(seq, p, r, balance) for r in range(p)]
+    for r, pl in enumerate(all_plans(p, causal, balance)):
+        for s in pl.steps:
+            pairs = len(block_pairs(s, index[r], index[s.src]))
+            assert abs(pairs - s.work * n * n) <= n / 2, (r, s)
+            assert (pairs == 0) == (not s.computes)
+
+
+@given(worlds, causals, st.sampled_from(["zigzag", "stripe"]), chunk_lengths)
+def test_zigzag_and_stripe_balance_every_step(p, causal, balance, chunk):
+    seq = 2 * p * chunk
+    n = seq // p
+    index = [shard_indices(seq, p, r, balance) for r in range(p)]
+    plans = all_plans(p, causal, balance)
+    for i in range(p):
+        steps = [plans[r].steps[i] for r in range(p)]
+        assert len({s.work for s in steps}) == 1, f"step {i}: work {[s.work for s in steps]}"
+        pairs = [len(block_pairs(s, index[s.rank], index[s.src])) for s in steps]
+        # zigzag blocks hold exactly equal numbers of pairs; a stripe block differs from another only by
+        # its diagonal (causal includes it, strict does not): at most n pairs apart.
+        slack = 0 if balance == "zigzag" or not causal else n
+        assert max(pairs) - min(pairs) <= slack, f"step {i}: pairs {pairs}"
+    totals = [sum(s.work for s in pl.steps) for pl in plans]
+    assert max(totals) == min(totals)
+
+
+@pytest.mark.parametrize("p", [2, 3, 8])
+def test_contiguous_causal_is_unbalanced(p):
+    """The balance measure above can fail: contiguous causal gives the last rank the most work."""
+    totals = [sum(s.work for s in pl.steps) for pl in all_plans(p, True, "contiguous")]
+    assert totals == [0.5 + r for r in range(p)]
+
+
+@given(worlds, causals, balances)
+def test_every_dkv_returns_home_after_visiting_each_rank_once(p, causal, balance):
+    plans = all_plans(p, causal, balance)
+    for owner in range(p):
+        rank, visited = owner, []
+        for i in range(p):
+            s = plans[rank].steps[i]
+            assert s.src == owner, f"dKV of {owner} is at rank {rank} at step {i}, which computes on {s.src}"
+            if i == 0:
+                assert s.dkv_recv_from is None, "the owner starts its own dKV"
+            else:
+                assert s.dkv_recv_from == visited[-1]
+            visited.append(rank)
+            rank = s.dkv_send_to
+        assert rank == owner, f"dKV of {owner} ends at rank {rank}"
+        assert plans[owner].dkv_home_from == visited[-1]
+        assert plans[visited[-1]].dkv_home_to == owner
+        assert sorted(visited) == list(range(p))
+
+
+@given(worlds, balances, chunk_lengths)
+def test_shard_indices_partition_the_sequence(p, balance, chunk):
+    seq = 2 * p * chunk
+    seen = []
+    for r in range(p):
+        idx = shard_indices(seq, p, r, balance)
+        assert len(idx) == seq // p
+        assert idx == sorted(idx), "local order follows global order"
+        slices = schedule.chunk_slices(seq, p, r, balance)
+        assert [t for a, b, c in slices for t in range(a, b, c)] == idx
+        seen += idx
+    assert sorted(seen) == list(range(seq))
+
+
+def test_zigzag_places_chunks_head_and_tail():
+    assert shard_indices(8, 2, 0) == [0, 1, 6, 7]
+    assert shard_indices(8, 2, 1) == [2, 3, 4, 5]
+    assert shard_indices(6, 3, 1, "stripe") == [1, 4]
+    assert shard_indices(6, 3, 1, "contiguous") == [2, 3]
+
+
+@pytest.mark.parametrize(
+    ("p", "balance", "multiple"), [(1, "zigzag", 2), (4, "zigzag", 8), (4, "contiguous", 4), (3, "stripe", 3)]
+)
+def test_required_multiple(p, balance, multiple):
+    assert schedule.required_multiple(p, balance) == multiple
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((0, 0), r"world_size: expected an integer >= 1; got 0"),
+        ((-2, 0), r"world_size: expected an integer >= 1; got -2"),
+        ((2.0, 0), r"world_size: expected an integer >= 1; got 2\.0"),
+        ((True, 0), r"world_size: expected an integer >= 1; got True"),
+        ((2, 2), r"rank: expected an integer in \[0, 2\); got 2"),
+        ((2, -1), r"rank: expected an integer in \[0, 2\); got -1"),
+        ((2, "0"), r"rank: expected an integer in \[0, 2\); got '0'"),
+        ((2, 0, True, "diagonal"), r"balance: expected one of zigzag, contiguous, stripe; got 'diagonal'"),
+    ],
+)
+def test_plan_rejects_bad_arguments(args, match):
+    with pytest.raises(ValueError, match=match):
+        plan(*args)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((6, 2, 0, "zigzag"), r"sequence length: balance 'zigzag' over 2 ranks needs a positive multiple of 4; got 6"),
+        ((0, 2, 0, "contiguous"), r"needs a positive multiple of 2; got 0"),
+        ((7, 3, 0, "stripe"), r"balance 'stripe' over 3 ranks needs a positive multiple of 3; got 7"),
+        ((8, 2, 5, "zigzag"), r"rank: expected an integer in \[0, 2\); got 5"),
+        ((8, 0, 0, "zigzag"), r"world_size: expected an integer >= 1; got 0"),
+        ((8, 2, 0, "ring"), r"balance: expected one of zigzag, contiguous, stripe; got 'ring'"),
+    ],
+)
+def test_shard_indices_rejects_bad_arguments(args, match):
+    with pytest.raises(ValueError, match=match):
+        shard_indices(*args)
+    with pytest.raises(ValueError, match=match):
+        schedule.chunk_slices(*args)
+
+
+def test_odd_local_length_has_no_halves():
+    upper = plan(2, 0, causal=True).steps[1]
+    assert upper.kind == schedule.UPPER
+    assert upper.q_range(4) == (2, 4)
+    with pytest.raises(ValueError, match=r"local shard length: expected an even number .*; got 3"):
+        upper.q_range(3)
