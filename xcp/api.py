@@ -146,7 +146,9 @@ def shard(
     schedule.check_world(world_size, rank)
     schedule.check_seq_len(x.shape[dim], world_size, balance, what=f"x.shape[{dim}]")
     parts = [_slice(x, dim, a, b, c) for a, b, c in schedule.chunk_slices(x.shape[dim], world_size, rank, balance)]
-    return torch.cat(parts, dim=dim).contiguous() if len(parts) > 1 else parts[0].contiguous()
+    if len(parts) > 1:
+        return torch.cat(parts, dim=dim)
+    return parts[0].clone(memory_format=torch.contiguous_format)  # never a view of the caller's tensor
 
 
 def unshard(shards: Sequence[torch.Tensor], dim: int = 1, balance: str = schedule.DEFAULT_BALANCE) -> torch.Tensor:

@@ -114,7 +114,7 @@ class LocalWorld:
     def __init__(self, size: int, device: str | torch.device = "cpu", timeout: float = 120.0) -> None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"size: expected an integer >= 1; got {size!r}")
-        if not timeout > 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout: expected a positive number of seconds; got {timeout!r}")
         self.size = size
         self.device = torch.device(device)

@@ -42,11 +42,14 @@ def check_balance(balance: str) -> str:
     return balance
 
 
-def check_world(world_size: int, rank: int | None = None) -> None:
-    """Raise a ValueError unless ``world_size >= 1`` and ``0 <= rank < world_size``."""
+_NO_RANK = object()
+
+
+def check_world(world_size: int, rank: object = _NO_RANK) -> None:
+    """Raise a ValueError unless ``world_size >= 1`` and (when a rank is given) ``0 <= rank < world_size``."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size: expected an integer >= 1; got {world_size!r}")
-    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size):
+    if rank is not _NO_RANK and (not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size):
         raise ValueError(f"rank: expected an integer in [0, {world_size}); got {rank!r}")
 
 
