@@ -43,7 +43,6 @@ def test_plan_table(capsys):
 
 
 def test_plan_plot(tmp_path, capsys):
-    pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
     path = tmp_path / "plan.png"
     assert main(["plan", "--world", "3", "--balance", "stripe", "--causal", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
