@@ -106,13 +106,15 @@ def pad_lse(lse: torch.Tensor, align: int = EFFICIENT_LSE_ALIGN) -> torch.Tensor
 
 
 def _rng_placeholders(device: torch.device, flash: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seed and offset tensors shaped as the forward returns them; unread because dropout_p is 0."""
+    """Seed and offset tensors shaped and typed as the forward returns them. Uninitialised on purpose: the
+    backward reads them only when dropout_p > 0, and ``empty`` launches no kernel (a fill of uint64, which
+    CUDA supports only barely, is not needed)."""
     if flash:
         return (
-            torch.zeros(2, dtype=torch.uint64, device=device),
-            torch.zeros((), dtype=torch.uint64, device=device),
+            torch.empty(2, dtype=torch.uint64, device=device),
+            torch.empty((), dtype=torch.uint64, device=device),
         )
-    return torch.zeros((), dtype=torch.int64, device=device), torch.zeros((), dtype=torch.int64, device=device)
+    return torch.empty((), dtype=torch.int64, device=device), torch.empty((), dtype=torch.int64, device=device)
 
 
 # ---------------------------------------------------------------------------------------------- flash
