@@ -1,0 +1,497 @@
+"""xcp_cuda on a CPU: mask tiling, the pieces wrapper, kernel choice, GQA fallback, lse helpers, and the
+glue to the aten ops through stand-ins that follow the ops' documented signatures and layouts.
+
+The reference everywhere is xcp.cpu.math_forward / math_backward in float64 on the whole block.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import types
+
+import pluggy
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import xcp
+from xcp.cpu import allowed_keys, math_backward, math_forward
+from xcp_cuda import CUDABackend, kernels, pieces
+
+MASKS = ("none", "causal", "strict")
+NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _rand(*shape, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _block(b, sq, sk, h, hkv, d, dtype=torch.float64, seed=0):
+    return (
+        _rand(b, sq, h, d, dtype=dtype, seed=seed),
+        _rand(b, sk, hkv, d, dtype=dtype, seed=seed + 1),
+        _rand(b, sk, hkv, d, dtype=dtype, seed=seed + 2),
+    )
+
+
+def _merged(lse_block, seed=7):
+    """A 'merged' lse as the ring passes it: >= the block's own, finite even on rows the block leaves empty."""
+    extra = _rand(*lse_block.shape, seed=seed).abs().to(lse_block.dtype)
+    return torch.where(lse_block == NEG_INF, extra, lse_block + torch.log1p(extra))
+
+
+def _reference(q, k, v, mask, scale, dout, out, lse):
+    """float64 math on the whole block: (out, lse) of the block and (dq, dk, dv) for the given merged out/lse."""
+    f64 = [x.to(torch.float64) for x in (q, k, v)]
+    ref_out, ref_lse = math_forward(*f64, mask, scale)
+    grads = math_backward(dout.double(), *f64, out.double(), lse.double(), mask, scale)
+    return ref_out, ref_lse, grads
+
+
+def _close(name, got, ref, tol):
+    got, ref = got.to(torch.float64), ref.to(torch.float64)
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(got).any(), f"{name}: NaN"
+    inf = torch.isinf(ref)
+    assert torch.equal(torch.isinf(got), inf), f"{name}: -inf rows differ"
+    if inf.any():
+        assert torch.equal(got[inf], ref[inf]), f"{name}: infinite entries differ"
+    err = (got[~inf] - ref[~inf]).abs().max().item() if (~inf).any() else 0.0
+    bound = tol * max(1.0, ref[~inf].abs().max().item() if (~inf).any() else 1.0)
+    assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
+
+
+def _close_all(got, ref, tol):
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+        _close(name, a, b, tol)
+
+
+def _bhsd_attention(q, k, v, allowed, scale):
+    """Independent float64 attention in the aten layout [B, H, S, D]; GQA by head index h // groups."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1).double(), v.repeat_interleave(groups, 1).double()
+    s = torch.einsum("bhqd,bhkd->bhqk", q.double(), k) * scale
+    s = s.masked_fill(~allowed, NEG_INF)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(lse == NEG_INF, 0.0, lse).unsqueeze(-1))
+    return torch.einsum("bhqk,bhkd->bhqd", p, v), lse
+
+
+def _bhsd_grads(dout, q, k, v, out, lse, allowed, scale):
+    """Independent float64 gradients from a given lse (+inf/-inf rows get zero probability)."""
+    groups = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(groups, 1).double(), v.repeat_interleave(groups, 1).double()
+    s = torch.einsum("bhqd,bhkd->bhqk", q.double(), kr) * scale
+    s = s.masked_fill(~allowed, NEG_INF)
+    finite = torch.isfinite(lse)
+    p = torch.where(finite.unsqueeze(-1), torch.exp(s - torch.where(finite, lse, 0.0).unsqueeze(-1)), 0.0)
+    do = dout.double()
+    dv = torch.einsum("bhqk,bhqd->bhkd", p, do)
+    ds = p * (torch.einsum("bhqd,bhkd->bhqk", do, vr) - (do * out.double()).sum(-1, keepdim=True))
+    dq = torch.einsum("bhqk,bhkd->bhqd", ds, kr) * scale
+    dk = torch.einsum("bhqk,bhqd->bhkd", ds, q.double()) * scale
+    b, h, sk, d = dk.shape
+    return dq, dk.reshape(b, h // groups, groups, sk, d).sum(2), dv.reshape(b, h // groups, groups, sk, d).sum(2)
+
+
+def _square_math_kernels(calls):
+    """A (forward, backward) pair that refuses what fused kernels cannot do: causal on non-square blocks,
+    empty blocks. Records each call's (Sq, Sk, causal)."""
+
+    def check(q, k, causal):
+        assert q.shape[1] >= 1 and k.shape[1] >= 1, "empty block reached the kernel"
+        assert not causal or q.shape[1] == k.shape[1], f"non-square causal {q.shape[1]}x{k.shape[1]}"
+        calls.append((q.shape[1], k.shape[1], causal))
+
+    def fwd(q, k, v, causal, scale):
+        check(q, k, causal)
+        return math_forward(q, k, v, "causal" if causal else "none", scale)
+
+    def bwd(dout, q, k, v, out, lse, causal, scale):
+        check(q, k, causal)
+        return math_backward(dout, q, k, v, out, lse, "causal" if causal else "none", scale)
+
+    return fwd, bwd
+
+
+# ---------------------------------------------------------------------------------------------- tiling
+@pytest.mark.parametrize("mask", MASKS)
+def test_tiling_covers_exactly_the_allowed_pairs(mask):
+    for sq in range(0, 8):
+        for sk in range(0, 8):
+            t = pieces.tile(sq, sk, mask)
+            expected = allowed_keys(sq, sk, mask)
+            expected = torch.ones(sq, sk, dtype=torch.bool) if expected is None else expected
+            assert torch.equal(pieces.allowed(t), expected), (sq, sk, mask, t)
+            rows = t.empty
+            for p in t.pieces:  # contiguous, ordered, each causal piece square
+                assert p.start == rows and p.stop > p.start and 1 <= p.keys <= sk
+                assert not p.causal or p.stop - p.start == p.keys
+                rows = p.stop
+            assert rows == sq
+            assert not expected[: t.empty].any()  # the empty rows really see nothing
+
+
+def test_tiling_of_ring_blocks_is_one_call():
+    assert pieces.tile(16, 16, "causal").whole and pieces.tile(16, 16, "causal").pieces[0].causal
+    assert pieces.tile(16, 8, "none").whole and pieces.tile(8, 16, "none").whole
+    strict = pieces.tile(16, 16, "strict")
+    assert not strict.whole and strict.empty == 1
+    assert strict.pieces == (pieces.Piece(1, 16, 15, True),)  # = causal on q[1:] against k[:-1]
+
+
+def test_tiling_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="mask: expected one of"):
+        pieces.tile(4, 4, "diagonal")
+    with pytest.raises(ValueError, match="sq, sk"):
+        pieces.tile(-1, 4, "none")
+
+
+# ---------------------------------------------------------------------------------------------- pieces wrapper
+SHAPES = [(6, 6), (6, 4), (4, 6), (1, 1), (1, 5), (5, 1), (2, 2), (7, 3)]
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("sq,sk", SHAPES)
+@pytest.mark.parametrize("hkv", [4, 2, 1])
+def test_pieces_match_whole_block_math(mask, sq, sk, hkv):
+    q, k, v = _block(2, sq, sk, 4, hkv, 8, seed=sq * 10 + sk)
+    scale = 0.3
+    calls = []
+    fwd, bwd = _square_math_kernels(calls)
+    out, lse = pieces.forward(fwd, q, k, v, mask, scale)
+    dout = _rand(*out.shape, seed=3)
+    merged_lse = _merged(lse)
+    merged_out = _rand(*out.shape, seed=4)
+    dq, dk, dv = pieces.backward(bwd, dout, q, k, v, merged_out, merged_lse, mask, scale)
+    ref_out, ref_lse, (rq, rk, rv) = _reference(q, k, v, mask, scale, dout, merged_out, merged_lse)
+    _close_all((out, lse, dq, dk, dv), (ref_out, ref_lse, rq, rk, rv), 1e-12)
+    assert len(calls) <= 4  # at most two pieces, forward and backward
+
+
+def test_pieces_never_mutate_inputs():
+    q, k, v = _block(1, 5, 3, 2, 1, 4)
+    dout, out = _rand(1, 5, 2, 4, seed=5), _rand(1, 5, 2, 4, seed=6)
+    lse = _rand(1, 2, 5, seed=8)
+    before = [x.clone() for x in (q, k, v, dout, out, lse)]
+    fwd, bwd = _square_math_kernels([])
+    pieces.forward(fwd, q, k, v, "strict", 0.5)
+    pieces.backward(bwd, dout, q, k, v, out, lse, "strict", 0.5)
+    for x, y in zip((q, k, v, dout, out, lse), before):
+        assert torch.equal(x, y)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sq=st.integers(1, 9),
+    sk=st.integers(1, 9),
+    mask=st.sampled_from(MASKS),
+    groups=st.sampled_from([1, 2, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_pieces_property(sq, sk, mask, groups, seed):
+    q, k, v = _block(1, sq, sk, 2 * groups, 2, 4, seed=seed)
+    fwd, bwd = _square_math_kernels([])
+    out, lse = pieces.forward(fwd, q, k, v, mask, 0.7)
+    ref_out, ref_lse = math_forward(q, k, v, mask, 0.7)
+    _close("out", out, ref_out, 1e-12)
+    _close("lse", lse, ref_lse, 1e-12)
+    dout = _rand(*out.shape, seed=seed + 1)
+    got = pieces.backward(bwd, dout, q, k, v, out, lse, mask, 0.7)
+    ref = math_backward(dout, q, k, v, ref_out, ref_lse, mask, 0.7)
+    for name, a, b in zip(("dq", "dk", "dv"), got, ref):
+        _close(name, a, b, 1e-12)
+
+
+def test_check_qkv_names_the_argument():
+    q, k, v = _block(1, 4, 4, 4, 2, 8)
+    assert pieces.check_qkv(q, k, v) == 2
+    with pytest.raises(ValueError, match=r"k: expected a number of heads that divides the 4 heads of q; got 3"):
+        pieces.check_qkv(q, _rand(1, 4, 3, 8), _rand(1, 4, 3, 8))
+    with pytest.raises(ValueError, match=r"v: expected shape \(1, 4, 2, 8\)"):
+        pieces.check_qkv(q, k, _rand(1, 5, 2, 8))
+    with pytest.raises(ValueError, match="q: expected 4 dims"):
+        pieces.check_qkv(q[0], k, v)
+    with pytest.raises(ValueError, match="k: expected head_dim 8"):
+        pieces.check_qkv(q, _rand(1, 4, 2, 4), _rand(1, 4, 2, 4))
+
+
+# ---------------------------------------------------------------------------------------------- GQA fallback
+def test_sum_kv_groups_is_the_adjoint_of_repeat_kv():
+    x = _rand(2, 5, 3, 4, seed=1)
+    y = _rand(2, 5, 6, 4, seed=2)
+    lhs = (pieces.repeat_kv(x, 2) * y).sum()
+    rhs = (x * pieces.sum_kv_groups(y, 2)).sum()
+    assert torch.allclose(lhs, rhs, rtol=1e-12, atol=0)
+    assert torch.equal(pieces.repeat_kv(x, 2)[:, :, 2], x[:, :, 1])  # head h reads K/V head h // groups
+    assert pieces.repeat_kv(x, 1) is x and pieces.sum_kv_groups(x, 1) is x
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_repeated_kv_wrappers_match_native_gqa(causal):
+    q, k, v = _block(2, 6, 6, 6, 2, 4, seed=11)
+    calls = []
+    fwd, bwd = _square_math_kernels(calls)
+
+    def no_gqa_fwd(q, k, v, c, s):
+        assert q.shape[2] == k.shape[2], "K/V were not repeated"
+        return fwd(q, k, v, c, s)
+
+    def no_gqa_bwd(dout, q, k, v, out, lse, c, s):
+        assert q.shape[2] == k.shape[2], "K/V were not repeated"
+        return bwd(dout, q, k, v, out, lse, c, s)
+
+    mask = "causal" if causal else "none"
+    out, lse = kernels.with_repeated_kv(no_gqa_fwd)(q, k, v, causal, 0.5)
+    ref_out, ref_lse = math_forward(q, k, v, mask, 0.5)
+    _close("out", out, ref_out, 1e-12)
+    _close("lse", lse, ref_lse, 1e-12)
+    dout = _rand(*out.shape, seed=12)
+    got = kernels.with_repeated_kv_backward(no_gqa_bwd)(dout, q, k, v, out, lse, causal, 0.5)
+    ref = math_backward(dout, q, k, v, out, lse, mask, 0.5)
+    for name, a, b in zip(("dq", "dk", "dv"), got, ref):
+        assert a.shape == b.shape
+        _close(name, a, b, 1e-12)
+
+
+# ---------------------------------------------------------------------------------------------- kernel choice, lse
+@pytest.mark.parametrize(
+    "dtype,head_dim,capability,expected",
+    [
+        (torch.bfloat16, 128, (9, 0), "flash"),
+        (torch.float16, 256, (8, 0), "flash"),
+        (torch.bfloat16, 264, (9, 0), "efficient"),  # too wide for flash, aligned for efficient
+        (torch.float16, 128, (7, 5), "efficient"),  # pre-Ampere: no flash
+        (torch.bfloat16, 20, (9, 0), "math"),  # not a multiple of 8
+        (torch.float32, 128, (9, 0), "efficient"),
+        (torch.float32, 20, (9, 0), "efficient"),
+        (torch.float32, 6, (9, 0), "math"),
+        (torch.float64, 64, (9, 0), "math"),
+    ],
+)
+def test_choose_kernel(dtype, head_dim, capability, expected):
+    assert kernels.choose_kernel(dtype, head_dim, capability) == expected
+
+
+def test_lse_helpers():
+    lse = torch.tensor([[[1.0, NEG_INF, -2.0]]])
+    back = kernels.lse_for_backward(lse.double())
+    assert back.dtype == torch.float32 and back.is_contiguous()
+    assert back.tolist() == [[[1.0, math.inf, -2.0]]]
+    padded = kernels.pad_lse(torch.zeros(2, 3, 33))
+    assert padded.shape == (2, 3, 64) and torch.isinf(padded[..., 33:]).all() and (padded[..., :33] == 0).all()
+    same = torch.zeros(1, 1, 64)
+    assert kernels.pad_lse(same) is same
+    view = kernels.heads_second(_rand(2, 5, 3, 4)[:, 1:4])
+    assert view.shape == (2, 3, 3, 4) and view.transpose(1, 2).is_contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- glue with stand-in ops
+class FakeAten:
+    """Stand-ins for the four aten ops with their schemas, layouts and limits as documented in
+    xcp_cuda.kernels: [B, H, S, D] views with unit last stride; flash takes GQA and aligns a non-square
+    causal mask bottom-right (as flash-attn >= 2.1 does); efficient needs equal heads, pads its lse to a
+    multiple of 32 (filled with NaN here, so an unsliced pad shows) and wants it padded back. Every
+    computation is float64, rounded to the input dtype like a kernel's output."""
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def _layout(*xs):
+        for x in xs:
+            assert x.dim() == 4 and x.stride(-1) == 1, "aten attention ops take [B, H, S, D] with unit last stride"
+
+    @staticmethod
+    def _mask(sq, sk, causal, bottom_right, device=None):
+        m = torch.ones(sq, sk, dtype=torch.bool)
+        if causal:
+            m = m.tril(sk - sq if bottom_right else 0)
+        return m
+
+    def _scaled_dot_product_flash_attention(self, q, k, v, dropout_p, is_causal, return_debug_mask, *, scale):
+        self._layout(q, k, v)
+        assert q.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0.0 and not return_debug_mask
+        assert q.shape[1] % k.shape[1] == 0
+        self.calls.append(("flash_fwd", q.shape[2], k.shape[2], k.shape[1], is_causal))
+        out, lse = _bhsd_attention(q, k, v, self._mask(q.shape[2], k.shape[2], is_causal, True), scale)
+        out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)  # BSHD storage, as the op
+        lse = torch.where(lse == NEG_INF, math.inf, lse).float()  # flash-attn writes +inf on empty rows
+        return out, lse, None, None, q.shape[2], k.shape[2], torch.zeros(2), torch.zeros(()), torch.empty(0)
+
+    def _scaled_dot_product_flash_attention_backward(
+        self, dout, q, k, v, out, lse, cq, ck, max_q, max_k, dropout_p, is_causal, seed, offset, *, scale
+    ):
+        self._layout(dout, q, k, v, out)
+        assert cq is None and ck is None and (max_q, max_k) == (q.shape[2], k.shape[2]) and dropout_p == 0.0
+        assert lse.dtype == torch.float32 and lse.shape == q.shape[:3] and lse.is_contiguous()
+        assert out.dtype == q.dtype and dout.dtype == q.dtype
+        self.calls.append(("flash_bwd", q.shape[2], k.shape[2], k.shape[1], is_causal))
+        m = self._mask(q.shape[2], k.shape[2], is_causal, True)
+        dq, dk, dv = _bhsd_grads(dout, q, k, v, out, lse.double(), m, scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    def _scaled_dot_product_efficient_attention(self, q, k, v, bias, compute_lse, dropout_p, is_causal, *, scale):
+        self._layout(q, k, v)
+        assert bias is None and compute_lse and dropout_p == 0.0
+        assert q.shape[1] == k.shape[1], "memory-efficient attention needs as many K/V heads as query heads"
+        self.calls.append(("efficient_fwd", q.shape[2], k.shape[2], k.shape[1], is_causal))
+        out, lse = _bhsd_attention(q, k, v, self._mask(q.shape[2], k.shape[2], is_causal, False), scale)
+        padded = torch.full((*lse.shape[:2], math.ceil(q.shape[2] / 32) * 32), math.nan)
+        padded[..., : q.shape[2]] = lse
+        return out.to(q.dtype), padded.float(), torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+
+    def _scaled_dot_product_efficient_attention_backward(
+        self, dout, q, k, v, bias, out, lse, seed, offset, dropout_p, grad_input_mask, is_causal, *, scale
+    ):
+        self._layout(dout, q, k, v, out)
+        assert bias is None and dropout_p == 0.0 and list(grad_input_mask) == [True, True, True, False]
+        assert q.shape[1] == k.shape[1], "memory-efficient attention needs as many K/V heads as query heads"
+        assert lse.shape[-1] == math.ceil(q.shape[2] / 32) * 32, "lse not padded as the forward returns it"
+        self.calls.append(("efficient_bwd", q.shape[2], k.shape[2], k.shape[1], is_causal))
+        m = self._mask(q.shape[2], k.shape[2], is_causal, False)
+        dq, dk, dv = _bhsd_grads(dout, q, k, v, out, lse[..., : q.shape[2]].double(), m, scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _cpu_backend(monkeypatch, **kwargs):
+    fake = FakeAten()
+    monkeypatch.setattr(kernels, "ATEN", fake)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # importing it raises ImportError
+    backend = CUDABackend(**kwargs)
+    backend.device_type = "cpu"  # run the glue on CPU tensors
+    monkeypatch.setattr(backend, "_capability", lambda device: (9, 0))
+    return backend, fake
+
+
+# dtype -> (head_dim, expected kernel, tolerance). fp16 outputs are rounded once (eps 2^-11, values O(1):
+# 4e-3 leaves room for the rounded inputs of the backward); fp32 rounding is ~1e-7; float64 is exact math.
+GLUE_CASES = {
+    torch.float16: (16, "flash", 4e-3),
+    torch.float32: (12, "efficient", 1e-5),
+    torch.float64: (6, "math", 1e-12),
+}
+
+
+@pytest.mark.parametrize("dtype", list(GLUE_CASES))
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("sq,sk", [(6, 6), (7, 4), (4, 7)])
+@pytest.mark.parametrize("gqa", ["native", "repeat"])
+def test_backend_glue_against_math(monkeypatch, dtype, mask, sq, sk, gqa):
+    head_dim, kind, tol = GLUE_CASES[dtype]
+    backend, fake = _cpu_backend(monkeypatch, gqa=gqa)
+    q, k, v = _block(2, sq, sk, 4, 2, head_dim, dtype=dtype, seed=sq + 3 * sk)
+    assert backend.kernel_for(q) == kind
+    scale = 1 / math.sqrt(head_dim)
+    out, lse = backend.forward(q, k, v, mask, scale)
+    dout = _rand(*out.shape, dtype=dtype, seed=9)
+    merged_out = _rand(*out.shape, dtype=dtype, seed=10)
+    merged_lse = _merged(lse.double()).float() if dtype != torch.float64 else _merged(lse)
+    dq, dk, dv = backend.backward(dout, q, k, v, merged_out, merged_lse, mask, scale)
+    ref_out, ref_lse, (rq, rk, rv) = _reference(q, k, v, mask, scale, dout, merged_out, merged_lse)
+    assert out.dtype in (dtype, torch.float32, torch.float64) and lse.dtype in (torch.float32, torch.float64)
+    _close_all((out, lse, dq, dk, dv), (ref_out, ref_lse, rq, rk, rv), tol)
+    if kind == "math":
+        assert fake.calls == []
+    else:
+        assert fake.calls and all(c[0].startswith(kind) for c in fake.calls)
+        assert all(sq_ == sk_ for _, sq_, sk_, _, causal in fake.calls if causal)  # only square causal calls
+        kv_heads = {c[3] for c in fake.calls}
+        assert kv_heads == ({2} if kind == "flash" and gqa == "native" else {4})
+
+
+def test_flash_attn_package_serves_the_forward(monkeypatch):
+    """With flash_attn importable its forward is used ([B, S, H, D], GQA as is); the backward stays aten."""
+    seen = []
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, return_attn_probs=False):
+        assert dropout_p == 0.0 and return_attn_probs and q.is_contiguous()
+        seen.append((q.shape[1], k.shape[1], k.shape[2], causal))
+        bhsd = [x.transpose(1, 2) for x in (q, k, v)]
+        m = FakeAten._mask(q.shape[1], k.shape[1], causal, True)  # flash-attn: bottom-right when non-square
+        out, lse = _bhsd_attention(*bhsd, m, softmax_scale)
+        return out.transpose(1, 2).to(q.dtype), lse.float(), None
+
+    backend, fake = _cpu_backend(monkeypatch)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=flash_attn_func))
+    q, k, v = _block(1, 7, 5, 4, 2, 16, dtype=torch.float16, seed=2)
+    for mask in MASKS:
+        out, lse = backend.forward(q, k, v, mask, 0.25)
+        ref_out, ref_lse = math_forward(q.double(), k.double(), v.double(), mask, 0.25)
+        _close("out", out, ref_out, 4e-3)
+        _close("lse", lse, ref_lse, 1e-5)
+    assert seen and all(kv == 2 for *_, kv, _ in seen) and all(a == b for a, b, _, c in seen if c)
+    assert not any(c[0] == "flash_fwd" for c in fake.calls)
+    off, fake_off = _cpu_backend(monkeypatch, use_flash_attn=False)
+    seen.clear()
+    off.forward(q, k, v, "causal", 0.25)
+    assert seen == [] and fake_off.calls[0][0] == "flash_fwd"
+
+
+def test_unimportable_flash_attn_falls_back_to_aten(monkeypatch):
+    backend, fake = _cpu_backend(monkeypatch)
+    q, k, v = _block(1, 4, 4, 2, 2, 8, dtype=torch.bfloat16)
+    backend.forward(q, k, v, "causal", 0.3)
+    assert backend.flash_attn_module() is None and "flash_attn" in backend._flash_attn_error
+    assert fake.calls[0][0] == "flash_fwd"
+
+
+def test_backend_checks_arguments(monkeypatch):
+    backend, _ = _cpu_backend(monkeypatch)
+    q, k, v = _block(1, 4, 4, 4, 3, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="divides the 4 heads"):
+        backend.forward(q, k, v, "none", 0.3)
+    with pytest.raises(ValueError, match="mask: expected one of"):
+        backend.forward(q, k[:, :, :2], v[:, :, :2], "upper", 0.3)
+    with pytest.raises(ValueError, match="gqa: expected one of native, repeat; got 'sometimes'"):
+        CUDABackend(gqa="sometimes")
+    real = CUDABackend()
+    with pytest.raises(ValueError, match="q: backend 'cuda' expected a cuda tensor; got cpu"):
+        real.forward(q, k[:, :, :2], v[:, :, :2], "none", 0.3)
+
+
+def test_env_flags(monkeypatch):
+    monkeypatch.setenv("XCP_CUDA_GQA", "repeat")
+    monkeypatch.setenv("XCP_CUDA_FLASH_ATTN", "0")
+    b = CUDABackend()
+    assert b.gqa == "repeat" and b.use_flash_attn is False and b.flash_attn_module() is None
+    monkeypatch.setenv("XCP_CUDA_FLASH_ATTN", "yes")
+    with pytest.raises(ValueError, match="XCP_CUDA_FLASH_ATTN: expected 0 or 1; got 'yes'"):
+        CUDABackend()
+
+
+# ---------------------------------------------------------------------------------------------- identity, plugin
+def test_identity_and_availability_without_a_gpu():
+    b = CUDABackend()
+    assert (b.name, b.device_type, b.dist_backend, b.handoff_policy) == ("cuda", "cuda", "nccl", "record_stream")
+    ok, reason = b.available()
+    assert ok == torch.cuda.is_available()
+    if not ok:
+        assert reason.startswith("no CUDA device: ")
+
+
+def test_plugin_registers_through_the_hook():
+    pm = pluggy.PluginManager("xcp")
+    pm.add_hookspecs(xcp.hookspecs)
+    from xcp_cuda import plugin
+
+    pm.register(plugin)
+    got = []
+    pm.hook.xcp_register_backends(register=got.append)
+    assert len(got) == 1 and isinstance(got[0], CUDABackend)
+
+
+def test_importing_the_plugin_touches_no_vendor_module():
+    code = (
+        "import sys, xcp_cuda.plugin, xcp_npu.plugin\n"
+        "bad = [m for m in ('flash_attn', 'torch_npu') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "import torch\n"
+        "assert not torch.cuda.is_initialized()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -1,0 +1,160 @@
+"""The CUDA backend: PyTorch's fused attention ops with their log-sum-exp, torch.cuda streams, NCCL.
+
+Importing this module touches no GPU and imports no vendor package: the device is first queried by
+:meth:`CUDABackend.available` or by a kernel call, and flash-attn is imported at the first block that
+could use it (once; a failed import is remembered and the aten ops serve instead).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from typing import Any
+
+import torch
+
+from xcp.backend import Backend, check_mask
+from xcp.cpu import math_backward, math_forward
+
+from . import kernels, pieces
+
+GQA_MODES = ("native", "repeat")
+"""``native``: kernels that take fewer K/V heads get them as is; ``repeat``: K/V are always repeated per
+query head and dK/dV summed over each group (slower, more memory; the fallback if a kernel's GQA fails)."""
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}: expected 0 or 1; got {value!r}")
+    return value == "1"
+
+
+def check_gqa(mode: str) -> str:
+    """Return ``mode`` if it is a GQA mode, else raise a ValueError listing them."""
+    if mode not in GQA_MODES:
+        raise ValueError(f"gqa: expected one of {', '.join(GQA_MODES)}; got {mode!r}")
+    return mode
+
+
+class CUDABackend(Backend):
+    """NVIDIA GPUs (any device torch calls ``cuda``).
+
+    Kernel per block, by :func:`xcp_cuda.kernels.choose_kernel`: the aten flash op for fp16/bf16 with
+    head_dim % 8 == 0 and <= 256 (the flash-attn package's forward instead when it is installed), the aten
+    memory-efficient op for fp32 and the other aligned head dims, and the math kernel for the rest
+    (float64, unaligned head dims). Masks beyond none / square causal are cut by :mod:`xcp_cuda.pieces`.
+
+    :param gqa: ``native`` (default; env ``XCP_CUDA_GQA``) or ``repeat``, see :data:`GQA_MODES`.
+    :param use_flash_attn: use flash-attn's forward when importable (default True; env
+        ``XCP_CUDA_FLASH_ATTN=0`` turns it off).
+    """
+
+    name = "cuda"
+    device_type = "cuda"
+    dist_backend = "nccl"
+    handoff_policy = "record_stream"
+    kernel = "aten flash (fp16/bf16) | mem-efficient (fp32, head_dim%4) | math; flash-attn fwd if installed"
+    dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+    def __init__(self, gqa: str | None = None, use_flash_attn: bool | None = None) -> None:
+        self.gqa = check_gqa(gqa if gqa is not None else os.environ.get("XCP_CUDA_GQA", "native"))
+        self.use_flash_attn = _env_flag("XCP_CUDA_FLASH_ATTN", True) if use_flash_attn is None else bool(use_flash_attn)
+        self._flash_attn: Any = None
+        self._flash_attn_error: str | None = None
+        self._capabilities: dict[int, tuple[int, int]] = {}
+
+    # ------------------------------------------------------------------ identity
+    def available(self) -> tuple[bool, str]:
+        """(True, "") when a CUDA device is visible; otherwise the reason. Never raises."""
+        try:
+            if torch.cuda.is_available():
+                return True, ""
+            if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+                return False, f"no CUDA device: torch {torch.__version__} was built without CUDA"
+            return False, "no CUDA device: torch.cuda.is_available() is False"
+        except Exception as exc:  # noqa: BLE001 - a broken driver must not break discovery
+            return False, f"no CUDA device: querying CUDA raised {type(exc).__name__}: {exc}"
+
+    def is_capturing(self) -> bool:
+        """True while the current CUDA stream is being captured into a CUDA graph."""
+        return torch.cuda.is_current_stream_capturing()
+
+    # ------------------------------------------------------------------ memory
+    def memory_stats(self, device: torch.device | None = None) -> dict[str, int] | None:
+        """Bytes held by tensors now (``allocated``) and at most since the last reset (``peak``)."""
+        return {"allocated": torch.cuda.memory_allocated(device), "peak": torch.cuda.max_memory_allocated(device)}
+
+    def reset_peak_memory(self, device: torch.device | None = None) -> None:
+        torch.cuda.reset_peak_memory_stats(device)
+
+    # ------------------------------------------------------------------ block kernel
+    def forward(self, q, k, v, mask, scale):
+        """(out, lse): out [B, Sq, H, D] in q's dtype (float32/64 from the math kernel), lse float32
+        [B, H, Sq] (float64 for float64); rows that see no key give out 0 and lse -inf."""
+        self._check(q, k, v, mask)
+        return pieces.forward(self._square_forward, q, k, v, mask, scale)
+
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
+        """(dq, dk, dv) of this block from the merged out and lse of its rows, shaped like q, k, v."""
+        self._check(q, k, v, mask)
+        return pieces.backward(self._square_backward, dout, q, k, v, out, lse, mask, scale)
+
+    def kernel_for(self, q: torch.Tensor) -> str:
+        """The aten kernel that serves blocks shaped and typed like ``q`` on its device."""
+        return kernels.choose_kernel(q.dtype, q.shape[-1], self._capability(q.device))
+
+    # ------------------------------------------------------------------ internals
+    def _check(self, q, k, v, mask) -> None:
+        check_mask(mask)
+        pieces.check_qkv(q, k, v)
+        if q.device.type != self.device_type:
+            raise ValueError(f"q: backend {self.name!r} expected a {self.device_type} tensor; got {q.device}")
+
+    def _capability(self, device: torch.device) -> tuple[int, int]:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._capabilities:
+            self._capabilities[index] = tuple(torch.cuda.get_device_capability(index))
+        return self._capabilities[index]
+
+    def flash_attn_module(self) -> Any:
+        """The flash_attn module when enabled and importable, else None (the import is tried once)."""
+        if not self.use_flash_attn:
+            return None
+        if self._flash_attn is None and self._flash_attn_error is None:
+            try:
+                module = importlib.import_module("flash_attn")
+                module.flash_attn_func  # noqa: B018 - the one entry point used
+                self._flash_attn = module
+            except Exception as exc:  # noqa: BLE001 - any failure means: use the aten ops
+                self._flash_attn_error = f"{type(exc).__name__}: {exc}"
+        return self._flash_attn
+
+    def _square_forward(self, q, k, v, causal: bool, scale: float):
+        kind = self.kernel_for(q)
+        if kind == kernels.MATH:
+            return math_forward(q, k, v, "causal" if causal else "none", scale)
+        if kind == kernels.FLASH:
+            module = self.flash_attn_module()
+            op = kernels.flash_forward if module is None else functools.partial(kernels.flash_attn_forward, module)
+        else:
+            op = kernels.efficient_forward
+        if self._repeat(q, k, kind):
+            op = kernels.with_repeated_kv(op)
+        return op(q, k, v, causal, scale)
+
+    def _square_backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+        kind = self.kernel_for(q)
+        if kind == kernels.MATH:
+            return math_backward(dout, q, k, v, out, lse, "causal" if causal else "none", scale)
+        op = kernels.flash_backward if kind == kernels.FLASH else kernels.efficient_backward
+        if self._repeat(q, k, kind):
+            op = kernels.with_repeated_kv_backward(op)
+        return op(dout, q, k, v, out, lse, causal, scale)
+
+    def _repeat(self, q, k, kind: str) -> bool:
+        """Whether K/V must be repeated: GQA, and the kernel lacks it or ``gqa == "repeat"``."""
+        return q.shape[2] != k.shape[2] and (self.gqa == "repeat" or not kernels.native_gqa(kind))

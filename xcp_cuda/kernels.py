@@ -1,0 +1,220 @@
+"""The CUDA block kernels: which one serves a block, and thin wrappers over PyTorch's fused attention ops.
+
+Every wrapper takes and returns xcp's layout, q [B, Sq, H, D] and k, v [B, Sk, Hkv, D], and is only asked
+for ``causal=False`` or causal on a square block (:mod:`xcp_cuda.pieces` cuts the rest), so the kernels'
+own alignment of a non-square causal mask never matters.
+
+The ops (schemas as registered in PyTorch's native_functions.yaml, checked against torch 2.13):
+
+``aten._scaled_dot_product_flash_attention(query, key, value, dropout_p=0., is_causal=False,
+return_debug_mask=False, *, scale=None)``
+    -> (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_attn_mask).
+    Inputs [B, H, S, D]; logsumexp float32 [B, H, Sq]; cum_seq_* are None for dense inputs. fp16/bf16,
+    head_dim a multiple of 8 up to 256 (the SDPA front end pads other head dims; the op does not),
+    sm80 or newer. Accepts k/v with fewer heads (GQA) and returns dk/dv with those heads.
+
+``aten._scaled_dot_product_flash_attention_backward(grad_out, query, key, value, out, logsumexp,
+cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None)``
+    -> (grad_query, grad_key, grad_value). The RNG state is read only when dropout_p > 0.
+
+``aten._scaled_dot_product_efficient_attention(query, key, value, attn_bias, compute_log_sumexp,
+dropout_p=0., is_causal=False, *, scale=None)`` -> (output, log_sumexp, philox_seed, philox_offset).
+    fp16/bf16/fp32; log_sumexp is float32 [B, H, ceil(Sq/32)*32] (padded rows are not ours); head_dim a
+    multiple of 8 (fp16/bf16) or 4 (fp32) on sm80+. Needs as many K/V heads as query heads.
+
+``aten._scaled_dot_product_efficient_attention_backward(grad_out_, query, key, value, attn_bias, out,
+logsumexp, philox_seed, philox_offset, dropout_p, grad_input_mask, is_causal=False, *, scale=None)``
+    -> (grad_query, grad_key, grad_value, grad_bias).
+
+``flash_attn.flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, ..., return_attn_probs)``
+    (the flash-attn package, when installed) takes our [B, S, H, D] layout and GQA directly and, with
+    return_attn_probs=True, returns (out, softmax_lse [B, H, Sq] float32, S_dmask). Only its forward is
+    used: the block backward needs the *merged* out and lse, which the aten flash backward takes as
+    plain arguments, whereas flash-attn's backward is private API that changed between versions.
+
+Backward with the merged log-sum-exp: each backward recomputes P = exp(scale·q·kᵀ - lse) from the lse it
+is given, so passing the ring's merged lse (and merged out, from which it computes rowsum(dO·O)) yields
+the gradient of the whole row's softmax restricted to this block. A row whose merged lse is -inf (it saw
+no key anywhere) would make exp(s - lse) = inf; flash-attn's own convention for such rows is lse = +inf,
+which makes P = 0 and every gradient of the row 0, so :func:`lse_for_backward` maps -inf to +inf.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .pieces import repeat_kv, sum_kv_groups
+
+ATEN: Any = torch.ops.aten
+"""The op namespace the wrappers call (tests on CPU substitute a stand-in with the same signatures)."""
+
+FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
+
+EFFICIENT_LSE_ALIGN = 32
+"""The memory-efficient kernel writes its log-sum-exp in rows padded to a multiple of 32."""
+
+
+def choose_kernel(dtype: torch.dtype, head_dim: int, capability: tuple[int, int]) -> str:
+    """The fastest aten kernel that serves a block: ``flash``, ``efficient`` or ``math``.
+
+    flash: fp16/bf16, head_dim % 8 == 0 and <= 256, sm80+ (what PyTorch's SDPA dispatcher accepts for
+    the flash op without padding). efficient: fp16/bf16 with head_dim % 8 == 0, or fp32 with
+    head_dim % 4 == 0 (its GEMM alignment on sm80+; sm50+ otherwise runs it too, alignment 8/4 kept).
+    math: everything else (float64, odd head dims), in float32/float64 through :func:`xcp.cpu.math_forward`.
+    """
+    half = dtype in (torch.float16, torch.bfloat16)
+    if half and head_dim % 8 == 0 and head_dim <= 256 and capability >= (8, 0):
+        return FLASH
+    if (half and head_dim % 8 == 0) or (dtype == torch.float32 and head_dim % 4 == 0):
+        return EFFICIENT
+    return MATH
+
+
+def native_gqa(kernel: str) -> bool:
+    """Whether ``kernel`` reads K/V with fewer heads than q itself (flash does; efficient needs repeats)."""
+    return kernel == FLASH
+
+
+def heads_second(x: torch.Tensor) -> torch.Tensor:
+    """[B, S, H, D] -> the [B, H, S, D] view the aten ops take, over a contiguous [B, S, H, D] buffer.
+
+    This is the layout SDPA callers pass (q.transpose(1, 2)); the ops transpose back internally, so the
+    buffer they read is dense. Ring slices of a batch > 1 are copied once here.
+    """
+    return x.contiguous().transpose(1, 2)
+
+
+def lse_for_backward(lse: torch.Tensor) -> torch.Tensor:
+    """The merged lse as the backward kernels read it: float32, contiguous, -inf rows mapped to +inf."""
+    lse = lse.to(torch.float32)
+    return torch.where(lse == float("-inf"), float("inf"), lse).contiguous()
+
+
+def pad_lse(lse: torch.Tensor, align: int = EFFICIENT_LSE_ALIGN) -> torch.Tensor:
+    """[B, H, Sq] -> [B, H, ceil(Sq/align)*align], padded with +inf (rows that do not exist see nothing).
+
+    The memory-efficient backward is given the lse in the shape its forward returns.
+    """
+    sq = lse.shape[-1]
+    padded = math.ceil(sq / align) * align
+    if padded == sq:
+        return lse
+    return torch.nn.functional.pad(lse, (0, padded - sq), value=float("inf"))
+
+
+def _rng_placeholders(device: torch.device, flash: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seed and offset tensors shaped and typed as the forward returns them. Uninitialised on purpose: the
+    backward reads them only when dropout_p > 0, and ``empty`` launches no kernel (a fill of uint64, which
+    CUDA supports only barely, is not needed)."""
+    if flash:
+        return (
+            torch.empty(2, dtype=torch.uint64, device=device),
+            torch.empty((), dtype=torch.uint64, device=device),
+        )
+    return torch.empty((), dtype=torch.int64, device=device), torch.empty((), dtype=torch.int64, device=device)
+
+
+# ---------------------------------------------------------------------------------------------- flash
+def flash_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """aten flash forward: out [B, Sq, H, D] in q's dtype and lse float32 [B, H, Sq]. K/V may be GQA."""
+    res = ATEN._scaled_dot_product_flash_attention(
+        heads_second(q), heads_second(k), heads_second(v), 0.0, causal, False, scale=scale
+    )
+    return res[0].transpose(1, 2), res[1]
+
+
+def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """aten flash backward from the merged out/lse: dq [B, Sq, H, D], dk, dv [B, Sk, Hkv, D] (inputs' dtype)."""
+    seed, offset = _rng_placeholders(q.device, flash=True)
+    dq, dk, dv = ATEN._scaled_dot_product_flash_attention_backward(
+        heads_second(dout.to(q.dtype)),
+        heads_second(q),
+        heads_second(k),
+        heads_second(v),
+        heads_second(out.to(q.dtype)),
+        lse_for_backward(lse),
+        None,  # cum_seq_q: dense batch
+        None,  # cum_seq_k
+        q.shape[1],  # max_q
+        k.shape[1],  # max_k
+        0.0,
+        causal,
+        seed,
+        offset,
+        scale=scale,
+    )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------- efficient
+def efficient_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """aten memory-efficient forward: out in q's dtype, lse float32 [B, H, Sq] (its padding sliced off).
+
+    K/V must have q's number of heads (the caller repeats them for GQA).
+    """
+    res = ATEN._scaled_dot_product_efficient_attention(
+        heads_second(q), heads_second(k), heads_second(v), None, True, 0.0, causal, scale=scale
+    )
+    return res[0].transpose(1, 2), res[1][..., : q.shape[1]]
+
+
+def efficient_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """aten memory-efficient backward from the merged out/lse: dq, dk, dv shaped like q, k, v."""
+    seed, offset = _rng_placeholders(q.device, flash=False)
+    res = ATEN._scaled_dot_product_efficient_attention_backward(
+        heads_second(dout.to(q.dtype)),
+        heads_second(q),
+        heads_second(k),
+        heads_second(v),
+        None,  # attn_bias
+        heads_second(out.to(q.dtype)),
+        pad_lse(lse_for_backward(lse)),
+        seed,
+        offset,
+        0.0,
+        [True, True, True, False],  # grad_input_mask: q, k, v, no bias
+        causal,
+        scale=scale,
+    )
+    return res[0].transpose(1, 2), res[1].transpose(1, 2), res[2].transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------- flash_attn
+def flash_attn_forward(module: Any, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flash-attn package's forward: out [B, Sq, H, D] in q's dtype, lse float32 [B, H, Sq]; GQA native."""
+    with torch.no_grad():
+        res = module.flash_attn_func(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            return_attn_probs=True,
+        )
+    return res[0], res[1][..., : q.shape[1]]
+
+
+# ---------------------------------------------------------------------------------------------- GQA wrappers
+def with_repeated_kv(forward_op):
+    """A forward that takes GQA K/V by repeating them per query head (for kernels without GQA)."""
+
+    def run(q, k, v, causal, scale):
+        groups = q.shape[2] // k.shape[2]
+        return forward_op(q, repeat_kv(k, groups), repeat_kv(v, groups), causal, scale)
+
+    return run
+
+
+def with_repeated_kv_backward(backward_op):
+    """The backward matching :func:`with_repeated_kv`: repeat K/V, then sum dK/dV over each group."""
+
+    def run(dout, q, k, v, out, lse, causal, scale):
+        groups = q.shape[2] // k.shape[2]
+        dq, dk, dv = backward_op(dout, q, repeat_kv(k, groups), repeat_kv(v, groups), out, lse, causal, scale)
+        return dq, sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)
+
+    return run

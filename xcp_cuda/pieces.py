@@ -1,0 +1,208 @@
+"""Cut a masked block into calls a fused kernel can serve; pure torch, no device code.
+
+Fused kernels (CUDA flash / memory-efficient, Ascend npu_fusion_attention) serve two masks safely: none,
+and causal on a *square* block. xcp's masks are top-left aligned on any shape: ``causal`` lets query i see
+keys 0..i and ``strict`` keys 0..i-1. A kernel's own causal flag is not enough because
+
+- flash-attn (and the flash kernel inside PyTorch) aligns a non-square causal mask to the bottom-right,
+  Ascend's usual causal mode (sparse_mode 3) is bottom-right too; only the square case is unambiguous;
+- no kernel has a strictly-causal mode: the usual identity "strict = causal on q[1:] against k[:-1]" holds
+  when Sq <= Sk, but not beyond (with Sq > Sk, query Sk already sees every key, k[:-1] would drop one).
+
+So every (mask, Sq, Sk) is cut into query-row ranges, in order:
+
+    rows [0, empty)           see no key: out 0, lse -inf, dq 0 (strict row 0; all rows if Sk == 0);
+    rows [a, a + n)           square causal against keys [0, n)            (causal, strict);
+    rows [..., Sq)            every key [0, Sk), no mask                   (none; causal/strict rows
+                                                                              past the last key).
+
+Each query row lies in exactly one piece, so forward results are concatenated, never merged. Keys a
+piece does not cover get zero gradient. The ring itself only asks for ``none`` on any shape and for
+``causal``/``strict`` on square blocks, which give one kernel call (plus one empty row for strict).
+
+The GQA fallback (repeat K/V per query head, sum dK/dV over the group) lives here too, since it is the
+same arithmetic for every device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from xcp.backend import check_mask
+from xcp.merge import accumulator_dtype
+
+NEG_INF = float("-inf")
+
+SquareForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
+"""``kernel(q, k, v, causal, scale) -> (out, lse)``; only called with causal on Sq == Sk."""
+
+SquareBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+"""``kernel(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``; same promise as the forward."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Query rows [start, stop) against keys [0, keys); ``causal`` means square causal (stop-start == keys)."""
+
+    start: int
+    stop: int
+    keys: int
+    causal: bool
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Rows [0, empty) see no key; ``pieces`` cover rows [empty, Sq) contiguously, in order."""
+
+    sq: int
+    sk: int
+    empty: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def whole(self) -> bool:
+        """True when one kernel call on the unsliced block gives the answer (no slicing, no padding)."""
+        return self.empty == 0 and len(self.pieces) == 1 and self.pieces[0].keys == self.sk
+
+
+def tile(sq: int, sk: int, mask: str) -> Tiling:
+    """The pieces of a block of ``sq`` queries and ``sk`` keys under ``mask`` (see the module docstring)."""
+    check_mask(mask)
+    if sq < 0 or sk < 0:
+        raise ValueError(f"sq, sk: expected lengths >= 0; got {sq}, {sk}")
+    if sk == 0 or sq == 0:
+        return Tiling(sq, sk, sq, ())
+    if mask == "none":
+        return Tiling(sq, sk, 0, (Piece(0, sq, sk, False),))
+    shift = 0 if mask == "causal" else 1  # row shift + m sees keys 0..m
+    empty = min(shift, sq)
+    n = max(0, min(sq - shift, sk))  # rows of the square causal part
+    pieces = []
+    if n:
+        pieces.append(Piece(shift, shift + n, n, True))
+    if n == sk and shift + n < sq:  # these rows are past the last key: they see all of them
+        pieces.append(Piece(shift + n, sq, sk, False))
+    return Tiling(sq, sk, empty, tuple(pieces))
+
+
+def allowed(tiling: Tiling) -> torch.Tensor:
+    """The boolean [Sq, Sk] matrix of (query, key) pairs the tiling lets through (for tests and docs)."""
+    m = torch.zeros(tiling.sq, tiling.sk, dtype=torch.bool)
+    for p in tiling.pieces:
+        block = torch.ones(p.stop - p.start, p.keys, dtype=torch.bool)
+        m[p.start : p.stop, : p.keys] = block.tril() if p.causal else block
+    return m
+
+
+def forward(kernel: SquareForward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scale: float):
+    """``(out, lse)`` of the block under ``mask``, from calls of ``kernel`` on its pieces.
+
+    out [B, Sq, H, D] in the kernel's output dtype (zeros on empty rows); lse [B, H, Sq] float32
+    (float64 for float64 inputs), -inf on empty rows.
+    """
+    t = tile(q.shape[1], k.shape[1], mask)
+    if t.whole:
+        return kernel(q, k, v, t.pieces[0].causal, scale)
+    outs, lses = [], []
+    for p in t.pieces:
+        o, lse = kernel(q[:, p.start : p.stop], k[:, : p.keys], v[:, : p.keys], p.causal, scale)
+        outs.append(o)
+        lses.append(lse)
+    b, sq, h, d = q.shape
+    out_dtype = outs[0].dtype if outs else q.dtype
+    lse_dtype = lses[0].dtype if lses else accumulator_dtype(q.dtype)
+    if t.empty:
+        outs.insert(0, torch.zeros((b, t.empty, h, v.shape[3]), dtype=out_dtype, device=q.device))
+        lses.insert(0, torch.full((b, h, t.empty), NEG_INF, dtype=lse_dtype, device=q.device))
+    out = torch.cat([o.to(out_dtype) for o in outs], dim=1)
+    lse = torch.cat([x.to(lse_dtype) for x in lses], dim=2)
+    return out, lse
+
+
+def backward(
+    kernel: SquareBackward,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: str,
+    scale: float,
+):
+    """``(dq, dk, dv)`` of the block under ``mask`` from calls of ``kernel`` on its pieces.
+
+    ``out`` and ``lse`` are the merged ones of the rows (the backward of a ring step). Empty rows get
+    dq 0; keys no piece covers get dk = dv = 0. Where two pieces add into the same keys the sums are in
+    float32 (float64 for float64), otherwise the kernel's dtype is kept.
+    """
+    t = tile(q.shape[1], k.shape[1], mask)
+    if t.whole:
+        return kernel(dout, q, k, v, out, lse, t.pieces[0].causal, scale)
+    dqs, dk, dv = [], None, None
+    acc = accumulator_dtype(q.dtype)
+    for p in t.pieces:
+        r = slice(p.start, p.stop)
+        gq, gk, gv = kernel(
+            dout[:, r], q[:, r], k[:, : p.keys], v[:, : p.keys], out[:, r], lse[:, :, r], p.causal, scale
+        )
+        dqs.append(gq)
+        if dk is None:
+            dk, dv = _pad_keys(gk, k.shape[1]), _pad_keys(gv, v.shape[1])
+        else:  # a second piece: add in the accumulator dtype
+            dk, dv = dk.to(acc), dv.to(acc)
+            dk[:, : p.keys] += gk
+            dv[:, : p.keys] += gv
+    q_dtype = dqs[0].dtype if dqs else q.dtype
+    if t.empty:
+        dqs.insert(0, torch.zeros((q.shape[0], t.empty, *q.shape[2:]), dtype=q_dtype, device=q.device))
+    dq = torch.cat([g.to(q_dtype) for g in dqs], dim=1)
+    if dk is None:
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    return dq, dk, dv
+
+
+def _pad_keys(g: torch.Tensor, sk: int) -> torch.Tensor:
+    """``g`` [B, n, Hkv, D] extended with zero rows to [B, sk, Hkv, D] (a new tensor; ``g`` when n == sk)."""
+    n = g.shape[1]
+    if n == sk:
+        return g
+    return torch.cat([g, g.new_zeros((g.shape[0], sk - n, *g.shape[2:]))], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------- GQA fallback
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, S, Hkv, D] -> [B, S, Hkv * groups, D]: query head h reads K/V head h // groups (as SDPA's GQA)."""
+    return x.repeat_interleave(groups, dim=2) if groups > 1 else x
+
+
+def sum_kv_groups(g: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, S, Hkv * groups, D] -> [B, S, Hkv, D]: the gradient of :func:`repeat_kv` (sum over each group)."""
+    if groups == 1:
+        return g
+    b, s, h, d = g.shape
+    return g.reshape(b, s, h // groups, groups, d).sum(3)
+
+
+# ---------------------------------------------------------------------------------------------- argument checks
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Check the [B, S, H, D] layout of one block; return the GQA group size H // Hkv.
+
+    Raises a ValueError naming the argument, the expected and the actual value.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims [batch, seq, heads, head_dim]; got shape {tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"v: expected shape {tuple(k.shape)} (the shape of k); got {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: expected batch {q.shape[0]} (that of q); got {k.shape[0]}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k: expected head_dim {q.shape[3]} (that of q); got {k.shape[3]}")
+    h, hkv = q.shape[2], k.shape[2]
+    if hkv < 1 or h % hkv:
+        raise ValueError(f"k: expected a number of heads that divides the {h} heads of q; got {hkv}")
+    return h // hkv

@@ -1,0 +1,168 @@
+"""The Ascend backend: torch_npu.npu_fusion_attention and its grad, torch.npu streams, HCCL, clone hand-off.
+
+torch_npu is imported at the first call that needs it (``available()``, a kernel, a stream), once; a
+failed import is remembered and reported, never raised during discovery. Installing torch-npu without
+Ascend's CANN makes the import fail with e.g. "libhccl.so: cannot open shared object file", which then is
+the reason ``xcp backends`` shows.
+
+Hand-off is ``clone``: a tensor given to another stream is copied in that stream's context, so that
+stream owns the copy. That is the fix Ascend users rely on, because torch_npu's allocator (with
+MULTI_STREAM_MEMORY_REUSE, its default) erases record_stream marks when an HCCL work is waited on, so
+a zero-copy record_stream hand-off is not a guarantee there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch
+
+from xcp.backend import Backend, check_mask
+from xcp_cuda import pieces
+
+from . import convert
+
+GQA_MODES = ("native", "repeat")
+"""``native``: K/V with fewer heads go to npu_fusion_attention as they are (it allows N_kv dividing N in
+BSND); ``repeat``: K/V are repeated per query head and dK/dV summed over each group (the fallback)."""
+
+
+class NPUBackend(Backend):
+    """Huawei Ascend NPUs through torch_npu.
+
+    :param gqa: ``native`` (default; env ``XCP_NPU_GQA``) or ``repeat``.
+    """
+
+    name = "npu"
+    device_type = "npu"
+    dist_backend = "hccl"
+    handoff_policy = "clone"
+    kernel = "torch_npu.npu_fusion_attention (+ _grad), BSND, causal as sparse_mode 3"
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+
+    def __init__(self, gqa: str | None = None) -> None:
+        mode = gqa if gqa is not None else os.environ.get("XCP_NPU_GQA", "native")
+        if mode not in GQA_MODES:
+            raise ValueError(f"gqa: expected one of {', '.join(GQA_MODES)}; got {mode!r}")
+        self.gqa = mode
+        self._vendor: Any = None
+        self._vendor_error: str | None = None
+        self._masks: dict[torch.device, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ vendor module
+    def vendor(self) -> Any:
+        """The torch_npu module (imported once); RuntimeError with the import error when it cannot load."""
+        if self._vendor is None and self._vendor_error is None:
+            try:
+                self._vendor = importlib.import_module("torch_npu")
+            except Exception as exc:  # noqa: BLE001 - ImportError, OSError, RuntimeError all mean "absent"
+                self._vendor_error = str(exc) or type(exc).__name__
+        if self._vendor is None:
+            raise RuntimeError(f"xcp_npu needs torch_npu, which is not importable: {self._vendor_error}")
+        return self._vendor
+
+    # ------------------------------------------------------------------ identity
+    def available(self) -> tuple[bool, str]:
+        """(True, "") when torch_npu loads and sees a device; otherwise the reason. Never raises."""
+        try:
+            self.vendor()
+        except RuntimeError:
+            return False, f"torch_npu is not importable: {self._vendor_error}"
+        try:
+            if not torch.npu.is_available():
+                return False, "no Ascend device: torch.npu.is_available() is False"
+        except Exception as exc:  # noqa: BLE001 - a broken driver must not break discovery
+            return False, f"no Ascend device: querying torch.npu raised {type(exc).__name__}: {exc}"
+        return True, ""
+
+    # ------------------------------------------------------------------ streams, events, memory
+    def _module(self) -> Any:
+        """torch.npu, which exists once torch_npu is imported (streams and events come from it)."""
+        self.vendor()
+        return torch.get_device_module(self.device_type)
+
+    def is_capturing(self) -> bool:
+        """True while the current NPU stream is captured into an NPU graph (False where torch_npu lacks it)."""
+        capturing = getattr(self._module(), "is_current_stream_capturing", None)
+        return bool(capturing()) if capturing is not None else False
+
+    def memory_stats(self, device: torch.device | None = None) -> dict[str, int] | None:
+        """Bytes held by tensors now (``allocated``) and at most since the last reset (``peak``)."""
+        module = self._module()
+        return {"allocated": module.memory_allocated(device), "peak": module.max_memory_allocated(device)}
+
+    def reset_peak_memory(self, device: torch.device | None = None) -> None:
+        self._module().reset_peak_memory_stats(device)
+
+    # ------------------------------------------------------------------ block kernel
+    def forward(self, q, k, v, mask, scale):
+        """(out, lse): out [B, Sq, H, D] in q's dtype, lse float32 [B, H, Sq] = max + log(sum) of the
+        kernel's softmax statistics; rows that see no key give out 0 and lse -inf."""
+        self._check(q, k, v, mask)
+        return pieces.forward(self._square_forward, q, k, v, mask, scale)
+
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
+        """(dq, dk, dv) of this block from the merged out and lse of its rows, shaped like q, k, v."""
+        self._check(q, k, v, mask)
+        return pieces.backward(self._square_backward, dout, q, k, v, out, lse, mask, scale)
+
+    # ------------------------------------------------------------------ internals
+    def _check(self, q, k, v, mask) -> None:
+        check_mask(mask)
+        pieces.check_qkv(q, k, v)
+        if q.device.type != self.device_type:
+            raise ValueError(f"q: backend {self.name!r} expected a {self.device_type} tensor; got {q.device}")
+
+    def _sparse(self, causal: bool, device: torch.device) -> dict[str, Any]:
+        mask = None
+        if causal:
+            if device not in self._masks:
+                self._masks[device] = convert.causal_mask(device)
+            mask = self._masks[device]
+        return convert.sparse_args(causal, mask)
+
+    def _groups(self, q, k) -> int:
+        """How many times K/V are repeated before the kernel: 1 in native GQA mode."""
+        return 1 if self.gqa == "native" else q.shape[2] // k.shape[2]
+
+    def _square_forward(self, q, k, v, causal: bool, scale: float):
+        convert.check_square(q, k, causal)
+        groups = self._groups(q, k)
+        k, v = pieces.repeat_kv(k, groups), pieces.repeat_kv(v, groups)
+        outputs = self.vendor().npu_fusion_attention(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            q.shape[2],  # head_num: the query heads; K/V may have fewer (GQA)
+            convert.LAYOUT,
+            scale=scale,
+            keep_prob=1.0,
+            **self._sparse(causal, q.device),
+        )
+        out, softmax_max, softmax_sum = convert.check_forward_outputs(q, v, outputs)
+        return out, convert.lse_from_softmax_stats(softmax_max, softmax_sum)
+
+    def _square_backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+        convert.check_square(q, k, causal)
+        groups = self._groups(q, k)
+        kr, vr = pieces.repeat_kv(k, groups), pieces.repeat_kv(v, groups)
+        softmax_max, softmax_sum = convert.softmax_stats_from_lse(lse)
+        grads = self.vendor().npu_fusion_attention_grad(
+            q.contiguous(),
+            kr.contiguous(),
+            vr.contiguous(),
+            dout.to(q.dtype).contiguous(),
+            q.shape[2],
+            convert.LAYOUT,
+            softmax_max=softmax_max,
+            softmax_sum=softmax_sum,
+            softmax_in=None,  # the forward's softmax_in output is a reserved, empty tensor
+            attention_in=out.to(q.dtype).contiguous(),  # the merged out: the kernel's rowsum(dO * O)
+            scale_value=scale,  # named scale_value here, scale in the forward
+            keep_prob=1.0,
+            **self._sparse(causal, q.device),
+        )
+        dq, dk, dv = grads[0], grads[1], grads[2]
+        return dq, pieces.sum_kv_groups(dk, groups), pieces.sum_kv_groups(dv, groups)
