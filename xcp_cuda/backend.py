@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import os
 from typing import Any
 
@@ -18,6 +19,7 @@ from xcp.backend import Backend, check_mask
 from xcp.cpu import math_backward, math_forward
 
 from . import kernels, pieces
+from .fused_merge import fused_merge_, fused_merge_supported
 
 GQA_MODES = ("native", "repeat")
 """``native``: kernels that take fewer K/V heads get them as is; ``repeat``: K/V are always repeated per
@@ -66,6 +68,8 @@ class CUDABackend(Backend):
         self._flash_attn: Any = None
         self._flash_attn_error: str | None = None
         self._capabilities: dict[int, tuple[int, int]] = {}
+        # XCP_CUDA_FUSED_MERGE=0 selects the eager merge (for comparisons and as a fallback)
+        self.fused_merge = _env_flag("XCP_CUDA_FUSED_MERGE", importlib.util.find_spec("triton") is not None)
 
     # ------------------------------------------------------------------ identity
     def available(self) -> tuple[bool, str]:
@@ -102,6 +106,13 @@ class CUDABackend(Backend):
         """(dq, dk, dv) of this block from the merged out and lse of its rows, shaped like q, k, v."""
         self._check(q, k, v, mask)
         return pieces.backward(self._square_backward, dout, q, k, v, out, lse, mask, scale)
+
+    def merge_(self, out, lse, block_out, block_lse, rows=slice(None)):
+        """One Triton kernel where it applies (fp32 accumulators), else the generic eager merge."""
+        if self.fused_merge and fused_merge_supported(out, block_out):
+            fused_merge_(out, lse, block_out, block_lse, rows)
+        else:
+            super().merge_(out, lse, block_out, block_lse, rows)
 
     def kernel_for(self, q: torch.Tensor) -> str:
         """The aten kernel that serves blocks shaped and typed like ``q`` on its device."""
