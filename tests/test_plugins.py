@@ -133,7 +133,9 @@ def test_duplicate_backend_name_from_register_plugin_names_both_plugins():
 
 def test_duplicate_backend_name_from_entry_points_is_an_error_naming_both(monkeypatch):
     twin = backend_class("twin")
-    use_entry_points(monkeypatch, FakeEntryPoint("first", plugin_for(twin())), FakeEntryPoint("second", plugin_for(twin())))
+    use_entry_points(
+        monkeypatch, FakeEntryPoint("first", plugin_for(twin())), FakeEntryPoint("second", plugin_for(twin()))
+    )
     with pytest.warns(plugins.PluginWarning, match="'twin' is registered by plugins 'first' and 'second'"):
         table = xcp.backend_table()
     rows = [r for r in table if r.name == "twin"]
@@ -157,7 +159,9 @@ def test_plugin_whose_hook_raises_is_reported_by_name_and_others_work():
     good = plugin_for(backend_class("good")())
     xcp.register_plugin(good, name="good-plugin")
     try:
-        with pytest.warns(plugins.PluginWarning, match="plugin 'broken' failed to register: RuntimeError: driver exploded"):
+        with pytest.warns(
+            plugins.PluginWarning, match="plugin 'broken' failed to register: RuntimeError: driver exploded"
+        ):
             xcp.register_plugin(Broken(), name="broken")
         row = next(r for r in xcp.backend_table() if r.plugin == "broken")
         assert not row.available and "driver exploded" in row.reason
