@@ -28,11 +28,13 @@ from .reference import allowed_pairs, reference_attention, reference_gradients
 TOLERANCES: dict[torch.dtype, float] = {
     # Largest error allowed, relative to max(1, max |reference|), by input dtype. Shapes are small (at
     # most 24 keys, head_dim 16), so a correct kernel's error is a few units of its dtype's rounding;
-    # a wrong mask, scale, head mapping or lse gives errors of 1e-1 or more.
+    # a wrong mask, scale, head mapping or lse gives errors of 1e-1 or more. Measured on an H200 with
+    # torch's flash kernel (these shapes and S=200, five seeds): worst 5.8e-3 in bfloat16, 9.4e-4 in
+    # float16, over out, lse, dq, dk and dv.
     torch.float64: 1e-10,  # eps 1.1e-16: anything above 1e-10 means a float32 step inside
     torch.float32: 1e-4,  # eps 1.2e-7; room for fused exp and reordered sums, none for a TF32-only kernel
-    torch.float16: 1e-2,  # eps 9.8e-4: about ten roundings (probabilities and outputs in half precision)
-    torch.bfloat16: 4e-2,  # eps 7.8e-3: about five roundings
+    torch.float16: 5e-3,  # eps 9.8e-4: five roundings, 5x the flash kernel's worst
+    torch.bfloat16: 2e-2,  # eps 7.8e-3: between two and three roundings, 3.5x the flash kernel's worst
 }
 
 HEADS = {"mha": (4, 4), "gqa": (4, 2)}
