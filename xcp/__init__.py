@@ -1,11 +1,11 @@
 """xcp: context-parallel (ring) attention with proven-safe, bounded buffer lifetimes on any device."""
 
 from .api import attention, shard, unshard
-from .backend import Backend
+from .backend import Backend, SynchronousBackend
 from .comm import LocalGroup, LocalWorld
 from .hookspecs import hookimpl
 from .lifetime import BufferLedger, track_buffers
-from .plugins import get_backend, list_backends
+from .plugins import backend_table, get_backend, list_backends, register_plugin, unregister_plugin
 from .ring import RingConfig, ring_backward, ring_forward
 from .schedule import BALANCES, Plan, Step, plan
 
@@ -18,15 +18,19 @@ __all__ = [
     "Plan",
     "RingConfig",
     "Step",
+    "SynchronousBackend",
     "attention",
+    "backend_table",
     "get_backend",
     "hookimpl",
     "list_backends",
     "plan",
+    "register_plugin",
     "ring_backward",
     "ring_forward",
     "shard",
     "track_buffers",
+    "unregister_plugin",
     "unshard",
 ]
 

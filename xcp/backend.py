@@ -10,6 +10,7 @@ differs.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -41,7 +42,12 @@ class Backend:
         ``name`` (what users pass as ``device=``), ``device_type`` (torch's device type of its tensors),
         ``dist_backend`` (the torch.distributed backend for its collectives), ``handoff_policy`` (the
         default hand-off), ``kernel`` (a short description of the block kernel, for ``xcp backends``),
-        ``dtypes`` (the dtypes its kernel serves).
+        ``dtypes`` (the dtypes its kernel serves), ``masks`` (the block masks it serves; the ring needs
+        ``none`` always, ``causal`` for causal attention and ``strict`` for the stripe balance).
+
+    Every backend must accept grouped-query K/V (``H % Hkv == 0``) and strided (non-contiguous) views
+    along the sequence, which is what the ring passes; :func:`check_backend` validates the identity and
+    ``xcp.testing`` checks the rest.
     """
 
     name: str = "base"
@@ -96,9 +102,17 @@ class Backend:
         """Block the host until ``event`` has completed."""
         event.synchronize()
 
+    def synchronize(self, device: torch.device | None = None) -> None:
+        """Block the host until all work issued on ``device`` has completed."""
+        sync = getattr(self._module(), "synchronize", None)
+        if sync is not None:
+            sync(device)
+
     def is_capturing(self) -> bool:
-        """True while the current stream is being captured into a graph."""
-        return False
+        """True while the current stream is being captured into a graph (never, where the device has no
+        graphs)."""
+        capturing = getattr(self._module(), "is_current_stream_capturing", None)
+        return bool(capturing()) if capturing is not None else False
 
     # ------------------------------------------------------------------ hand-off
     def handoff(self, tensor: torch.Tensor, consumer_stream: Any, policy: str | None = None) -> torch.Tensor:
@@ -170,11 +184,22 @@ class Backend:
 
     # ------------------------------------------------------------------ memory
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int] | None:
-        """Allocator statistics (``allocated``, ``peak``) where the device has them, else None."""
-        return None
+        """Allocator statistics in bytes (``allocated``, ``peak``) where the device has them, else None.
+
+        The default reads ``memory_allocated`` / ``max_memory_allocated`` of the device module.
+        """
+        module = self._module()
+        allocated = getattr(module, "memory_allocated", None)
+        peak = getattr(module, "max_memory_allocated", None)
+        if allocated is None or peak is None:
+            return None
+        return {"allocated": int(allocated(device)), "peak": int(peak(device))}
 
     def reset_peak_memory(self, device: torch.device | None = None) -> None:
-        """Reset the allocator's peak counter, where the device has one."""
+        """Reset the allocator's peak counter to what is allocated now, where the device has one."""
+        reset = getattr(self._module(), "reset_peak_memory_stats", None)
+        if reset is not None:
+            reset(device)
 
 
 class NullStream:
@@ -235,3 +260,56 @@ class SynchronousBackend(Backend):
 
     def synchronize_event(self, event: Any) -> None:
         pass
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        pass
+
+    def is_capturing(self) -> bool:
+        return False
+
+    def handoff(self, tensor: torch.Tensor, consumer_stream: Any, policy: str | None = None) -> torch.Tensor:
+        """Every policy is honoured as far as a synchronous device can: ``clone`` copies, the others
+        return ``tensor`` (there is no allocator to tell and no stream to order)."""
+        policy = check_handoff(policy or self.handoff_policy)
+        return tensor.clone() if policy == "clone" else tensor
+
+    def memory_stats(self, device: torch.device | None = None) -> dict[str, int] | None:
+        return None
+
+    def reset_peak_memory(self, device: torch.device | None = None) -> None:
+        pass
+
+
+_IDENTITY_STRINGS = ("name", "device_type", "dist_backend", "kernel")
+
+
+def check_backend(backend: Any) -> Backend:
+    """Return ``backend`` if it is a :class:`Backend` with a well-formed identity, else raise a TypeError
+    or ValueError naming the attribute, what was expected and what it holds.
+
+    Called on every backend a plugin registers, so a malformed one is reported with its plugin's name
+    instead of failing later inside the ring.
+    """
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend: expected an instance of xcp.Backend; got {type(backend).__name__}")
+    for attr in _IDENTITY_STRINGS:
+        value = getattr(backend, attr)
+        if not isinstance(value, str) or not value.strip():
+            raise TypeError(f"backend.{attr}: expected a non-empty str; got {value!r}")
+    if any(c in backend.name for c in ": \t\n"):
+        raise ValueError(f"backend.name: expected a name without ':' or spaces; got {backend.name!r}")
+    if backend.handoff_policy not in HANDOFF_POLICIES:
+        raise ValueError(
+            f"backend.handoff_policy: expected one of {', '.join(HANDOFF_POLICIES)}; got {backend.handoff_policy!r}"
+        )
+    dtypes = backend.dtypes
+    if (
+        not isinstance(dtypes, Sequence)
+        or not dtypes
+        or not all(isinstance(d, torch.dtype) and d.is_floating_point for d in dtypes)
+    ):
+        raise TypeError(f"backend.dtypes: expected a non-empty tuple of floating torch dtypes; got {dtypes!r}")
+    masks = backend.masks
+    if not isinstance(masks, Sequence) or "none" not in masks or any(m not in MASKS for m in masks):
+        raise ValueError(f"backend.masks: expected a tuple of {', '.join(MASKS)} that includes 'none'; got {masks!r}")
+    return backend

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .backend import SynchronousBackend, check_mask
+from .hookspecs import hookimpl
 from .merge import accumulator_dtype
 
 NEG_INF = float("-inf")
@@ -90,5 +91,8 @@ class CPUBackend(SynchronousBackend):
     def backward(self, dout, q, k, v, out, lse, mask, scale):
         return math_backward(dout, q, k, v, out, lse, mask, scale)
 
-    def memory_stats(self, device=None):
-        return None
+
+@hookimpl
+def xcp_register_backends(register) -> None:
+    """The built-in CPU backend registers through the same hook as every third-party backend."""
+    register(CPUBackend())

@@ -25,11 +25,17 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def xcp_register_backends(register: Callable[[Backend], None]) -> None:
     """Register the backends a plugin provides.
 
-    Called once when xcp loads its plugins. Call ``register`` once per backend; importing the vendor
-    module (torch_npu, flash_attn, ...) must not happen here but lazily inside the backend, so that a
-    missing package makes the backend unavailable instead of breaking discovery.
+    Called when xcp builds its table of backends: on first use, and again after a plugin is registered
+    or unregistered, so it should be cheap and do nothing but create backends. Call ``register`` once per
+    backend. Import the vendor module (torch_npu, flash_attn, ...) lazily inside the backend, not here,
+    so that a missing package makes the backend unavailable (``available()`` says why) instead of
+    breaking discovery.
 
-    :param register: ``register(backend)``, where ``backend`` is an instance of :class:`xcp.Backend`.
-        Registering two backends with one name is an error that names both plugins.
+    If this hook raises, the plugin is reported by name (a warning and a row of ``xcp backends``), the
+    backends it registered are dropped and every other plugin's backends still work.
+
+    :param register: ``register(backend)``, where ``backend`` is an instance of :class:`xcp.Backend`
+        with a well-formed identity (a malformed one raises here). Two backends with one name, from any
+        plugins, are an error that names both plugins.
     :returns: nothing.
     """

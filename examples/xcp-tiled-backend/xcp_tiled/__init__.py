@@ -1,0 +1,5 @@
+"""An example third-party xcp backend, ``tiled``: see README.md."""
+
+from .backend import TiledBackend
+
+__all__ = ["TiledBackend"]

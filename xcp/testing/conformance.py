@@ -1,0 +1,475 @@
+"""The backend conformance suite: what every backend must do for the ring to be correct on its device.
+
+Each check is a plain function of a :class:`xcp.Backend` that raises AssertionError with a message
+naming what differs; :func:`cases` lists them for one backend (every dtype and mask it claims), so any
+test runner can drive them. With pytest::
+
+    python -m xcp.testing --xcp-backend NAME
+    pytest -p xcp.testing.pytest_plugin --pyargs xcp.testing --xcp-backend NAME
+
+Numbers are compared with :mod:`xcp.testing.reference` (float64, on the CPU) on seeded random inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..api import shard, unshard
+from ..backend import HANDOFF_POLICIES, Backend, check_backend
+from ..comm import LocalWorld
+from ..merge import accumulator_dtype, new_accumulators
+from ..ring import RingConfig, ring_backward, ring_forward
+from .reference import allowed_pairs, reference_attention, reference_gradients
+
+TOLERANCES: dict[torch.dtype, float] = {
+    # Largest error allowed, relative to max(1, max |reference|), by input dtype. Shapes are small (at
+    # most 24 keys, head_dim 16), so a correct kernel's error is a few units of its dtype's rounding;
+    # a wrong mask, scale, head mapping or lse gives errors of 1e-1 or more. Measured on an H200 with
+    # torch's flash kernel (these shapes and S=200, five seeds): worst 5.8e-3 in bfloat16, 9.4e-4 in
+    # float16, over out, lse, dq, dk and dv.
+    torch.float64: 1e-10,  # eps 1.1e-16: anything above 1e-10 means a float32 step inside
+    torch.float32: 1e-4,  # eps 1.2e-7; room for fused exp and reordered sums, none for a TF32-only kernel
+    torch.float16: 5e-3,  # eps 9.8e-4: five roundings, 5x the flash kernel's worst
+    torch.bfloat16: 2e-2,  # eps 7.8e-3: between two and three roundings, 3.5x the flash kernel's worst
+}
+
+HEADS = {"mha": (4, 4), "gqa": (4, 2)}
+"""(query heads, KV heads). In ``gqa`` the mapping matters: head h must use KV head h // 2, not h % 2."""
+
+BATCH, HEAD_DIM, SEQ = 2, 16, 21  # odd lengths catch kernels that assume whole tiles
+SCALE = 0.37  # not 1/sqrt(16): catches a kernel that ignores its ``scale`` argument
+RING_SEQ = 24  # divisible by 2P for P = 2, 3 (zigzag) and by P (stripe, contiguous)
+RING_LAYOUTS = (  # (causal, balance, masks the backend must serve)
+    (False, "contiguous", ("none",)),
+    (True, "zigzag", ("none", "causal")),
+    (True, "stripe", ("causal", "strict")),
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One named check: ``run(backend)`` raises AssertionError when the backend does not conform."""
+
+    id: str
+    check: Callable[..., None]
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+    def run(self, backend: Backend) -> None:
+        self.check(backend, **dict(self.kwargs))
+
+    def __str__(self) -> str:
+        return self.id
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _device(backend: Backend) -> torch.device:
+    return torch.device(backend.device_type)
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+
+
+def _sequence_view(b: int, s: int, h: int, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
+    """A [b, s, h, D] tensor that is a slice along the sequence of a longer one (strided when b > 1),
+    which is what the ring hands a kernel."""
+    return _random((b, s + 3, h, HEAD_DIM), dtype, device, seed)[:, 2 : 2 + s]
+
+
+def _block_inputs(backend: Backend, dtype: torch.dtype, heads: str, sq: int, sk: int, seed: int):
+    h, hkv = HEADS[heads]
+    dev = _device(backend)
+    q = _sequence_view(BATCH, sq, h, dtype, dev, seed)
+    k = _sequence_view(BATCH, sk, hkv, dtype, dev, seed + 1)
+    v = _sequence_view(BATCH, sk, hkv, dtype, dev, seed + 2)
+    dout = _sequence_view(BATCH, sq, h, dtype, dev, seed + 3)
+    return q, k, v, dout
+
+
+def assert_close(what: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """Raise AssertionError unless ``actual`` matches the float64 ``expected`` within the tolerance of
+    ``dtype``; -inf must match -inf exactly and NaN is never accepted."""
+    if tuple(actual.shape) != tuple(expected.shape):
+        raise AssertionError(f"{what}: expected shape {tuple(expected.shape)}; got {tuple(actual.shape)}")
+    got = actual.detach().to("cpu", torch.float64)
+    if torch.isnan(got).any():
+        raise AssertionError(f"{what}: {int(torch.isnan(got).sum())} NaN values (expected none)")
+    inf_expected, inf_got = torch.isneginf(expected), torch.isneginf(got)
+    if not torch.equal(inf_expected, inf_got):
+        where = (inf_expected != inf_got).nonzero()[0].tolist()
+        raise AssertionError(f"{what}: -inf pattern differs from the reference, first at index {where}")
+    finite = ~inf_expected
+    if not finite.any():
+        return
+    err = (got[finite] - expected[finite]).abs()
+    bound = TOLERANCES[dtype] * max(1.0, expected[finite].abs().max().item())
+    worst = err.max().item()
+    if not worst <= bound:
+        index = finite.nonzero()[err.argmax()].tolist()
+        raise AssertionError(
+            f"{what}: max abs error {worst:.3g} at index {index} exceeds {bound:.3g} "
+            f"({TOLERANCES[dtype]:g} x max(1, max|ref|) for {_dtype_name(dtype)})"
+        )
+
+
+def _assert_result(what: str, x: Any, like: torch.Tensor, shape: tuple[int, ...], dtypes: tuple) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise AssertionError(f"{what}: expected a torch.Tensor; got {type(x).__name__}")
+    if tuple(x.shape) != tuple(shape):
+        raise AssertionError(f"{what}: expected shape {tuple(shape)}; got {tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        raise AssertionError(f"{what}: expected dtype {' or '.join(map(str, dtypes))}; got {x.dtype}")
+    if x.device.type != like.device.type:
+        raise AssertionError(f"{what}: expected a {like.device.type} tensor; got one on {x.device}")
+
+
+def _assert_unchanged(what: str, before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
+    for i, (b, a) in enumerate(zip(before, after)):
+        if not torch.equal(b, a):
+            raise AssertionError(f"{what}: input {i} was modified in place (inputs must never be mutated)")
+
+
+def _value_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """Outputs and gradients may come in the input dtype or the accumulator dtype."""
+    return tuple(dict.fromkeys((dtype, accumulator_dtype(dtype))))
+
+
+# ---------------------------------------------------------------------------------------------- identity
+
+
+def check_identity(backend: Backend) -> None:
+    """Identity attributes are well formed and the backend says it is available."""
+    try:
+        check_backend(backend)
+    except (TypeError, ValueError) as exc:
+        raise AssertionError(str(exc)) from None
+    answer = backend.available()
+    if not (isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], bool)):
+        raise AssertionError(f"available(): expected a (bool, str) tuple; got {answer!r}")
+    if not answer[0]:
+        raise AssertionError(f"available(): the backend under test says it is unusable here: {answer[1]}")
+
+
+def check_registered(backend: Backend) -> None:
+    """``xcp.get_backend(name)`` finds a backend of the same class (it was registered through the hook)."""
+    from ..plugins import get_backend
+
+    found = get_backend(backend.name)
+    if type(found) is not type(backend):
+        raise AssertionError(
+            f"get_backend({backend.name!r}) returned a {type(found).__name__}; expected a {type(backend).__name__}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- streams
+
+
+def check_streams(backend: Backend) -> None:
+    """``stream_context(s)`` makes ``s`` current and restores the caller's stream afterwards;
+    ``is_capturing()`` is False outside graph capture."""
+    dev = _device(backend)
+    caller = backend.current_stream(dev)
+    side = backend.new_stream(dev)
+    if caller is None or side is None:
+        raise AssertionError(f"current_stream / new_stream returned {caller!r} / {side!r}; expected streams")
+    with backend.stream_context(side):
+        inside = backend.current_stream(dev)
+        if inside != side:
+            raise AssertionError(f"inside stream_context(s) the current stream is {inside!r}; expected {side!r}")
+    after = backend.current_stream(dev)
+    if after != caller:
+        raise AssertionError(f"after stream_context the current stream is {after!r}; expected {caller!r}")
+    capturing = backend.is_capturing()
+    if capturing is not False:
+        raise AssertionError(f"is_capturing() outside capture returned {capturing!r}; expected False")
+
+
+def check_events(backend: Backend) -> None:
+    """Work ordered by record_event / wait_event / wait_stream sees the producer's result; the methods
+    return None."""
+    dev = _device(backend)
+    caller = backend.current_stream(dev)
+    producer, consumer = backend.new_stream(dev), backend.new_stream(dev)
+    base = torch.full((256, 256), 1.0 / 256, device=dev)
+    results = {"wait_stream": backend.wait_stream(producer, caller)}
+    with backend.stream_context(producer):
+        x = base
+        for _ in range(8):  # enough work that a consumer which does not wait would read too early
+            x = x @ base
+        x = x.sum() * 0 + 7.0
+    event = backend.new_event()
+    results["record_event"] = backend.record_event(event, producer)
+    results["wait_event"] = backend.wait_event(consumer, event)
+    with backend.stream_context(consumer):
+        y = x * 2
+    done = backend.new_event()
+    backend.record_event(done, consumer)
+    results["synchronize_event"] = backend.synchronize_event(done)
+    backend.wait_stream(caller, consumer)
+    for name, value in results.items():
+        if value is not None:
+            raise AssertionError(f"{name}(...) returned {value!r}; expected None")
+    got = y.item()
+    if got != 14.0:
+        raise AssertionError(f"a consumer that waited on the producer's event read {got}; expected 14.0")
+
+
+def check_handoff(backend: Backend, policy: str) -> None:
+    """``handoff(t, stream, policy)`` returns a tensor equal to ``t``: the same memory for
+    ``record_stream``, ``event`` and ``none``, a copy for ``clone``; ``t`` is never changed."""
+    dev = _device(backend)
+    t = torch.arange(24, dtype=torch.float32, device=dev).reshape(4, 6)
+    before = t.clone()
+    consumer = backend.new_stream(dev)
+    got = backend.handoff(t, consumer, policy)
+    backend.synchronize(dev)
+    _assert_result(f"handoff(policy={policy!r})", got, t, tuple(t.shape), (t.dtype,))
+    if not torch.equal(got, before):
+        raise AssertionError(f"handoff(policy={policy!r}) returned different values")
+    aliases = got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    if policy == "clone":
+        if aliases:
+            raise AssertionError("handoff(policy='clone') returned a tensor sharing memory with its input")
+        got.add_(1)
+        backend.synchronize(dev)
+    elif not aliases:
+        raise AssertionError(f"handoff(policy={policy!r}) copied the tensor; expected the same memory (zero copy)")
+    _assert_unchanged(f"handoff(policy={policy!r})", [before], [t])
+
+
+def check_handoff_default(backend: Backend) -> None:
+    """Without a policy, ``handoff`` applies ``backend.handoff_policy``; an unknown policy is a ValueError."""
+    dev = _device(backend)
+    t = torch.ones(8, device=dev)
+    got = backend.handoff(t, backend.new_stream(dev))
+    aliases = got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    if aliases == (backend.handoff_policy == "clone"):
+        raise AssertionError(
+            f"handoff without a policy {'shared' if aliases else 'copied'} the tensor; "
+            f"the default policy {backend.handoff_policy!r} says otherwise"
+        )
+    try:
+        backend.handoff(t, backend.new_stream(dev), "teleport")
+    except ValueError:
+        return
+    raise AssertionError("handoff(policy='teleport') did not raise ValueError")
+
+
+def check_memory_stats(backend: Backend) -> None:
+    """``memory_stats`` is None or counts bytes: it grows by at least a new tensor's size, and
+    ``reset_peak_memory`` brings the peak back down to what is allocated now."""
+    dev = _device(backend)
+    backend.synchronize(dev)
+    first = backend.memory_stats(dev)
+    if first is None:
+        backend.reset_peak_memory(dev)  # must be callable all the same
+        return
+    for key in ("allocated", "peak"):
+        if not isinstance(first.get(key), int):
+            raise AssertionError(f"memory_stats()[{key!r}]: expected an int; got {first.get(key)!r}")
+    size = 4 << 20
+    x = torch.empty(size, dtype=torch.uint8, device=dev)
+    held = backend.memory_stats(dev)
+    if held["allocated"] - first["allocated"] < size:
+        raise AssertionError(
+            f"memory_stats: allocating {size} bytes raised 'allocated' by {held['allocated'] - first['allocated']}"
+        )
+    if held["peak"] < held["allocated"]:
+        raise AssertionError(f"memory_stats: peak {held['peak']} < allocated {held['allocated']}")
+    del x
+    backend.synchronize(dev)
+    backend.reset_peak_memory(dev)
+    after = backend.memory_stats(dev)
+    if after["peak"] >= held["allocated"]:
+        raise AssertionError(
+            f"memory_stats: after freeing {size} bytes and reset_peak_memory the peak is {after['peak']}, "
+            f"not below the {held['allocated']} allocated before"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- kernel
+
+
+def _forward_checked(backend, q, k, v, mask, dtype):
+    out, lse = backend.forward(q, k, v, mask, SCALE)
+    b, sq, h, _ = q.shape
+    _assert_result("forward out", out, q, tuple(q.shape), _value_dtypes(dtype))
+    _assert_result("forward lse", lse, q, (b, h, sq), (accumulator_dtype(dtype),))
+    return out, lse
+
+
+def check_forward(backend: Backend, dtype: torch.dtype, mask: str, heads: str, sq: int = SEQ, sk: int = SEQ) -> None:
+    """Block forward against the reference: out, and lse = logsumexp of the scaled scores in float32
+    [B, H, Sq] (float64 for float64), -inf with an all-zero output on rows that see no key."""
+    q, k, v, _ = _block_inputs(backend, dtype, heads, sq, sk, seed=11)
+    inputs = [x.clone() for x in (q, k, v)]
+    ref_out, ref_lse = reference_attention(q, k, v, mask, SCALE)
+    out, lse = _forward_checked(backend, q, k, v, mask, dtype)
+    assert_close("forward out", out, ref_out, dtype)
+    assert_close("forward lse", lse, ref_lse, dtype)
+    blind = ~allowed_pairs(sq, sk, mask).any(dim=1)
+    if blind.any() and out[:, blind.to(out.device)].count_nonzero() > 0:
+        raise AssertionError("forward out: rows that see no key must be exactly zero")
+    _assert_unchanged("forward", inputs, [q, k, v])
+
+
+def check_backward(backend: Backend, dtype: torch.dtype, mask: str, heads: str, sq: int = SEQ, sk: int = SEQ) -> None:
+    """Block backward against the reference, given the reference out (in the input dtype) and lse."""
+    q, k, v, dout = _block_inputs(backend, dtype, heads, sq, sk, seed=23)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference_gradients(dout, q, k, v, mask, SCALE)
+    out = ref_out.to(q.device, dtype)
+    lse = ref_lse.to(q.device, accumulator_dtype(dtype))
+    inputs = [x.clone() for x in (dout, q, k, v, out, lse)]
+    grads = backend.backward(dout, q, k, v, out, lse, mask, SCALE)
+    if not (isinstance(grads, tuple | list) and len(grads) == 3):
+        raise AssertionError(f"backward: expected (dq, dk, dv); got {type(grads).__name__}")
+    for name, g, x, ref in zip(("dq", "dk", "dv"), grads, (q, k, v), (ref_dq, ref_dk, ref_dv)):
+        _assert_result(f"backward {name}", g, x, tuple(x.shape), _value_dtypes(dtype))
+        assert_close(f"backward {name}", g, ref, dtype)
+    _assert_unchanged("backward", inputs, [dout, q, k, v, out, lse])
+
+
+def check_split_keys(backend: Backend, dtype: torch.dtype) -> None:
+    """What the ring relies on: forward blocks over two key ranges merged with ``merge_`` equal attention
+    over all keys, and backward blocks given the *merged* out and lse sum to the full gradients."""
+    q, k, v, dout = _block_inputs(backend, dtype, "gqa", SEQ, SEQ, seed=37)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference_gradients(dout, q, k, v, "none", SCALE)
+    cut = SEQ // 2
+    parts = (slice(0, cut), slice(cut, SEQ))
+    out, lse = new_accumulators(q)
+    for keys in parts:
+        block_out, block_lse = _forward_checked(backend, q, k[:, keys], v[:, keys], "none", dtype)
+        backend.merge_(out, lse, block_out, block_lse)
+    assert_close("merged forward out", out, ref_out, dtype)
+    assert_close("merged forward lse", lse, ref_lse, dtype)
+    merged_out = out.to(dtype)
+    dq = torch.zeros(q.shape, dtype=torch.float64)
+    dks, dvs = [], []
+    for keys in parts:
+        bdq, bdk, bdv = backend.backward(dout, q, k[:, keys], v[:, keys], merged_out, lse, "none", SCALE)
+        dq += bdq.to("cpu", torch.float64)
+        dks.append(bdk.to("cpu", torch.float64))
+        dvs.append(bdv.to("cpu", torch.float64))
+    assert_close("split-key backward dq", dq, ref_dq, dtype)
+    assert_close("split-key backward dk", torch.cat(dks, dim=1), ref_dk, dtype)
+    assert_close("split-key backward dv", torch.cat(dvs, dim=1), ref_dv, dtype)
+
+
+# ---------------------------------------------------------------------------------------------- ring
+
+
+def check_ring(backend: Backend, dtype: torch.dtype, world_size: int, causal: bool, balance: str) -> None:
+    """The whole ring on a :class:`xcp.LocalWorld` of ``world_size`` threads: out, lse, dq, dk, dv of
+    every rank, gathered, against the reference on the whole sequence.
+
+    Each rank drives :func:`xcp.ring_forward` and :func:`xcp.ring_backward` itself, because autograd
+    runs the backward of GPU tensors on one worker thread, where ranks waiting for each other would hang.
+    The forward is also run through :func:`xcp.attention` with ``device=backend.name``.
+    """
+    dev = _device(backend)
+    h, hkv = HEADS["gqa"]
+    q = _random((1, RING_SEQ, h, HEAD_DIM), dtype, dev, 41)
+    k = _random((1, RING_SEQ, hkv, HEAD_DIM), dtype, dev, 42)
+    v = _random((1, RING_SEQ, hkv, HEAD_DIM), dtype, dev, 43)
+    dout = _random((1, RING_SEQ, h, HEAD_DIM), dtype, dev, 44)
+    mask = "causal" if causal else "none"
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference_gradients(dout, q, k, v, mask, SCALE)
+
+    def parts(x: torch.Tensor, rank: int) -> torch.Tensor:
+        return shard(x, world_size, rank, dim=1, balance=balance)
+
+    def rank_body(group: Any) -> tuple[torch.Tensor, ...]:
+        from ..api import attention
+
+        r = group.rank
+        qr, kr, vr, dr = parts(q, r), parts(k, r), parts(v, r), parts(dout, r)
+        cfg = RingConfig(comm=group, backend=backend, causal=causal, scale=SCALE, balance=balance)
+        with torch.no_grad():
+            out, lse = ring_forward(qr, kr, vr, cfg)
+            dq, dk, dv = ring_backward(dr, qr, kr, vr, out, lse, cfg)
+            api_out = attention(
+                qr, kr, vr, causal=causal, group=group, scale=SCALE, balance=balance, device=backend.name
+            )
+        return out, lse, dq, dk, dv, api_out
+
+    results = LocalWorld(world_size, device=dev, timeout=60.0).run(rank_body)
+    backend.synchronize(dev)
+    gathered = [unshard([res[i] for res in results], dim=1, balance=balance) for i in (0, 2, 3, 4, 5)]
+    lse = unshard([res[1] for res in results], dim=2, balance=balance)
+    what = f"ring P={world_size} causal={causal} balance={balance}"
+    assert_close(f"{what} out", gathered[0], ref_out, dtype)
+    assert_close(f"{what} lse", lse, ref_lse, dtype)
+    assert_close(f"{what} dq", gathered[1], ref_dq, dtype)
+    assert_close(f"{what} dk", gathered[2], ref_dk, dtype)
+    assert_close(f"{what} dv", gathered[3], ref_dv, dtype)
+    assert_close(f"{what} out through xcp.attention(device={backend.name!r})", gathered[4], ref_out, dtype)
+
+
+# ---------------------------------------------------------------------------------------------- the list
+
+
+def _case(name: str, check: Callable[..., None], **kwargs: Any) -> Case:
+    return Case(name, check, tuple(kwargs.items()))
+
+
+def cases(backend: Backend) -> list[Case]:
+    """Every check for ``backend``: for each dtype and mask it claims, in MHA and GQA, plus streams,
+    events, hand-off, memory statistics and full rings of 2 and 3 ranks."""
+    out = [
+        _case("identity", check_identity),
+        _case("registered", check_registered),
+        _case("streams", check_streams),
+        _case("events", check_events),
+        *(_case(f"handoff-{p}", check_handoff, policy=p) for p in HANDOFF_POLICIES),
+        _case("handoff-default", check_handoff_default),
+        _case("memory-stats", check_memory_stats),
+    ]
+    for dtype in backend.dtypes:
+        d = _dtype_name(dtype)
+        for mask in backend.masks:
+            for heads in HEADS:
+                out.append(_case(f"forward-{d}-{mask}-{heads}", check_forward, dtype=dtype, mask=mask, heads=heads))
+                out.append(_case(f"backward-{d}-{mask}-{heads}", check_backward, dtype=dtype, mask=mask, heads=heads))
+        # The ring's unmasked rectangular blocks: zigzag "lower" (all queries, half the keys) and "upper".
+        for label, sq, sk in (("lower", SEQ, SEQ // 2 + 1), ("upper", SEQ // 2 + 1, SEQ)):
+            shape = {"dtype": dtype, "mask": "none", "heads": "gqa", "sq": sq, "sk": sk}
+            out.append(_case(f"forward-{d}-{label}", check_forward, **shape))
+            out.append(_case(f"backward-{d}-{label}", check_backward, **shape))
+        out.append(_case(f"split-keys-{d}", check_split_keys, dtype=dtype))
+        for world_size in (2, 3):
+            for causal, balance, needs in RING_LAYOUTS:
+                if all(m in backend.masks for m in needs):
+                    kind = f"{'causal' if causal else 'full'}-{balance}"
+                    out.append(
+                        _case(
+                            f"ring-{d}-P{world_size}-{kind}",
+                            check_ring,
+                            dtype=dtype,
+                            world_size=world_size,
+                            causal=causal,
+                            balance=balance,
+                        )
+                    )
+    return out
+
+
+def run_all(backend: Backend) -> list[tuple[str, str]]:
+    """Run every case; return ``(case id, error)`` for each that failed (empty when the backend conforms)."""
+    failures = []
+    for case in cases(backend):
+        try:
+            case.run(backend)
+        except AssertionError as exc:
+            failures.append((case.id, str(exc)))
+    return failures
