@@ -128,8 +128,9 @@ class Backend:
                 tensor.record_stream(consumer_stream)
             return tensor
         if policy == "clone":
+            producer = self.current_stream(tensor.device)  # read before the context makes the consumer current
             with self.stream_context(consumer_stream):
-                self.wait_stream(consumer_stream, self.current_stream(tensor.device))
+                self.wait_stream(consumer_stream, producer)
                 return tensor.clone()
         return tensor
 

@@ -79,15 +79,28 @@ def _add_backends(sub) -> None:
 
 
 def _cmd_backends(args) -> int:
-    from .plugins import list_backends
+    from .plugins import backend_table
 
-    print(f"{'name':<8}{'device':<8}{'collective':<12}{'hand-off':<15}{'kernel':<44}status")
-    for b in list_backends():
-        ok, reason = b.available()
-        print(
-            f"{b.name:<8}{b.device_type:<8}{b.dist_backend:<12}{b.handoff_policy:<15}{b.kernel:<44}"
-            f"{'available' if ok else 'unavailable: ' + reason}"
+    rows = backend_table()
+    head = ("name", "device", "collective", "hand-off", "plugin", "status")
+    cells = [
+        (
+            r.name,
+            r.device_type,
+            r.dist_backend,
+            r.handoff_policy,
+            r.plugin,
+            "available" if r.available else f"unavailable: {r.reason}",
         )
+        for r in rows
+    ]
+    widths = [max(len(head[i]), *(len(c[i]) for c in cells)) for i in range(len(head) - 1)]
+    for line in [head, *cells]:
+        print("  ".join(f"{c:<{w}}" for c, w in zip(line, widths)) + "  " + line[-1])
+    print()
+    for r in rows:
+        if r.kernel != "-":
+            print(f"{r.name} kernel: {r.kernel}")
     return 0
 
 
