@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Everything xcp checks and times on one NVIDIA GPU, in one call of the device tool (see docs/benchmarks.md).
+#   benchmarks/h200.sh checks   # device tests, conformance suite, fused merge, xcp run, CSAN, quick bench
+#   benchmarks/h200.sh bench    # the full xcp bench grid (issue 5) with JSON and plot
+# Output goes to $OUT (the device tool's return folder) or ./out.
+set -uo pipefail
+out=${OUT:-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.txt" 2>&1 || { cat "$out/install.txt"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
+section() { printf '\n===== %s (%ss)\n' "$1" "$SECONDS"; }
+case "${1:-checks}" in
+checks)
+  section "device tests"
+  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_device_backends.py 2>&1 | tail -25 | tee "$out/device_tests.txt"
+  section "device tests, GQA by repeating K/V"
+  XCP_CUDA_GQA=repeat timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_device_backends.py -k cuda 2>&1 | tail -3
+  section "conformance suite on cuda"
+  timeout 240 python3 -m xcp.testing --xcp-backend cuda -q -p no:cacheprovider 2>&1 | tail -25 | tee "$out/conformance.txt"
+  section "fused merge"
+  timeout 60 python3 benchmarks/merge_check.py 2>&1 | tee "$out/merge.txt"
+  section "xcp run on cuda"
+  timeout 120 xcp run --device cuda --dtype bfloat16 --seq 4096 --heads 32 --kv-heads 8 --head-dim 128 2>&1 | tee "$out/run.txt"
+  section "quick bench"
+  timeout 200 xcp bench --seqs 16384,65536 --worlds 2,8 --reps 3 --memory-seq 65536 --memory-worlds 2,8 --quiet \
+    --json "$out/quick.json" 2>&1 | tee "$out/quick.txt"
+  ;;
+bench)
+  section "xcp bench (issue 5 grid)"
+  timeout 560 xcp bench --json "$out/bench.json" --plot "$out/bench.png" --quiet 2>&1 | tee "$out/bench.txt"
+  ;;
+*) echo "usage: $0 checks|bench" >&2; exit 2 ;;
+esac
+section done
