@@ -35,3 +35,29 @@ def select_backend(device: str | None, tensor_device_type: str | None) -> Backen
     """Explicit ``device`` first, then the tensors' device type, then ``XCP_DEVICE``, then cpu."""
     name = device or tensor_device_type or os.environ.get("XCP_DEVICE") or "cpu"
     return get_backend(str(name).split(":")[0])
+
+
+# TEMP shim: replaced by the plugin manager on merge
+_PLUGIN_BACKENDS: dict[int, list[str]] = {}
+
+
+def register_plugin(obj: object, name: str | None = None) -> None:
+    """Register the backends of a plugin object (calls its ``xcp_register_backends`` hook)."""
+    names: list[str] = []
+
+    def register(backend: Backend) -> None:
+        if backend.name in _BACKENDS:
+            raise ValueError(f"backend {backend.name!r} is already registered")
+        _BACKENDS[backend.name] = backend
+        names.append(backend.name)
+
+    hook = getattr(obj, "xcp_register_backends", None)
+    if hook is not None:
+        hook(register=register)
+    _PLUGIN_BACKENDS[id(obj)] = names
+
+
+def unregister_plugin(obj: object) -> None:
+    """Remove the backends that :func:`register_plugin` registered for ``obj``."""
+    for backend_name in _PLUGIN_BACKENDS.pop(id(obj), []):
+        _BACKENDS.pop(backend_name, None)
