@@ -79,10 +79,7 @@ class Sanitizer:
     def leaks(self) -> list[Finding]:
         """A ``leak`` finding per buffer the model allocated that is still alive (drop references first)."""
         gc.collect()
-        return [
-            Finding("leak", f"{st.owner}: a buffer of {st.info} was never released")
-            for st in self.model.live()
-        ]
+        return [Finding("leak", f"{st.owner}: a buffer of {st.info} was never released") for st in self.model.live()]
 
 
 @dataclass

@@ -225,6 +225,7 @@ class _OpInfo:
         self.name = str(func)
         self.view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
         self.empty = schema.name.split("::")[-1] in _EMPTY_FACTORIES
+
         def writes(arg: Any) -> bool:
             return bool(arg.alias_info is not None and arg.alias_info.is_write)
 
@@ -299,8 +300,8 @@ class DeviceModel:
     def new_stream(self, name: str | None = None) -> SimStream:
         state = self._state()
         with self._lock:
-            state.side_streams += 1
-            if name is None:
+            if name is None:  # the first unnamed side stream of a rank is the ring's comm stream
+                state.side_streams += 1
                 name = "M" if state.side_streams == 1 else f"S{state.side_streams}"
             return SimStream(self, f"{state.label}:{name}")
 
@@ -421,7 +422,12 @@ class DeviceModel:
         if st is None:  # memory from outside the model (made before tracking, or by an untracked thread)
             block = _Block(next(self._blocks), storage.nbytes(), 0)
             st = _Storage(
-                id(storage), block, next(self._occupants), storage.nbytes(), "outside", "made outside the sanitizer",
+                id(storage),
+                block,
+                next(self._occupants),
+                storage.nbytes(),
+                "outside",
+                "made outside the sanitizer",
                 True,
             )
             self._track(storage, st)
@@ -519,4 +525,3 @@ class DeviceModel:
         for f in self._finalizers:
             f.detach()
         self._finalizers.clear()
-
