@@ -206,13 +206,17 @@ def _describe(t: torch.Tensor) -> str:
 
 
 def _site() -> str:
-    """The innermost project frames (outside torch and this model) of the current call, shortest first."""
+    """Where the current op was called from: the innermost project frame, then the first one in another file."""
     frame = sys._getframe(2)
     found: list[str] = []
+    files: list[str] = []
     while frame is not None and len(found) < 2:
         path = frame.f_code.co_filename
-        if path.startswith(_PROJECT_DIR) and not path.startswith(_TORCH_DIR) and path not in _SKIP_FILES:
-            found.append(f"{os.path.relpath(path, _PROJECT_DIR)}:{frame.f_lineno} {frame.f_code.co_name}")
+        name = frame.f_code.co_name
+        ours = path.startswith(_PROJECT_DIR) and not path.startswith(_TORCH_DIR) and path not in _SKIP_FILES
+        if ours and not name.startswith("<") and path not in files:
+            found.append(f"{os.path.relpath(path, _PROJECT_DIR)}:{frame.f_lineno} {name}")
+            files.append(path)
         frame = frame.f_back
     return " < ".join(found) if found else "outside the project"
 
