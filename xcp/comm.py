@@ -72,6 +72,9 @@ class DistCommunicator:
     def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any) -> Any:
         dist = self._dist
         base = _TAGS[tag] * 16
+        # P2P needs contiguous tensors; a copy made here is on the current (comm) stream, which the process
+        # group orders and keeps alive itself
+        sends = [(t.contiguous(), p) for t, p in sends]
         ops = [dist.P2POp(dist.isend, t, self._global[p], self.group, base + i) for i, (t, p) in enumerate(sends)]
         ops += [dist.P2POp(dist.irecv, b, self._global[p], self.group, base + i) for i, (b, p) in enumerate(recvs)]
         if not ops:
