@@ -202,7 +202,14 @@ def test_capture_mode_ignored(monkeypatch):
     assert any("received buffer was allocated during graph capture" in m for m in messages)
 
 
-def test_findings_do_not_depend_on_thread_timing(monkeypatch):
+def test_verdict_does_not_depend_on_thread_timing(monkeypatch):
     monkeypatch.setattr(RingCall, "comm_after_compute", lambda self: None)
-    runs = [sorted(f.format() for f in sanitize_ring(world=5, backward=True, seed=s).findings) for s in (0, 0, 1)]
-    assert runs[0] == runs[1] == runs[2]  # same program, same order: same report, whatever the interleaving
+
+    def verdict(seed):
+        report = sanitize_ring(world=5, backward=True, seed=seed)
+        return {(f.kind, frozenset(a.stream for a in f.accesses)) for f in report.findings}
+
+    # the same program gives the same kinds of findings between the same streams, whatever the threads'
+    # interleaving (which of several equivalent access pairs a finding shows may differ)
+    runs = [verdict(s) for s in (0, 0, 1)]
+    assert runs[0] and runs[0] == runs[1] == runs[2]
