@@ -110,9 +110,7 @@ CSAN_SCRIPT = textwrap.dedent(
 def csan(handoff, variant):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = CSAN_SCRIPT.format(root=root, tests=os.path.join(root, "tests"))
-    return subprocess.run(
-        [sys.executable, "-c", script, handoff, variant], capture_output=True, text=True, timeout=300
-    )
+    return subprocess.run([sys.executable, "-c", script, handoff, variant], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("handoff", ["record_stream", "clone"])
