@@ -75,7 +75,7 @@ def test_a_rank_that_never_sends_makes_its_peer_time_out():
 
     start = time.monotonic()
     with pytest.raises(
-        RuntimeError, match=r"LocalWorld rank 0 of 2 failed: CommTimeout: rank 0 waited 1 s for .* rank 1"
+        RuntimeError, match=r"LocalWorld rank 0 of 2 failed: CommTimeout: rank 0 waited 1 s for rank 1"
     ) as info:
         xcp.LocalWorld(2, timeout=1).run(rank_fn)
     assert 0.9 < time.monotonic() - start < 10
@@ -88,7 +88,7 @@ def test_ranks_with_different_shapes_get_a_clear_error():
         x = torch.zeros(1, n, 2, 4)
         return xcp.attention(x, x, x, group=group)
 
-    with pytest.raises(RuntimeError, match=r"received .* shaped \(1, \d, 2, 4\) .*do all ranks pass equal shapes"):
+    with pytest.raises(RuntimeError, match=r"shaped \(1, \d, 2, 4\) .*expects .*do all ranks pass equal shapes"):
         xcp.LocalWorld(2, timeout=5).run(rank_fn)
 
 

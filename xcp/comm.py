@@ -6,18 +6,19 @@ Three kinds, one interface (``size``, ``rank``, ``exchange(sends, recvs, tag, ba
 - :class:`DistCommunicator`: torch.distributed point-to-point through ``batch_isend_irecv`` on any
   process group (NCCL, HCCL, gloo), launched with torchrun, across hosts;
 - :class:`LocalGroup`: one virtual rank of a :class:`LocalWorld`, P ranks as threads of one process with
-  an in-process exchange that keeps stream semantics (the receiver's copy waits on the sender's event, the
-  sender's wait waits on the copy);
+  an in-process exchange that keeps device stream semantics (the sender's stream copies into the buffer
+  the receiver posted, after the receiver's "free" event; the receiver's wait waits on the copy's event);
 - :class:`SingleRank`: a world of one, for calls without a group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,6 +72,9 @@ class DistCommunicator:
     def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any) -> Any:
         dist = self._dist
         base = _TAGS[tag] * 16
+        # P2P needs contiguous tensors; a copy made here is on the current (comm) stream, which the process
+        # group orders and keeps alive itself
+        sends = [(t.contiguous(), p) for t, p in sends]
         ops = [dist.P2POp(dist.isend, t, self._global[p], self.group, base + i) for i, (t, p) in enumerate(sends)]
         ops += [dist.P2POp(dist.irecv, b, self._global[p], self.group, base + i) for i, (b, p) in enumerate(recvs)]
         if not ops:
@@ -92,11 +96,11 @@ class _DistWork:
 
 
 @dataclass
-class _Message:
-    tensor: torch.Tensor
-    ready: Any  # event recorded on the sender's stream when the send was issued
-    done: threading.Event = field(default_factory=threading.Event)
-    copied: Any = None  # event recorded on the receiver's comm stream after its copy
+class _Post:
+    """A receive buffer a rank offers to its peer, free to be written once ``free`` has completed."""
+
+    buf: torch.Tensor
+    free: Any  # event recorded on the receiver's current stream when it posted the buffer
 
 
 class LocalWorld:
@@ -105,6 +109,12 @@ class LocalWorld:
     :param size: number of ranks (>= 1).
     :param device: device of the ranks' tensors ("cpu", "cuda", ...).
     :param timeout: seconds a rank waits for a peer before failing with a message naming both.
+
+    A transfer behaves like a device P2P send/receive: the receiver posts its buffer with an event
+    recorded on its issuing stream; the sender's issuing stream waits for that event, copies its tensor
+    into the buffer and records a completion event, which the receiver's ``work.wait()`` makes its current
+    stream wait for. So the sent tensor is read only on the sender's stream and the received buffer is
+    written only after the receiver declared it free.
 
     On a GPU, PyTorch runs the backward of all threads on one autograd worker per device, so a ring
     backward that waits for peers cannot go through ``Tensor.backward()`` there; use
@@ -120,8 +130,9 @@ class LocalWorld:
         self.device = torch.device(device)
         self.timeout = float(timeout)
         self._lock = threading.Lock()
-        self._boxes: dict[tuple[int, int, str], queue.Queue] = {}
+        self._boxes: dict[tuple, queue.Queue] = {}
         self._failure: tuple[int, BaseException] | None = None
+        self._rank_stores: dict[int, dict] = {}
 
     def __repr__(self) -> str:
         return f"LocalWorld(size={self.size}, device={str(self.device)!r})"
@@ -131,6 +142,11 @@ class LocalWorld:
         if not isinstance(rank, int) or not 0 <= rank < self.size:
             raise ValueError(f"rank: expected an integer in [0, {self.size}); got {rank!r}")
         return LocalGroup(self, rank)
+
+    def release_buffers(self) -> None:
+        """Drop every rank's cached streams and reusable ring buffers (the workspace)."""
+        with self._lock:
+            self._rank_stores.clear()
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """Run ``fn(group, *args)`` on every rank, one thread each; return the results in rank order.
@@ -167,9 +183,16 @@ class LocalWorld:
         return results
 
     # -- mailbox
-    def _box(self, src: int, dst: int, tag: str) -> queue.Queue:
+    def _box(self, key: tuple) -> queue.Queue:
         with self._lock:
-            return self._boxes.setdefault((src, dst, tag), queue.Queue())
+            box = self._boxes.get(key)
+            if box is None:
+                box = self._boxes[key] = queue.Queue()
+            return box
+
+    def _rank_store(self, rank: int) -> dict:
+        with self._lock:
+            return self._rank_stores.setdefault(rank, {})
 
     def _check_abort(self, rank: int) -> None:
         failure = self._failure
@@ -186,6 +209,17 @@ class LocalWorld:
             if time.monotonic() > deadline:
                 raise CommTimeout(f"rank {rank} waited {self.timeout:g} s for {what}; is a peer stuck or missing?")
 
+    def _take(self, rank: int, key: tuple, what: str) -> Any:
+        box = self._box(key)
+
+        def poll(timeout: float) -> Any:
+            try:
+                return box.get(timeout=timeout)
+            except queue.Empty:
+                return None
+
+        return self._wait_for(rank, what, poll)
+
 
 class LocalGroup:
     """One virtual rank of a :class:`LocalWorld`; pass it as ``group=`` to :func:`xcp.attention`."""
@@ -197,71 +231,77 @@ class LocalGroup:
         self.size = world.size
         self.rank = rank
         self.thread = threading.get_ident()
-        self._comm_streams: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return f"<LocalGroup rank {self.rank} of {self.size}>"
 
+    def rank_store(self) -> dict:
+        """A dict kept per rank for the life of the world (xcp.lifetime keeps streams and buffers there)."""
+        return self.world._rank_store(self.rank)
+
     def comm_stream(self, backend: Any, device: torch.device) -> Any:
-        """This rank's communication stream M on ``device`` (created once per backend)."""
-        key = f"{backend.name}:{device}"
-        if key not in self._comm_streams:
-            self._comm_streams[key] = backend.new_stream(device)
-        return self._comm_streams[key]
+        """This rank's communication stream M on ``device`` (created once per backend and world)."""
+        from .lifetime import comm_stream
+
+        return comm_stream(self, backend, device)
 
     def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any) -> _LocalWork:
+        """Post ``recvs``, then copy each send into its peer's posted buffer on the current stream.
+
+        Blocks (on the host) until each peer has posted the matching receive; never waits on a device.
+        """
         if tag not in _TAGS:
             raise ValueError(f"tag: expected one of {', '.join(_TAGS)}; got {tag!r}")
-        ready = None
-        if sends or recvs:
-            device = (sends[0][0] if sends else recvs[0][0]).device
-            ready = backend.new_event()
-            backend.record_event(ready, backend.current_stream(device))
-        messages = []
-        for i, (tensor, peer) in enumerate(sends):
-            msg = _Message(tensor, ready)
-            self.world._box(self.rank, peer, f"{tag}{i}").put(msg)
-            messages.append(msg)
-        return _LocalWork(self, backend, messages, [(b, p, f"{tag}{i}") for i, (b, p) in enumerate(recvs)], ready)
+        world, me = self.world, self.rank
+        if not sends and not recvs:
+            return _LocalWork(self, backend, [], tag)
+        device = (sends[0][0] if sends else recvs[0][0]).device
+        stream = backend.current_stream(device)
+        if recvs:
+            free = backend.new_event()
+            backend.record_event(free, stream)
+            for i, (buf, peer) in enumerate(recvs):
+                world._box(("post", peer, me, tag, i)).put(_Post(buf, free))
+        if sends:
+            label = getattr(backend, "label", None)
+            waited: list[Any] = []
+            for i, (tensor, peer) in enumerate(sends):
+                post = world._take(me, ("post", me, peer, tag, i), f"rank {peer} to post receive {tag}{i}")
+                if post.buf.shape != tensor.shape or post.buf.dtype != tensor.dtype:
+                    raise RuntimeError(
+                        f"rank {me}: sending {tag}{i} shaped {tuple(tensor.shape)} {tensor.dtype} to rank {peer}, "
+                        f"which expects {tuple(post.buf.shape)} {post.buf.dtype} (do all ranks pass equal shapes?)"
+                    )
+                if not any(post.free is e for e in waited):
+                    backend.wait_event(stream, post.free)
+                    waited.append(post.free)
+                with label(f"p2p {tag}{i} rank {me}->{peer}") if label else contextlib.nullcontext():
+                    post.buf.copy_(tensor)
+                del post
+            done = backend.new_event()
+            backend.record_event(done, stream)
+            for i, (_, peer) in enumerate(sends):
+                world._box(("done", me, peer, tag, i)).put(done)
+        return _LocalWork(self, backend, [(buf.device, peer, i) for i, (buf, peer) in enumerate(recvs)], tag)
 
 
 class _LocalWork:
-    def __init__(self, group: LocalGroup, backend: Any, sends: list[_Message], recvs: list, ready: Any) -> None:
-        self._group, self._backend, self._sends, self._recvs, self._ready = group, backend, sends, recvs, ready
+    def __init__(self, group: LocalGroup, backend: Any, recvs: list, tag: str) -> None:
+        self._group, self._backend, self._recvs, self._tag = group, backend, recvs, tag
         self._waited = False
 
     def wait(self) -> None:
+        """Make the current stream wait until every receive of the exchange has landed."""
         if self._waited:
             return
         self._waited = True
-        g, be, world = self._group, self._backend, self._group.world
-        for buf, peer, key in self._recvs:
-            box = world._box(peer, g.rank, key)
-
-            def poll(timeout: float, box: queue.Queue = box) -> Any:
-                try:
-                    return box.get(timeout=timeout)
-                except queue.Empty:
-                    return None
-
-            msg = world._wait_for(g.rank, f"{key!r} from rank {peer}", poll)
-            if msg.tensor.shape != buf.shape or msg.tensor.dtype != buf.dtype:
-                raise RuntimeError(
-                    f"rank {g.rank}: received {key!r} from rank {peer} shaped {tuple(msg.tensor.shape)} "
-                    f"{msg.tensor.dtype}; expected {tuple(buf.shape)} {buf.dtype} (do all ranks pass equal shapes?)"
-                )
-            stream = g.comm_stream(be, buf.device)
-            be.wait_event(stream, msg.ready)
-            be.wait_event(stream, self._ready)
-            with be.stream_context(stream):
-                buf.copy_(msg.tensor)
-            msg.copied = be.new_event()
-            be.record_event(msg.copied, stream)
-            msg.done.set()
-            be.wait_event(be.current_stream(buf.device), msg.copied)
-        for msg in self._sends:
-            world._wait_for(g.rank, "a peer to receive its send", lambda t, m=msg: True if m.done.wait(t) else None)
-            be.wait_event(be.current_stream(msg.tensor.device), msg.copied)
+        g, be = self._group, self._backend
+        waited: list[Any] = []
+        for device, peer, i in self._recvs:
+            done = g.world._take(g.rank, ("done", peer, g.rank, self._tag, i), f"{self._tag}{i} from rank {peer}")
+            if not any(done is e for e in waited):
+                be.wait_event(be.current_stream(device), done)
+                waited.append(done)
 
 
 def resolve_group(group: Any) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from . import schedule
-from .lifetime import ShardSlots
+from .lifetime import RingCall
 from .merge import accumulator_dtype, new_accumulators
 
 
@@ -41,39 +41,50 @@ def _views(step: schedule.Step, n: int) -> tuple[slice, slice]:
     return slice(q0, q1), slice(k0, k1)
 
 
+def _forward_block(step, q, k, v, out, lse, n, cfg) -> None:
+    qs, ks = _views(step, n)
+    block_out, block_lse = cfg.backend.forward(q[:, qs], k[:, ks], v[:, ks], step.mask, cfg.scale)
+    cfg.backend.merge_(out, lse, block_out, block_lse, qs)
+
+
 def ring_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: RingConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's attention output (in q's dtype) and log-sum-exp (accumulator dtype, [B, H, S]).
 
-    Step i computes on the shard of ``src`` while that shard goes to the next rank and the shard of step
-    i + 1 arrives from the previous one into the other of two slots.
+    Step i computes (on the caller's stream C) on the shard of ``src`` while, on the comm stream M, that
+    shard goes to the next rank and the shard of step i + 1 arrives from the previous one into the other
+    of two slots (DESIGN.md, buffer lifetime rules; xcp/lifetime.py).
     """
     comm, backend, plan = cfg.comm, cfg.backend, cfg.plan
     n = q.shape[1]
     out, lse = new_accumulators(q)
-    slots = ShardSlots((k, v), cfg.policy)
-    try:
-        cur_k, cur_v = k, v  # step 0 reads the caller's own K and V in place
+    if comm.size == 1:
+        _forward_block(plan.steps[0], q, k, v, out, lse, n, cfg)
+        return out.to(q.dtype), lse
+    call = RingCall(comm, backend, q.device, cfg.policy, cfg.handoff)
+    slots = call.slots("kv", (k, v), steps=range(1, comm.size))
+    with call:
+        cur = (k, v)  # step 0 reads the caller's own K and V in place
         for step in plan.steps:
             work = None
             if step.send_to is not None:
-                nxt_k, nxt_v = slots.slot(step.step + 1)
-                work = comm.exchange(
-                    [(cur_k, step.send_to), (cur_v, step.send_to)],
-                    [(nxt_k, step.recv_from), (nxt_v, step.recv_from)],
-                    "kv",
-                    backend,
-                )
+                nxt = slots.slot(step.step + 1)
+                with call.on_comm():
+                    call.comm_after_compute()  # the slot nxt was last read by the previous step's compute
+                    send = call.hand_to_comm(cur, "kv", ordered=True)
+                    work = comm.exchange(
+                        [(send[0], step.send_to), (send[1], step.send_to)],
+                        [(nxt[0], step.recv_from), (nxt[1], step.recv_from)],
+                        "kv",
+                        backend,
+                    )
+                del send
             if step.computes:
-                qs, ks = _views(step, n)
-                block_out, block_lse = backend.forward(q[:, qs], cur_k[:, ks], cur_v[:, ks], step.mask, cfg.scale)
-                backend.merge_(out, lse, block_out, block_lse, qs)
+                _forward_block(step, q, cur[0], cur[1], out, lse, n, cfg)
             if work is not None:
                 work.wait()
-                cur_k, cur_v = nxt_k, nxt_v
-    finally:
-        slots.release()
+                cur = nxt
     return out.to(q.dtype), lse
 
 
@@ -89,33 +100,43 @@ def ring_backward(
     """Gradients (dq, dk, dv) of this rank's shards, in the inputs' dtypes.
 
     K/V travel as in the forward; the dK/dV of a shard travel one step behind it, each rank adding its
-    contribution, and a final hop returns them to their owner. dQ accumulates locally.
+    contribution, and a final hop returns them to their owner. dQ accumulates locally. Two KV slots and
+    two dKV slots per rank, whatever the number of ranks.
     """
     comm, backend, plan = cfg.comm, cfg.backend, cfg.plan
     n = q.shape[1]
     acc = accumulator_dtype(q.dtype)
+    if comm.size == 1:  # one step, always the whole local shard
+        step = plan.steps[0]
+        g = backend.backward(dout, q, k, v, out, lse, step.mask, cfg.scale)
+        return tuple(x.to(like.dtype).contiguous() for x, like in zip(g, (q, k, v)))
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv_slots = ShardSlots((k, v), cfg.policy)
-    dkv_slots = ShardSlots((k, v), cfg.policy, dtype=acc)
-    try:
-        cur_k, cur_v = k, v
+    call = RingCall(comm, backend, q.device, cfg.policy, cfg.handoff)
+    kv_slots = call.slots("kv", (k, v), steps=range(1, comm.size))
+    dkv_slots = call.slots("dkv", (k, v), dtype=acc, steps=range(comm.size + 1))
+    with call:
+        cur = (k, v)
         dkv_work = None
         for step in plan.steps:
             i = step.step
             kv_work = None
             if step.send_to is not None:
-                nxt_k, nxt_v = kv_slots.slot(i + 1)
-                kv_work = comm.exchange(
-                    [(cur_k, step.send_to), (cur_v, step.send_to)],
-                    [(nxt_k, step.recv_from), (nxt_v, step.recv_from)],
-                    "kv",
-                    backend,
-                )
+                nxt = kv_slots.slot(i + 1)
+                with call.on_comm():
+                    call.comm_after_compute()
+                    send = call.hand_to_comm(cur, "kv", ordered=True)
+                    kv_work = comm.exchange(
+                        [(send[0], step.send_to), (send[1], step.send_to)],
+                        [(nxt[0], step.recv_from), (nxt[1], step.recv_from)],
+                        "kv",
+                        backend,
+                    )
+                del send
             block = None
             if step.computes:
                 qs, ks = _views(step, n)
                 block = backend.backward(
-                    dout[:, qs], q[:, qs], cur_k[:, ks], cur_v[:, ks], out[:, qs], lse[:, :, qs], step.mask, cfg.scale
+                    dout[:, qs], q[:, qs], cur[0][:, ks], cur[1][:, ks], out[:, qs], lse[:, :, qs], step.mask, cfg.scale
                 )
                 dq[:, qs] += block[0]
             if i == 0:
@@ -126,25 +147,25 @@ def ring_backward(
             if block is not None:
                 dk_acc[:, ks] += block[1]
                 dv_acc[:, ks] += block[2]
-            if comm.size > 1:
-                # after the last step this is the hop home: the owner of src is the next rank
-                rk, rv = dkv_slots.slot(i + 1)
+                del block
+            # after the last step this is the hop home: the owner of src is the next rank
+            rk, rv = dkv_slots.slot(i + 1)
+            with call.on_comm():
+                send = call.hand_to_comm((dk_acc, dv_acc), "dkv")  # M waits for the additions above
                 dkv_work = comm.exchange(
-                    [(dk_acc, step.dkv_send_to), (dv_acc, step.dkv_send_to)],
+                    [(send[0], step.dkv_send_to), (send[1], step.dkv_send_to)],
                     [(rk, plan.dkv_home_from), (rv, plan.dkv_home_from)],
                     "dkv",
                     backend,
                 )
+            del send
             if kv_work is not None:
                 kv_work.wait()
-                cur_k, cur_v = nxt_k, nxt_v
-        if dkv_work is not None:
-            dkv_work.wait()
-            dk_acc, dv_acc = dkv_slots.slot(comm.size)
+                cur = nxt
+        dkv_work.wait()
+        dk_acc, dv_acc = dkv_slots.slot(comm.size)
+        # fresh tensors: results never alias the slots, which the workspace keeps for the next call
         dk, dv = dk_acc.to(k.dtype, copy=True), dv_acc.to(v.dtype, copy=True)
-    finally:
-        kv_slots.release()
-        dkv_slots.release()
     return dq.to(q.dtype), dk, dv
 
 

@@ -1,0 +1,303 @@
+"""Buffer lifetimes on the CPU backend: slot bounds, the ledger, the workspace, hand-off and capture mode.
+
+The happens-before side of the rules is checked on the simulated device (test_sanitizer*.py); here the
+ring runs on plain CPU threads and we check what the ledger and the workspace say, against a float64
+reference where numbers are involved.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import xcp
+from xcp import lifetime
+from xcp.comm import LocalWorld
+from xcp.cpu import CPUBackend
+from xcp.lifetime import RingCall, Workspace, track_buffers, workspace_disabled
+from xcp.ring import RingConfig, ring_backward, ring_forward
+
+
+def reference(q, k, v, causal):
+    """Float64 attention on the whole sequence (torch SDPA), K/V heads repeated for GQA."""
+    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
+    g = qd.shape[1] // kd.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qd, kd.repeat_interleave(g, 1), vd.repeat_interleave(g, 1), is_causal=causal
+    )
+    return out.transpose(1, 2)
+
+
+def inputs(world, heads=4, kv_heads=2, per_rank=4, dim=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    seq = per_rank * world
+    q = torch.randn(1, seq, heads, dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, seq, kv_heads, dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, seq, kv_heads, dim, generator=gen, dtype=torch.float64)
+    do = torch.randn(1, seq, heads, dim, generator=gen, dtype=torch.float64)
+    return q, k, v, do
+
+
+def run_ring(world, backend=None, policy="bounded", handoff=None, causal=True, calls=1, seed=0):
+    """Forward and backward on every rank; per rank: forward ledger, backward ledger, results."""
+    q, k, v, do = inputs(world, seed=seed)
+    backend = backend or CPUBackend()
+    scale = 1 / math.sqrt(q.shape[-1])
+
+    def rank(g):
+        ql, kl, vl, dl = (xcp.shard(x, world, g.rank) for x in (q, k, v, do))
+        cfg = RingConfig(g, backend, causal, scale, "zigzag", policy, handoff)
+        ledgers = []
+        for _ in range(calls):
+            with track_buffers() as fwd:
+                out, lse = ring_forward(ql, kl, vl, cfg)
+            with track_buffers() as bwd:
+                grads = ring_backward(dl, ql, kl, vl, out, lse, cfg)
+            ledgers.append((fwd, bwd))
+        return ledgers, (out, *grads)
+
+    return (q, k, v, do), LocalWorld(world).run(rank)
+
+
+def check_numbers(tensors, results, causal=True):
+    q, k, v, do = (x.clone().requires_grad_() for x in tensors)
+    ref = reference(q, k, v, causal)
+    want = (ref, *torch.autograd.grad(ref, (q, k, v), do))
+    for i, w in enumerate(want):
+        got = xcp.unshard([r[1][i] for r in results])
+        assert (got - w).abs().max().item() < 1e-10  # float64 throughout: only summation order differs
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
+def test_two_slots_forward_four_backward_whatever_the_world(world):
+    tensors, results = run_ring(world)
+    check_numbers(tensors, results)
+    for ledgers, _ in results:
+        fwd, bwd = ledgers[0]
+        assert fwd.peak_kv_shards == min(2, world - 1)  # P = 2 receives a single shard
+        assert bwd.peak_kv_shards == (4 if world > 2 else 3 if world == 2 else 0)
+        assert fwd.live_bytes == 0 and bwd.live_bytes == 0
+        assert fwd.live_kv_shards == 0 and bwd.live_kv_shards == 0
+
+
+def test_keep_all_keeps_every_received_shard():
+    world = 5
+    tensors, results = run_ring(world, policy="keep_all")
+    check_numbers(tensors, results)
+    for ledgers, _ in results:
+        fwd, bwd = ledgers[0]
+        assert fwd.peak_kv_shards == world - 1
+        assert bwd.peak_kv_shards == (world - 1) + (world + 1)  # KV shards and dKV accumulators, all kept
+        assert fwd.live_bytes == 0 and bwd.live_bytes == 0
+
+
+def test_repeated_calls_allocate_nothing_new():
+    world = 4
+    _, results = run_ring(world, calls=3)
+    for ledgers, _ in results:
+        (fwd0, bwd0), *later = ledgers
+        assert fwd0.allocations == 2 and bwd0.allocations == 2  # 2 KV slots, then 2 dKV slots (KV reused)
+        for fwd, bwd in later:
+            assert fwd.allocations == 0 and bwd.allocations == 0
+            assert fwd.peak_kv_shards == 2 and bwd.peak_kv_shards == 4  # still counted while in use
+
+
+def test_without_workspace_every_call_allocates():
+    world = 3
+    q, k, v, _ = inputs(world)
+
+    def rank(g):
+        ql, kl, vl = (xcp.shard(x, world, g.rank) for x in (q, k, v))
+        cfg = RingConfig(g, CPUBackend(), True, 0.5)
+        counts = []
+        with workspace_disabled():
+            for _ in range(2):
+                with track_buffers() as led:
+                    ring_forward(ql, kl, vl, cfg)
+                counts.append(led.allocations)
+        return counts
+
+    assert LocalWorld(world).run(rank) == [[2, 2]] * world
+
+
+def test_results_never_alias_the_workspace():
+    world = 3
+    q, k, v, do = inputs(world)
+
+    def rank(g):
+        ql, kl, vl, dl = (xcp.shard(x, world, g.rank) for x in (q, k, v, do))
+        cfg = RingConfig(g, CPUBackend(), True, 0.5)
+        out, lse = ring_forward(ql, kl, vl, cfg)
+        dq, dk, dv = ring_backward(dl, ql, kl, vl, out, lse, cfg)
+        ws = lifetime.workspace(g)
+        held = {t.untyped_storage().data_ptr() for s in ws._sets.values() for b in s.values() for t in b}
+        mine = {t.untyped_storage().data_ptr() for t in (out, lse, dq, dk, dv)}
+        return len(held), held & mine
+
+    for n_held, shared in LocalWorld(world).run(rank):
+        assert n_held == 8  # KV slots (2 x K, V) and dKV slots (2 x dK, dV)
+        assert not shared
+
+
+def test_workspace_keeps_at_most_its_capacity():
+    ws = Workspace(capacity=2)
+    a = ws.buffers(("kv", 1))
+    a[0] = [torch.zeros(3)]
+    ws.buffers(("kv", 2))
+    assert ws.buffers(("kv", 1)) is a  # a hit refreshes the key
+    ws.buffers(("kv", 3))  # evicts ("kv", 2), the least recently used
+    assert set(ws._sets) == {("kv", 1), ("kv", 3)}
+    assert ws.nbytes() == 12
+    ws.clear()
+    assert ws.nbytes() == 0 and ws.ready is None
+
+
+@pytest.mark.parametrize("handoff", ["event", "none", "clone"])
+def test_handoff_policies_keep_the_numbers(handoff):
+    tensors, results = run_ring(3, handoff=handoff)
+    check_numbers(tensors, results)
+    for ledgers, _ in results:
+        fwd, bwd = ledgers[0]
+        assert fwd.peak_kv_shards == 2 and bwd.peak_kv_shards == 4
+        kv_bytes = 2 * 4 * 2 * 6 * 8  # K and V of one rank: 4 tokens, 2 heads, dim 6, float64
+        if handoff == "clone":  # one copy per channel alive at a time, counted in bytes, not in shards
+            assert fwd.peak_bytes == 3 * kv_bytes
+            assert bwd.peak_bytes == 6 * kv_bytes
+            assert fwd.allocations == 2 + 2  # two slots, then a copy per send (steps 0 and 1)
+        else:
+            assert fwd.peak_bytes == 2 * kv_bytes
+        assert fwd.live_bytes == 0 and bwd.live_bytes == 0
+
+
+def test_attention_passes_the_handoff_override_through():
+    world = 3
+    q, k, v, _ = inputs(world)
+    seen = []
+
+    class Spy(CPUBackend):
+        def handoff(self, tensor, consumer_stream, policy=None):
+            seen.append(policy)
+            return super().handoff(tensor, consumer_stream, policy)
+
+    def rank(g):
+        ql, kl, vl = (xcp.shard(x, world, g.rank) for x in (q, k, v))
+        return ring_forward(ql, kl, vl, RingConfig(g, Spy(), True, 0.5, handoff="clone"))[0]
+
+    LocalWorld(world).run(rank)
+    assert seen and set(seen) == {"clone"}
+
+
+def test_bad_policy_and_handoff_are_named():
+    g = LocalWorld(2).group(0)
+    with pytest.raises(ValueError, match="policy: expected one of bounded, keep_all; got 'tiny'"):
+        RingCall(g, CPUBackend(), torch.device("cpu"), "tiny", None)
+    with pytest.raises(ValueError, match="handoff: expected one of record_stream, clone, event, none; got 'copy'"):
+        RingCall(g, CPUBackend(), torch.device("cpu"), "bounded", "copy")
+
+
+class Tokens:
+    """Distinct stream and event tokens, so a test can see which stream waited on which."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return self.name
+
+
+class RecordingBackend(CPUBackend):
+    """A CPU backend whose streams are tokens and which logs every stream operation and hand-off."""
+
+    def __init__(self):
+        self.log = []
+        self.capturing = False
+        self.caller = Tokens("C")
+        self._streams = 0
+
+    def current_stream(self, device=None):
+        return self.caller
+
+    def new_stream(self, device=None):
+        self._streams += 1
+        return Tokens(f"S{self._streams}")
+
+    def new_event(self):
+        return Tokens("event")
+
+    def record_event(self, event, stream):
+        self.log.append(("record", stream.name))
+
+    def wait_event(self, stream, event):
+        self.log.append(("wait_event", stream.name))
+
+    def wait_stream(self, stream, other):
+        self.log.append(("wait_stream", stream.name, other.name))
+
+    def is_capturing(self):
+        return self.capturing
+
+    def handoff(self, tensor, consumer_stream, policy=None):
+        self.log.append(("handoff", policy))
+        return tensor
+
+
+def test_fork_first_and_join_last():
+    be = RecordingBackend()
+    g = LocalWorld(1).group(0)
+    call = RingCall(g, be, torch.device("cpu"), "bounded", None)
+    with call:
+        with call.on_comm():
+            call.hand_to_comm([torch.zeros(2)], "kv")
+    assert be.log[0] == ("wait_stream", "S1", "C")  # rule 1: M waits on C before anything else
+    assert ("wait_stream", "C", "S1") in be.log[-2:]  # and C waits on M before the call returns
+    assert be.log[1:4] == [("record", "C"), ("wait_event", "S1"), ("handoff", "none")]  # rule 3: ordered, then policy
+
+
+def test_capture_takes_slots_from_the_workspace_and_never_record_stream():
+    be = RecordingBackend()
+    g = LocalWorld(1).group(0)
+    like = (torch.zeros(1, 4, 2, 3), torch.zeros(1, 4, 2, 3))
+    be.capturing = True
+    with pytest.raises(RuntimeError, match="run one call with the same shapes before capturing"):
+        RingCall(g, be, torch.device("cpu"), "bounded", None).slots("kv", like)
+    be.capturing = False
+    warm = RingCall(g, be, torch.device("cpu"), "bounded", "record_stream")
+    warm.slots("kv", like)
+    with warm:
+        pass
+    be.capturing = True
+    with track_buffers() as led:
+        call = RingCall(g, be, torch.device("cpu"), "bounded", "record_stream")
+        call.slots("kv", like)
+        with call:
+            call.hand_to_comm(list(like), "kv")
+    assert led.allocations == 0 and led.peak_kv_shards == 2 and led.live_bytes == 0
+    assert [e for e in be.log if e[0] == "handoff"][-2:] == [("handoff", "event")] * 2  # rule 4
+    with pytest.raises(ValueError, match="'keep_all' allocates a buffer per step"):
+        RingCall(g, be, torch.device("cpu"), "keep_all", None)
+
+
+def test_local_world_names_a_shape_mismatch():
+    world = LocalWorld(2, timeout=5)
+
+    def rank(g):
+        if g.rank == 0:
+            g.exchange([(torch.zeros(3), 1)], [], "kv", CPUBackend())
+        else:
+            g.exchange([], [(torch.zeros(4), 0)], "kv", CPUBackend()).wait()
+
+    with pytest.raises(RuntimeError, match=r"sending kv0 shaped \(3,\).*expects \(4,\)"):
+        world.run(rank)
+
+
+def test_local_world_times_out_naming_the_missing_peer():
+    world = LocalWorld(2, timeout=0.2)
+
+    def rank(g):
+        if g.rank == 0:
+            g.exchange([(torch.zeros(3), 1)], [], "kv", CPUBackend())
+
+    with pytest.raises(RuntimeError, match="rank 0 waited 0.2 s for rank 1 to post receive kv0"):
+        world.run(rank)

@@ -1,0 +1,261 @@
+"""The lifetime sanitizer: the model's checker on small programs, and the real ring on the sim device.
+
+The ring must come out clean for every configuration Hypothesis draws (P in 1..8, causal or not, every
+balance, GQA, dtypes, forward and backward, every hand-off policy), with at most 2 received shards alive
+per rank forward and 4 backward, nothing left live, and numbers equal to a float64 reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import xcp
+from xcp import plugins
+from xcp.lifetime import track_buffers
+from xcp.ring import RingConfig, ring_forward
+from xcp.testing.sanitizer import TOLERANCE, Sanitizer, sanitize_ring
+
+# ----------------------------------------------------------------------------------------------------
+# the checker itself
+
+
+def kinds(findings):
+    return sorted(f.kind for f in findings)
+
+
+def test_unordered_write_and_read_on_two_streams_is_a_race():
+    with Sanitizer() as san, san.thread("r0"):
+        be = san.backend
+        other = be.new_stream()
+        t = torch.ones(8) * 3  # written on r0:C
+        with be.stream_context(other):
+            t.sum()  # read on r0:M, nothing orders it after the write
+    (race,) = san.findings
+    assert race.kind == "race"
+    first, second = race.accesses
+    assert (first.op, first.stream, first.write) == ("aten.mul.Tensor", "r0:C", True)
+    assert (second.op, second.stream, second.write) == ("aten.sum.default", "r0:M", False)
+    assert first.tensor == "float32[8]" and "tests/test_sanitizer.py" in first.storage
+    text = race.format()
+    assert "[race]" in text and "aten.sum.default on stream r0:M" in text and "float32[8]" in text
+
+
+@pytest.mark.parametrize("order", ["event", "wait_stream", "host_sync"])
+def test_events_stream_waits_and_host_syncs_order_accesses(order):
+    with Sanitizer() as san, san.thread("r0"):
+        be = san.backend
+        caller, other = be.current_stream(), be.new_stream()
+        t = torch.ones(8) * 3
+        if order == "event":
+            ev = be.new_event()
+            be.record_event(ev, caller)
+            be.wait_event(other, ev)
+        elif order == "wait_stream":
+            be.wait_stream(other, caller)
+        else:
+            ev = be.new_event()
+            be.record_event(ev, caller)
+            be.synchronize_event(ev)  # the host knows the write is done before it issues the read
+        with be.stream_context(other):
+            t.sum()
+    assert san.findings == []
+
+
+def test_reads_on_two_streams_do_not_conflict():
+    with Sanitizer() as san, san.thread("r0"):
+        be = san.backend
+        t = torch.ones(4)
+        ev = be.new_event()
+        be.record_event(ev, be.current_stream())
+        other = be.new_stream()
+        be.wait_event(other, ev)
+        with be.stream_context(other):
+            t.sum()
+        t.sum()
+    assert san.findings == []
+
+
+def produced_read_elsewhere_then_reallocated(mark: str | None):
+    """t made on C, read on M (ordered), dropped, then a same-size allocation on C."""
+    with Sanitizer() as san, san.thread("r0"):
+        be = san.backend
+        caller, other = be.current_stream(), be.new_stream()
+        t = torch.ones(16) + 1
+        be.wait_stream(other, caller)
+        with be.stream_context(other):
+            total = t.sum()
+        if mark == "record_stream":
+            be.handoff(t, other, "record_stream")
+        elif mark == "join":
+            be.wait_stream(caller, other)
+        del t
+        u = torch.empty(16)
+        u.fill_(0.0)
+        del total, u
+    return san.findings
+
+
+def test_reuse_of_a_block_another_stream_still_reads_is_reported():
+    findings = produced_read_elsewhere_then_reallocated(None)
+    assert "reuse" in kinds(findings)
+    reuse = next(f for f in findings if f.kind == "reuse")
+    old, new = reuse.accesses
+    assert (old.op, old.stream, old.write) == ("aten.sum.default", "r0:M", False)
+    assert new.stream == "r0:C" and new.op.startswith("aten.empty.memory_format")
+
+
+@pytest.mark.parametrize("mark", ["record_stream", "join"])
+def test_record_stream_or_a_join_makes_reuse_safe(mark):
+    assert produced_read_elsewhere_then_reallocated(mark) == []
+
+
+def test_leaks_name_where_the_buffer_was_made():
+    with Sanitizer() as san:
+        with san.thread("r0"):
+            kept = torch.zeros(5, dtype=torch.float64) + 1
+        (leak,) = san.leaks()
+        del kept
+        assert san.leaks() == []
+    assert leak.kind == "leak" and "float64[5]" in leak.message and "tests/test_sanitizer.py" in leak.message
+
+
+def test_record_stream_while_capturing_is_reported():
+    with Sanitizer() as san, san.thread("r0"):
+        be = san.backend
+        t = torch.ones(2)
+        with san.capture():
+            assert be.is_capturing()
+            be.handoff(t, be.new_stream(), "record_stream")
+        assert not be.is_capturing()
+    assert kinds(san.findings) == ["capture"]
+
+
+def test_sim_backend_outside_a_sanitizer_thread_is_a_clear_error():
+    with Sanitizer() as san:
+        with pytest.raises(RuntimeError, match="outside a sanitizer thread"):
+            san.backend.current_stream()
+
+
+def test_session_registers_sim_only_while_open():
+    with Sanitizer() as san:
+        assert plugins.get_backend("sim") is san.backend
+    with pytest.raises(RuntimeError, match="'sim' is unknown"):
+        plugins.get_backend("sim")
+
+
+# ----------------------------------------------------------------------------------------------------
+# the ring on the sim device
+
+BOUND = {False: 2, True: 4}
+
+
+@st.composite
+def ring_configs(draw):
+    world = draw(st.integers(1, 8))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    return dict(
+        world=world,
+        causal=draw(st.booleans()),
+        balance=draw(st.sampled_from(xcp.BALANCES)),
+        handoff=draw(st.sampled_from([None, "record_stream", "clone", "event", "none"])),
+        backward=draw(st.booleans()),
+        dtype=draw(st.sampled_from([torch.float64, torch.float32, torch.bfloat16])),
+        kv_heads=kv_heads,
+        heads=kv_heads * draw(st.sampled_from([1, 2])),
+        seq=world * draw(st.sampled_from([2, 4])),
+        head_dim=4,
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ring_configs())
+def test_ring_is_clean_and_bounded_on_the_sim_device(cfg):
+    report = sanitize_ring(**cfg)
+    assert report.ok, report.format()
+    bound = BOUND[cfg["backward"]]
+    assert max(report.peak_kv_shards.values()) <= bound
+    assert max(report.peak_comm_bytes.values(), default=0) <= report.bound_comm_bytes
+    if cfg["world"] > 2:  # both slots are in use once a rank receives two shards or more
+        assert min(report.peak_kv_shards.values()) == bound
+    tol = TOLERANCE[cfg["dtype"]]
+    assert set(report.max_error) == ({"out", "dq", "dk", "dv"} if cfg["backward"] else {"out"})
+    assert all(err <= tol for err in report.max_error.values())
+
+
+def test_repeated_calls_reuse_the_workspace_cleanly():
+    report = sanitize_ring(world=4, backward=True, calls=3, handoff="record_stream")
+    assert report.ok, report.format()
+    assert set(report.peak_kv_shards.values()) == {4}
+
+
+def test_report_format_lists_config_and_peaks():
+    report = sanitize_ring(world=3, backward=True)
+    text = report.format()
+    assert "world=3" in text and "backward=True" in text and "handoff=record_stream" in text
+    assert "rank 2: peak 4 received shards (bound 4)" in text
+    assert "no finding" in text
+
+
+def test_attention_api_with_autograd_runs_clean_on_sim():
+    world = 3
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4 * world, 4, 4, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, 4 * world, 2, 4, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, 4 * world, 2, 4, generator=gen, dtype=torch.float64)
+    with Sanitizer() as san:
+
+        def rank(g):
+            with san.thread(f"rank{g.rank}"), track_buffers() as led:
+                ql, kl, vl = (xcp.shard(x, world, g.rank).requires_grad_() for x in (q, k, v))
+                out = xcp.attention(ql, kl, vl, causal=True, group=g, device="sim", handoff="clone")
+                out.sum().backward()
+                return led.peak_kv_shards, led.live_bytes, out.detach(), ql.grad
+
+        results = xcp.LocalWorld(world).run(rank)
+        assert san.findings == []
+    qr = q.clone().requires_grad_()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        qr.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2), v.repeat_interleave(2, 2).transpose(1, 2),
+        is_causal=True,
+    ).transpose(1, 2)  # fmt: skip
+    ref.sum().backward()
+    assert [r[:2] for r in results] == [(4, 0)] * world
+    assert (xcp.unshard([r[2] for r in results]) - ref).abs().max() < 1e-10  # float64: summation order only
+    assert (xcp.unshard([r[3] for r in results]) - qr.grad).abs().max() < 1e-10
+
+
+def test_graph_capture_after_warm_up_allocates_nothing_and_never_marks_streams():
+    world = 3
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4 * world, 2, 4, generator=gen, dtype=torch.float64)
+    with Sanitizer() as san:
+
+        def rank(g):
+            with san.thread(f"rank{g.rank}"):
+                ql = xcp.shard(q, world, g.rank)
+                cfg = RingConfig(g, san.backend, True, 0.5, handoff="record_stream")
+                ring_forward(ql, ql, ql, cfg)  # warm-up fills the workspace
+                marks = san.model.record_stream_calls
+                with san.capture(), track_buffers() as led:
+                    out = ring_forward(ql, ql, ql, cfg)[0]
+                return led.allocations, led.peak_kv_shards, out, marks
+
+        results = xcp.LocalWorld(world).run(rank)
+        assert san.findings == []
+        assert san.model.record_stream_calls == max(r[3] for r in results)  # none during capture
+    assert [r[:2] for r in results] == [(0, 2)] * world
+
+
+def test_sanitize_ring_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="world: expected an integer >= 1; got 0"):
+        sanitize_ring(world=0)
+    with pytest.raises(ValueError, match="kv_heads: expected a divisor of heads=4; got 3"):
+        sanitize_ring(kv_heads=3)
+    with pytest.raises(ValueError, match="handoff: expected one of"):
+        sanitize_ring(handoff="copy")
+    with pytest.raises(ValueError, match="seq: balance 'zigzag' over 4 ranks needs a positive multiple of 8"):
+        sanitize_ring(world=4, seq=12)

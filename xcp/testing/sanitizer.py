@@ -1,0 +1,276 @@
+"""The lifetime sanitizer: runs the real ring on a simulated asynchronous device and reports broken rules.
+
+Use :func:`sanitize_ring` for a whole check (what ``xcp sanitize`` runs), or a :class:`Sanitizer` session
+to run any code on the ``sim`` backend::
+
+    with Sanitizer() as san:                 # registers the backend "sim" until the block ends
+        def rank(group):
+            with san.thread(f"rank{group.rank}"):
+                ...  # xcp.attention(..., group=group, device="sim"), or ring_forward with san.backend
+        xcp.LocalWorld(4).run(rank)
+    print(san.findings)
+
+What is checked, and how, is in docs/lifetime.md and :mod:`xcp.testing.sim_device`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import plugins, schedule
+from ..api import shard, unshard
+from ..backend import check_handoff
+from ..comm import LocalWorld
+from ..lifetime import check_policy, track_buffers
+from ..merge import accumulator_dtype
+from ..ring import RingConfig, ring_backward, ring_forward
+from .sim_backend import SimBackend, SimPlugin
+from .sim_device import DeviceModel, Finding
+
+__all__ = ["Finding", "Sanitizer", "SanitizerReport", "sanitize_ring"]
+
+FORWARD_BOUND = 2
+"""Received KV shards a rank may hold at once in the forward (DESIGN.md rule 2)."""
+BACKWARD_BOUND = 4
+"""Received KV and dKV shards a rank may hold at once in the backward."""
+
+# Largest error accepted against the float64 reference, relative to the reference's largest magnitude:
+# float64 is exact up to summation order; float32 accumulates in float32 over a few dozen terms; bf16 and
+# fp16 results are rounded once to 8 and 11 mantissa bits (2^-8 ~ 4e-3, 2^-11 ~ 5e-4), with margin.
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+class Sanitizer:
+    """One sanitizer session: a device model and the ``sim`` backend on it, registered while open."""
+
+    def __init__(self) -> None:
+        self.model = DeviceModel()
+        self.backend = SimBackend(self.model)
+        self._plugin = SimPlugin(self.backend)
+
+    def __enter__(self) -> Sanitizer:
+        plugins.register_plugin(self._plugin, name="xcp-sanitizer")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        plugins.unregister_plugin(self._plugin)
+        self.model.close()
+
+    def thread(self, label: str) -> contextlib.AbstractContextManager:
+        """Run the block as rank ``label``: its own caller stream, every tensor op recorded."""
+        return self.model.thread(label)
+
+    def capture(self) -> contextlib.AbstractContextManager:
+        """Inside the block the backend reports graph capture (for this thread)."""
+        return self.model.capture()
+
+    @property
+    def findings(self) -> list[Finding]:
+        """Races, reuses and capture violations seen so far."""
+        return list(self.model.findings)
+
+    def leaks(self) -> list[Finding]:
+        """A ``leak`` finding per buffer the model allocated that is still alive (drop references first)."""
+        gc.collect()
+        return [Finding("leak", f"{st.owner}: a buffer of {st.info} was never released") for st in self.model.live()]
+
+
+@dataclass
+class SanitizerReport:
+    """What :func:`sanitize_ring` found. ``ok`` is True when there is no finding."""
+
+    config: dict[str, Any]
+    findings: list[Finding]
+    peak_kv_shards: dict[int, int]
+    peak_bytes: dict[int, int]
+    peak_comm_bytes: dict[int, int]
+    bound_shards: int
+    bound_comm_bytes: int
+    max_error: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def kinds(self) -> set[str]:
+        """The kinds of the findings (race, reuse, leak, bound, capture, numerics)."""
+        return {f.kind for f in self.findings}
+
+    def format(self) -> str:
+        """A readable report: the configuration, per-rank peaks, then each finding."""
+        cfg = " ".join(f"{k}={v}" for k, v in self.config.items())
+        lines = [f"xcp sanitize: {cfg}"]
+        for r in sorted(self.peak_kv_shards):
+            lines.append(
+                f"  rank {r}: peak {self.peak_kv_shards[r]} received shards (bound {self.bound_shards}), "
+                f"ledger peak {self.peak_bytes[r]} B, received buffers peak {self.peak_comm_bytes.get(r, 0)} B "
+                f"(bound {self.bound_comm_bytes} B)"
+            )
+        if self.max_error:
+            errs = ", ".join(f"{k} {v:.2e}" for k, v in self.max_error.items())
+            lines.append(f"  largest error against float64 SDPA: {errs}")
+        if self.ok:
+            lines.append("  no finding: every access ordered, no reuse hazard, nothing leaked, peaks within bounds")
+        else:
+            lines.append(f"  {len(self.findings)} finding(s):")
+            lines.extend("  " + f.format().replace("\n", "\n  ") for f in self.findings)
+        return "\n".join(lines)
+
+
+def _reference(q, k, v, causal: bool, scale: float) -> torch.Tensor:
+    """Float64 attention on the whole sequence through torch SDPA, K/V heads repeated for GQA."""
+    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
+    groups = qd.shape[1] // kd.shape[1]
+    kd, vd = kd.repeat_interleave(groups, 1), vd.repeat_interleave(groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale)
+    return out.transpose(1, 2)
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: expected an integer >= {low}; got {value!r}")
+    return value
+
+
+@contextlib.contextmanager
+def _session() -> Iterator[Sanitizer]:
+    with Sanitizer() as san:
+        yield san
+
+
+def sanitize_ring(
+    world: int = 4,
+    causal: bool = True,
+    balance: str = "zigzag",
+    handoff: str | None = None,
+    backward: bool = False,
+    dtype: torch.dtype = torch.float64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seq: int | None = None,
+    head_dim: int = 8,
+    batch: int = 1,
+    policy: str = "bounded",
+    calls: int = 1,
+    seed: int = 0,
+) -> SanitizerReport:
+    """Run the ring on ``world`` virtual ranks of the sim device and check every lifetime rule.
+
+    :param world: number of ranks P.
+    :param handoff: hand-off policy (``record_stream``, ``clone``, ``event``, ``none``); None: the sim
+        backend's default, ``record_stream``.
+    :param backward: also run the backward pass (then the bound is 4 shards instead of 2).
+    :param seq: global sequence length; default 4 tokens per rank.
+    :param policy: ``bounded`` or ``keep_all`` (which must exceed the bound for P >= 4).
+    :param calls: calls per rank (more than one exercises the workspace).
+    :returns: a :class:`SanitizerReport`; findings of kind race, reuse, leak, bound, capture or numerics.
+    """
+    _check_int("world", world, 1)
+    _check_int("heads", heads, 1)
+    _check_int("kv_heads", kv_heads, 1)
+    _check_int("head_dim", head_dim, 1)
+    _check_int("batch", batch, 1)
+    _check_int("calls", calls, 1)
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads: expected a divisor of heads={heads}; got {kv_heads}")
+    if not isinstance(causal, bool) or not isinstance(backward, bool):
+        raise TypeError("causal and backward: expected bools")
+    if dtype not in TOLERANCE:
+        raise ValueError(f"dtype: expected one of {', '.join(map(str, TOLERANCE))}; got {dtype}")
+    schedule.check_balance(balance)
+    check_policy(policy)
+    if handoff is not None:
+        check_handoff(handoff)
+    seq = 4 * world if seq is None else _check_int("seq", seq, 1)
+    schedule.check_seq_len(seq, world, balance, what="seq")
+    if world > 1 and causal and balance == "zigzag" and (seq // world) % 2:
+        raise ValueError(f"seq: zigzag needs an even number of tokens per rank; got {seq // world}")
+
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq, heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
+    k = torch.randn(batch, seq, kv_heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
+    v = torch.randn(batch, seq, kv_heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
+    dout = torch.randn(batch, seq, heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    leaves = [x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v)]
+    ref = _reference(*leaves, causal, scale)
+    refs = {"out": ref.detach()}
+    if backward:
+        refs.update(zip(("dq", "dk", "dv"), torch.autograd.grad(ref, leaves, dout.double())))
+
+    bound = BACKWARD_BOUND if backward else FORWARD_BOUND
+    local = seq // world
+    kv_bytes = 2 * batch * local * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    dkv_bytes = 2 * batch * local * kv_heads * head_dim * torch.empty((), dtype=accumulator_dtype(dtype)).element_size()
+    bound_bytes = 2 * kv_bytes + (2 * dkv_bytes if backward else 0)
+    config = {
+        "world": world, "causal": causal, "balance": balance, "handoff": handoff or SimBackend.handoff_policy,
+        "backward": backward, "dtype": str(dtype).replace("torch.", ""), "heads": heads, "kv_heads": kv_heads,
+        "seq": seq, "policy": policy, "calls": calls,
+    }  # fmt: skip
+
+    findings: list[Finding] = []
+    with _session() as san:
+        lw = LocalWorld(world, timeout=60.0)
+
+        def rank(group: Any) -> tuple:
+            with san.thread(f"rank{group.rank}"), track_buffers() as ledger:
+                ql, kl, vl, dl = (shard(x, world, group.rank, balance=balance) for x in (q, k, v, dout))
+                cfg = RingConfig(group, san.backend, causal, scale, balance, policy, handoff)
+                for _ in range(calls):
+                    out, lse = ring_forward(ql, kl, vl, cfg)
+                    grads = ring_backward(dl, ql, kl, vl, out, lse, cfg) if backward else ()
+                return ledger, (out, *grads)
+
+        results = lw.run(rank)
+        ledgers = [r[0] for r in results]
+        errors = {}
+        for i, name in enumerate(refs):
+            got = unshard([r[1][i] for r in results], balance=balance).double()
+            errors[name] = (got - refs[name]).abs().max().item() / max(1.0, refs[name].abs().max().item())
+        del results
+        lw.release_buffers()
+        del lw
+        findings.extend(san.findings)
+        for r, ledger in enumerate(ledgers):
+            if ledger.live_bytes:
+                findings.append(Finding("leak", f"rank{r}: the ledger counts {ledger.live_bytes} B after the calls"))
+            if ledger.peak_kv_shards > bound:
+                findings.append(
+                    Finding(
+                        "bound",
+                        f"rank{r}: {ledger.peak_kv_shards} received shards alive at once (ledger); bound {bound}",
+                    )
+                )
+        comm_peak = {int(label[4:]): b for label, b in san.model.comm_peak.items() if label.startswith("rank")}
+        for r, peak in sorted(comm_peak.items()):
+            if peak > bound_bytes:
+                findings.append(
+                    Finding(
+                        "bound",
+                        f"rank{r}: received buffers peaked at {peak} B alive at once (sanitizer); the bound is "
+                        f"{bound_bytes} B ({bound} shards)",
+                    )
+                )
+        findings.extend(san.leaks())
+    tol = TOLERANCE[dtype]
+    for name, err in errors.items():
+        if not err <= tol:
+            findings.append(Finding("numerics", f"{name}: error {err:.3e} against float64 SDPA exceeds {tol:g}"))
+    return SanitizerReport(
+        config=config,
+        findings=findings,
+        peak_kv_shards={r: led.peak_kv_shards for r, led in enumerate(ledgers)},
+        peak_bytes={r: led.peak_bytes for r, led in enumerate(ledgers)},
+        peak_comm_bytes=comm_peak,
+        bound_shards=bound,
+        bound_comm_bytes=bound_bytes,
+        max_error=errors,
+    )
