@@ -51,3 +51,14 @@ def test_plan_plot(tmp_path, capsys):
 def test_backends_lists_cpu(capsys):
     assert main(["backends"]) == 0
     assert "cpu" in capsys.readouterr().out
+
+
+def test_sanitize_clean_run_exits_zero(capsys):
+    assert main(["sanitize", "--world", "3", "--backward", "--balance", "stripe", "--handoff", "clone"]) == 0
+    text = capsys.readouterr().out
+    assert "no finding" in text and "bound 4" in text
+
+
+def test_sanitize_keep_all_is_a_finding(capsys):
+    assert main(["sanitize", "--world", "4", "--policy", "keep_all"]) == 1
+    assert "[bound]" in capsys.readouterr().out

@@ -214,7 +214,50 @@ def _cmd_bench_distributed(args) -> int:
     return 0 if report["check"]["ok"] else 1
 
 
+def _add_sanitize(sub) -> None:
+    from .backend import HANDOFF_POLICIES
+    from .demo import DTYPES
+    from .lifetime import POLICIES
+
+    p = sub.add_parser("sanitize", help="run the ring under the CPU lifetime sanitizer; exit 1 on any finding")
+    p.add_argument("--world", type=_positive, default=4)
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--balance", choices=schedule.BALANCES, default=schedule.DEFAULT_BALANCE)
+    p.add_argument("--handoff", choices=HANDOFF_POLICIES, default=None, help="default: the sim backend's own")
+    p.add_argument("--backward", action="store_true", help="also run the backward ring (bound: 4 shards)")
+    p.add_argument("--policy", choices=POLICIES, default="bounded")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float64")
+    p.add_argument("--heads", type=_positive, default=4)
+    p.add_argument("--kv-heads", type=_positive, default=2)
+    p.add_argument("--head-dim", type=_positive, default=8)
+    p.add_argument("--seq", type=_positive, default=None, help="global length; default 4 tokens per rank")
+    p.add_argument("--calls", type=_positive, default=1, help="calls per rank (more exercise the workspace)")
+
+
+def _cmd_sanitize(args) -> int:
+    from .demo import DTYPES
+    from .testing.sanitizer import sanitize_ring
+
+    report = sanitize_ring(
+        world=args.world,
+        causal=args.causal,
+        balance=args.balance,
+        handoff=args.handoff,
+        backward=args.backward,
+        dtype=DTYPES[args.dtype],
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        seq=args.seq,
+        head_dim=args.head_dim,
+        policy=args.policy,
+        calls=args.calls,
+    )
+    print(report.format())
+    return 0 if report.ok else 1
+
+
 COMMANDS = {
+    "sanitize": (_add_sanitize, _cmd_sanitize),
     "run": (_add_run, _cmd_run),
     "plan": (_add_plan, _cmd_plan),
     "backends": (_add_backends, _cmd_backends),
