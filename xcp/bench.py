@@ -195,8 +195,11 @@ def _progress(done: int, total: int, label: str) -> None:
     sys.stderr.flush()
 
 
-def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
-    """Measure every figure of ``cfg``; returns a JSON-ready dict (rows of timing, memory and graph)."""
+def run_bench(cfg: BenchConfig, progress: bool = True, checkpoint: str | None = None) -> dict[str, Any]:
+    """Measure every figure of ``cfg``; returns a JSON-ready dict (rows of timing, memory and graph).
+
+    :param checkpoint: a JSON path rewritten after every figure, so a run cut short keeps what it measured.
+    """
     cfg.validate()
     backend = select_backend(cfg.device, None)
     device = (
@@ -204,27 +207,30 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     )
     clock = _Clock(device)
     jobs = [(s, p, c) for s in cfg.seqs for c in cfg.causal for p in cfg.worlds]
-    total = len(jobs) + len(cfg.memory_worlds) * 2 + (1 if cfg.graph else 0)
     report: dict[str, Any] = {"meta": _meta(cfg, backend, device), "timing": [], "memory": [], "graph": None}
-    step = 0
+    work: list[tuple[str, Callable[[], None]]] = []
     for seq, world, causal in jobs:
-        if progress:
-            _progress(step, total, f"S={seq} P={world} {'causal' if causal else 'full'}")
-        report["timing"].append(_time_one(cfg, backend, clock, device, seq, world, causal))
-        step += 1
+        row = (cfg, backend, clock, device, seq, world, causal)
+        work.append(
+            (
+                f"S={seq} P={world} {'causal' if causal else 'full'}",
+                lambda r=row: report["timing"].append(_time_one(*r)),
+            )
+        )
     for world in cfg.memory_worlds:
         for policy in ("bounded", "keep_all"):
-            if progress:
-                _progress(step, total, f"memory P={world} {policy}")
-            report["memory"].append(_memory_one(cfg, backend, device, world, policy))
-            step += 1
+            row = (cfg, backend, device, world, policy)
+            work.append((f"memory P={world} {policy}", lambda r=row: report["memory"].append(_memory_one(*r))))
     if cfg.graph:
+        work.append(("graph capture", lambda: report.__setitem__("graph", _graph_one(cfg, backend, clock, device))))
+    for step, (label, measure) in enumerate(work):
         if progress:
-            _progress(step, total, "graph capture")
-        report["graph"] = _graph_one(cfg, backend, clock, device)
-        step += 1
+            _progress(step, len(work), label)
+        measure()
+        if checkpoint:
+            write_json(report, checkpoint)
     if progress:
-        _progress(step, total, "done")
+        _progress(len(work), len(work), "done")
     return report
 
 

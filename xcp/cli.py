@@ -166,7 +166,7 @@ def _cmd_bench(args) -> int:
         graph=args.graph,
         check=args.check,
     )
-    report = run_bench(cfg, progress=not args.quiet)
+    report = run_bench(cfg, progress=not args.quiet, checkpoint=args.json)
     print(format_report(report))
     if args.json:
         write_json(report, args.json)
