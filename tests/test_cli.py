@@ -62,3 +62,18 @@ def test_sanitize_clean_run_exits_zero(capsys):
 def test_sanitize_keep_all_is_a_finding(capsys):
     assert main(["sanitize", "--world", "4", "--policy", "keep_all"]) == 1
     assert "[bound]" in capsys.readouterr().out
+
+
+def test_run_under_torchrun_uses_the_process_group(tmp_path):
+    """With RANK/WORLD_SIZE set (torchrun), ``xcp run`` runs on the real gloo process group."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "xcp.cli",
+           "run", "--seq", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "8"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("torch.distributed (gloo), rank") == 2
+    assert proc.stdout.count("PASS") == 2
