@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,12 +138,6 @@ def _check_int(name: str, value: Any, low: int) -> int:
     return value
 
 
-@contextlib.contextmanager
-def _session() -> Iterator[Sanitizer]:
-    with Sanitizer() as san:
-        yield san
-
-
 def sanitize_ring(
     world: int = 4,
     causal: bool = True,
@@ -217,7 +210,7 @@ def sanitize_ring(
     }  # fmt: skip
 
     findings: list[Finding] = []
-    with _session() as san:
+    with Sanitizer() as san:
         lw = LocalWorld(world, timeout=60.0)
 
         def rank(group: Any) -> tuple:
