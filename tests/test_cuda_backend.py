@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import xcp
+from xcp import pieces
 from xcp.cpu import allowed_keys, math_backward, math_forward
-from xcp_cuda import CUDABackend, kernels, pieces
+from xcp_cuda import CUDABackend, kernels
 
 MASKS = ("none", "causal", "strict")
 NEG_INF = float("-inf")

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
+from xcp import pieces
 from xcp.backend import Backend, check_mask
 from xcp.cpu import math_backward, math_forward
 
-from . import kernels, pieces
+from . import kernels
 from .fused_merge import fused_merge_, fused_merge_supported
 
 GQA_MODES = ("native", "repeat")
@@ -48,7 +49,7 @@ class CUDABackend(Backend):
     Kernel per block, by :func:`xcp_cuda.kernels.choose_kernel`: the aten flash op for fp16/bf16 with
     head_dim % 8 == 0 and <= 256 (the flash-attn package's forward instead when it is installed), the aten
     memory-efficient op for fp32 and the other aligned head dims, and the math kernel for the rest
-    (float64, unaligned head dims). Masks beyond none / square causal are cut by :mod:`xcp_cuda.pieces`.
+    (float64, unaligned head dims). Masks beyond none / square causal are cut by :mod:`xcp.pieces`.
 
     :param gqa: ``native`` (default; env ``XCP_CUDA_GQA``) or ``repeat``, see :data:`GQA_MODES`.
     :param use_flash_attn: use flash-attn's forward when importable (default True; env

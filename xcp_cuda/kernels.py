@@ -1,7 +1,7 @@
 """The CUDA block kernels: which one serves a block, and thin wrappers over PyTorch's fused attention ops.
 
 Every wrapper takes and returns xcp's layout, q [B, Sq, H, D] and k, v [B, Sk, Hkv, D], and is only asked
-for ``causal=False`` or causal on a square block (:mod:`xcp_cuda.pieces` cuts the rest), so the kernels'
+for ``causal=False`` or causal on a square block (:mod:`xcp.pieces` cuts the rest), so the kernels'
 own alignment of a non-square causal mask never matters.
 
 The ops (schemas as registered in PyTorch's native_functions.yaml, checked against torch 2.13):
@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from .pieces import repeat_kv, sum_kv_groups
+from xcp.pieces import repeat_kv, sum_kv_groups
 
 ATEN: Any = torch.ops.aten
 """The op namespace the wrappers call (tests on CPU substitute a stand-in with the same signatures)."""

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from xcp import pieces
 from xcp.backend import Backend, check_mask
-from xcp_cuda import pieces
 
 from . import convert
 
