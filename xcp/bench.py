@@ -209,20 +209,17 @@ def run_bench(cfg: BenchConfig, progress: bool = True, checkpoint: str | None = 
     jobs = [(s, p, c) for s in cfg.seqs for c in cfg.causal for p in cfg.worlds]
     report: dict[str, Any] = {"meta": _meta(cfg, backend, device), "timing": [], "memory": [], "graph": None}
     work: list[tuple[str, Callable[[], None]]] = []
-    for seq, world, causal in jobs:
-        row = (cfg, backend, clock, device, seq, world, causal)
-        work.append(
-            (
-                f"S={seq} P={world} {'causal' if causal else 'full'}",
-                lambda r=row: report["timing"].append(_time_one(*r)),
-            )
-        )
+    # memory and graph first: they are quick, and a run cut short keeps them
     for world in cfg.memory_worlds:
         for policy in ("bounded", "keep_all"):
             row = (cfg, backend, device, world, policy)
             work.append((f"memory P={world} {policy}", lambda r=row: report["memory"].append(_memory_one(*r))))
     if cfg.graph:
         work.append(("graph capture", lambda: report.__setitem__("graph", _graph_one(cfg, backend, clock, device))))
+    for seq, world, causal in jobs:
+        row = (cfg, backend, clock, device, seq, world, causal)
+        label = f"S={seq} P={world} {'causal' if causal else 'full'}"
+        work.append((label, lambda r=row: report["timing"].append(_time_one(*r))))
     for step, (label, measure) in enumerate(work):
         if progress:
             _progress(step, len(work), label)
