@@ -29,9 +29,9 @@ checks)
   ;;
 bench)
   section "lifetime rules on cuda: CSAN, graph capture, ledger vs allocator"
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -rA tests/test_lifetime_cuda.py 2>&1 | tail -30 | tee "$out/lifetime_cuda.txt"
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -rA tests/test_lifetime_cuda.py 2>&1 | tail -30 | tee "$out/lifetime_cuda.txt"
   section "xcp bench (issue 5 grid)"
-  timeout 400 xcp bench --reps 3 --memory-seq 131072 --seqs 65536,131072,16384 --json "$out/bench.json" --plot "$out/bench.png" --quiet 2>&1 | tee "$out/bench.txt"
+  timeout 330 xcp bench --reps 2 --memory-seq 131072 --seqs 65536,131072,16384 --json "$out/bench.json" --plot "$out/bench.png" --quiet 2>&1 | tee "$out/bench.txt"
   ;;
 *) echo "usage: $0 checks|bench" >&2; exit 2 ;;
 esac
