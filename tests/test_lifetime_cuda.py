@@ -59,9 +59,12 @@ def run_world(world, handoff, causal=True, seed=0):
     q, do = (torch.randn(shape_q, generator=gen, device="cuda", dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(shape_kv, generator=gen, device="cuda", dtype=torch.float64) for _ in range(2))
     backend = CudaMath()
+    producer = torch.cuda.current_stream()  # made the inputs; every rank's stream must wait for it
 
     def rank(g):
-        with torch.cuda.stream(torch.cuda.Stream()):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(producer)
+        with torch.cuda.stream(stream):
             ql, kl, vl, dl = (xcp.shard(x, world, g.rank) for x in (q, k, v, do))
             cfg = RingConfig(g, backend, causal, 1 / math.sqrt(16), handoff=handoff)
             with track_buffers() as led:
@@ -123,6 +126,10 @@ def test_pytorch_cuda_sanitizer_reports_nothing(handoff):
 def test_pytorch_cuda_sanitizer_sees_the_missing_wait():
     done = csan("record_stream", "mutant")  # proves the sanitizer is really watching the rank threads
     assert done.returncode != 0
+    report = done.stderr
+    assert "CSAN detected a possible data race" in report
+    assert "/xcp/" in report.split("Previous access")[0]  # the racing access is the ring's, not the test's
+    assert "aten::randn" not in report  # and not the inputs' creation
     assert "CSAN detected a possible data race" in done.stdout + done.stderr
 
 
