@@ -18,16 +18,7 @@ from xcp.comm import LocalWorld
 from xcp.cpu import CPUBackend
 from xcp.lifetime import RingCall, Workspace, track_buffers, workspace_disabled
 from xcp.ring import RingConfig, ring_backward, ring_forward
-
-
-def reference(q, k, v, causal):
-    """Float64 attention on the whole sequence (torch SDPA), K/V heads repeated for GQA."""
-    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
-    g = qd.shape[1] // kd.shape[1]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qd, kd.repeat_interleave(g, 1), vd.repeat_interleave(g, 1), is_causal=causal
-    )
-    return out.transpose(1, 2)
+from xcp.testing.reference import sdpa_reference
 
 
 def inputs(world, heads=4, kv_heads=2, per_rank=4, dim=6, seed=0):
@@ -63,7 +54,7 @@ def run_ring(world, backend=None, policy="bounded", handoff=None, causal=True, c
 
 def check_numbers(tensors, results, causal=True):
     q, k, v, do = (x.clone().requires_grad_() for x in tensors)
-    ref = reference(q, k, v, causal)
+    ref = sdpa_reference(q, k, v, causal)
     want = (ref, *torch.autograd.grad(ref, (q, k, v), do))
     for i, w in enumerate(want):
         got = xcp.unshard([r[1][i] for r in results])

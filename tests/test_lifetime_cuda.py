@@ -20,6 +20,7 @@ from xcp.backend import Backend
 from xcp.cpu import math_backward, math_forward
 from xcp.lifetime import track_buffers, workspace_disabled
 from xcp.ring import RingConfig, ring_backward, ring_forward
+from xcp.testing.reference import sdpa_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -41,15 +42,6 @@ class CudaMath(Backend):
 
     def backward(self, dout, q, k, v, out, lse, mask, scale):
         return math_backward(dout, q, k, v, out, lse, mask, scale)
-
-
-def reference(q, k, v, causal):
-    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
-    g = qd.shape[1] // kd.shape[1]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qd, kd.repeat_interleave(g, 1), vd.repeat_interleave(g, 1), is_causal=causal
-    )
-    return out.transpose(1, 2)
 
 
 def run_world(world, handoff, causal=True, seed=0):
@@ -74,10 +66,10 @@ def run_world(world, handoff, causal=True, seed=0):
             return led.peak_kv_shards, (out, *grads)
 
     results = xcp.LocalWorld(world, device="cuda").run(rank)
-    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
-    ref = reference(qr, kr, vr, causal)
-    want = (ref, *torch.autograd.grad(ref, (qr, kr, vr), do))
-    errors = [(xcp.unshard([r[1][i] for r in results]) - w).abs().max().item() for i, w in enumerate(want)]
+    qr, kr, vr = (x.detach().cpu().requires_grad_() for x in (q, k, v))
+    ref = sdpa_reference(qr, kr, vr, causal)  # float64 on the CPU
+    want = (ref, *torch.autograd.grad(ref, (qr, kr, vr), do.cpu()))
+    errors = [(xcp.unshard([r[1][i] for r in results]).cpu() - w).abs().max().item() for i, w in enumerate(want)]
     return [r[0] for r in results], errors
 
 
@@ -179,9 +171,9 @@ def test_graph_capture_replays_like_eager():
     graph.replay()
     again = ring_forward(q, k, v, cfg)[0]
     torch.cuda.synchronize()
-    want = reference(q, k, v, False).float()
+    want = sdpa_reference(q, k, v, False).float()  # on the CPU
     assert (captured - again).abs().max().item() < 1e-6  # same kernels, same order: float32 rounding only
-    assert (captured - want).abs().max().item() < 1e-5  # float32 against float64 SDPA
+    assert (captured.cpu() - want).abs().max().item() < 1e-5  # float32 against float64 SDPA
     assert not torch.equal(eager, captured)  # the replay really used the new inputs
 
 

@@ -18,6 +18,7 @@ from .comm import LocalWorld, resolve_group
 from .lifetime import track_buffers
 from .plugins import select_backend
 from .ring import RingConfig, ring_backward, ring_forward
+from .testing.reference import sdpa_reference
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -97,11 +98,7 @@ def reference(q, k, v, dout, causal: bool) -> tuple[torch.Tensor, ...]:
     q.requires_grad_()
     k.requires_grad_()
     v.requires_grad_()
-    groups = q.shape[2] // k.shape[2]
-    kr, vr = (x.repeat_interleave(groups, dim=2) for x in (k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2), is_causal=causal
-    ).transpose(1, 2)
+    out = sdpa_reference(q, k, v, causal)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     return out.detach(), dq, dk, dv
 

@@ -66,3 +66,20 @@ def reference_gradients(
         out, lse = reference_attention(q64, k64, v64, mask, scale)
         dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), dout.detach().to("cpu", torch.float64))
     return out.detach(), lse.detach(), dq, dk, dv
+
+
+def sdpa_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None
+) -> torch.Tensor:
+    """Whole-sequence attention through torch's own SDPA in float64 on the CPU, differentiable.
+
+    A second, independent reference (torch's math kernel rather than this module's einsum) for the
+    ring's end-to-end checks: K/V heads are repeated for GQA; ``scale`` defaults to 1/sqrt(head_dim).
+    :returns: out [B, S, H, D] float64.
+    """
+    qd, kd, vd = (x.to("cpu", torch.float64).transpose(1, 2) for x in (q, k, v))
+    groups = qd.shape[1] // kd.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qd, kd.repeat_interleave(groups, 1), vd.repeat_interleave(groups, 1), is_causal=causal, scale=scale
+    )
+    return out.transpose(1, 2)

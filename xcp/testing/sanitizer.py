@@ -30,6 +30,7 @@ from ..comm import LocalWorld
 from ..lifetime import check_policy, track_buffers
 from ..merge import accumulator_dtype
 from ..ring import RingConfig, ring_backward, ring_forward
+from .reference import sdpa_reference
 from .sim_backend import SimBackend, SimPlugin
 from .sim_device import DeviceModel, Finding
 
@@ -123,15 +124,6 @@ class SanitizerReport:
         return "\n".join(lines)
 
 
-def _reference(q, k, v, causal: bool, scale: float) -> torch.Tensor:
-    """Float64 attention on the whole sequence through torch SDPA, K/V heads repeated for GQA."""
-    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
-    groups = qd.shape[1] // kd.shape[1]
-    kd, vd = kd.repeat_interleave(groups, 1), vd.repeat_interleave(groups, 1)
-    out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale)
-    return out.transpose(1, 2)
-
-
 def _check_int(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name}: expected an integer >= {low}; got {value!r}")
@@ -193,7 +185,7 @@ def sanitize_ring(
     dout = torch.randn(batch, seq, heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
     scale = 1.0 / math.sqrt(head_dim)
     leaves = [x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v)]
-    ref = _reference(*leaves, causal, scale)
+    ref = sdpa_reference(*leaves, causal, scale)
     refs = {"out": ref.detach()}
     if backward:
         refs.update(zip(("dq", "dk", "dv"), torch.autograd.grad(ref, leaves, dout.double())))
