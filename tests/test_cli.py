@@ -11,7 +11,7 @@ def test_run_checks_and_prints_table(capsys):
     code = main(["run", "--world", "2", "--seq", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "8"])
     text = capsys.readouterr().out
     assert code == 0, text
-    for name in ("out", "dq", "dk", "dv", "peak received-KV", "PASS"):
+    for name in ("out", "dq", "dk", "dv", "peak ring buffers per rank", "PASS"):
         assert name in text
 
 

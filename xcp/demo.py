@@ -77,7 +77,7 @@ class DemoResult:
         mib = [b / 2**20 for b in self.peak_kv_bytes]
         lines.append(f"time (fwd+bwd, slowest rank): {self.seconds:.3f} s")
         lines.append(
-            "peak received-KV per rank: "
+            "peak ring buffers per rank (received KV and dK/dV slots): "
             + ", ".join(f"r{r}: {m:.2f} MiB / {s} shards" for r, (m, s) in enumerate(zip(mib, self.peak_kv_shards)))
         )
         lines.append("PASS" if self.ok else "FAIL: an error is above its tolerance")
