@@ -115,7 +115,8 @@ class _Clock:
         return begin.elapsed_time(end) / 1000.0
 
 
-def _inputs(cfg: BenchConfig, seq: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def _inputs(cfg: Any, seq: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Seeded random q, k, v, dout of ``seq`` tokens for a config with batch, heads, kv_heads, head_dim, dtype."""
     gen = torch.Generator(device=device).manual_seed(seed)
     dtype = DTYPES[cfg.dtype]
     shapes = [(cfg.batch, seq, h, cfg.head_dim) for h in (cfg.heads, cfg.kv_heads, cfg.kv_heads, cfg.heads)]

@@ -12,7 +12,6 @@ it for NCCL). Three figures, all printed by rank 0:
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,8 +19,7 @@ from typing import Any
 import torch
 
 from .api import attention, shard, unshard
-from .bench import _Clock, attention_flops, median
-from .demo import DTYPES
+from .bench import _Clock, _inputs, _rel, _whole, attention_flops, median
 from .lifetime import track_buffers
 from .plugins import select_backend
 
@@ -53,17 +51,6 @@ def _device(cfg: DistBenchConfig) -> torch.device:
     return dev
 
 
-def _random(cfg, seq: int, heads: int, device, seed: int) -> torch.Tensor:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return torch.randn(cfg.batch, seq, heads, cfg.head_dim, generator=gen, device=device, dtype=DTYPES[cfg.dtype])
-
-
-def _full_inputs(cfg, seq: int, device) -> tuple[torch.Tensor, ...]:
-    """The same whole-sequence q, k, v, dout on every rank (same seeds, same device type)."""
-    heads = (cfg.heads, cfg.kv_heads, cfg.kv_heads, cfg.heads)
-    return tuple(_random(cfg, seq, h, device, seed) for seed, h in enumerate(heads))
-
-
 def _ring_step(cfg, shards, policy: str = "bounded"):
     q, k, v, dout = (x.detach().requires_grad_(i < 3) for i, x in enumerate(shards))
     out = attention(q, k, v, causal=True, device=cfg.device, policy=policy)
@@ -84,7 +71,7 @@ def run_distributed_bench(cfg: DistBenchConfig) -> dict[str, Any] | None:
     report: dict[str, Any] = {"world": world, "backend": backend.name, "dist_backend": dist.get_backend()}
 
     # correctness: gather the ring's results to rank 0 and compare with the whole-sequence kernel
-    full = _full_inputs(cfg, cfg.check_seq, device)
+    full = _inputs(cfg, cfg.check_seq, device)  # the same seed, so the same sequence, on every rank
     got = _ring_step(cfg, [shard(x, world, rank) for x in full])
     gathered = []
     for t in got:
@@ -92,14 +79,8 @@ def run_distributed_bench(cfg: DistBenchConfig) -> dict[str, Any] | None:
         dist.all_gather(parts, t.contiguous())
         gathered.append(unshard(parts))
     if rank == 0:
-        q, k, v, dout = full
-        scale = 1.0 / math.sqrt(cfg.head_dim)
-        ref_out, ref_lse = backend.forward(q, k, v, "causal", scale)
-        ref = (ref_out, *backend.backward(dout, q, k, v, ref_out.to(q.dtype), ref_lse, "causal", scale))
-        errs = {
-            n: ((g.float() - r.float()).norm() / r.float().norm()).item()
-            for n, g, r in zip(("out", "dq", "dk", "dv"), gathered, ref)
-        }
+        ref_out, ref_grads = _whole(backend, full, causal=True, backward=True)
+        errs = {n: _rel(g, r) for n, g, r in zip(("out", "dq", "dk", "dv"), gathered, (ref_out, *ref_grads))}
         report["check"] = {
             "seq": cfg.check_seq,
             "errors": errs,
@@ -109,26 +90,17 @@ def run_distributed_bench(cfg: DistBenchConfig) -> dict[str, Any] | None:
 
     # efficiency: the whole-sequence kernel's throughput on one device, then the ring per rank
     if rank == 0:
-        q, k, v, dout = _full_inputs(cfg, cfg.reference_seq, device)
-        scale = 1.0 / math.sqrt(cfg.head_dim)
-
-        def whole():
-            o, lse = backend.forward(q, k, v, "causal", scale)
-            backend.backward(dout, q, k, v, o.to(q.dtype), lse, "causal", scale)
-
+        whole = _inputs(cfg, cfg.reference_seq, device)
         for _ in range(cfg.warmup):
-            whole()
-        t = median([clock.time(whole) for _ in range(cfg.reps)])
+            _whole(backend, whole, causal=True, backward=True)
+        t = median([clock.time(lambda: _whole(backend, whole, causal=True, backward=True)) for _ in range(cfg.reps)])
         flops = attention_flops(cfg.batch, cfg.reference_seq, cfg.heads, cfg.head_dim, True, True)
         report["reference"] = {"seq": cfg.reference_seq, "seconds": t, "tflops": flops / t / 1e12}
-        del q, k, v, dout
+        del whole
     rows = []
     for seq in cfg.seqs:
         local = seq // world
-        shards = [
-            _random(cfg, local, h, device, 100 + rank * 4 + i)
-            for i, h in enumerate((cfg.heads, cfg.kv_heads, cfg.kv_heads, cfg.heads))
-        ]
+        shards = _inputs(cfg, local, device, seed=100 + rank)
         for _ in range(cfg.warmup):
             _ring_step(cfg, shards)
         times = []
@@ -148,10 +120,7 @@ def run_distributed_bench(cfg: DistBenchConfig) -> dict[str, Any] | None:
     # memory: bounded against keep_all, per rank
     mem = []
     local = cfg.memory_seq // world
-    shards = [
-        _random(cfg, local, h, device, 200 + i)
-        for i, h in enumerate((cfg.heads, cfg.kv_heads, cfg.kv_heads, cfg.heads))
-    ]
+    shards = _inputs(cfg, local, device, seed=200 + rank)
     for policy in ("bounded", "keep_all"):
         backend.reset_peak_memory(device)
         before = backend.memory_stats(device)
