@@ -70,3 +70,17 @@ def ring_cases(draw: st.DrawFn, max_world: int = 6) -> RingCase:
         seq=2 * world * draw(st.integers(1, 3)),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
+
+
+def assert_close_to(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    """``got`` (any device, dtype) against ``ref``: same shape, no NaN, the same infinite entries, and
+    finite entries within ``tol`` x max(1, max|ref|)."""
+    got, ref = got.detach().cpu().to(torch.float64), ref.to(torch.float64)
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(got).any(), f"{name}: NaN"
+    inf = torch.isinf(ref)
+    assert torch.equal(torch.isinf(got), inf) and torch.equal(got[inf], ref[inf]), f"{name}: infinite rows differ"
+    if (~inf).any():
+        err = (got[~inf] - ref[~inf]).abs().max().item()
+        bound = tol * max(1.0, ref[~inf].abs().max().item())
+        assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"

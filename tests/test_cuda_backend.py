@@ -11,13 +11,11 @@ import subprocess
 import sys
 import types
 
-import pluggy
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import xcp
 from xcp import pieces
 from xcp.cpu import allowed_keys, math_backward, math_forward
 from xcp_cuda import CUDABackend, kernels
@@ -474,17 +472,6 @@ def test_identity_and_availability_without_a_gpu():
     assert ok == torch.cuda.is_available()
     if not ok:
         assert reason.startswith("no CUDA device: ")
-
-
-def test_plugin_registers_through_the_hook():
-    pm = pluggy.PluginManager("xcp")
-    pm.add_hookspecs(xcp.hookspecs)
-    from xcp_cuda import plugin
-
-    pm.register(plugin)
-    got = []
-    pm.hook.xcp_register_backends(register=got.append)
-    assert len(got) == 1 and isinstance(got[0], CUDABackend)
 
 
 def test_importing_the_plugin_touches_no_vendor_module():

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from strategies import assert_close_to
 
 import xcp
 from xcp.cpu import math_backward, math_forward
@@ -42,18 +43,6 @@ TOL = {
     torch.float32: {"out": 3e-3, "lse": 2e-3, "grad": 6e-3},
     torch.float64: {"out": 1e-10, "lse": 1e-10, "grad": 1e-10},
 }
-
-
-def _close(name, got, ref, tol):
-    got, ref = got.detach().cpu().to(torch.float64), ref.to(torch.float64)
-    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    assert not torch.isnan(got).any(), f"{name}: NaN"
-    inf = torch.isinf(ref)
-    assert torch.equal(torch.isinf(got), inf) and torch.equal(got[inf], ref[inf]), f"{name}: infinite rows differ"
-    if (~inf).any():
-        err = (got[~inf] - ref[~inf]).abs().max().item()
-        bound = tol * max(1.0, ref[~inf].abs().max().item())
-        assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
 
 
 def _rand(shape, dtype, device, seed):
@@ -92,8 +81,8 @@ def test_block_kernel_against_float64_math(name, dtype, d, mask, sq, sk, heads):
     qc, kc, vc = (x.cpu().double() for x in (q, k, v))
     ref_out, ref_lse = math_forward(qc, kc, vc, mask, scale)
     tol = TOL[dtype]
-    _close("out", out, ref_out, tol["out"])
-    _close("lse", lse, ref_lse, tol["lse"])
+    assert_close_to("out", out, ref_out, tol["out"])
+    assert_close_to("lse", lse, ref_lse, tol["lse"])
 
     # backward from a merged out/lse, as a ring step gets it: the row saw more keys in other blocks
     dout = _rand((b, sq, h, d), dtype, device, 10)
@@ -104,7 +93,7 @@ def test_block_kernel_against_float64_math(name, dtype, d, mask, sq, sk, heads):
     ref = math_backward(dout.cpu().double(), qc, kc, vc, merged_out.cpu().double(), merged_lse, mask, scale)
     for gname, got, want, x in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, (q, k, v)):
         assert got.shape == x.shape and got.device.type == name
-        _close(gname, got, want, tol["grad"])
+        assert_close_to(gname, got, want, tol["grad"])
 
 
 # ---------------------------------------------------------------------------------------------- a full ring
@@ -133,9 +122,9 @@ def test_ring_on_local_world(name, balance):
     ref_out, ref_lse = math_forward(qc, kc, vc, "causal", scale)
     ref = math_backward(dc, qc, kc, vc, ref_out, ref_lse, "causal", scale)
     tol = TOL[dtype]
-    _close("out", got[0], ref_out, tol["out"])
+    assert_close_to("out", got[0], ref_out, tol["out"])
     for gname, g, want in zip(("dq", "dk", "dv"), got[1:], ref):
-        _close(gname, g, want, tol["grad"])
+        assert_close_to(gname, g, want, tol["grad"])
 
 
 # ---------------------------------------------------------------------------------------------- streams, memory

@@ -353,3 +353,16 @@ def test_unavailable_backend_error_lists_every_backend_and_why():
 def test_get_backend_rejects_a_non_string_name():
     with pytest.raises(TypeError, match="name: expected a backend name"):
         xcp.get_backend(3)
+
+
+@pytest.mark.parametrize("module, cls", [("xcp_cuda", "CUDABackend"), ("xcp_npu", "NPUBackend")])
+def test_vendor_plugin_registers_through_the_hook(module, cls):
+    """xcp_cuda and xcp_npu register exactly like a third-party plugin: one hook call, one backend."""
+    import importlib
+
+    pm = pluggy.PluginManager("xcp")
+    pm.add_hookspecs(xcp.hookspecs)
+    pm.register(importlib.import_module(f"{module}.plugin"))
+    got = []
+    pm.hook.xcp_register_backends(register=got.append)
+    assert len(got) == 1 and isinstance(got[0], getattr(importlib.import_module(module), cls))
