@@ -108,6 +108,12 @@ class Backend:
         if sync is not None:
             sync(device)
 
+    def set_device(self, device: torch.device) -> None:
+        """Make ``device`` the current device of this process (one device per rank under torchrun)."""
+        setter = getattr(self._module(), "set_device", None)
+        if setter is not None and device.index is not None:
+            setter(device)
+
     def is_capturing(self) -> bool:
         """True while the current stream is being captured into a graph (never, where the device has no
         graphs)."""
@@ -273,6 +279,9 @@ class SynchronousBackend(Backend):
         return ``tensor`` (there is no allocator to tell and no stream to order)."""
         policy = check_handoff(policy or self.handoff_policy)
         return tensor.clone() if policy == "clone" else tensor
+
+    def set_device(self, device: torch.device) -> None:
+        pass
 
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int] | None:
         return None
