@@ -140,7 +140,7 @@ def test_kernel_gives_zeros_for_rows_that_see_no_key(dtype):
 
 
 def test_strict_kernel_rows_match_the_reference():
-    """Rows 1.. of a strict block are causal attention of q[1:] against k[:-1] (FACTS.md)."""
+    """Rows 1.. of a square strict block are causal attention of q[1:] against k[:-1]; row 0 sees no key."""
     be = CPUBackend()
     q, k, v, _ = random_inputs(1, 6, 2, 1, 4, seed=8)
     out, _ = be.forward(q, k, v, "strict", 0.5)

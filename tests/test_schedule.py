@@ -1,4 +1,4 @@
-"""Properties of the pure ring schedule (DESIGN.md, "The ring schedule"), over P in 1..16, every balance,
+"""Properties of the pure ring schedule (docs/design.md, "The ring schedule"), over P in 1..16, every balance,
 causal or not. Everything here is plain Python: no tensors, so the checks are exact and exhaustive."""
 
 from __future__ import annotations
