@@ -104,7 +104,7 @@ def ring_attention(
     p = world_size
 
     def rank_fn(group: xcp.LocalGroup):
-        r = group.rank
+        r = group.rank()
         local = [xcp.shard(t, p, r, balance=balance).requires_grad_(g) for t, g in zip((q, k, v), grads)]
         out = xcp.attention(*local, causal=causal, group=group, scale=scale, balance=balance, **kwargs)
         if dout is not None:

@@ -1,7 +1,7 @@
 """xcp_cuda on a CPU: mask tiling, the pieces wrapper, kernel choice, GQA fallback, lse helpers, and the
 glue to the aten ops through stand-ins that follow the ops' documented signatures and layouts.
 
-The reference everywhere is xcp.cpu.math_forward / math_backward in float64 on the whole block.
+The reference everywhere is xcp.kernels.math.math_forward / math_backward in float64 on the whole block.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xcp import pieces
-from xcp.cpu import allowed_keys, math_backward, math_forward
+from xcp.api import check_qkv
+from xcp.kernels import fused
+from xcp.kernels import tiling as pieces
+from xcp.kernels.math import allowed_keys, math_backward, math_forward
 from xcp_cuda import CUDABackend, kernels
 
 MASKS = ("none", "causal", "strict")
@@ -25,6 +27,15 @@ NEG_INF = float("-inf")
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def covered(tiling: pieces.Tiling) -> torch.Tensor:
+    """The boolean [Sq, Sk] matrix of (query, key) pairs the tiling's pieces let through."""
+    m = torch.zeros(tiling.sq, tiling.sk, dtype=torch.bool)
+    for p in tiling.pieces:
+        block = torch.ones(p.stop - p.start, p.keys, dtype=torch.bool)
+        m[p.start : p.stop, : p.keys] = block.tril() if p.causal else block
+    return m
+
+
 def _rand(*shape, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
@@ -126,7 +137,7 @@ def test_tiling_covers_exactly_the_allowed_pairs(mask):
             t = pieces.tile(sq, sk, mask)
             expected = allowed_keys(sq, sk, mask)
             expected = torch.ones(sq, sk, dtype=torch.bool) if expected is None else expected
-            assert torch.equal(pieces.allowed(t), expected), (sq, sk, mask, t)
+            assert torch.equal(covered(t), expected), (sq, sk, mask, t)
             rows = t.empty
             for p in t.pieces:  # contiguous, ordered, each causal piece square
                 assert p.start == rows and p.stop > p.start and 1 <= p.keys <= sk
@@ -209,26 +220,26 @@ def test_pieces_property(sq, sk, mask, groups, seed):
 
 def test_check_qkv_names_the_argument():
     q, k, v = _block(1, 4, 4, 4, 2, 8)
-    assert pieces.check_qkv(q, k, v) == 2
+    assert check_qkv(q, k, v) == 2
     with pytest.raises(ValueError, match=r"k: expected a number of heads that divides the 4 heads of q; got 3"):
-        pieces.check_qkv(q, _rand(1, 4, 3, 8), _rand(1, 4, 3, 8))
+        check_qkv(q, _rand(1, 4, 3, 8), _rand(1, 4, 3, 8))
     with pytest.raises(ValueError, match=r"v: expected shape \(1, 4, 2, 8\)"):
-        pieces.check_qkv(q, k, _rand(1, 5, 2, 8))
+        check_qkv(q, k, _rand(1, 5, 2, 8))
     with pytest.raises(ValueError, match="q: expected 4 dims"):
-        pieces.check_qkv(q[0], k, v)
+        check_qkv(q[0], k, v)
     with pytest.raises(ValueError, match="k: expected head_dim 8"):
-        pieces.check_qkv(q, _rand(1, 4, 2, 4), _rand(1, 4, 2, 4))
+        check_qkv(q, _rand(1, 4, 2, 4), _rand(1, 4, 2, 4))
 
 
 # ---------------------------------------------------------------------------------------------- GQA fallback
 def test_sum_kv_groups_is_the_adjoint_of_repeat_kv():
     x = _rand(2, 5, 3, 4, seed=1)
     y = _rand(2, 5, 6, 4, seed=2)
-    lhs = (pieces.repeat_kv(x, 2) * y).sum()
-    rhs = (x * pieces.sum_kv_groups(y, 2)).sum()
+    lhs = (fused.repeat_kv(x, 2) * y).sum()
+    rhs = (x * fused.sum_kv_groups(y, 2)).sum()
     assert torch.allclose(lhs, rhs, rtol=1e-12, atol=0)
-    assert torch.equal(pieces.repeat_kv(x, 2)[:, :, 2], x[:, :, 1])  # head h reads K/V head h // groups
-    assert pieces.repeat_kv(x, 1) is x and pieces.sum_kv_groups(x, 1) is x
+    assert torch.equal(fused.repeat_kv(x, 2)[:, :, 2], x[:, :, 1])  # head h reads K/V head h // groups
+    assert fused.repeat_kv(x, 1) is x and fused.sum_kv_groups(x, 1) is x
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -441,17 +452,16 @@ def test_unimportable_flash_attn_falls_back_to_aten(monkeypatch):
 
 
 def test_backend_checks_arguments(monkeypatch):
+    """q/k/v are checked once per call, by xcp.attention (xcp.api.check_qkv), not in every block; the
+    block kernel still refuses a mask it does not know."""
     backend, _ = _cpu_backend(monkeypatch)
     q, k, v = _block(1, 4, 4, 4, 3, 8, dtype=torch.float16)
     with pytest.raises(ValueError, match="divides the 4 heads"):
-        backend.forward(q, k, v, "none", 0.3)
+        check_qkv(q, k, v)
     with pytest.raises(ValueError, match="mask: expected one of"):
         backend.forward(q, k[:, :, :2], v[:, :, :2], "upper", 0.3)
     with pytest.raises(ValueError, match="gqa: expected one of native, repeat; got 'sometimes'"):
         CUDABackend(gqa="sometimes")
-    real = CUDABackend()
-    with pytest.raises(ValueError, match="q: backend 'cuda' expected a cuda tensor; got cpu"):
-        real.forward(q, k[:, :, :2], v[:, :, :2], "none", 0.3)
 
 
 def test_env_flags(monkeypatch):

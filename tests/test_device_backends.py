@@ -2,7 +2,7 @@
 LocalWorld, streams, hand-off, memory statistics and (CUDA) graph capture.
 
 Each test skips with "needs a CUDA GPU" / "needs torch_npu" where that hardware or package is absent.
-References are xcp.cpu.math_forward / math_backward in float64 on the CPU, fed the same (rounded) inputs.
+References are xcp.kernels.math.math_forward / math_backward in float64 on the CPU, fed the same (rounded) inputs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 from strategies import assert_close_to
 
 import xcp
-from xcp.cpu import math_backward, math_forward
+from xcp.kernels.math import math_backward, math_forward
+from xcp.lifetime import hand_off
 from xcp.ring import RingConfig, ring_backward, ring_forward
 from xcp_cuda import CUDABackend
 from xcp_npu import NPUBackend
@@ -111,7 +112,7 @@ def test_ring_on_local_world(name, balance):
     shards = [[xcp.shard(x, p, r, balance=balance) for x in (q, k, v, dout)] for r in range(p)]
 
     def rank(group):
-        ql, kl, vl, dl = shards[group.rank]
+        ql, kl, vl, dl = shards[group.rank()]
         cfg = RingConfig(group, backend, True, scale, balance)
         out, lse = ring_forward(ql, kl, vl, cfg)
         return (out, *ring_backward(dl, ql, kl, vl, out, lse, cfg))
@@ -141,7 +142,7 @@ def test_streams_events_and_handoff(name):
         y = x * 2
         backend.record_event(done, side)
     backend.wait_event(main, done)
-    handed = backend.handoff(y, main)
+    handed = hand_off(backend, y, main, backend.handoff_policy)
     if backend.handoff_policy == "clone":
         assert handed is not y and handed.data_ptr() != y.data_ptr()
     else:

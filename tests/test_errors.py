@@ -75,7 +75,7 @@ def test_attention_rejects_bad_tensors(q, k, v, exc, parts):
         ({"scale": float("inf")}, ValueError, ["scale: expected a positive finite", "got inf"]),
         ({"scale": "0.1"}, ValueError, ["scale: expected a positive finite", "got '0.1'"]),
         ({"scale": True}, ValueError, ["scale: expected a positive finite", "got True"]),
-        ({"policy": "grow"}, ValueError, ["policy: expected one of bounded, keep_all", "got 'grow'"]),
+        ({"slots": "grow"}, ValueError, ["slots: expected one of bounded, keep_all", "got 'grow'"]),
         ({"handoff": "copy"}, ValueError, ["handoff: expected one of record_stream, clone, event, none", "'copy'"]),
         ({"group": 3}, TypeError, ["group: expected a torch.distributed ProcessGroup", "got int"]),
         ({"group": "world"}, TypeError, ["group: expected", "xcp.LocalWorld", "got str"]),
@@ -130,7 +130,7 @@ def test_bad_input_raises_before_any_communication():
     """A rank with bad input fails at once; its peer is released instead of waiting for it."""
 
     def rank_fn(group):
-        if group.rank == 1:
+        if group.rank() == 1:
             return xcp.attention(*good(), scale=-1.0, group=group)
         return xcp.attention(*good(), group=group)
 

@@ -63,7 +63,7 @@ def test_attention_with_device_tiled_uses_the_tiled_kernel(monkeypatch):
     world = xcp.LocalWorld(2)
 
     def rank(group):
-        parts = [xcp.shard(x, 2, group.rank) for x in (q, k, v)]
+        parts = [xcp.shard(x, 2, group.rank()) for x in (q, k, v)]
         return xcp.attention(*parts, causal=True, group=group, device="tiled")
 
     got = xcp.unshard(world.run(rank))

@@ -31,15 +31,15 @@ def inputs(world, heads=4, kv_heads=2, per_rank=4, dim=6, seed=0):
     return q, k, v, do
 
 
-def run_ring(world, backend=None, policy="bounded", handoff=None, causal=True, calls=1, seed=0):
+def run_ring(world, backend=None, slots="bounded", handoff=None, causal=True, calls=1, seed=0):
     """Forward and backward on every rank; per rank: forward ledger, backward ledger, results."""
     q, k, v, do = inputs(world, seed=seed)
     backend = backend or CPUBackend()
     scale = 1 / math.sqrt(q.shape[-1])
 
     def rank(g):
-        ql, kl, vl, dl = (xcp.shard(x, world, g.rank) for x in (q, k, v, do))
-        cfg = RingConfig(g, backend, causal, scale, "zigzag", policy, handoff)
+        ql, kl, vl, dl = (xcp.shard(x, world, g.rank()) for x in (q, k, v, do))
+        cfg = RingConfig(g, backend, causal, scale, "zigzag", slots, handoff)
         ledgers = []
         for _ in range(calls):
             with track_buffers() as fwd:
@@ -75,7 +75,7 @@ def test_two_slots_forward_four_backward_whatever_the_world(world):
 
 def test_keep_all_keeps_every_received_shard():
     world = 5
-    tensors, results = run_ring(world, policy="keep_all")
+    tensors, results = run_ring(world, slots="keep_all")
     check_numbers(tensors, results)
     for ledgers, _ in results:
         fwd, bwd = ledgers[0]
@@ -100,7 +100,7 @@ def test_without_workspace_every_call_allocates():
     q, k, v, _ = inputs(world)
 
     def rank(g):
-        ql, kl, vl = (xcp.shard(x, world, g.rank) for x in (q, k, v))
+        ql, kl, vl = (xcp.shard(x, world, g.rank()) for x in (q, k, v))
         cfg = RingConfig(g, CPUBackend(), True, 0.5)
         counts = []
         with workspace_disabled():
@@ -118,7 +118,7 @@ def test_results_never_alias_the_workspace():
     q, k, v, do = inputs(world)
 
     def rank(g):
-        ql, kl, vl, dl = (xcp.shard(x, world, g.rank) for x in (q, k, v, do))
+        ql, kl, vl, dl = (xcp.shard(x, world, g.rank()) for x in (q, k, v, do))
         cfg = RingConfig(g, CPUBackend(), True, 0.5)
         out, lse = ring_forward(ql, kl, vl, cfg)
         dq, dk, dv = ring_backward(dl, ql, kl, vl, out, lse, cfg)
@@ -162,27 +162,28 @@ def test_handoff_policies_keep_the_numbers(handoff):
         assert fwd.live_bytes == 0 and bwd.live_bytes == 0
 
 
-def test_attention_passes_the_handoff_override_through():
+def test_attention_passes_the_handoff_override_through(monkeypatch):
     world = 3
     q, k, v, _ = inputs(world)
     seen = []
+    real = lifetime.hand_off
 
-    class Spy(CPUBackend):
-        def handoff(self, tensor, consumer_stream, policy=None):
-            seen.append(policy)
-            return super().handoff(tensor, consumer_stream, policy)
+    def spy(backend, tensor, consumer, policy):
+        seen.append(policy)
+        return real(backend, tensor, consumer, policy)
 
     def rank(g):
-        ql, kl, vl = (xcp.shard(x, world, g.rank) for x in (q, k, v))
-        return ring_forward(ql, kl, vl, RingConfig(g, Spy(), True, 0.5, handoff="clone"))[0]
+        ql, kl, vl = (xcp.shard(x, world, g.rank()) for x in (q, k, v))
+        return ring_forward(ql, kl, vl, RingConfig(g, CPUBackend(), True, 0.5, handoff="clone"))[0]
 
+    monkeypatch.setattr(lifetime, "hand_off", spy)  # where xcp.lifetime applies the hand-off policy
     LocalWorld(world).run(rank)
     assert seen and set(seen) == {"clone"}
 
 
 def test_bad_policy_and_handoff_are_named():
     g = LocalWorld(2).group(0)
-    with pytest.raises(ValueError, match="policy: expected one of bounded, keep_all; got 'tiny'"):
+    with pytest.raises(ValueError, match="slots: expected one of bounded, keep_all; got 'tiny'"):
         RingCall(g, CPUBackend(), torch.device("cpu"), "tiny", None)
     with pytest.raises(ValueError, match="handoff: expected one of record_stream, clone, event, none; got 'copy'"):
         RingCall(g, CPUBackend(), torch.device("cpu"), "bounded", "copy")
@@ -229,13 +230,22 @@ class RecordingBackend(CPUBackend):
     def is_capturing(self):
         return self.capturing
 
-    def handoff(self, tensor, consumer_stream, policy=None):
+    def hand_off(self, tensor, policy):
+        """Stands in for xcp.lifetime.hand_off (see :func:`recording`): logs the policy applied."""
         self.log.append(("handoff", policy))
         return tensor
 
 
-def test_fork_first_and_join_last():
+@pytest.fixture
+def recording(monkeypatch):
+    """A RecordingBackend whose hand-offs (applied by xcp.lifetime over the backend's primitives) are logged."""
     be = RecordingBackend()
+    monkeypatch.setattr(lifetime, "hand_off", lambda backend, tensor, consumer, policy: be.hand_off(tensor, policy))
+    return be
+
+
+def test_fork_first_and_join_last(recording):
+    be = recording
     g = LocalWorld(1).group(0)
     call = RingCall(g, be, torch.device("cpu"), "bounded", None)
     with call:
@@ -246,8 +256,8 @@ def test_fork_first_and_join_last():
     assert be.log[1:4] == [("record", "C"), ("wait_event", "S1"), ("handoff", "none")]  # rule 3: ordered, then policy
 
 
-def test_capture_takes_slots_from_the_workspace_and_never_record_stream():
-    be = RecordingBackend()
+def test_capture_takes_slots_from_the_workspace_and_never_record_stream(recording):
+    be = recording
     g = LocalWorld(1).group(0)
     like = (torch.zeros(1, 4, 2, 3), torch.zeros(1, 4, 2, 3))
     be.capturing = True
@@ -274,7 +284,7 @@ def test_local_world_names_a_shape_mismatch():
     world = LocalWorld(2, timeout=5)
 
     def rank(g):
-        if g.rank == 0:
+        if g.rank() == 0:
             g.exchange([(torch.zeros(3), 1)], [], "kv", CPUBackend())
         else:
             g.exchange([], [(torch.zeros(4), 0)], "kv", CPUBackend()).wait()
@@ -287,7 +297,7 @@ def test_local_world_times_out_naming_the_missing_peer():
     world = LocalWorld(2, timeout=0.2)
 
     def rank(g):
-        if g.rank == 0:
+        if g.rank() == 0:
             g.exchange([(torch.zeros(3), 1)], [], "kv", CPUBackend())
 
     with pytest.raises(RuntimeError, match="rank 0 waited 0.2 s for rank 1 to post receive kv0"):

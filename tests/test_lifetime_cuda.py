@@ -17,7 +17,7 @@ import torch
 
 import xcp
 from xcp.backend import Backend
-from xcp.cpu import math_backward, math_forward
+from xcp.kernels.math import math_backward, math_forward
 from xcp.lifetime import track_buffers, workspace_disabled
 from xcp.ring import RingConfig, ring_backward, ring_forward
 from xcp.testing.reference import sdpa_reference
@@ -57,7 +57,7 @@ def run_world(world, handoff, causal=True, seed=0):
         stream = torch.cuda.Stream()
         stream.wait_stream(producer)
         with torch.cuda.stream(stream):
-            ql, kl, vl, dl = (xcp.shard(x, world, g.rank) for x in (q, k, v, do))
+            ql, kl, vl, dl = (xcp.shard(x, world, g.rank()) for x in (q, k, v, do))
             cfg = RingConfig(g, backend, causal, 1 / math.sqrt(16), handoff=handoff)
             with track_buffers() as led:
                 out, lse = ring_forward(ql, kl, vl, cfg)
@@ -130,10 +130,19 @@ class MirrorComm:
     what it sends into what it receives, on the current stream. Non-causal attention over P copies of one
     shard equals attention over the shard, so the result has a one-call reference."""
 
-    kind = "mirror"
+    ranks_are_threads = False
 
     def __init__(self, size):
-        self.size, self.rank = size, 0
+        self._size, self.store = size, {}
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return self._size
+
+    def rank_store(self):
+        return self.store
 
     def exchange(self, sends, recvs, tag, backend):
         stream = backend.current_stream()
@@ -180,7 +189,7 @@ def test_graph_capture_replays_like_eager():
 def test_ledger_peak_agrees_with_the_allocator():
     backend, world = CudaMath(), 8
     policies = ("bounded", "keep_all")
-    cfg = {p: RingConfig(MirrorComm(world), backend, False, 0.1, "contiguous", policy=p) for p in policies}
+    cfg = {p: RingConfig(MirrorComm(world), backend, False, 0.1, "contiguous", slots=p) for p in policies}
     q, k, v = (torch.randn(1, 1024, 2, 128, device="cuda") for _ in range(3))  # K and V: 1 MiB each
     measured, ledger = {}, {}
     for policy in policies:

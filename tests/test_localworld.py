@@ -18,8 +18,8 @@ def test_run_returns_results_in_rank_order():
     world = xcp.LocalWorld(5)
 
     def rank_fn(group, base):
-        time.sleep(0.01 * (5 - group.rank))  # finish in reverse order
-        return base + group.rank, group.size, threading.current_thread().name
+        time.sleep(0.01 * (5 - group.rank()))  # finish in reverse order
+        return base + group.rank(), group.size(), threading.current_thread().name
 
     results = world.run(rank_fn, 100)
     assert [r[0] for r in results] == [100, 101, 102, 103, 104]
@@ -33,7 +33,7 @@ def test_a_world_can_run_several_times():
     q, k, v, _ = random_inputs(1, 12, 2, 1, 4, seed=1)
 
     def rank_fn(group):
-        local = [xcp.shard(x, 3, group.rank) for x in (q, k, v)]
+        local = [xcp.shard(x, 3, group.rank()) for x in (q, k, v)]
         return xcp.attention(*local, causal=True, group=group)
 
     first, second = world.run(rank_fn), world.run(rank_fn)
@@ -46,13 +46,13 @@ def test_an_exception_in_one_rank_names_it_and_releases_the_others():
     outcome: dict[int, str] = {}
 
     def rank_fn(group):
-        if group.rank == 1:
+        if group.rank() == 1:
             raise KeyError("boom in rank 1")
-        local = [xcp.shard(x, 3, group.rank) for x in (q, k, v)]
+        local = [xcp.shard(x, 3, group.rank()) for x in (q, k, v)]
         try:
             return xcp.attention(*local, causal=True, group=group)
         except BaseException as exc:
-            outcome[group.rank] = type(exc).__name__
+            outcome[group.rank()] = type(exc).__name__
             raise
 
     world = xcp.LocalWorld(3, timeout=60)  # far above the time allowed below: release must be by abort
@@ -68,9 +68,9 @@ def test_a_rank_that_never_sends_makes_its_peer_time_out():
     q, k, v, _ = random_inputs(1, 8, 2, 1, 4, seed=3)
 
     def rank_fn(group):
-        if group.rank == 1:
+        if group.rank() == 1:
             return "gone"  # returns without taking part in the ring
-        local = [xcp.shard(x, 2, group.rank) for x in (q, k, v)]
+        local = [xcp.shard(x, 2, group.rank()) for x in (q, k, v)]
         return xcp.attention(*local, group=group)
 
     start = time.monotonic()
@@ -84,7 +84,7 @@ def test_a_rank_that_never_sends_makes_its_peer_time_out():
 
 def test_ranks_with_different_shapes_get_a_clear_error():
     def rank_fn(group):
-        n = 4 if group.rank == 0 else 6
+        n = 4 if group.rank() == 0 else 6
         x = torch.zeros(1, n, 2, 4)
         return xcp.attention(x, x, x, group=group)
 
@@ -93,12 +93,12 @@ def test_ranks_with_different_shapes_get_a_clear_error():
 
 
 def test_a_world_of_one():
-    assert xcp.LocalWorld(1).run(lambda group: (group.rank, group.size)) == [(0, 1)]
+    assert xcp.LocalWorld(1).run(lambda group: (group.rank(), group.size())) == [(0, 1)]
 
 
 @pytest.mark.parametrize("size", [0, -1, 1.5, True, "2", None])
 def test_bad_size(size):
-    with pytest.raises(ValueError, match=rf"size: expected an integer >= 1; got {size!r}"):
+    with pytest.raises(ValueError, match=rf"world_size: expected an integer >= 1; got {size!r}"):
         xcp.LocalWorld(size)
 
 
@@ -116,7 +116,7 @@ def test_bad_group_rank(rank):
 
 def test_group_describes_itself():
     world = xcp.LocalWorld(3)
-    assert repr(world) == "LocalWorld(size=3, device='cpu')"
+    assert repr(world) == "LocalWorld(world_size=3, device='cpu')"
     g = world.group(2)
-    assert (g.rank, g.size) == (2, 3)
+    assert (g.rank(), g.size()) == (2, 3)
     assert repr(g) == "<LocalGroup rank 2 of 3>"

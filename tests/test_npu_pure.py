@@ -17,7 +17,7 @@ import pytest
 import torch
 from strategies import assert_close_to
 
-from xcp.cpu import allowed_keys, math_backward, math_forward
+from xcp.kernels.math import allowed_keys, math_backward, math_forward
 from xcp_npu import NPUBackend, convert
 
 MASKS = ("none", "causal", "strict")
@@ -48,7 +48,7 @@ def _npu_stats(s):
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("groups", [1, 2])
 def test_lse_round_trip_through_npu_statistics(mask, groups):
-    """A block computed by xcp.cpu.math_forward; softmax statistics built as the NPU returns them; the
+    """A block computed by xcp.kernels.math.math_forward; softmax statistics built as the NPU returns them; the
     converted lse must equal the true one (and -inf on rows that see no key, never NaN)."""
     b, s, n, d = 2, 6, 2 * groups, 8
     q, k = _rand(b, s, n, d, seed=1), _rand(b, s, 2, d, seed=2)

@@ -28,7 +28,7 @@ from strategies import max_rel_error, random_inputs, ring_cases
 
 import xcp
 from xcp.cpu import CPUBackend
-from xcp.merge import merge_, new_accumulators
+from xcp.kernels.merge import merge_, new_accumulators
 
 TENSORS = ("out", "dq", "dk", "dv")
 BF16_U = 2.0**-8
@@ -169,7 +169,7 @@ def test_inputs_are_never_mutated():
     q, k, v, dout = random_inputs(2, 12, 4, 2, 6, seed=13)
 
     def rank_fn(group):
-        r = group.rank
+        r = group.rank()
         local = [xcp.shard(t, world, r).requires_grad_() for t in (q, k, v)]
         d = xcp.shard(dout, world, r)
         kept = [t.detach().clone() for t in (*local, d)]
@@ -212,7 +212,7 @@ def test_under_no_grad(reference):
     q, k, v, dout = random_inputs(1, 8, 2, 1, 6, seed=23)
 
     def rank_fn(group):
-        local = [xcp.shard(t, world, group.rank).requires_grad_() for t in (q, k, v)]
+        local = [xcp.shard(t, world, group.rank()).requires_grad_() for t in (q, k, v)]
         with torch.no_grad():
             out = xcp.attention(*local, causal=True, group=group)
         return out

@@ -88,7 +88,7 @@ def produced_read_elsewhere_then_reallocated(mark: str | None):
         with be.stream_context(other):
             total = t.sum()
         if mark == "record_stream":
-            be.handoff(t, other, "record_stream")
+            be.record_stream(t, other)
         elif mark == "join":
             be.wait_stream(caller, other)
         del t
@@ -128,7 +128,7 @@ def test_record_stream_while_capturing_is_reported():
         t = torch.ones(2)
         with san.capture():
             assert be.is_capturing()
-            be.handoff(t, be.new_stream(), "record_stream")
+            be.record_stream(t, be.new_stream())
         assert not be.is_capturing()
     assert kinds(san.findings) == ["capture"]
 
@@ -209,8 +209,8 @@ def test_attention_api_with_autograd_runs_clean_on_sim():
     with Sanitizer() as san:
 
         def rank(g):
-            with san.thread(f"rank{g.rank}"), track_buffers() as led:
-                ql, kl, vl = (xcp.shard(x, world, g.rank).requires_grad_() for x in (q, k, v))
+            with san.thread(f"rank{g.rank()}"), track_buffers() as led:
+                ql, kl, vl = (xcp.shard(x, world, g.rank()).requires_grad_() for x in (q, k, v))
                 out = xcp.attention(ql, kl, vl, causal=True, group=g, device="sim", handoff="clone")
                 out.sum().backward()
                 return led.peak_kv_shards, led.live_bytes, out.detach(), ql.grad
@@ -235,8 +235,8 @@ def test_graph_capture_after_warm_up_allocates_nothing_and_never_marks_streams()
     with Sanitizer() as san:
 
         def rank(g):
-            with san.thread(f"rank{g.rank}"):
-                ql = xcp.shard(q, world, g.rank)
+            with san.thread(f"rank{g.rank()}"):
+                ql = xcp.shard(q, world, g.rank())
                 cfg = RingConfig(g, san.backend, True, 0.5, handoff="record_stream")
                 ring_forward(ql, ql, ql, cfg)  # warm-up fills the workspace
                 marks = san.model.record_stream_calls

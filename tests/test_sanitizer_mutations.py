@@ -129,31 +129,31 @@ def free_early(monkeypatch):
 
 def test_freeing_slots_early_needs_record_stream(monkeypatch):
     free_early(monkeypatch)
-    unsafe = sanitize_ring(world=5, policy="keep_all", handoff="none")
+    unsafe = sanitize_ring(world=5, slots="keep_all", handoff="none")
     reuse = accesses(unsafe, "reuse")
     # a dropped slot's block goes back to C's pool while M's send still reads it
     assert any("p2p kv" in old[0] and old[1].endswith(":M") and new[1].endswith(":C") for old, new in reuse)
-    assert sanitize_ring(world=5, policy="keep_all", handoff="record_stream").ok
+    assert sanitize_ring(world=5, slots="keep_all", handoff="record_stream").ok
     for handoff in ("event", "clone"):  # valid only by keeping the slot alive until the join: unbounded
-        kept = sanitize_ring(world=5, policy="keep_all", handoff=handoff)
+        kept = sanitize_ring(world=5, slots="keep_all", handoff=handoff)
         assert kept.kinds() == {"bound"}
         assert all("received buffers peaked at 4096 B" in f.message for f in kept.findings)
 
 
 @pytest.mark.parametrize("world", [4, 6])
 def test_keep_all_exceeds_the_bound(world):
-    report = sanitize_ring(world=world, policy="keep_all")
+    report = sanitize_ring(world=world, slots="keep_all")
     assert report.kinds() == {"bound"}
     assert set(report.peak_kv_shards.values()) == {world - 1}
     ledger = [f for f in report.findings if "(ledger)" in f.message]
     measured = [f for f in report.findings if "(sanitizer)" in f.message]
     assert len(ledger) == len(measured) == world  # every rank, counted by the ring and measured by the model
-    back = sanitize_ring(world=world, policy="keep_all", backward=True)
+    back = sanitize_ring(world=world, slots="keep_all", backward=True)
     assert back.kinds() == {"bound"} and min(back.peak_kv_shards.values()) > 4
 
 
 def test_keep_all_within_the_bound_below_four_ranks():
-    assert sanitize_ring(world=3, policy="keep_all").ok  # two received shards: no more than two slots
+    assert sanitize_ring(world=3, slots="keep_all").ok  # two received shards: no more than two slots
 
 
 def caller_drops_kv_after_the_call():
@@ -163,8 +163,8 @@ def caller_drops_kv_after_the_call():
     with Sanitizer() as san:
 
         def rank(g):
-            with san.thread(f"rank{g.rank}"):
-                ql, kl, vl = (xcp.shard(x, 2, g.rank) for x in (q, q, q))
+            with san.thread(f"rank{g.rank()}"):
+                ql, kl, vl = (xcp.shard(x, 2, g.rank()) for x in (q, q, q))
                 # under "event" the join is what protects the caller's K and V (record_stream would mark them)
                 cfg = RingConfig(g, san.backend, True, 1 / math.sqrt(4), handoff="event")
                 out = ring_forward(ql, kl, vl, cfg)[0]
@@ -201,8 +201,8 @@ def test_capture_mode_ignored(monkeypatch):
     with Sanitizer() as san:
 
         def rank(g):
-            with san.thread(f"rank{g.rank}"):
-                ql = xcp.shard(q, 3, g.rank)
+            with san.thread(f"rank{g.rank()}"):
+                ql = xcp.shard(q, 3, g.rank())
                 with san.capture():  # no warm-up: slots made during capture, and record_stream used
                     ring_forward(ql, ql, ql, RingConfig(g, san.backend, True, 0.5, handoff="record_stream"))
 

@@ -2,7 +2,7 @@
 
 from .api import attention, shard, unshard
 from .backend import Backend, SynchronousBackend
-from .comm import LocalGroup, LocalWorld
+from .comm import Communicator, LocalGroup, LocalWorld
 from .hookspecs import hookimpl
 from .lifetime import BufferLedger, track_buffers
 from .plugins import backend_table, get_backend, list_backends, register_plugin, unregister_plugin
@@ -13,6 +13,7 @@ __all__ = [
     "BALANCES",
     "Backend",
     "BufferLedger",
+    "Communicator",
     "LocalGroup",
     "LocalWorld",
     "Plan",

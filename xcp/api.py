@@ -6,15 +6,15 @@ Every argument is checked up front; an error names the argument, what was expect
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from . import schedule
-from .backend import check_handoff
 from .comm import resolve_group
-from .lifetime import check_policy
+from .lifetime import check_handoff, check_slots
 from .plugins import select_backend
 from .ring import RingAttention, RingConfig, ring_forward
 
@@ -24,11 +24,37 @@ _LAYOUT = "[batch, seq, heads, head_dim]"
 def _check_tensor(name: str, x: Any) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor; got {type(x).__name__}")
-    if x.dim() != 4:
-        raise ValueError(f"{name}: expected 4 dims {_LAYOUT}; got {x.dim()} dims, shape {tuple(x.shape)}")
+    _check_dims(name, x)
     if not x.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point dtype; got {x.dtype}")
     return x
+
+
+def _check_dims(name: str, x: torch.Tensor) -> None:
+    if x.dim() != 4:
+        raise ValueError(f"{name}: expected 4 dims {_LAYOUT}; got {x.dim()} dims, shape {tuple(x.shape)}")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, same_length: bool = False) -> int:
+    """Check that q, k, v fit together as one block ([B, S, H, D]; with ``same_length``, k as long as q);
+    return H // Hkv.
+
+    Raises a ValueError naming the argument, the expected and the actual value.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_dims(name, x)
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected shape {tuple(k.shape)} (the shape of k); got {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: expected batch {q.shape[0]} (the batch of q); got {k.shape[0]}")
+    if same_length and k.shape[1] != q.shape[1]:
+        raise ValueError(f"k: expected local sequence length {q.shape[1]} (that of q); got {k.shape[1]}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k: expected head_dim {q.shape[3]} (that of q); got {k.shape[3]}")
+    h, hkv = q.shape[2], k.shape[2]
+    if hkv < 1 or h % hkv:
+        raise ValueError(f"k: expected a number of heads that divides the {h} heads of q; got {hkv}")
+    return h // hkv
 
 
 def check_inputs(q: Any, k: Any, v: Any) -> None:
@@ -40,18 +66,8 @@ def check_inputs(q: Any, k: Any, v: Any) -> None:
             raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q); got {x.dtype}")
         if x.device != q.device:
             raise ValueError(f"{name}: expected device {q.device} (the device of q); got {x.device}")
-    if v.shape != k.shape:
-        raise ValueError(f"v: expected shape {tuple(k.shape)} (the shape of k); got {tuple(v.shape)}")
-    b, s, h, d = q.shape
-    if k.shape[0] != b:
-        raise ValueError(f"k: expected batch {b} (the batch of q); got {k.shape[0]}")
-    if k.shape[1] != s:
-        raise ValueError(f"k: expected local sequence length {s} (that of q); got {k.shape[1]}")
-    if k.shape[3] != d:
-        raise ValueError(f"k: expected head_dim {d} (that of q); got {k.shape[3]}")
-    if k.shape[2] < 1 or h % k.shape[2]:
-        raise ValueError(f"k: expected a number of heads that divides the {h} heads of q; got {k.shape[2]}")
-    if min(b, s, h, d) < 1:
+    check_qkv(q, k, v, same_length=True)
+    if min(q.shape) < 1:
         raise ValueError(f"q: expected every dim of {_LAYOUT} >= 1; got shape {tuple(q.shape)}")
 
 
@@ -73,8 +89,9 @@ def attention(
     scale: float | None = None,
     balance: str = schedule.DEFAULT_BALANCE,
     device: str | torch.device | None = None,
-    policy: str = "bounded",
+    slots: str = "bounded",
     handoff: str | None = None,
+    policy: str | None = None,
 ) -> torch.Tensor:
     """Ring attention over the ranks of ``group``; differentiable in q, k and v.
 
@@ -87,17 +104,21 @@ def attention(
     :param scale: factor on q·k; default 1/sqrt(head_dim).
     :param balance: how the sequence was sharded (``zigzag``, ``contiguous`` or ``stripe``).
     :param device: backend name (``cpu``, ``cuda``, ``npu``, ...); default the tensors' device type.
-    :param policy: ``bounded`` (two receive slots) or ``keep_all`` (every received shard kept; for
-        comparisons only).
-    :param handoff: override the backend's hand-off policy (``record_stream``, ``clone``, ``event``,
-        ``none``).
+    :param slots: the slot policy: ``bounded`` (two receive slots) or ``keep_all`` (every received shard
+        kept; for comparisons only).
+    :param handoff: the hand-off policy, overriding the backend's (``record_stream``, ``clone``,
+        ``event``, ``none``).
+    :param policy: the former name of ``slots`` (deprecated).
     :returns: this rank's output, shaped and typed like q.
     """
     check_inputs(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool; got {type(causal).__name__}")
     schedule.check_balance(balance)
-    check_policy(policy)
+    if policy is not None:
+        warnings.warn("attention(policy=...) is now spelled slots=...", DeprecationWarning, stacklevel=2)
+        slots = policy
+    check_slots(slots)
     if handoff is not None:
         check_handoff(handoff)
     scale = _check_scale(scale, q.shape[3])
@@ -108,11 +129,11 @@ def attention(
     if q.dtype not in backend.dtypes:
         names = ", ".join(str(d) for d in backend.dtypes)
         raise TypeError(f"q: backend {backend.name!r} serves dtypes {names}; got {q.dtype}")
-    if comm.size > 1 and causal and balance == "zigzag" and q.shape[1] % 2:
+    if comm.size() > 1 and causal and balance == "zigzag" and q.shape[1] % 2:
         raise ValueError(
             f"q: balance 'zigzag' needs an even local sequence length (two chunks per rank); got {q.shape[1]}"
         )
-    cfg = RingConfig(comm, backend, causal, scale, balance, policy, handoff)
+    cfg = RingConfig(comm, backend, causal, scale, balance, slots, handoff)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return RingAttention.apply(q, k, v, cfg)
     return ring_forward(q, k, v, cfg)[0]

@@ -1,7 +1,9 @@
 """The Backend contract: everything the ring needs that differs by device, and nothing else.
 
-A backend is one class with grouped methods (identity, streams and events, hand-off, block kernel,
-memory). The core calls nothing device-specific except through an instance of it. Generic stream and
+A backend is one class with grouped methods (identity, streams and events, block kernel, memory): device
+primitives only. What to do with them (when to wait, how to hand a tensor to another stream, when to merge)
+is the core's business (:mod:`xcp.ring`, :mod:`xcp.lifetime`). The core calls nothing device-specific
+except through an instance of it. Generic stream and
 event defaults come from ``torch.get_device_module(device_type)``, which serves any device that follows
 torch's accelerator conventions (cuda, npu, xpu, ...), so a backend for such a device overrides only what
 differs.
@@ -10,29 +12,26 @@ differs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from .lifetime import HANDOFF_POLICIES
 from .schedule import MASKS
 
-HANDOFF_POLICIES = ("record_stream", "clone", "event", "none")
-"""How a tensor made on one stream is given to another (DESIGN.md, buffer lifetime rule 3)."""
+_REQUIRED = "__xcp_required__"
 
 
-def check_handoff(policy: str) -> str:
-    """Return ``policy`` if known, else raise a ValueError listing the known policies."""
-    if policy not in HANDOFF_POLICIES:
-        raise ValueError(f"handoff: expected one of {', '.join(HANDOFF_POLICIES)}; got {policy!r}")
-    return policy
+def required(method: Callable) -> Callable:
+    """Mark ``method`` as one every concrete backend class must define (checked at registration)."""
+    setattr(method, _REQUIRED, True)
+    return method
 
 
-def check_mask(mask: str) -> str:
-    """Return ``mask`` if known, else raise a ValueError listing the known masks."""
-    if mask not in MASKS:
-        raise ValueError(f"mask: expected one of {', '.join(MASKS)}; got {mask!r}")
-    return mask
+def missing_methods(cls: type) -> list[str]:
+    """The required methods that ``cls`` (a Backend subclass) leaves undefined, sorted."""
+    return sorted(name for name in dir(cls) if getattr(getattr(cls, name, None), _REQUIRED, False))
 
 
 class Backend:
@@ -120,27 +119,16 @@ class Backend:
         capturing = getattr(self._module(), "is_current_stream_capturing", None)
         return bool(capturing()) if capturing is not None else False
 
-    # ------------------------------------------------------------------ hand-off
-    def handoff(self, tensor: torch.Tensor, consumer_stream: Any, policy: str | None = None) -> torch.Tensor:
-        """Give ``tensor`` (made on the current stream) to ``consumer_stream``; return what to use there.
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tell the allocator that ``stream`` reads ``tensor``: its memory is not reused before that work."""
+        tensor.record_stream(stream)
 
-        ``record_stream`` tells the allocator the consumer reads it (zero copy); ``clone`` copies it in the
-        consumer's context so the consumer owns the copy; ``event`` and ``none`` return it unchanged (the
-        caller orders the streams with events, or there is no asynchrony).
-        """
-        policy = check_handoff(policy or self.handoff_policy)
-        if policy == "record_stream":
-            if not self.is_capturing():
-                tensor.record_stream(consumer_stream)
-            return tensor
-        if policy == "clone":
-            producer = self.current_stream(tensor.device)  # read before the context makes the consumer current
-            with self.stream_context(consumer_stream):
-                self.wait_stream(consumer_stream, producer)
-                return tensor.clone()
-        return tensor
+    def label(self, text: str) -> contextlib.AbstractContextManager:
+        """A context naming the device work issued inside (profilers, the simulated device); default none."""
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ block kernel
+    @required
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +144,7 @@ class Backend:
         """
         raise NotImplementedError(f"backend {self.name!r} has no forward kernel")
 
+    @required
     def backward(
         self,
         dout: torch.Tensor,
@@ -176,18 +165,12 @@ class Backend:
         """
         raise NotImplementedError(f"backend {self.name!r} has no backward kernel")
 
-    def merge_(
-        self,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        block_out: torch.Tensor,
-        block_lse: torch.Tensor,
-        rows: slice = slice(None),
-    ) -> None:
-        """Fold a block into the running (out, lse); a backend may override with a fused kernel."""
-        from .merge import merge_
-
-        merge_(out, lse, block_out, block_lse, rows)
+    def fused_merge_(
+        self, out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor, rows: slice
+    ) -> bool:
+        """Fold a block into the running (out, lse) with a fused kernel, if the backend has one that serves
+        these tensors; return False to let the ring use its generic merge (the default)."""
+        return False
 
     # ------------------------------------------------------------------ memory
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int] | None:
@@ -274,11 +257,8 @@ class SynchronousBackend(Backend):
     def is_capturing(self) -> bool:
         return False
 
-    def handoff(self, tensor: torch.Tensor, consumer_stream: Any, policy: str | None = None) -> torch.Tensor:
-        """Every policy is honoured as far as a synchronous device can: ``clone`` copies, the others
-        return ``tensor`` (there is no allocator to tell and no stream to order)."""
-        policy = check_handoff(policy or self.handoff_policy)
-        return tensor.clone() if policy == "clone" else tensor
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        pass  # no allocator to tell: memory is reusable as soon as the host drops it
 
     def set_device(self, device: torch.device) -> None:
         pass
@@ -302,6 +282,9 @@ def check_backend(backend: Any) -> Backend:
     """
     if not isinstance(backend, Backend):
         raise TypeError(f"backend: expected an instance of xcp.Backend; got {type(backend).__name__}")
+    missing = missing_methods(type(backend))
+    if missing:
+        raise TypeError(f"backend class {type(backend).__name__} lacks the required methods {', '.join(missing)}")
     for attr in _IDENTITY_STRINGS:
         value = getattr(backend, attr)
         if not isinstance(value, str) or not value.strip():

@@ -1,7 +1,7 @@
 """Communicators: how a shard moves to the next rank.
 
-Three kinds, one interface (``size``, ``rank``, ``exchange(sends, recvs, tag, backend) -> work``,
-``work.wait()``):
+Three kinds, one typed interface, :class:`Communicator` (``rank()``, ``size()``, ``exchange(sends, recvs,
+tag, backend) -> work``, ``work.wait()``, ``rank_store()``):
 
 - :class:`DistCommunicator`: torch.distributed point-to-point through ``batch_isend_irecv`` on any
   process group (NCCL, HCCL, gloo), launched with torchrun, across hosts;
@@ -13,15 +13,16 @@ Three kinds, one interface (``size``, ``rank``, ``exchange(sends, recvs, tag, ba
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from .lifetime import thread_store
 
 Sends = Sequence[tuple[torch.Tensor, int]]
 Recvs = Sequence[tuple[torch.Tensor, int]]
@@ -37,6 +38,39 @@ class CommTimeout(TimeoutError):
     """A virtual rank waited longer than its world's timeout for a peer."""
 
 
+class Work(Protocol):
+    """An exchange in flight."""
+
+    def wait(self) -> None:
+        """Make the current stream wait until every receive of the exchange has landed."""
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """What the ring needs of a group of ranks; a ``group=`` that is one is used as it is.
+
+    ``ranks_are_threads`` is True where the ranks are threads of one process (a LocalWorld): there a
+    backward that autograd runs on another thread than the rank's own could not wait for its peers.
+    """
+
+    ranks_are_threads: bool
+
+    def rank(self) -> int:
+        """This rank, 0 <= rank < size."""
+
+    def size(self) -> int:
+        """The number of ranks (the world size of the ring)."""
+
+    def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any) -> Work:
+        """Send each ``(tensor, peer)`` of ``sends`` and receive into each ``(buffer, peer)`` of ``recvs``.
+
+        Issued on the backend's current stream; ``tag`` (``kv`` or ``dkv``) keeps channels apart.
+        """
+
+    def rank_store(self) -> dict:
+        """A dict kept for this rank across calls (xcp.lifetime keeps its streams and workspace there)."""
+
+
 class _DoneWork:
     def wait(self) -> None:
         pass
@@ -45,11 +79,18 @@ class _DoneWork:
 class SingleRank:
     """A world of one rank: nothing to exchange."""
 
-    size = 1
-    rank = 0
-    kind = "single"
+    ranks_are_threads = False
 
-    def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any) -> _DoneWork:
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+    def rank_store(self) -> dict:
+        return thread_store()
+
+    def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any) -> Work:
         if sends or recvs:
             raise RuntimeError("a world of one rank has no peer to exchange with")
         return _DoneWork()
@@ -58,18 +99,27 @@ class SingleRank:
 class DistCommunicator:
     """Point-to-point over a torch.distributed process group (``batch_isend_irecv``)."""
 
-    kind = "torch.distributed"
+    ranks_are_threads = False
 
     def __init__(self, group: Any = None) -> None:
         import torch.distributed as dist
 
         self._dist = dist
         self.group = group if group is not None else dist.group.WORLD
-        self.size = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
-        self._global = [dist.get_global_rank(self.group, r) for r in range(self.size)]
+        self._size = dist.get_world_size(self.group)
+        self._rank = dist.get_rank(self.group)
+        self._global = [dist.get_global_rank(self.group, r) for r in range(self._size)]
 
-    def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any) -> Any:
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank_store(self) -> dict:
+        return thread_store()
+
+    def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any) -> Work:
         dist = self._dist
         base = _TAGS[tag] * 16
         # P2P needs contiguous tensors; a copy made here is on the current (comm) stream, which the process
@@ -106,7 +156,7 @@ class _Post:
 class LocalWorld:
     """``size`` virtual ranks in one process, each a thread, exchanging tensors in memory.
 
-    :param size: number of ranks (>= 1).
+    :param world_size: number of ranks (>= 1).
     :param device: device of the ranks' tensors ("cpu", "cuda", ...).
     :param timeout: seconds a rank waits for a peer before failing with a message naming both.
 
@@ -121,12 +171,12 @@ class LocalWorld:
     :func:`xcp.ring_forward` / :func:`xcp.ring_backward` directly (autograd raises a clear error).
     """
 
-    def __init__(self, size: int, device: str | torch.device = "cpu", timeout: float = 120.0) -> None:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"size: expected an integer >= 1; got {size!r}")
+    def __init__(self, world_size: int, device: str | torch.device = "cpu", timeout: float = 120.0) -> None:
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size: expected an integer >= 1; got {world_size!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout: expected a positive number of seconds; got {timeout!r}")
-        self.size = size
+        self.world_size = world_size
         self.device = torch.device(device)
         self.timeout = float(timeout)
         self._lock = threading.Lock()
@@ -135,12 +185,12 @@ class LocalWorld:
         self._rank_stores: dict[int, dict] = {}
 
     def __repr__(self) -> str:
-        return f"LocalWorld(size={self.size}, device={str(self.device)!r})"
+        return f"LocalWorld(world_size={self.world_size}, device={str(self.device)!r})"
 
     def group(self, rank: int) -> LocalGroup:
         """The group handle of virtual rank ``rank``."""
-        if not isinstance(rank, int) or not 0 <= rank < self.size:
-            raise ValueError(f"rank: expected an integer in [0, {self.size}); got {rank!r}")
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank: expected an integer in [0, {self.world_size}); got {rank!r}")
         return LocalGroup(self, rank)
 
     def release_buffers(self) -> None:
@@ -156,8 +206,8 @@ class LocalWorld:
         """
         self._boxes.clear()
         self._failure = None
-        results: list[Any] = [None] * self.size
-        errors: list[BaseException | None] = [None] * self.size
+        results: list[Any] = [None] * self.world_size
+        errors: list[BaseException | None] = [None] * self.world_size
 
         def body(rank: int) -> None:
             group = self.group(rank)
@@ -169,7 +219,7 @@ class LocalWorld:
                     if self._failure is None and not isinstance(exc, RankAborted):
                         self._failure = (rank, exc)
 
-        threads = [threading.Thread(target=body, args=(r,), name=f"xcp-rank-{r}") for r in range(self.size)]
+        threads = [threading.Thread(target=body, args=(r,), name=f"xcp-rank-{r}") for r in range(self.world_size)]
         for t in threads:
             t.start()
         for t in threads:
@@ -179,7 +229,7 @@ class LocalWorld:
             self._failure = (rank, errors[rank])
         if self._failure is not None:
             rank, exc = self._failure
-            raise RuntimeError(f"LocalWorld rank {rank} of {self.size} failed: {type(exc).__name__}: {exc}") from exc
+            raise RuntimeError(f"LocalWorld rank {rank} of {self.world_size} failed: {type(exc).__name__}: {exc}") from exc
         return results
 
     # -- mailbox
@@ -222,28 +272,29 @@ class LocalWorld:
 
 
 class LocalGroup:
-    """One virtual rank of a :class:`LocalWorld`; pass it as ``group=`` to :func:`xcp.attention`."""
+    """One virtual rank of a :class:`LocalWorld`; pass it as ``group=`` to :func:`xcp.attention`.
 
-    kind = "LocalWorld"
+    Like a torch ProcessGroup where users touch it: ``group.rank()`` and ``group.size()``.
+    """
+
+    ranks_are_threads = True
 
     def __init__(self, world: LocalWorld, rank: int) -> None:
         self.world = world
-        self.size = world.size
-        self.rank = rank
-        self.thread = threading.get_ident()
+        self._rank = rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self.world.world_size
 
     def __repr__(self) -> str:
-        return f"<LocalGroup rank {self.rank} of {self.size}>"
+        return f"<LocalGroup rank {self._rank} of {self.size()}>"
 
     def rank_store(self) -> dict:
         """A dict kept per rank for the life of the world (xcp.lifetime keeps streams and buffers there)."""
-        return self.world._rank_store(self.rank)
-
-    def comm_stream(self, backend: Any, device: torch.device) -> Any:
-        """This rank's communication stream M on ``device`` (created once per backend and world)."""
-        from .lifetime import comm_stream
-
-        return comm_stream(self, backend, device)
+        return self.world._rank_store(self._rank)
 
     def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any) -> _LocalWork:
         """Post ``recvs``, then copy each send into its peer's posted buffer on the current stream.
@@ -252,7 +303,7 @@ class LocalGroup:
         """
         if tag not in _TAGS:
             raise ValueError(f"tag: expected one of {', '.join(_TAGS)}; got {tag!r}")
-        world, me = self.world, self.rank
+        world, me = self.world, self._rank
         if not sends and not recvs:
             return _LocalWork(self, backend, [], tag)
         device = (sends[0][0] if sends else recvs[0][0]).device
@@ -263,7 +314,6 @@ class LocalGroup:
             for i, (buf, peer) in enumerate(recvs):
                 world._box(("post", peer, me, tag, i)).put(_Post(buf, free))
         if sends:
-            label = getattr(backend, "label", None)
             waited: list[Any] = []
             for i, (tensor, peer) in enumerate(sends):
                 post = world._take(me, ("post", me, peer, tag, i), f"rank {peer} to post receive {tag}{i}")
@@ -275,7 +325,7 @@ class LocalGroup:
                 if not any(post.free is e for e in waited):
                     backend.wait_event(stream, post.free)
                     waited.append(post.free)
-                with label(f"p2p {tag}{i} rank {me}->{peer}") if label else contextlib.nullcontext():
+                with backend.label(f"p2p {tag}{i} rank {me}->{peer}"):
                     post.buf.copy_(tensor)
                 del post
             done = backend.new_event()
@@ -298,13 +348,13 @@ class _LocalWork:
         g, be = self._group, self._backend
         waited: list[Any] = []
         for device, peer, i in self._recvs:
-            done = g.world._take(g.rank, ("done", peer, g.rank, self._tag, i), f"{self._tag}{i} from rank {peer}")
+            done = g.world._take(g._rank, ("done", peer, g._rank, self._tag, i), f"{self._tag}{i} from rank {peer}")
             if not any(done is e for e in waited):
                 be.wait_event(be.current_stream(device), done)
                 waited.append(done)
 
 
-def resolve_group(group: Any) -> Any:
+def resolve_group(group: Any) -> Communicator:
     """The communicator for ``group``: a LocalGroup or communicator as is, a ProcessGroup wrapped, None
     the default process group when torch.distributed is initialised, else a world of one."""
     if group is None:
@@ -313,7 +363,7 @@ def resolve_group(group: Any) -> Any:
         if dist.is_available() and dist.is_initialized():
             return DistCommunicator(None)
         return SingleRank()
-    if hasattr(group, "exchange") and hasattr(group, "size") and hasattr(group, "rank"):
+    if isinstance(group, Communicator):
         return group
     try:
         import torch.distributed as dist

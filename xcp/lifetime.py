@@ -1,19 +1,22 @@
 """Buffer lifetimes of one ring call: streams, receive slots, hand-offs, workspace and ledger.
 
-DESIGN.md states five rules; this module is where each one is kept (docs/lifetime.md says why each holds):
+Five rules keep every ring buffer valid and bounded; this module is where each one is kept (docs/design.md
+states them, docs/lifetime.md says why each holds):
 
 1. Fork/join (:class:`RingCall`): the comm stream M first waits on the caller's stream C; before the
    call returns, C waits on M. Ring buffers are allocated while C is current, before the fork.
 2. Two slots (:class:`ShardSlots`): received KV (and dKV) shards land in two buffers used ping-pong; the
    receive into a slot is issued on M only after M waited for the compute that last read it
    (:meth:`RingCall.comm_after_compute`); the send that last read it ran earlier on M itself.
-3. Hand-off (:meth:`RingCall.hand_to_comm`): a tensor made on C and read on M is ordered by an event and
-   given to M under the backend's policy (``record_stream``, ``clone``, ``event``, ``none``), or the
-   call's override.
+3. Hand-off (:meth:`RingCall.hand_to_comm`, :func:`hand_off`): a tensor made on C and read on M is ordered
+   by an event and given to M under the backend's policy (``record_stream``, ``clone``, ``event``,
+   ``none``), or the call's override, using the backend's primitives (``record_stream``, streams).
 4. Graph capture: while the backend captures, slots come from the workspace, nothing of the ring is
    allocated or freed inside the step loop, and ``record_stream`` is replaced by ``event``.
 5. Ledger (:func:`track_buffers`): every slot and hand-off copy is counted per rank (per thread).
 
+Two policies, two names: the *slot* policy (``slots=``: ``bounded`` or ``keep_all``) says how many receive
+buffers a call keeps; the *hand-off* policy (``handoff=``) says how a tensor passes between streams.
 ``keep_all`` reproduces the unbounded behaviour of other libraries (one fresh buffer per received shard,
 all kept until the call ends) so benchmarks and tests can show the difference.
 """
@@ -29,19 +32,28 @@ from typing import Any
 
 import torch
 
-from .backend import check_handoff
+SLOT_POLICIES = ("bounded", "keep_all")
+"""How many receive buffers a call keeps: two used ping-pong, or one per step (for comparisons only)."""
 
-POLICIES = ("bounded", "keep_all")
+HANDOFF_POLICIES = ("record_stream", "clone", "event", "none")
+"""How a tensor made on one stream is given to another (rule 3)."""
 
 WORKSPACE_CAPACITY = 4
 """Buffer sets (one per role, shapes, dtype and device) a rank keeps between calls; older ones are dropped."""
 
 
-def check_policy(policy: str) -> str:
-    """Return ``policy`` if known, else raise a ValueError listing the known policies."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy: expected one of {', '.join(POLICIES)}; got {policy!r}")
-    return policy
+def check_slots(slots: str) -> str:
+    """Return the slot policy ``slots`` if known, else raise a ValueError listing the known ones."""
+    if slots not in SLOT_POLICIES:
+        raise ValueError(f"slots: expected one of {', '.join(SLOT_POLICIES)}; got {slots!r}")
+    return slots
+
+
+def check_handoff(handoff: str) -> str:
+    """Return the hand-off policy ``handoff`` if known, else raise a ValueError listing the known ones."""
+    if handoff not in HANDOFF_POLICIES:
+        raise ValueError(f"handoff: expected one of {', '.join(HANDOFF_POLICIES)}; got {handoff!r}")
+    return handoff
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -124,14 +136,17 @@ def _uncount(tokens: Tokens) -> None:
 # Per-rank store: the comm stream and the workspace
 
 
-def _rank_store(comm: Any) -> dict:
-    """The dict where this rank keeps its comm streams and workspace: per LocalWorld rank, else per thread."""
-    store = getattr(comm, "rank_store", None)
-    if store is not None:
-        return store()
+def thread_store() -> dict:
+    """A dict kept per thread: where a process's rank (one per process or thread) keeps its streams and
+    workspace. Communicators whose ranks share a thread keep one store per rank instead."""
     if not hasattr(_local, "store"):
         _local.store = {}
     return _local.store
+
+
+def _rank_store(comm: Any) -> dict:
+    """The dict where this rank keeps its comm streams and workspace (see ``Communicator.rank_store``)."""
+    return comm.rank_store()
 
 
 def comm_stream(comm: Any, backend: Any, device: torch.device) -> Any:
@@ -189,7 +204,7 @@ def workspace(comm: Any) -> Workspace:
 
 def clear_workspace(comm: Any = None) -> None:
     """Drop the reusable buffers of ``comm``'s rank, or of this thread when ``comm`` is None."""
-    store = _rank_store(comm) if comm is not None else getattr(_local, "store", {})
+    store = _rank_store(comm) if comm is not None else thread_store()
     ws = store.get("workspace")
     if ws is not None:
         ws.clear()
@@ -225,14 +240,14 @@ class ShardSlots:
     def __init__(
         self,
         like: Sequence[torch.Tensor],
-        policy: str = "bounded",
+        slots: str = "bounded",
         dtype: torch.dtype | None = None,
         steps: Iterable[int] = (0, 1),
         preset: dict[int, list[torch.Tensor]] | None = None,
     ) -> None:
         self._like = list(like)
         self._dtype = dtype
-        self._policy = check_policy(policy)
+        self._policy = check_slots(slots)
         self._slots: dict[int, list[torch.Tensor]] = {}
         self._tokens: dict[int, Tokens] = {}
         if self._policy == "bounded":
@@ -282,22 +297,22 @@ class RingCall:
     Make the slots with :meth:`slots`, then enter the call (the fork); leaving it joins the streams and
     releases everything the call held::
 
-        call = RingCall(comm, backend, device, policy, handoff)
+        call = RingCall(comm, backend, device, slots, handoff)
         kv = call.slots("kv", (k, v), steps=range(1, P))
         with call:
             ...  # per step: with call.on_comm(): call.comm_after_compute(); call.hand_to_comm(...); exchange
     """
 
-    def __init__(self, comm: Any, backend: Any, device: torch.device, policy: str, handoff: str | None) -> None:
+    def __init__(self, comm: Any, backend: Any, device: torch.device, slots: str, handoff: str | None) -> None:
         self.backend = backend
         self.capturing = bool(backend.is_capturing())
-        self.slot_policy = check_policy(policy)
+        self.slot_policy = check_slots(slots)
         chosen = check_handoff(handoff or backend.handoff_policy)
         if self.capturing and chosen in ("record_stream", "clone"):
             chosen = "event"  # rule 4: no record_stream and no per-step copies while capturing
         self.handoff_policy = chosen
         if self.capturing and self.slot_policy == "keep_all":
-            raise ValueError("policy: 'keep_all' allocates a buffer per step, which graph capture forbids")
+            raise ValueError("slots: 'keep_all' allocates a buffer per step, which graph capture forbids")
         self.workspace = workspace(comm) if _workspace_enabled() and self.slot_policy == "bounded" else None
         if self.capturing and self.workspace is None:
             raise RuntimeError("xcp: graph capture needs the workspace (do not capture inside workspace_disabled())")
@@ -383,8 +398,26 @@ class RingCall:
             self.comm_after_compute()
         if policy in ("event", "clone"):
             self._keep.extend(tensors)
-        out = [be.handoff(t, self.comm_stream, policy) for t in tensors]
+        out = [hand_off(be, t, self.comm_stream, policy) for t in tensors]
         if policy == "clone":
             _uncount(self._clones.pop(channel, []))
             self._clones[channel] = _count(out, 0, True)
         return out
+
+
+def hand_off(backend: Any, tensor: torch.Tensor, consumer: Any, policy: str) -> torch.Tensor:
+    """Give ``tensor`` to the stream ``consumer`` under ``policy`` (rule 3); return what ``consumer`` reads.
+
+    The caller has already made ``consumer`` wait for the stream that wrote ``tensor``.
+    ``record_stream`` tells the allocator that ``consumer`` reads the tensor (zero copy); ``clone`` copies
+    it with ``consumer`` current, so the copy belongs to ``consumer``'s pool; ``event`` and ``none`` return
+    it unchanged (ordering is the caller's, or there is no asynchrony).
+    """
+    check_handoff(policy)
+    if policy == "record_stream":
+        backend.record_stream(tensor, consumer)
+        return tensor
+    if policy == "clone":
+        with backend.stream_context(consumer):
+            return tensor.clone()
+    return tensor

@@ -1,11 +1,15 @@
 """Execute a ring plan: the forward pass, the backward pass, and the thin autograd Function over them.
 
-Forward and backward are plain functions so that virtual ranks on a GPU can drive them directly
-(FACTS.md: CUDA autograd runs the backward of every thread on one worker, which cannot wait for peers).
+Both passes are one step loop: :class:`_KVRing` rotates the K/V shards (step 0 reads the caller's own, each
+later step a receive slot), the pass computes on the shard it holds. The ring owns the accumulators and the
+merge. Forward and backward are plain functions so that virtual ranks on a GPU can drive them directly:
+PyTorch runs the backward of CUDA tensors on one autograd worker thread per device, where a backward that
+waits for its peers in other threads would never return.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -13,25 +17,31 @@ from typing import Any
 import torch
 
 from . import schedule
-from .lifetime import RingCall
-from .merge import accumulator_dtype, new_accumulators
+from .backend import Backend
+from .comm import Communicator
+from .kernels.merge import accumulator_dtype, merge_, new_accumulators
+from .lifetime import RingCall, ShardSlots
 
 
 @dataclass(frozen=True)
 class RingConfig:
-    """Everything one call needs besides the tensors."""
+    """Everything one call needs besides the tensors.
 
-    comm: Any
-    backend: Any
+    :param slots: the slot policy, ``bounded`` (two receive slots) or ``keep_all``.
+    :param handoff: the hand-off policy; None is the backend's own.
+    """
+
+    comm: Communicator
+    backend: Backend
     causal: bool
     scale: float
     balance: str = schedule.DEFAULT_BALANCE
-    policy: str = "bounded"
+    slots: str = "bounded"
     handoff: str | None = None
 
     @property
     def plan(self) -> schedule.Plan:
-        return schedule.plan(self.comm.size, self.comm.rank, self.causal, self.balance)
+        return schedule.plan(self.comm.size(), self.comm.rank(), self.causal, self.balance)
 
 
 def _views(step: schedule.Step, n: int) -> tuple[slice, slice]:
@@ -41,10 +51,52 @@ def _views(step: schedule.Step, n: int) -> tuple[slice, slice]:
     return slice(q0, q1), slice(k0, k1)
 
 
-def _forward_block(step, q, k, v, out, lse, n, cfg) -> None:
-    qs, ks = _views(step, n)
-    block_out, block_lse = cfg.backend.forward(q[:, qs], k[:, ks], v[:, ks], step.mask, cfg.scale)
-    cfg.backend.merge_(out, lse, block_out, block_lse, qs)
+def merge_block(backend: Backend, out, lse, block_out, block_lse, rows: slice = slice(None)) -> None:
+    """Fold a block into the running (out, lse): the backend's fused kernel if it has one, else the eager merge."""
+    if not backend.fused_merge_(out, lse, block_out, block_lse, rows):
+        merge_(out, lse, block_out, block_lse, rows)
+
+
+class _KVRing:
+    """The K/V shards of a ring call, step by step: rule 2 of xcp.lifetime around one exchange per step.
+
+    ``begin(step)`` issues, on the comm stream, the send of the shard held now and the receive of the next
+    one into the other slot; ``end()`` waits for it and makes the received shard current. Step 0 reads the
+    caller's own K and V in place.
+    """
+
+    def __init__(self, call: RingCall | None, comm: Communicator, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``call`` is None in a world of one rank, where nothing moves."""
+        self.call, self.comm = call, comm
+        self.slots: ShardSlots | None = None if call is None else call.slots("kv", (k, v), steps=range(1, comm.size()))
+        self.current: list[torch.Tensor] | tuple[torch.Tensor, ...] = (k, v)
+        self._work: Any = None
+        self._next: list[torch.Tensor] | None = None
+
+    def begin(self, step: schedule.Step) -> None:
+        call = self.call
+        if step.send_to is None or call is None or self.slots is None:
+            return
+        self._next = nxt = self.slots.slot(step.step + 1)
+        with call.on_comm():
+            call.comm_after_compute()  # the slot nxt was last read by the previous step's compute
+            send = call.hand_to_comm(self.current, "kv", ordered=True)
+            self._work = _exchange(self.comm, send, nxt, step.send_to, step.recv_from, "kv", call.backend)
+
+    def views(self, keys: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows ``keys`` of the shard held now (pass them on, do not keep them: a kept view keeps
+        the slot's memory alive past its hand-back)."""
+        return self.current[0][:, keys], self.current[1][:, keys]
+
+    def end(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self.current, self._work, self._next = self._next, None, None
+
+
+def _exchange(comm: Communicator, send, recv, to: int, frm: int, tag: str, backend: Backend) -> Any:
+    """Send the tensors of ``send`` to rank ``to`` and receive ``recv`` from rank ``frm``, pairwise."""
+    return comm.exchange([(t, to) for t in send], [(b, frm) for b in recv], tag, backend)
 
 
 def ring_forward(
@@ -54,37 +106,22 @@ def ring_forward(
 
     Step i computes (on the caller's stream C) on the shard of ``src`` while, on the comm stream M, that
     shard goes to the next rank and the shard of step i + 1 arrives from the previous one into the other
-    of two slots (DESIGN.md, buffer lifetime rules; xcp/lifetime.py).
+    of two slots (docs/design.md, buffer lifetime rules; xcp/lifetime.py).
     """
-    comm, backend, plan = cfg.comm, cfg.backend, cfg.plan
+    comm, backend = cfg.comm, cfg.backend
     n = q.shape[1]
     out, lse = new_accumulators(q)
-    if comm.size == 1:
-        _forward_block(plan.steps[0], q, k, v, out, lse, n, cfg)
-        return out.to(q.dtype), lse
-    call = RingCall(comm, backend, q.device, cfg.policy, cfg.handoff)
-    slots = call.slots("kv", (k, v), steps=range(1, comm.size))
-    with call:
-        cur = (k, v)  # step 0 reads the caller's own K and V in place
-        for step in plan.steps:
-            work = None
-            if step.send_to is not None:
-                nxt = slots.slot(step.step + 1)
-                with call.on_comm():
-                    call.comm_after_compute()  # the slot nxt was last read by the previous step's compute
-                    send = call.hand_to_comm(cur, "kv", ordered=True)
-                    work = comm.exchange(
-                        [(send[0], step.send_to), (send[1], step.send_to)],
-                        [(nxt[0], step.recv_from), (nxt[1], step.recv_from)],
-                        "kv",
-                        backend,
-                    )
-                del send
+    call = RingCall(comm, backend, q.device, cfg.slots, cfg.handoff) if comm.size() > 1 else None
+    kv = _KVRing(call, comm, k, v)
+    with call or contextlib.nullcontext():
+        for step in cfg.plan.steps:
+            kv.begin(step)
             if step.computes:
-                _forward_block(step, q, cur[0], cur[1], out, lse, n, cfg)
-            if work is not None:
-                work.wait()
-                cur = nxt
+                qs, ks = _views(step, n)
+                block_out, block_lse = backend.forward(q[:, qs], *kv.views(ks), step.mask, cfg.scale)
+                merge_block(backend, out, lse, block_out, block_lse, qs)
+                del block_out, block_lse
+            kv.end()
     return out.to(q.dtype), lse
 
 
@@ -105,38 +142,24 @@ def ring_backward(
     """
     comm, backend, plan = cfg.comm, cfg.backend, cfg.plan
     n = q.shape[1]
-    acc = accumulator_dtype(q.dtype)
-    if comm.size == 1:  # one step, always the whole local shard
-        step = plan.steps[0]
-        g = backend.backward(dout, q, k, v, out, lse, step.mask, cfg.scale)
+    if comm.size() == 1:  # one step, always the whole local shard: no accumulators, no slots
+        g = backend.backward(dout, q, k, v, out, lse, plan.steps[0].mask, cfg.scale)
         return tuple(x.to(like.dtype).contiguous() for x, like in zip(g, (q, k, v)))
+    acc = accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    call = RingCall(comm, backend, q.device, cfg.policy, cfg.handoff)
-    kv_slots = call.slots("kv", (k, v), steps=range(1, comm.size))
-    dkv_slots = call.slots("dkv", (k, v), dtype=acc, steps=range(comm.size + 1))
+    call = RingCall(comm, backend, q.device, cfg.slots, cfg.handoff)
+    kv = _KVRing(call, comm, k, v)
+    dkv_slots = call.slots("dkv", (k, v), dtype=acc, steps=range(comm.size() + 1))
     with call:
-        cur = (k, v)
         dkv_work = None
         for step in plan.steps:
             i = step.step
-            kv_work = None
-            if step.send_to is not None:
-                nxt = kv_slots.slot(i + 1)
-                with call.on_comm():
-                    call.comm_after_compute()
-                    send = call.hand_to_comm(cur, "kv", ordered=True)
-                    kv_work = comm.exchange(
-                        [(send[0], step.send_to), (send[1], step.send_to)],
-                        [(nxt[0], step.recv_from), (nxt[1], step.recv_from)],
-                        "kv",
-                        backend,
-                    )
-                del send
+            kv.begin(step)
             block = None
             if step.computes:
                 qs, ks = _views(step, n)
                 block = backend.backward(
-                    dout[:, qs], q[:, qs], cur[0][:, ks], cur[1][:, ks], out[:, qs], lse[:, :, qs], step.mask, cfg.scale
+                    dout[:, qs], q[:, qs], *kv.views(ks), out[:, qs], lse[:, :, qs], step.mask, cfg.scale
                 )
                 dq[:, qs] += block[0]
             if i == 0:
@@ -149,21 +172,15 @@ def ring_backward(
                 dv_acc[:, ks] += block[2]
                 del block
             # after the last step this is the hop home: the owner of src is the next rank
-            rk, rv = dkv_slots.slot(i + 1)
             with call.on_comm():
                 send = call.hand_to_comm((dk_acc, dv_acc), "dkv")  # M waits for the additions above
-                dkv_work = comm.exchange(
-                    [(send[0], step.dkv_send_to), (send[1], step.dkv_send_to)],
-                    [(rk, plan.dkv_home_from), (rv, plan.dkv_home_from)],
-                    "dkv",
-                    backend,
+                dkv_work = _exchange(
+                    comm, send, dkv_slots.slot(i + 1), step.dkv_send_to, plan.dkv_home_from, "dkv", backend
                 )
             del send
-            if kv_work is not None:
-                kv_work.wait()
-                cur = nxt
+            kv.end()
         dkv_work.wait()
-        dk_acc, dv_acc = dkv_slots.slot(comm.size)
+        dk_acc, dv_acc = dkv_slots.slot(comm.size())
         # fresh tensors: results never alias the slots, which the workspace keeps for the next call
         dk, dv = dk_acc.to(k.dtype, copy=True), dv_acc.to(v.dtype, copy=True)
     return dq.to(q.dtype), dk, dv
@@ -183,9 +200,9 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         cfg = ctx.cfg
-        if cfg.comm.size > 1 and getattr(cfg.comm, "kind", "") == "LocalWorld" and threading.get_ident() != ctx.thread:
+        if cfg.comm.size() > 1 and cfg.comm.ranks_are_threads and threading.get_ident() != ctx.thread:
             raise RuntimeError(
-                f"xcp: autograd ran the backward of LocalWorld rank {cfg.comm.rank} outside its thread "
+                f"xcp: autograd ran the backward of LocalWorld rank {cfg.comm.rank()} outside its thread "
                 f"(device {ctx.saved_tensors[0].device}); PyTorch runs GPU backward on one worker thread per "
                 "device, where a ring that waits for its peers would hang. Drive virtual ranks on this device "
                 "with xcp.ring_forward / xcp.ring_backward, or use real ranks (torchrun)."

@@ -32,14 +32,18 @@ STRIPE_CAUSAL = "stripe-causal"  # stripe, src <= r (src < r or the diagonal): c
 STRIPE_STRICT = "stripe-strict"  # stripe, src > r: strictly-causal mask
 SKIP = "skip"  # contiguous causal, src > r: every key lies in the future, nothing to compute
 
-BLOCK_KINDS = (FULL, DIAGONAL, LOWER, UPPER, STRIPE_CAUSAL, STRIPE_STRICT, SKIP)
-
-
 def check_balance(balance: str) -> str:
     """Return ``balance`` if it is known, else raise a ValueError that lists the known ones."""
     if balance not in BALANCES:
         raise ValueError(f"balance: expected one of {', '.join(BALANCES)}; got {balance!r}")
     return balance
+
+
+def check_mask(mask: str) -> str:
+    """Return ``mask`` if known, else raise a ValueError listing the known masks."""
+    if mask not in MASKS:
+        raise ValueError(f"mask: expected one of {', '.join(MASKS)}; got {mask!r}")
+    return mask
 
 
 _NO_RANK = object()

@@ -15,16 +15,11 @@ from typing import Any
 
 import torch
 
-from xcp import pieces
-from xcp.backend import Backend, check_mask
-from xcp.cpu import math_backward, math_forward
+from xcp.kernels.fused import FusedKernelBackend
+from xcp.kernels.math import math_backward, math_forward
 
 from . import kernels
 from .fused_merge import fused_merge_, fused_merge_supported
-
-GQA_MODES = ("native", "repeat")
-"""``native``: kernels that take fewer K/V heads get them as is; ``repeat``: K/V are always repeated per
-query head and dK/dV summed over each group (slower, more memory; the fallback if a kernel's GQA fails)."""
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -36,22 +31,16 @@ def _env_flag(name: str, default: bool) -> bool:
     return value == "1"
 
 
-def check_gqa(mode: str) -> str:
-    """Return ``mode`` if it is a GQA mode, else raise a ValueError listing them."""
-    if mode not in GQA_MODES:
-        raise ValueError(f"gqa: expected one of {', '.join(GQA_MODES)}; got {mode!r}")
-    return mode
-
-
-class CUDABackend(Backend):
+class CUDABackend(FusedKernelBackend):
     """NVIDIA GPUs (any device torch calls ``cuda``).
 
     Kernel per block, by :func:`xcp_cuda.kernels.choose_kernel`: the aten flash op for fp16/bf16 with
     head_dim % 8 == 0 and <= 256 (the flash-attn package's forward instead when it is installed), the aten
     memory-efficient op for fp32 and the other aligned head dims, and the math kernel for the rest
-    (float64, unaligned head dims). Masks beyond none / square causal are cut by :mod:`xcp.pieces`.
+    (float64, unaligned head dims). Masks beyond none / square causal are cut by the base class.
 
-    :param gqa: ``native`` (default; env ``XCP_CUDA_GQA``) or ``repeat``, see :data:`GQA_MODES`.
+    :param gqa: ``native`` (default; env ``XCP_CUDA_GQA``) or ``repeat``, see
+        :data:`xcp.kernels.fused.GQA_MODES`.
     :param use_flash_attn: use flash-attn's forward when importable (default True; env
         ``XCP_CUDA_FLASH_ATTN=0`` turns it off).
     """
@@ -62,9 +51,10 @@ class CUDABackend(Backend):
     handoff_policy = "record_stream"
     kernel = "aten flash (fp16/bf16) | mem-efficient (fp32, head_dim%4) | math; flash-attn fwd if installed"
     dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+    gqa_env = "XCP_CUDA_GQA"
 
     def __init__(self, gqa: str | None = None, use_flash_attn: bool | None = None) -> None:
-        self.gqa = check_gqa(gqa if gqa is not None else os.environ.get("XCP_CUDA_GQA", "native"))
+        super().__init__(gqa)
         self.use_flash_attn = _env_flag("XCP_CUDA_FLASH_ATTN", True) if use_flash_attn is None else bool(use_flash_attn)
         self._flash_attn: Any = None
         self._flash_attn_error: str | None = None
@@ -97,35 +87,18 @@ class CUDABackend(Backend):
         torch.cuda.reset_peak_memory_stats(device)
 
     # ------------------------------------------------------------------ block kernel
-    def forward(self, q, k, v, mask, scale):
-        """(out, lse): out [B, Sq, H, D] in q's dtype (float32/64 from the math kernel), lse float32
-        [B, H, Sq] (float64 for float64); rows that see no key give out 0 and lse -inf."""
-        self._check(q, k, v, mask)
-        return pieces.forward(self._square_forward, q, k, v, mask, scale)
-
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
-        """(dq, dk, dv) of this block from the merged out and lse of its rows, shaped like q, k, v."""
-        self._check(q, k, v, mask)
-        return pieces.backward(self._square_backward, dout, q, k, v, out, lse, mask, scale)
-
-    def merge_(self, out, lse, block_out, block_lse, rows=slice(None)):
-        """One Triton kernel where it applies (fp32 accumulators), else the generic eager merge."""
+    def fused_merge_(self, out, lse, block_out, block_lse, rows) -> bool:
+        """One Triton kernel where it applies (fp32 accumulators); False lets the ring merge eagerly."""
         if self.fused_merge and fused_merge_supported(out, block_out):
             fused_merge_(out, lse, block_out, block_lse, rows)
-        else:
-            super().merge_(out, lse, block_out, block_lse, rows)
+            return True
+        return False
 
     def kernel_for(self, q: torch.Tensor) -> str:
         """The aten kernel that serves blocks shaped and typed like ``q`` on its device."""
         return kernels.choose_kernel(q.dtype, q.shape[-1], self._capability(q.device))
 
     # ------------------------------------------------------------------ internals
-    def _check(self, q, k, v, mask) -> None:
-        check_mask(mask)
-        pieces.check_qkv(q, k, v)
-        if q.device.type != self.device_type:
-            raise ValueError(f"q: backend {self.name!r} expected a {self.device_type} tensor; got {q.device}")
-
     def _capability(self, device: torch.device) -> tuple[int, int]:
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._capabilities:
@@ -145,7 +118,7 @@ class CUDABackend(Backend):
                 self._flash_attn_error = f"{type(exc).__name__}: {exc}"
         return self._flash_attn
 
-    def _square_forward(self, q, k, v, causal: bool, scale: float):
+    def square_forward(self, q, k, v, causal: bool, scale: float):
         kind = self.kernel_for(q)
         if kind == kernels.MATH:
             return math_forward(q, k, v, "causal" if causal else "none", scale)
@@ -154,19 +127,15 @@ class CUDABackend(Backend):
             op = kernels.flash_forward if module is None else functools.partial(kernels.flash_attn_forward, module)
         else:
             op = kernels.efficient_forward
-        if self._repeat(q, k, kind):
+        if self.kv_groups(q, k, kernels.native_gqa(kind)) > 1:
             op = kernels.with_repeated_kv(op)
         return op(q, k, v, causal, scale)
 
-    def _square_backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+    def square_backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
         kind = self.kernel_for(q)
         if kind == kernels.MATH:
             return math_backward(dout, q, k, v, out, lse, "causal" if causal else "none", scale)
         op = kernels.flash_backward if kind == kernels.FLASH else kernels.efficient_backward
-        if self._repeat(q, k, kind):
+        if self.kv_groups(q, k, kernels.native_gqa(kind)) > 1:
             op = kernels.with_repeated_kv_backward(op)
         return op(dout, q, k, v, out, lse, causal, scale)
-
-    def _repeat(self, q, k, kind: str) -> bool:
-        """Whether K/V must be repeated: GQA, and the kernel lacks it or ``gqa == "repeat"``."""
-        return q.shape[2] != k.shape[2] and (self.gqa == "repeat" or not kernels.native_gqa(kind))

@@ -1,7 +1,7 @@
 """The CUDA block kernels: which one serves a block, and thin wrappers over PyTorch's fused attention ops.
 
 Every wrapper takes and returns xcp's layout, q [B, Sq, H, D] and k, v [B, Sk, Hkv, D], and is only asked
-for ``causal=False`` or causal on a square block (:mod:`xcp.pieces` cuts the rest), so the kernels'
+for ``causal=False`` or causal on a square block (:mod:`xcp.kernels.tiling` cuts the rest), so the kernels'
 own alignment of a non-square causal mask never matters.
 
 The ops (schemas as registered in PyTorch's native_functions.yaml, checked against torch 2.13):
@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from xcp.pieces import repeat_kv, sum_kv_groups
+from xcp.kernels.fused import repeat_kv, sum_kv_groups
 
 ATEN: Any = torch.ops.aten
 """The op namespace the wrappers call (tests on CPU substitute a stand-in with the same signatures)."""
@@ -63,7 +63,7 @@ def choose_kernel(dtype: torch.dtype, head_dim: int, capability: tuple[int, int]
     flash: fp16/bf16, head_dim % 8 == 0 and <= 256, sm80+ (what PyTorch's SDPA dispatcher accepts for
     the flash op without padding). efficient: fp16/bf16 with head_dim % 8 == 0, or fp32 with
     head_dim % 4 == 0 (its GEMM alignment on sm80+; sm50+ otherwise runs it too, alignment 8/4 kept).
-    math: everything else (float64, odd head dims), in float32/float64 through :func:`xcp.cpu.math_forward`.
+    math: everything else (float64, odd head dims), in float32/float64 through :func:`xcp.kernels.math.math_forward`.
     """
     half = dtype in (torch.float16, torch.bfloat16)
     if half and head_dim % 8 == 0 and head_dim <= 256 and capability >= (8, 0):

@@ -14,25 +14,20 @@ a zero-copy record_stream hand-off is not a guarantee there.
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
 import torch
 
-from xcp import pieces
-from xcp.backend import Backend, check_mask
+from xcp.kernels.fused import FusedKernelBackend, repeat_kv, sum_kv_groups
 
 from . import convert
 
-GQA_MODES = ("native", "repeat")
-"""``native``: K/V with fewer heads go to npu_fusion_attention as they are (it allows N_kv dividing N in
-BSND); ``repeat``: K/V are repeated per query head and dK/dV summed over each group (the fallback)."""
 
-
-class NPUBackend(Backend):
+class NPUBackend(FusedKernelBackend):
     """Huawei Ascend NPUs through torch_npu.
 
-    :param gqa: ``native`` (default; env ``XCP_NPU_GQA``) or ``repeat``.
+    :param gqa: ``native`` (default; env ``XCP_NPU_GQA``): K/V with fewer heads go to npu_fusion_attention
+        as they are (it allows N_kv dividing N in BSND); or ``repeat``.
     """
 
     name = "npu"
@@ -41,12 +36,10 @@ class NPUBackend(Backend):
     handoff_policy = "clone"
     kernel = "torch_npu.npu_fusion_attention (+ _grad), BSND, causal as sparse_mode 3"
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    gqa_env = "XCP_NPU_GQA"
 
     def __init__(self, gqa: str | None = None) -> None:
-        mode = gqa if gqa is not None else os.environ.get("XCP_NPU_GQA", "native")
-        if mode not in GQA_MODES:
-            raise ValueError(f"gqa: expected one of {', '.join(GQA_MODES)}; got {mode!r}")
-        self.gqa = mode
+        super().__init__(gqa)
         self._vendor: Any = None
         self._vendor_error: str | None = None
         self._masks: dict[torch.device, torch.Tensor] = {}
@@ -97,24 +90,6 @@ class NPUBackend(Backend):
         self._module().reset_peak_memory_stats(device)
 
     # ------------------------------------------------------------------ block kernel
-    def forward(self, q, k, v, mask, scale):
-        """(out, lse): out [B, Sq, H, D] in q's dtype, lse float32 [B, H, Sq] = max + log(sum) of the
-        kernel's softmax statistics; rows that see no key give out 0 and lse -inf."""
-        self._check(q, k, v, mask)
-        return pieces.forward(self._square_forward, q, k, v, mask, scale)
-
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
-        """(dq, dk, dv) of this block from the merged out and lse of its rows, shaped like q, k, v."""
-        self._check(q, k, v, mask)
-        return pieces.backward(self._square_backward, dout, q, k, v, out, lse, mask, scale)
-
-    # ------------------------------------------------------------------ internals
-    def _check(self, q, k, v, mask) -> None:
-        check_mask(mask)
-        pieces.check_qkv(q, k, v)
-        if q.device.type != self.device_type:
-            raise ValueError(f"q: backend {self.name!r} expected a {self.device_type} tensor; got {q.device}")
-
     def _sparse(self, causal: bool, device: torch.device) -> dict[str, Any]:
         mask = None
         if causal:
@@ -123,14 +98,10 @@ class NPUBackend(Backend):
             mask = self._masks[device]
         return convert.sparse_args(causal, mask)
 
-    def _groups(self, q, k) -> int:
-        """How many times K/V are repeated before the kernel: 1 in native GQA mode."""
-        return 1 if self.gqa == "native" else q.shape[2] // k.shape[2]
-
-    def _square_forward(self, q, k, v, causal: bool, scale: float):
+    def square_forward(self, q, k, v, causal: bool, scale: float):
         convert.check_square(q, k, causal)
-        groups = self._groups(q, k)
-        k, v = pieces.repeat_kv(k, groups), pieces.repeat_kv(v, groups)
+        groups = self.kv_groups(q, k)
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         outputs = self.vendor().npu_fusion_attention(
             q.contiguous(),
             k.contiguous(),
@@ -144,10 +115,10 @@ class NPUBackend(Backend):
         out, softmax_max, softmax_sum = convert.check_forward_outputs(q, v, outputs)
         return out, convert.lse_from_softmax_stats(softmax_max, softmax_sum)
 
-    def _square_backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+    def square_backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
         convert.check_square(q, k, causal)
-        groups = self._groups(q, k)
-        kr, vr = pieces.repeat_kv(k, groups), pieces.repeat_kv(v, groups)
+        groups = self.kv_groups(q, k)
+        kr, vr = repeat_kv(k, groups), repeat_kv(v, groups)
         softmax_max, softmax_sum = convert.softmax_stats_from_lse(lse)
         grads = self.vendor().npu_fusion_attention_grad(
             q.contiguous(),
@@ -165,4 +136,4 @@ class NPUBackend(Backend):
             **self._sparse(causal, q.device),
         )
         dq, dk, dv = grads[0], grads[1], grads[2]
-        return dq, pieces.sum_kv_groups(dk, groups), pieces.sum_kv_groups(dv, groups)
+        return dq, sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)

@@ -19,10 +19,11 @@ from typing import Any
 import torch
 
 from ..api import shard, unshard
-from ..backend import HANDOFF_POLICIES, Backend, check_backend
+from ..backend import Backend, check_backend
 from ..comm import LocalWorld
-from ..merge import accumulator_dtype, new_accumulators
-from ..ring import RingConfig, ring_backward, ring_forward
+from ..kernels.merge import accumulator_dtype, new_accumulators
+from ..lifetime import HANDOFF_POLICIES, hand_off
+from ..ring import RingConfig, merge_block, ring_backward, ring_forward
 from .reference import allowed_pairs, reference_attention, reference_gradients
 
 TOLERANCES: dict[torch.dtype, float] = {
@@ -232,7 +233,7 @@ def check_handoff(backend: Backend, policy: str) -> None:
     t = torch.arange(24, dtype=torch.float32, device=dev).reshape(4, 6)
     before = t.clone()
     consumer = backend.new_stream(dev)
-    got = backend.handoff(t, consumer, policy)
+    got = hand_off(backend, t, consumer, policy)
     backend.synchronize(dev)
     _assert_result(f"handoff(policy={policy!r})", got, t, tuple(t.shape), (t.dtype,))
     if not torch.equal(got, before):
@@ -252,7 +253,7 @@ def check_handoff_default(backend: Backend) -> None:
     """Without a policy, ``handoff`` applies ``backend.handoff_policy``; an unknown policy is a ValueError."""
     dev = _device(backend)
     t = torch.ones(8, device=dev)
-    got = backend.handoff(t, backend.new_stream(dev))
+    got = hand_off(backend, t, backend.new_stream(dev), backend.handoff_policy)
     aliases = got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
     if aliases == (backend.handoff_policy == "clone"):
         raise AssertionError(
@@ -260,7 +261,7 @@ def check_handoff_default(backend: Backend) -> None:
             f"the default policy {backend.handoff_policy!r} says otherwise"
         )
     try:
-        backend.handoff(t, backend.new_stream(dev), "teleport")
+        hand_off(backend, t, backend.new_stream(dev), "teleport")
     except ValueError:
         return
     raise AssertionError("handoff(policy='teleport') did not raise ValueError")
@@ -350,7 +351,7 @@ def check_split_keys(backend: Backend, dtype: torch.dtype) -> None:
     out, lse = new_accumulators(q)
     for keys in parts:
         block_out, block_lse = _forward_checked(backend, q, k[:, keys], v[:, keys], "none", dtype)
-        backend.merge_(out, lse, block_out, block_lse)
+        merge_block(backend, out, lse, block_out, block_lse)
     assert_close("merged forward out", out, ref_out, dtype)
     assert_close("merged forward lse", lse, ref_lse, dtype)
     merged_out = out.to(dtype)
@@ -392,7 +393,7 @@ def check_ring(backend: Backend, dtype: torch.dtype, world_size: int, causal: bo
     def rank_body(group: Any) -> tuple[torch.Tensor, ...]:
         from ..api import attention
 
-        r = group.rank
+        r = group.rank()
         qr, kr, vr, dr = parts(q, r), parts(k, r), parts(v, r), parts(dout, r)
         cfg = RingConfig(comm=group, backend=backend, causal=causal, scale=SCALE, balance=balance)
         with torch.no_grad():

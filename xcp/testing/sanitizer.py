@@ -5,7 +5,7 @@ to run any code on the ``sim`` backend::
 
     with Sanitizer() as san:                 # registers the backend "sim" until the block ends
         def rank(group):
-            with san.thread(f"rank{group.rank}"):
+            with san.thread(f"rank{group.rank()}"):
                 ...  # xcp.attention(..., group=group, device="sim"), or ring_forward with san.backend
         xcp.LocalWorld(4).run(rank)
     print(san.findings)
@@ -25,10 +25,9 @@ import torch
 
 from .. import plugins, schedule
 from ..api import shard, unshard
-from ..backend import check_handoff
 from ..comm import LocalWorld
-from ..lifetime import check_policy, track_buffers
-from ..merge import accumulator_dtype
+from ..kernels.merge import accumulator_dtype
+from ..lifetime import check_handoff, check_slots, track_buffers
 from ..ring import RingConfig, ring_backward, ring_forward
 from .reference import sdpa_reference
 from .sim_backend import SimBackend, SimPlugin
@@ -37,7 +36,7 @@ from .sim_device import DeviceModel, Finding
 __all__ = ["Finding", "Sanitizer", "SanitizerReport", "sanitize_ring"]
 
 FORWARD_BOUND = 2
-"""Received KV shards a rank may hold at once in the forward (DESIGN.md rule 2)."""
+"""Received KV shards a rank may hold at once in the forward (rule 2 of xcp.lifetime)."""
 BACKWARD_BOUND = 4
 """Received KV and dKV shards a rank may hold at once in the backward."""
 
@@ -142,7 +141,7 @@ def sanitize_ring(
     seq: int | None = None,
     head_dim: int = 8,
     batch: int = 1,
-    policy: str = "bounded",
+    slots: str = "bounded",
     calls: int = 1,
     seed: int = 0,
 ) -> SanitizerReport:
@@ -153,7 +152,7 @@ def sanitize_ring(
         backend's default, ``record_stream``.
     :param backward: also run the backward pass (then the bound is 4 shards instead of 2).
     :param seq: global sequence length; default 4 tokens per rank.
-    :param policy: ``bounded`` or ``keep_all`` (which must exceed the bound for P >= 4).
+    :param slots: the slot policy, ``bounded`` or ``keep_all`` (which must exceed the bound for P >= 4).
     :param calls: calls per rank (more than one exercises the workspace).
     :returns: a :class:`SanitizerReport`; findings of kind race, reuse, leak, bound, capture or numerics.
     """
@@ -170,7 +169,7 @@ def sanitize_ring(
     if dtype not in TOLERANCE:
         raise ValueError(f"dtype: expected one of {', '.join(map(str, TOLERANCE))}; got {dtype}")
     schedule.check_balance(balance)
-    check_policy(policy)
+    check_slots(slots)
     if handoff is not None:
         check_handoff(handoff)
     seq = 4 * world if seq is None else _check_int("seq", seq, 1)
@@ -198,7 +197,7 @@ def sanitize_ring(
     config = {
         "world": world, "causal": causal, "balance": balance, "handoff": handoff or SimBackend.handoff_policy,
         "backward": backward, "dtype": str(dtype).replace("torch.", ""), "heads": heads, "kv_heads": kv_heads,
-        "seq": seq, "policy": policy, "calls": calls,
+        "seq": seq, "slots": slots, "calls": calls,
     }  # fmt: skip
 
     findings: list[Finding] = []
@@ -206,9 +205,9 @@ def sanitize_ring(
         lw = LocalWorld(world, timeout=60.0)
 
         def rank(group: Any) -> tuple:
-            with san.thread(f"rank{group.rank}"), track_buffers() as ledger:
-                ql, kl, vl, dl = (shard(x, world, group.rank, balance=balance) for x in (q, k, v, dout))
-                cfg = RingConfig(group, san.backend, causal, scale, balance, policy, handoff)
+            with san.thread(f"rank{group.rank()}"), track_buffers() as ledger:
+                ql, kl, vl, dl = (shard(x, world, group.rank(), balance=balance) for x in (q, k, v, dout))
+                cfg = RingConfig(group, san.backend, causal, scale, balance, slots, handoff)
                 for _ in range(calls):
                     out, lse = ring_forward(ql, kl, vl, cfg)
                     grads = ring_backward(dl, ql, kl, vl, out, lse, cfg) if backward else ()

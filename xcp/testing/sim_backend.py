@@ -2,7 +2,8 @@
 
 The ring code runs on it unchanged (all ranks of a LocalWorld included); what it does to streams, events,
 hand-offs and memory is recorded by a :class:`~xcp.testing.sim_device.DeviceModel`. Every hand-off policy
-is available, so that tests can show which ones the model accepts where.
+is available (xcp.lifetime applies them over these primitives), so that tests can show which ones the
+model accepts where.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from typing import Any
 
 import torch
 
-from ..backend import HANDOFF_POLICIES, check_handoff
 from ..cpu import CPUBackend
 from ..hookspecs import hookimpl
 from .sim_device import DeviceModel, SimEvent, SimStream
@@ -25,7 +25,6 @@ class SimBackend(CPUBackend):
     device_type = "cpu"
     dist_backend = "gloo"
     handoff_policy = "record_stream"
-    handoff_policies = HANDOFF_POLICIES
     kernel = "math (matmul-softmax) on simulated streams (lifetime sanitizer)"
 
     def __init__(self, model: DeviceModel) -> None:
@@ -66,18 +65,9 @@ class SimBackend(CPUBackend):
         """Name the ops issued inside (LocalWorld labels its peer-to-peer copies ``p2p ...``)."""
         return self.model.label(text)
 
-    # hand-off
-    def handoff(self, tensor: torch.Tensor, consumer_stream: Any, policy: str | None = None) -> torch.Tensor:
-        """``record_stream`` marks the block for the consumer; ``clone`` copies on the consumer stream (its
-        pool owns the copy); ``event`` and ``none`` return the tensor (ordering is the caller's)."""
-        policy = check_handoff(policy or self.handoff_policy)
-        if policy == "record_stream":
-            self.model.record_stream(tensor, consumer_stream)
-            return tensor
-        if policy == "clone":
-            with self.stream_context(consumer_stream):
-                return tensor.clone()
-        return tensor
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Mark the tensor's block for ``stream``: the model's allocator will not reuse it before that work."""
+        self.model.record_stream(tensor, stream)
 
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int] | None:
         return None

@@ -1,4 +1,4 @@
-"""A CPU model of an asynchronous device, for the lifetime sanitizer (DESIGN.md, "The lifetime sanitizer").
+"""A CPU model of an asynchronous device, for the lifetime sanitizer (docs/lifetime.md says what it models).
 
 Ops run eagerly on CPU tensors, so numbers stay exact; what the model adds is the *device order* they
 would have on an accelerator: every op is issued on a simulated stream, and the model keeps a vector

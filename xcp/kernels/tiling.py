@@ -1,4 +1,4 @@
-"""Cut a masked block into calls a fused kernel can serve; pure torch, no device code.
+"""Mask tiling: cut a masked block into calls a fused kernel can serve; pure torch, no device code.
 
 Fused kernels (CUDA flash / memory-efficient, Ascend npu_fusion_attention) serve two masks safely: none,
 and causal on a *square* block. xcp's masks are top-left aligned on any shape: ``causal`` lets query i see
@@ -20,8 +20,6 @@ Each query row lies in exactly one piece, so forward results are concatenated, n
 piece does not cover get zero gradient. The ring itself only asks for ``none`` on any shape and for
 ``causal``/``strict`` on square blocks, which give one kernel call (plus one empty row for strict).
 
-The GQA fallback (repeat K/V per query head, sum dK/dV over the group) lives here too, since it is the
-same arithmetic for every device.
 """
 
 from __future__ import annotations
@@ -31,10 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from xcp.backend import check_mask
-from xcp.merge import accumulator_dtype
-
-NEG_INF = float("-inf")
+from ..schedule import check_mask
+from .merge import NEG_INF, accumulator_dtype
 
 SquareForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
 """``kernel(q, k, v, causal, scale) -> (out, lse)``; only called with causal on Sq == Sk."""
@@ -86,15 +82,6 @@ def tile(sq: int, sk: int, mask: str) -> Tiling:
     if n == sk and shift + n < sq:  # these rows are past the last key: they see all of them
         pieces.append(Piece(shift + n, sq, sk, False))
     return Tiling(sq, sk, empty, tuple(pieces))
-
-
-def allowed(tiling: Tiling) -> torch.Tensor:
-    """The boolean [Sq, Sk] matrix of (query, key) pairs the tiling lets through (for tests and docs)."""
-    m = torch.zeros(tiling.sq, tiling.sk, dtype=torch.bool)
-    for p in tiling.pieces:
-        block = torch.ones(p.stop - p.start, p.keys, dtype=torch.bool)
-        m[p.start : p.stop, : p.keys] = block.tril() if p.causal else block
-    return m
 
 
 def forward(kernel: SquareForward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scale: float):
@@ -171,38 +158,3 @@ def _pad_keys(g: torch.Tensor, sk: int) -> torch.Tensor:
     if n == sk:
         return g
     return torch.cat([g, g.new_zeros((g.shape[0], sk - n, *g.shape[2:]))], dim=1)
-
-
-# ---------------------------------------------------------------------------------------------- GQA fallback
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, S, Hkv, D] -> [B, S, Hkv * groups, D]: query head h reads K/V head h // groups (as SDPA's GQA)."""
-    return x.repeat_interleave(groups, dim=2) if groups > 1 else x
-
-
-def sum_kv_groups(g: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, S, Hkv * groups, D] -> [B, S, Hkv, D]: the gradient of :func:`repeat_kv` (sum over each group)."""
-    if groups == 1:
-        return g
-    b, s, h, d = g.shape
-    return g.reshape(b, s, h // groups, groups, d).sum(3)
-
-
-# ---------------------------------------------------------------------------------------------- argument checks
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
-    """Check the [B, S, H, D] layout of one block; return the GQA group size H // Hkv.
-
-    Raises a ValueError naming the argument, the expected and the actual value.
-    """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 4:
-            raise ValueError(f"{name}: expected 4 dims [batch, seq, heads, head_dim]; got shape {tuple(x.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"v: expected shape {tuple(k.shape)} (the shape of k); got {tuple(v.shape)}")
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"k: expected batch {q.shape[0]} (that of q); got {k.shape[0]}")
-    if k.shape[3] != q.shape[3]:
-        raise ValueError(f"k: expected head_dim {q.shape[3]} (that of q); got {k.shape[3]}")
-    h, hkv = q.shape[2], k.shape[2]
-    if hkv < 1 or h % hkv:
-        raise ValueError(f"k: expected a number of heads that divides the {h} heads of q; got {hkv}")
-    return h // hkv

@@ -1,0 +1,121 @@
+"""The ``xcp`` command: run the checked demo, print or plot a ring plan, list backends, run the lifetime
+sanitizer, benchmark. Each tool lives in its own module; this one only assembles their subcommands, and
+nothing in the library imports it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from . import bench, bench_dist, plan, run
+from .common import DTYPES, Problem, add_problem_flags, positive
+
+__all__ = ["build_parser", "main"]
+
+
+def _add_backends(sub) -> None:
+    sub.add_parser("backends", help="list installed backends and whether each is usable here")
+
+
+def _cmd_backends(args) -> int:
+    from ..plugins import backend_table
+
+    rows = backend_table()
+    head = ("name", "device", "collective", "hand-off", "plugin", "status")
+    cells = [
+        (
+            r.name,
+            r.device_type,
+            r.dist_backend,
+            r.handoff_policy,
+            r.plugin,
+            "available" if r.available else f"unavailable: {r.reason}",
+        )
+        for r in rows
+    ]
+    widths = [max(len(head[i]), *(len(c[i]) for c in cells)) for i in range(len(head) - 1)]
+    for line in [head, *cells]:
+        print("  ".join(f"{c:<{w}}" for c, w in zip(line, widths)) + "  " + line[-1])
+    print()
+    for r in rows:
+        if r.kernel != "-":
+            print(f"{r.name} kernel: {r.kernel}")
+    return 0
+
+
+# the sanitizer's defaults: a problem small enough to check every access of every rank
+SANITIZE_DEFAULTS = Problem(heads=4, kv_heads=2, head_dim=8, dtype="float64")
+
+
+def _add_sanitize(sub) -> None:
+    from ..backend import HANDOFF_POLICIES
+    from ..lifetime import POLICIES
+
+    p = sub.add_parser("sanitize", help="run the ring under the CPU lifetime sanitizer; exit 1 on any finding")
+    p.add_argument("--world", type=positive, default=4)
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    add_problem_flags(p, SANITIZE_DEFAULTS, ["balance"])
+    p.add_argument("--handoff", choices=HANDOFF_POLICIES, default=None, help="default: the sim backend's own")
+    p.add_argument("--backward", action="store_true", help="also run the backward ring (bound: 4 shards)")
+    p.add_argument("--policy", choices=POLICIES, default="bounded")
+    add_problem_flags(p, SANITIZE_DEFAULTS, ["dtype", "heads", "kv_heads", "head_dim"])
+    p.add_argument("--seq", type=positive, default=None, help="global length; default 4 tokens per rank")
+    p.add_argument("--calls", type=positive, default=1, help="calls per rank (more exercise the workspace)")
+
+
+def _cmd_sanitize(args) -> int:
+    from ..testing.sanitizer import sanitize_ring
+
+    report = sanitize_ring(
+        world=args.world,
+        causal=args.causal,
+        balance=args.balance,
+        handoff=args.handoff,
+        backward=args.backward,
+        dtype=DTYPES[args.dtype],
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        seq=args.seq,
+        head_dim=args.head_dim,
+        policy=args.policy,
+        calls=args.calls,
+    )
+    print(report.format())
+    return 0 if report.ok else 1
+
+
+def _add_bench(sub) -> None:
+    bench_dist.add_flags(bench.add_parser(sub))
+
+
+def _cmd_bench(args) -> int:
+    return (bench_dist if args.distributed else bench).command(args)
+
+
+COMMANDS = {
+    "sanitize": (_add_sanitize, _cmd_sanitize),
+    "run": (run.add_parser, run.command),
+    "plan": (plan.add_parser, plan.command),
+    "backends": (_add_backends, _cmd_backends),
+    "bench": (_add_bench, _cmd_bench),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``xcp`` command."""
+    parser = argparse.ArgumentParser(prog="xcp", description="Context-parallel (ring) attention on any device.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add, _ in COMMANDS.values():
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``xcp`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command][1](args)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        print(f"xcp {args.command}: error: {exc}", file=sys.stderr)
+        return 2

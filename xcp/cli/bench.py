@@ -1,0 +1,403 @@
+"""``xcp bench``: ring overhead, memory and graph-capture figures measured side by side in one process, so
+that the ring's cost over one whole-sequence kernel is known before it is run on many devices.
+
+The overhead ratio is the forward(+backward) time of ring attention over a LocalWorld of P virtual ranks on
+one device, divided by the time of the backend's own kernel on the whole sequence (the same total work,
+and with a causal mask the same causal work): the ring's cost over ideal. Virtual ranks are threads, each
+on its own stream, driving :func:`xcp.ring_forward` / :func:`xcp.ring_backward` directly (on a GPU,
+autograd runs every backward on one device thread, where a rank waiting for its neighbour would block the
+others). Nothing here asserts anything about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..comm import LocalWorld, SingleRank
+from ..lifetime import track_buffers
+from ..plugins import select_backend
+from ..ring import RingConfig, ring_backward, ring_forward
+from .common import (
+    DTYPES,
+    MEASUREMENT_FLAGS,
+    Clock,
+    Measurement,
+    add_problem_flags,
+    attention_flops,
+    device_peak,
+    error,
+    measurement_args,
+    median,
+    positive,
+    pyplot,
+    random_inputs,
+    tool_device,
+    whole_kernel,
+    write_json,
+)
+
+
+@dataclass
+class BenchConfig(Measurement):
+    """What to measure; the defaults are the H200 grid of issue 5."""
+
+    worlds: list[int] = field(default_factory=lambda: [2, 4, 8])
+    causal: list[bool] = field(default_factory=lambda: [False, True])
+    memory_worlds: list[int] = field(default_factory=lambda: [2, 4, 8])
+    graph: bool = True
+    check: bool = True
+
+    def validate(self) -> None:
+        """Raise a ValueError naming the first field that cannot be measured."""
+        for name in ("seqs", "worlds", "memory_worlds"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"{name}: expected a non-empty list of integers >= 1; got {values!r}")
+        for name in ("batch", "heads", "kv_heads", "head_dim", "reps", "memory_seq"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an integer >= 1; got {getattr(self, name)!r}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup: expected an integer >= 0; got {self.warmup!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads: expected a divisor of heads={self.heads}; got {self.kv_heads}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        for s in self.seqs:
+            for p in self.worlds:
+                if s % (2 * p):
+                    raise ValueError(f"seqs: {s} is not a multiple of 2 x world {p} (zigzag needs it)")
+
+
+def ratio(ring_seconds: float, reference_seconds: float) -> float:
+    """Overhead ratio: ring time over the whole-sequence kernel time (1.0 is ideal)."""
+    if reference_seconds <= 0:
+        raise ValueError(f"reference_seconds: expected a positive time; got {reference_seconds!r}")
+    return ring_seconds / reference_seconds
+
+
+class VirtualRing:
+    """P virtual ranks on one device, each a thread with its own stream, sharing pre-sharded inputs."""
+
+    def __init__(
+        self, backend, world: int, full: tuple[torch.Tensor, ...], causal: bool, balance: str, policy="bounded"
+    ):
+        from ..api import shard
+
+        self.backend, self.world_size, self.causal, self.balance, self.policy = backend, world, causal, balance, policy
+        self.device = full[0].device
+        self.world = LocalWorld(world, device=self.device)
+        self.shards = [tuple(shard(x, world, r, balance=balance) for x in full) for r in range(world)]
+        self.streams = [backend.new_stream(self.device) for _ in range(world)]
+        self.scale = 1.0 / math.sqrt(full[0].shape[-1])
+        self.ledgers: list[Any] = [None] * world
+
+    def _rank(self, group, backward: bool, main_stream) -> Any:
+        be = self.backend
+        stream = self.streams[group.rank]
+        be.wait_stream(stream, main_stream)
+        q, k, v, dout = self.shards[group.rank]
+        cfg = RingConfig(group, be, self.causal, self.scale, self.balance, self.policy)
+        with be.stream_context(stream), track_buffers() as ledger:
+            out, lse = ring_forward(q, k, v, cfg)
+            grads = ring_backward(dout, q, k, v, out, lse, cfg) if backward else None
+        self.ledgers[group.rank] = ledger
+        return stream, out, grads
+
+    def run(self, backward: bool) -> list[Any]:
+        """One forward (and backward) of every rank; the caller's stream waits for all of them."""
+        main = self.backend.current_stream(self.device)
+        results = self.world.run(self._rank, backward, main)
+        for stream, _, _ in results:
+            self.backend.wait_stream(main, stream)
+        return results
+
+
+def check_againstwhole_kernel(ring: VirtualRing, results, whole_out, whole_grads) -> dict[str, float]:
+    """Relative errors of the ring's out (and grads) against the whole-sequence kernel."""
+    from ..api import unshard
+
+    errs = {"out": error(unshard([r[1] for r in results], balance=ring.balance), whole_out).rel}
+    if whole_grads is not None:
+        for i, name in enumerate(("dq", "dk", "dv")):
+            errs[name] = error(unshard([r[2][i] for r in results], balance=ring.balance), whole_grads[i]).rel
+    return errs
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 30
+    filled = int(width * done / max(total, 1))
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<48}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True, checkpoint: str | None = None) -> dict[str, Any]:
+    """Measure every figure of ``cfg``; returns a JSON-ready dict (rows of timing, memory and graph).
+
+    :param checkpoint: a JSON path rewritten after every figure, so a run cut short keeps what it measured.
+    """
+    cfg.validate()
+    backend = select_backend(cfg.device, None)
+    device = tool_device(backend, cfg.device, 0)
+    clock = Clock(backend, device)
+    jobs = [(s, p, c) for s in cfg.seqs for c in cfg.causal for p in cfg.worlds]
+    report: dict[str, Any] = {"meta": _meta(cfg, backend, device), "timing": [], "memory": [], "graph": None}
+    work: list[tuple[str, Callable[[], None]]] = []
+    # memory and graph first: they are quick, and a run cut short keeps them
+    for world in cfg.memory_worlds:
+        for policy in ("bounded", "keep_all"):
+            row = (cfg, backend, device, world, policy)
+            work.append((f"memory P={world} {policy}", lambda r=row: report["memory"].append(_memory_one(*r))))
+    if cfg.graph:
+        work.append(("graph capture", lambda: report.__setitem__("graph", _graph_one(cfg, backend, clock, device))))
+    for seq, world, causal in jobs:
+        row = (cfg, backend, clock, device, seq, world, causal)
+        label = f"S={seq} P={world} {'causal' if causal else 'full'}"
+        work.append((label, lambda r=row: report["timing"].append(_time_one(*r))))
+    for step, (label, measure) in enumerate(work):
+        if progress:
+            _progress(step, len(work), label)
+        measure()
+        if checkpoint:
+            write_json(report, checkpoint)
+    if progress:
+        _progress(len(work), len(work), "done")
+    return report
+
+
+def _meta(cfg: BenchConfig, backend, device: torch.device) -> dict[str, Any]:
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": getattr(torch.version, "cuda", None),
+        "backend": backend.name,
+        "kernel": backend.kernel,
+        "config": asdict(cfg),
+    }
+    if device.type != "cpu":
+        meta["device_name"] = torch.get_device_module(device.type).get_device_name(device)
+    return meta
+
+
+def _time_one(cfg, backend, clock, device, seq, world, causal) -> dict[str, Any]:
+    full = random_inputs(cfg, seq, device)
+    ring = VirtualRing(backend, world, full, causal, cfg.balance)
+    row: dict[str, Any] = {"seq": seq, "world": world, "causal": causal}
+    for mode, backward in (("fwd", False), ("fwd_bwd", True)):
+        whole_out, whole_grads = whole_kernel(backend, full, causal, backward)
+        results = ring.run(backward)
+        if cfg.check:
+            errs = check_againstwhole_kernel(ring, results, whole_out, whole_grads)
+            row[f"{mode}_errors"] = errs
+            row[f"{mode}_check_ok"] = all(math.isfinite(e) and e <= cfg.check_tolerance for e in errs.values())
+        del whole_out, whole_grads, results
+        for _ in range(cfg.warmup):
+            whole_kernel(backend, full, causal, backward)
+            ring.run(backward)
+        ref_t, ring_t = [], []
+        for _ in range(cfg.reps):  # interleaved, so drifts in clock or temperature hit both alike
+            ref_t.append(clock.time(lambda b=backward: whole_kernel(backend, full, causal, b)))
+            ring_t.append(clock.time(lambda b=backward: ring.run(b)))
+        row[f"{mode}_ref_s"] = median(ref_t)
+        row[f"{mode}_ring_s"] = median(ring_t)
+        row[f"{mode}_ratio"] = ratio(row[f"{mode}_ring_s"], row[f"{mode}_ref_s"])
+        flops = attention_flops(cfg.batch, seq, cfg.heads, cfg.head_dim, causal, backward)
+        row[f"{mode}_ring_tflops"] = flops / row[f"{mode}_ring_s"] / 1e12
+    return row
+
+
+def _memory_one(cfg, backend, device, world, policy) -> dict[str, Any]:
+    seq = cfg.memory_seq - cfg.memory_seq % (2 * world)
+    full = random_inputs(cfg, seq, device)
+    ring = VirtualRing(backend, world, full, True, cfg.balance, policy)
+    device_bytes = device_peak(backend, device, lambda: ring.run(backward=True))
+    shard_bytes = 2 * full[1].numel() * full[1].element_size() // world
+    row = {
+        "seq": seq,
+        "world": world,
+        "policy": policy,
+        "kv_shard_bytes": shard_bytes,
+        "peak_kv_shards": max(led.peak_kv_shards for led in ring.ledgers),
+        "peak_ring_bytes_per_rank": max(led.peak_bytes for led in ring.ledgers),
+    }
+    if device_bytes is not None:
+        row["device_peak_over_start_bytes"] = device_bytes
+    return row
+
+
+def _graph_one(cfg, backend, clock, device) -> dict[str, Any] | None:
+    """Captured forward of a world of one (the whole ring loop, merge included) against eager.
+
+    The Backend has no graph API, so graphs come from the device module where it has ``CUDAGraph``.
+    """
+    mod = None if device.type == "cpu" else torch.get_device_module(device.type)
+    if not hasattr(mod, "CUDAGraph"):
+        return None
+    seq = min(cfg.seqs)
+    q, k, v, _ = random_inputs(cfg, seq, device)
+    rcfg = RingConfig(SingleRank(), backend, True, 1.0 / math.sqrt(cfg.head_dim), cfg.balance)
+    side, main = backend.new_stream(device), backend.current_stream(device)
+    backend.wait_stream(side, main)
+    with backend.stream_context(side):  # warm up off the capture stream
+        for _ in range(2):
+            ring_forward(q, k, v, rcfg)
+    backend.wait_stream(main, side)
+    graph = mod.CUDAGraph()
+    with mod.graph(graph):
+        captured_out, _ = ring_forward(q, k, v, rcfg)
+    graph.replay()
+    eager_out, _ = ring_forward(q, k, v, rcfg)
+    same = torch.equal(captured_out, eager_out)
+    eager = median([clock.time(lambda: ring_forward(q, k, v, rcfg)) for _ in range(cfg.reps)])
+    replay = median([clock.time(graph.replay) for _ in range(cfg.reps)])
+    return {
+        "seq": seq,
+        "world": 1,
+        "eager_s": eager,
+        "replay_s": replay,
+        "speedup": eager / replay,
+        "same_output": same,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable tables of a report."""
+    m = report["meta"]
+    c = m["config"]
+    lines = [
+        f"xcp bench {m['date']} on {m.get('device_name', m['host'])}, torch {m['torch']}, cuda {m['cuda']}, "
+        f"backend {m['backend']} ({m['kernel']})",
+        f"B={c['batch']} H={c['heads']} Hkv={c['kv_heads']} D={c['head_dim']} {c['dtype']} balance {c['balance']}, "
+        f"median of {c['reps']} after {c['warmup']} warm-up",
+        "",
+        f"{'S':>8} {'P':>3} {'mask':>6} | {'fwd ref ms':>10} {'fwd ring ms':>11} {'ratio':>6} | "
+        f"{'f+b ref ms':>10} {'f+b ring ms':>11} {'ratio':>6} {'TFLOP/s':>8} | check",
+    ]
+    for r in report["timing"]:
+        ok = all(r.get(f"{m}_check_ok", True) for m in ("fwd", "fwd_bwd"))
+        worst = max([e for m in ("fwd", "fwd_bwd") for e in r.get(f"{m}_errors", {}).values()] or [float("nan")])
+        lines.append(
+            f"{r['seq']:>8} {r['world']:>3} {'causal' if r['causal'] else 'full':>6} | "
+            f"{r['fwd_ref_s'] * 1e3:>10.2f} {r['fwd_ring_s'] * 1e3:>11.2f} {r['fwd_ratio']:>6.3f} | "
+            f"{r['fwd_bwd_ref_s'] * 1e3:>10.2f} {r['fwd_bwd_ring_s'] * 1e3:>11.2f} {r['fwd_bwd_ratio']:>6.3f} "
+            f"{r['fwd_bwd_ring_tflops']:>8.1f} | {'ok' if ok else 'FAIL'} ({worst:.1e})"
+        )
+    if report["memory"]:
+        lines += [
+            "",
+            f"{'S':>8} {'P':>3} {'policy':>9} | {'peak KV shards':>14} {'ring MiB/rank':>13} {'device MiB':>10}",
+        ]
+        for r in report["memory"]:
+            dev = r.get("device_peak_over_start_bytes")
+            lines.append(
+                f"{r['seq']:>8} {r['world']:>3} {r['policy']:>9} | {r['peak_kv_shards']:>14} "
+                f"{r['peak_ring_bytes_per_rank'] / 2**20:>13.1f} {'-' if dev is None else f'{dev / 2**20:.1f}':>10}"
+            )
+    g = report.get("graph")
+    if g:
+        lines += [
+            "",
+            f"graph capture (S={g['seq']}, world 1, causal fwd): eager {g['eager_s'] * 1e3:.3f} ms, replay "
+            f"{g['replay_s'] * 1e3:.3f} ms, speedup {g['speedup']:.2f}x, same output: {g['same_output']}",
+        ]
+    return "\n".join(lines)
+
+
+def plot_report(report: dict[str, Any], path: str) -> None:
+    """Ratio against S (per P and mask) and ring memory against P (bounded vs keep_all)."""
+    plt = pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    rows = report["timing"]
+    for world in sorted({r["world"] for r in rows}):
+        for causal in (False, True):
+            pts = sorted((r["seq"], r["fwd_bwd_ratio"]) for r in rows if r["world"] == world and r["causal"] == causal)
+            if pts:
+                a.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    marker="o",
+                    ls="-" if causal else "--",
+                    label=f"P={world} {'causal' if causal else 'full'}",
+                )
+    a.axhline(1.10, color="red", lw=0.8, label="target 1.10")
+    a.set_xscale("log", base=2)
+    a.set_xlabel("sequence length S")
+    a.set_ylabel("fwd+bwd time / whole-sequence kernel")
+    a.legend(fontsize=7)
+    mem = report["memory"]
+    for policy in ("bounded", "keep_all"):
+        pts = sorted((r["world"], r["peak_ring_bytes_per_rank"] / 2**20) for r in mem if r["policy"] == policy)
+        if pts:
+            b.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+    b.set_xlabel("ranks P")
+    b.set_ylabel("peak ring buffers per rank (MiB)")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    d = BenchConfig()
+    p = sub.add_parser("bench", help="ring overhead vs one whole-sequence kernel, memory, graph capture")
+    p.add_argument("--seqs", type=positive_list, default=d.seqs, help="comma-separated sequence lengths")
+    p.add_argument("--worlds", type=positive_list, default=d.worlds, help="comma-separated virtual rank counts")
+    p.add_argument("--mask", choices=tuple(MASKS), default="both")
+    add_problem_flags(p, d, MEASUREMENT_FLAGS)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--reps", type=positive, default=d.reps)
+    p.add_argument("--memory-seq", type=positive, default=d.memory_seq)
+    p.add_argument("--memory-worlds", type=positive_list, default=d.memory_worlds)
+    p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the graph-capture figure")
+    p.add_argument("--no-check", dest="check", action="store_false", help="skip the correctness check")
+    p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="draw ratio vs S and memory vs P")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+MASKS = {"both": [False, True], "causal": [True], "full": [False]}
+
+
+def positive_list(text: str) -> list[int]:
+    """argparse type: comma-separated integers >= 1."""
+    try:
+        values = [int(t) for t in text.split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers; got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1; got {text!r}")
+    return values
+
+
+def command(args: argparse.Namespace) -> int:
+    cfg = BenchConfig(
+        worlds=args.worlds,
+        causal=MASKS[args.mask],
+        memory_worlds=args.memory_worlds,
+        graph=args.graph,
+        check=args.check,
+        **measurement_args(args),
+    )
+    report = run_bench(cfg, progress=not args.quiet, checkpoint=args.json)
+    print(format_report(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"JSON written to {args.json}")
+    if args.plot:
+        plot_report(report, args.plot)
+        print(f"plot written to {args.plot}")
+    failed = [r for r in report["timing"] if not all(r.get(f"{m}_check_ok", True) for m in ("fwd", "fwd_bwd"))]
+    return 1 if failed else 0

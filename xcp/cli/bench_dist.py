@@ -1,0 +1,193 @@
+"""``xcp bench --distributed``: the ring over real ranks (torchrun), one device per rank, to measure what
+the single-process bench can only model: real transfers between devices.
+
+Run under ``torchrun --nproc-per-node N -m xcp.cli bench --distributed ...`` (benchmarks/multigpu.sh wraps
+it for NCCL). Three figures, all printed by rank 0:
+
+- correctness: out, dq, dk, dv of the sharded ring, gathered to rank 0, against the backend's kernel on the
+  whole sequence on rank 0 (relative error);
+- efficiency: each rank's forward+backward throughput on its share of the work (total FLOPs / N over the
+  ring's time) against the throughput of the backend kernel on one whole sequence on one device;
+- memory: the device's peak allocation per rank and the ledger's peak ring buffers, bounded vs keep_all.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..api import attention, shard
+from ..lifetime import track_buffers
+from .common import (
+    Clock,
+    Measurement,
+    attention_flops,
+    device_peak,
+    error,
+    gather_whole,
+    join_process_group,
+    measurement_args,
+    median,
+    positive,
+    random_inputs,
+    under_torchrun,
+    whole_kernel,
+    write_json,
+)
+
+
+@dataclass
+class DistBenchConfig(Measurement):
+    """Sizes for the distributed run: a :class:`Measurement` plus the lengths of the correctness check and
+    of the one-device reference."""
+
+    check_seq: int = 32768
+    reference_seq: int = 65536
+
+
+def _ring_step(cfg, shards, policy: str = "bounded"):
+    q, k, v, dout = (x.detach().requires_grad_(i < 3) for i, x in enumerate(shards))
+    out = attention(q, k, v, causal=True, device=cfg.device, policy=policy, balance=cfg.balance)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def run_distributed_bench(cfg: DistBenchConfig) -> dict[str, Any] | None:
+    """Run every figure on this rank; rank 0 returns the report, the others None."""
+    import torch.distributed as dist
+
+    backend, device, rank, world = join_process_group(cfg.device)
+    clock = Clock(backend, device)
+    report: dict[str, Any] = {"world": world, "backend": backend.name, "dist_backend": dist.get_backend()}
+
+    # correctness: gather the ring's results to rank 0 and compare with the whole-sequence kernel
+    full = random_inputs(cfg, cfg.check_seq, device)  # the same seed, so the same sequence, on every rank
+    got = _ring_step(cfg, [shard(x, world, rank, balance=cfg.balance) for x in full])
+    gathered = gather_whole(got, world, cfg.balance)
+    if rank == 0:
+        ref_out, ref_grads = whole_kernel(backend, full, causal=True, backward=True)
+        errs = {n: error(g, r).rel for n, g, r in zip(("out", "dq", "dk", "dv"), gathered, (ref_out, *ref_grads))}
+        report["check"] = {
+            "seq": cfg.check_seq,
+            "errors": errs,
+            "ok": all(e <= cfg.check_tolerance for e in errs.values()),
+        }
+    del full, got, gathered
+
+    # efficiency: the whole-sequence kernel's throughput on one device, then the ring per rank
+    if rank == 0:
+        whole = random_inputs(cfg, cfg.reference_seq, device)
+
+        def step():
+            return whole_kernel(backend, whole, causal=True, backward=True)
+
+        for _ in range(cfg.warmup):
+            step()
+        t = median([clock.time(step) for _ in range(cfg.reps)])
+        flops = attention_flops(cfg.batch, cfg.reference_seq, cfg.heads, cfg.head_dim, True, True)
+        report["reference"] = {"seq": cfg.reference_seq, "seconds": t, "tflops": flops / t / 1e12}
+        del whole
+    rows = []
+    for seq in cfg.seqs:
+        local = seq // world
+        shards = random_inputs(cfg, local, device, seed=100 + rank)
+        for _ in range(cfg.warmup):
+            _ring_step(cfg, shards)
+        times = []
+        for _ in range(cfg.reps):
+            dist.barrier()
+            times.append(clock.time(lambda s=shards: _ring_step(cfg, s)))
+        t = torch.tensor([median(times)], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        flops = attention_flops(cfg.batch, seq, cfg.heads, cfg.head_dim, True, True)
+        row = {"seq": seq, "seconds": t.item(), "tflops_per_rank": flops / world / t.item() / 1e12}
+        if rank == 0:
+            row["efficiency"] = row["tflops_per_rank"] / report["reference"]["tflops"]
+        rows.append(row)
+        del shards
+    report["throughput"] = rows
+
+    # memory: bounded against keep_all, per rank
+    mem = []
+    local = cfg.memory_seq // world
+    shards = random_inputs(cfg, local, device, seed=200 + rank)
+    for policy in ("bounded", "keep_all"):
+        with track_buffers() as ledger:
+            device_bytes = device_peak(backend, device, lambda p=policy: _ring_step(cfg, shards, p))
+        vals = [ledger.peak_bytes, ledger.peak_kv_shards, -1 if device_bytes is None else device_bytes]
+        t = torch.tensor(vals, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        mem.append(
+            {
+                "policy": policy,
+                "seq": cfg.memory_seq,
+                "peak_ring_bytes": int(t[0]),
+                "peak_kv_shards": int(t[1]),
+                "device_peak_over_start_bytes": int(t[2]),
+            }
+        )
+    report["memory"] = mem
+    return report if rank == 0 else None
+
+
+def format_distributed(report: dict[str, Any]) -> str:
+    """Rank 0's tables."""
+    lines = [
+        f"xcp bench --distributed: {report['world']} ranks, backend {report['backend']} over {report['dist_backend']}"
+    ]
+    c = report["check"]
+    lines.append(
+        f"check S={c['seq']}: "
+        + ", ".join(f"{k} {v:.2e}" for k, v in c["errors"].items())
+        + (" ok" if c["ok"] else " FAIL")
+    )
+    r = report["reference"]
+    lines.append(
+        f"whole-sequence kernel, one device, S={r['seq']}: {r['seconds'] * 1e3:.1f} ms, {r['tflops']:.1f} TFLOP/s"
+    )
+    lines.append(f"{'S':>9} {'fwd+bwd ms':>11} {'TFLOP/s/rank':>13} {'efficiency':>10}")
+    for row in report["throughput"]:
+        lines.append(
+            f"{row['seq']:>9} {row['seconds'] * 1e3:>11.1f} {row['tflops_per_rank']:>13.1f} {row['efficiency']:>10.3f}"
+        )
+    lines.append(f"{'policy':>9} {'S':>9} {'ring MiB/rank':>14} {'KV shards':>9} {'device MiB':>10}")
+    for m in report["memory"]:
+        dev = m["device_peak_over_start_bytes"]
+        lines.append(
+            f"{m['policy']:>9} {m['seq']:>9} {m['peak_ring_bytes'] / 2**20:>14.1f} {m['peak_kv_shards']:>9} "
+            f"{'-' if dev < 0 else f'{dev / 2**20:.1f}':>10}"
+        )
+    return "\n".join(lines)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags ``xcp bench`` takes for ``--distributed`` alone."""
+    d = DistBenchConfig()
+    parser.add_argument("--distributed", action="store_true", help="real ranks under torchrun, one device each")
+    parser.add_argument("--check-seq", type=positive, default=d.check_seq,
+                        help="--distributed: length of the correctness check")  # fmt: skip
+    parser.add_argument("--reference-seq", type=positive, default=d.reference_seq,
+                        help="--distributed: whole-sequence reference")  # fmt: skip
+
+
+def command(args: argparse.Namespace) -> int:
+    if not under_torchrun():
+        raise RuntimeError("--distributed: expected to run under torchrun (RANK and WORLD_SIZE set); they are not")
+    cfg = DistBenchConfig(check_seq=args.check_seq, reference_seq=args.reference_seq, **measurement_args(args))
+    try:
+        report = run_distributed_bench(cfg)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if report is None:
+        return 0
+    print(format_distributed(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"JSON written to {args.json}")
+    return 0 if report["check"]["ok"] else 1

@@ -1,0 +1,174 @@
+"""``xcp run``: ring attention on sharded inputs, checked against a float64 reference, so that a user sees
+on their own device that the ring is exact before they trust it.
+
+It runs on a LocalWorld of virtual ranks (the default, on the CPU) or, under torchrun, on the real process
+group, and reports the error of out, dq, dk and dv, the time, and the peak received-KV bytes per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..api import attention, shard, unshard
+from ..comm import LocalWorld, resolve_group
+from ..lifetime import track_buffers
+from ..plugins import select_backend
+from ..ring import RingConfig, ring_backward, ring_forward
+from .common import (
+    DTYPES,
+    REL_TOLERANCE,
+    Problem,
+    add_problem_flags,
+    error,
+    gather_whole,
+    join_process_group,
+    positive,
+    problem_args,
+    random_inputs,
+    reference,
+    tool_device,
+    under_torchrun,
+)
+
+TENSORS = ("out", "dq", "dk", "dv")
+
+
+@dataclass
+class RunConfig(Problem):
+    """The demo problem: a :class:`Problem` spread over ``world`` ranks."""
+
+    world: int = 4
+    seq: int = 3072
+    causal: bool = True
+    seed: int = 0
+
+
+# xcp run's defaults: small enough for a laptop CPU, large enough to cross several key tiles
+RUN_DEFAULTS = RunConfig(heads=8, kv_heads=2, head_dim=64, dtype="float32", device="cpu")
+
+
+@dataclass
+class RunResult:
+    """Errors per tensor, the slowest rank's time, and the peak received-KV bytes per rank."""
+
+    config: RunConfig
+    errors: dict[str, tuple[float, float]]  # name -> (max abs error, relative error)
+    seconds: float
+    peak_kv_bytes: list[int]
+    peak_kv_shards: list[int]
+    mode: str
+    ok: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        tol = REL_TOLERANCE[DTYPES[self.config.dtype]]
+        self.ok = all(math.isfinite(rel) and rel <= tol for _, rel in self.errors.values())
+
+    def table(self) -> str:
+        c = self.config
+        tol = REL_TOLERANCE[DTYPES[c.dtype]]
+        lines = [
+            f"xcp run: {self.mode}, world {c.world}, batch {c.batch}, seq {c.seq}, heads {c.heads}/{c.kv_heads} kv, "
+            f"head_dim {c.head_dim}, {c.dtype}, {'causal' if c.causal else 'full'}, balance {c.balance}, "
+            f"device {c.device}",
+            f"{'tensor':<8}{'max abs err':>14}{'rel err':>12}{'tolerance':>12}  result",
+        ]
+        for name, (abs_err, rel) in self.errors.items():
+            verdict = "ok" if math.isfinite(rel) and rel <= tol else "FAIL"
+            lines.append(f"{name:<8}{abs_err:>14.3e}{rel:>12.3e}{tol:>12.1e}  {verdict}")
+        mib = [b / 2**20 for b in self.peak_kv_bytes]
+        lines.append(f"time (fwd+bwd, slowest rank): {self.seconds:.3f} s")
+        lines.append(
+            "peak ring buffers per rank (received KV and dK/dV slots): "
+            + ", ".join(f"r{r}: {m:.2f} MiB / {s} shards" for r, (m, s) in enumerate(zip(mib, self.peak_kv_shards)))
+        )
+        lines.append("PASS" if self.ok else "FAIL: an error is above its tolerance")
+        return "\n".join(lines)
+
+
+def _rank_step(group, cfg: RunConfig, backend, full: tuple[torch.Tensor, ...], functional: bool):
+    """One rank's shard, forward and backward; returns (out, dq, dk, dv, seconds, ledger)."""
+    q, k, v, dout = (shard(x, group.size, group.rank, balance=cfg.balance) for x in full)
+    with track_buffers() as ledger:
+        start = time.perf_counter()
+        if functional:  # GPU threads cannot share autograd's one device worker: a waiting backward blocks it
+            ring = RingConfig(group, backend, cfg.causal, 1.0 / math.sqrt(cfg.head_dim), cfg.balance)
+            out, lse = ring_forward(q, k, v, ring)
+            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ring)
+        else:
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+            out = attention(q, k, v, causal=cfg.causal, group=group, balance=cfg.balance, device=cfg.device)
+            out.backward(dout)
+            dq, dk, dv = q.grad, k.grad, v.grad
+        backend.synchronize(out.device)
+        seconds = time.perf_counter() - start
+    return out.detach(), dq, dk, dv, seconds, ledger
+
+
+def _errors(cfg: RunConfig, full, got) -> dict[str, tuple[float, float]]:
+    ref = reference(*full, cfg.causal)
+    return {name: error(g, r) for name, g, r in zip(TENSORS, got, ref)}
+
+
+def run_demo(cfg: RunConfig) -> RunResult:
+    """Run the demo on a LocalWorld, or on the torch.distributed world when torchrun started us."""
+    if under_torchrun():
+        return _run_distributed(cfg)
+    backend = select_backend(cfg.device, None)
+    device = tool_device(backend, cfg.device)
+    full = random_inputs(cfg, cfg.seq, device, cfg.seed)
+    world = LocalWorld(cfg.world, device=device)
+    results = world.run(_rank_step, cfg, backend, full, device.type != "cpu")
+    got = [unshard([r[i] for r in results], balance=cfg.balance) for i in range(4)]
+    return RunResult(
+        cfg,
+        _errors(cfg, full, got),
+        max(r[4] for r in results),
+        [r[5].peak_bytes for r in results],
+        [r[5].peak_kv_shards for r in results],
+        f"LocalWorld of {cfg.world} virtual ranks",
+    )
+
+
+def _run_distributed(cfg: RunConfig) -> RunResult:
+    import torch.distributed as dist
+
+    backend, device, rank, world = join_process_group(cfg.device)
+    cfg.world = world
+    full = random_inputs(cfg, cfg.seq, device, cfg.seed)
+    out, dq, dk, dv, seconds, ledger = _rank_step(resolve_group(None), cfg, backend, full, functional=False)
+    gathered = gather_whole((out, dq, dk, dv), world, cfg.balance)
+    stats = torch.tensor([seconds, ledger.peak_bytes, ledger.peak_kv_shards], dtype=torch.float64, device=device)
+    all_stats = [torch.empty_like(stats) for _ in range(world)]
+    dist.all_gather(all_stats, stats)
+    return RunResult(
+        cfg,
+        _errors(cfg, full, gathered),
+        max(s[0].item() for s in all_stats),
+        [int(s[1].item()) for s in all_stats],
+        [int(s[2].item()) for s in all_stats],
+        f"torch.distributed ({dist.get_backend()}), rank {rank} of {world}",
+    )
+
+
+def add_parser(sub) -> None:
+    d = RUN_DEFAULTS
+    p = sub.add_parser("run", help="ring attention on a LocalWorld (or under torchrun), checked against float64")
+    p.add_argument("--world", type=positive, default=d.world, help="virtual ranks (ignored under torchrun)")
+    add_problem_flags(p, d, ["batch"])  # interleaved with the run's own flags, in the order of --help
+    p.add_argument("--seq", type=positive, default=d.seq, help="global sequence length")
+    add_problem_flags(p, d, ["heads", "kv_heads", "head_dim", "dtype"])
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=d.causal)
+    add_problem_flags(p, d, ["balance", "device"])
+    p.add_argument("--seed", type=int, default=d.seed)
+
+
+def command(args: argparse.Namespace) -> int:
+    cfg = RunConfig(world=args.world, seq=args.seq, causal=args.causal, seed=args.seed, **problem_args(args))
+    result = run_demo(cfg)
+    print(result.table())
+    return 0 if result.ok else 1

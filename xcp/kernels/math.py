@@ -1,0 +1,72 @@
+"""The math block kernel: scores materialised per block, softmax with its log-sum-exp, gradients by hand.
+
+It is the CPU backend's kernel and the fallback of device backends for what their fused kernels do not
+serve (float64, odd head dims). It favours clarity: scores are computed in float32 (float64 for float64
+inputs) and grouped-query K/V are expanded only inside the block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..schedule import check_mask
+from .merge import NEG_INF, accumulator_dtype
+
+
+def allowed_keys(sq: int, sk: int, mask: str, device: torch.device | None = None) -> torch.Tensor | None:
+    """Boolean [Sq, Sk] matrix of the (query, key) pairs ``mask`` allows, or None for no mask.
+
+    ``causal`` is top-left aligned: query i sees keys 0..i; ``strict`` sees keys 0..i-1.
+    """
+    check_mask(mask)
+    if mask == "none":
+        return None
+    diagonal = 0 if mask == "causal" else -1
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal)
+
+
+def _heads_first(x: torch.Tensor, dtype: torch.dtype, groups: int = 1) -> torch.Tensor:
+    """[B, S, H, D] -> [B, H * groups, S, D] in ``dtype``, each head repeated ``groups`` times."""
+    x = x.to(dtype).transpose(1, 2)
+    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+
+def _probabilities(q, k, mask: str, scale: float, lse=None):
+    """Scores' softmax probabilities [B, H, Sq, Sk] and lse [B, H, Sq] (given or computed)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    allowed = allowed_keys(q.shape[-2], k.shape[-2], mask, q.device)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, NEG_INF)
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    safe = torch.where(lse == NEG_INF, 0.0, lse)  # rows with no key: exp(-inf - 0) = 0, never NaN
+    return torch.exp(scores - safe.unsqueeze(-1)), lse
+
+
+def math_forward(q, k, v, mask: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block attention in the accumulator dtype: out [B, Sq, H, D] and lse [B, H, Sq]."""
+    acc = accumulator_dtype(q.dtype)
+    groups = q.shape[2] // k.shape[2]
+    qh = _heads_first(q, acc)
+    p, lse = _probabilities(qh, _heads_first(k, acc, groups), mask, scale)
+    out = torch.matmul(p, _heads_first(v, acc, groups))
+    return out.transpose(1, 2), lse
+
+
+def math_backward(dout, q, k, v, out, lse, mask: str, scale: float):
+    """Block gradients (dq, dk, dv) in the accumulator dtype, from the merged out and lse of the rows."""
+    acc = accumulator_dtype(q.dtype)
+    b, sk, hkv, d = k.shape
+    groups = q.shape[2] // hkv
+    qh, do = _heads_first(q, acc), _heads_first(dout, acc)
+    kh, vh = _heads_first(k, acc, groups), _heads_first(v, acc, groups)
+    p, _ = _probabilities(qh, kh, mask, scale, lse.to(acc))
+    delta = (do * _heads_first(out, acc)).sum(-1, keepdim=True)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    ds = p * (torch.matmul(do, vh.transpose(-1, -2)) - delta)
+    dq = torch.matmul(ds, kh) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qh) * scale
+    if groups > 1:
+        dk = dk.reshape(b, hkv, groups, sk, d).sum(2)
+        dv = dv.reshape(b, hkv, groups, sk, d).sum(2)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
