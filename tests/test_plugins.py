@@ -10,7 +10,9 @@ import torch
 
 import xcp
 from xcp import plugins
+from xcp.backend import check_backend
 from xcp.cpu import CPUBackend
+from xcp.kernels.fused import FusedKernelBackend
 
 
 @pytest.fixture(autouse=True)
@@ -219,6 +221,30 @@ def test_available_that_raises_is_reported_not_propagated():
         assert not row.available and row.reason == "available() raised OSError: driver probe failed"
     finally:
         xcp.unregister_plugin("flaky")
+
+
+def test_backend_class_lacking_required_methods_is_refused_at_registration():
+    class Half(xcp.SynchronousBackend):  # forgot backward
+        name = "half"
+
+        def forward(self, q, k, v, mask, scale):
+            return q, q
+
+    class Empty(FusedKernelBackend):  # a fused-op backend that wrote neither square kernel
+        name = "empty"
+
+    with pytest.warns(plugins.PluginWarning):
+        xcp.register_plugin(plugin_for(Half(), backend_class("kept")()), name="halfplugin")
+    try:
+        rows = {r.name: r for r in xcp.backend_table()}
+        assert "half" not in rows and "kept" not in rows  # the plugin's backends are dropped together
+        assert rows["halfplugin"].reason == (
+            "plugin 'halfplugin' failed to register: TypeError: backend class Half lacks the required methods backward"
+        )
+    finally:
+        xcp.unregister_plugin("halfplugin")
+    with pytest.raises(TypeError, match="class Empty lacks the required methods square_backward, square_forward"):
+        check_backend(Empty())
 
 
 # ------------------------------------------------------------------------------- misspelled hooks

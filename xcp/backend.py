@@ -119,6 +119,16 @@ class Backend:
         capturing = getattr(self._module(), "is_current_stream_capturing", None)
         return bool(capturing()) if capturing is not None else False
 
+    def new_graph(self) -> Any | None:
+        """A new device graph to capture work into (see :meth:`capture_graph`), or None where the backend
+        has no graphs (the default)."""
+        return None
+
+    def capture_graph(self, graph: Any) -> contextlib.AbstractContextManager:
+        """A context that captures the work issued on the current stream into ``graph`` (``graph.replay()``
+        runs it again)."""
+        raise NotImplementedError(f"backend {self.name!r} has no device graphs")
+
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         """Tell the allocator that ``stream`` reads ``tensor``: its memory is not reused before that work."""
         tensor.record_stream(stream)
@@ -146,15 +156,8 @@ class Backend:
 
     @required
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        mask: str,
-        scale: float,
+        self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        lse: torch.Tensor, mask: str, scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of one block given the *merged* output and log-sum-exp of the whole row.
 

@@ -229,7 +229,8 @@ class LocalWorld:
             self._failure = (rank, errors[rank])
         if self._failure is not None:
             rank, exc = self._failure
-            raise RuntimeError(f"LocalWorld rank {rank} of {self.world_size} failed: {type(exc).__name__}: {exc}") from exc
+            what = f"{type(exc).__name__}: {exc}"
+            raise RuntimeError(f"LocalWorld rank {rank} of {self.world_size} failed: {what}") from exc
         return results
 
     # -- mailbox

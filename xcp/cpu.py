@@ -15,9 +15,8 @@ class CPUBackend(SynchronousBackend):
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
-    handoff_policy = "none"
-    kernel = "math (matmul-softmax, fp32 accumulation)"
     dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+    kernel = "math (matmul-softmax, fp32 accumulation)"
 
     def forward(self, q, k, v, mask, scale):
         return math_forward(q, k, v, mask, scale)

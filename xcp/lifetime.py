@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from .schedule import check_choice
+
 SLOT_POLICIES = ("bounded", "keep_all")
 """How many receive buffers a call keeps: two used ping-pong, or one per step (for comparisons only)."""
 
@@ -44,16 +46,12 @@ WORKSPACE_CAPACITY = 4
 
 def check_slots(slots: str) -> str:
     """Return the slot policy ``slots`` if known, else raise a ValueError listing the known ones."""
-    if slots not in SLOT_POLICIES:
-        raise ValueError(f"slots: expected one of {', '.join(SLOT_POLICIES)}; got {slots!r}")
-    return slots
+    return check_choice("slots", slots, SLOT_POLICIES)
 
 
 def check_handoff(handoff: str) -> str:
     """Return the hand-off policy ``handoff`` if known, else raise a ValueError listing the known ones."""
-    if handoff not in HANDOFF_POLICIES:
-        raise ValueError(f"handoff: expected one of {', '.join(HANDOFF_POLICIES)}; got {handoff!r}")
-    return handoff
+    return check_choice("handoff", handoff, HANDOFF_POLICIES)
 
 
 # ----------------------------------------------------------------------------------------------------

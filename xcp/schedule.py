@@ -32,18 +32,22 @@ STRIPE_CAUSAL = "stripe-causal"  # stripe, src <= r (src < r or the diagonal): c
 STRIPE_STRICT = "stripe-strict"  # stripe, src > r: strictly-causal mask
 SKIP = "skip"  # contiguous causal, src > r: every key lies in the future, nothing to compute
 
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    """Return ``value`` if it is one of ``choices``, else raise a ValueError naming the argument ``name``,
+    the choices and the value."""
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(choices)}; got {value!r}")
+    return value  # type: ignore[return-value]
+
+
 def check_balance(balance: str) -> str:
     """Return ``balance`` if it is known, else raise a ValueError that lists the known ones."""
-    if balance not in BALANCES:
-        raise ValueError(f"balance: expected one of {', '.join(BALANCES)}; got {balance!r}")
-    return balance
+    return check_choice("balance", balance, BALANCES)
 
 
 def check_mask(mask: str) -> str:
     """Return ``mask`` if known, else raise a ValueError listing the known masks."""
-    if mask not in MASKS:
-        raise ValueError(f"mask: expected one of {', '.join(MASKS)}; got {mask!r}")
-    return mask
+    return check_choice("mask", mask, MASKS)
 
 
 _NO_RANK = object()

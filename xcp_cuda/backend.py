@@ -78,6 +78,14 @@ class CUDABackend(FusedKernelBackend):
         """True while the current CUDA stream is being captured into a CUDA graph."""
         return torch.cuda.is_current_stream_capturing()
 
+    def new_graph(self) -> Any:
+        """A CUDA graph (``torch.cuda.CUDAGraph``)."""
+        return torch.cuda.CUDAGraph()
+
+    def capture_graph(self, graph: Any) -> Any:
+        """``torch.cuda.graph(graph)``: capture on a side stream the context makes current."""
+        return torch.cuda.graph(graph)
+
     # ------------------------------------------------------------------ memory
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int] | None:
         """Bytes held by tensors now (``allocated``) and at most since the last reset (``peak``)."""

@@ -2,8 +2,8 @@
 
 The eager merge (xcp.kernels.merge.merge_) launches about six kernels and reads the running output several
 times; an eager three-kernel version measured on an H200 took about 12% of a 16K x 8K flash block. This
-kernel reads the running output (fp32), the block output (any float dtype) and both log-sum-exps once, and writes the running output
-and log-sum-exp once: the least traffic a merge can have.
+kernel reads the running output (fp32), the block output (any float dtype) and both log-sum-exps once, and
+writes the running output and log-sum-exp once: the least traffic a merge can have.
 
 Math (same as xcp/kernels/merge.py, written with the row maximum so that nothing overflows):
     m = max(L, L_b);  e = exp(L - m), e_b = exp(L_b - m)

@@ -81,6 +81,15 @@ class NPUBackend(FusedKernelBackend):
         capturing = getattr(self._module(), "is_current_stream_capturing", None)
         return bool(capturing()) if capturing is not None else False
 
+    def new_graph(self) -> Any:
+        """An NPU graph (``torch.npu.NPUGraph``), or None where this torch_npu has none."""
+        make = getattr(self._module(), "NPUGraph", None)
+        return make() if make is not None else None
+
+    def capture_graph(self, graph: Any) -> Any:
+        """``torch.npu.graph(graph)``."""
+        return self._module().graph(graph)
+
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int] | None:
         """Bytes held by tensors now (``allocated``) and at most since the last reset (``peak``)."""
         module = self._module()

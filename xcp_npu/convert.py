@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from xcp.kernels.merge import NEG_INF
+
 STAT_WIDTH = 8
 """Last dim of softmax_max / softmax_sum: 8 copies of the row's value."""
 CAUSAL_MASK_SIZE = 2048

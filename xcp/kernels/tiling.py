@@ -51,17 +51,18 @@ class Piece:
 
 @dataclass(frozen=True)
 class Tiling:
-    """Rows [0, empty) see no key; ``pieces`` cover rows [empty, Sq) contiguously, in order."""
+    """Rows [0, empty) see no key; ``pieces`` cover rows [empty, Sq) contiguously, in order. ``whole``:
+    one kernel call on the unsliced block gives the answer (no slicing, no padding)."""
 
     sq: int
     sk: int
     empty: int
     pieces: tuple[Piece, ...]
+    whole: bool = False
 
-    @property
-    def whole(self) -> bool:
-        """True when one kernel call on the unsliced block gives the answer (no slicing, no padding)."""
-        return self.empty == 0 and len(self.pieces) == 1 and self.pieces[0].keys == self.sk
+    @classmethod
+    def of(cls, sq: int, sk: int, empty: int, pieces: tuple[Piece, ...]) -> Tiling:
+        return cls(sq, sk, empty, pieces, empty == 0 and len(pieces) == 1 and pieces[0].keys == sk)
 
 
 def tile(sq: int, sk: int, mask: str) -> Tiling:
@@ -70,9 +71,9 @@ def tile(sq: int, sk: int, mask: str) -> Tiling:
     if sq < 0 or sk < 0:
         raise ValueError(f"sq, sk: expected lengths >= 0; got {sq}, {sk}")
     if sk == 0 or sq == 0:
-        return Tiling(sq, sk, sq, ())
+        return Tiling.of(sq, sk, sq, ())
     if mask == "none":
-        return Tiling(sq, sk, 0, (Piece(0, sq, sk, False),))
+        return Tiling.of(sq, sk, 0, (Piece(0, sq, sk, False),))
     shift = 0 if mask == "causal" else 1  # row shift + m sees keys 0..m
     empty = min(shift, sq)
     n = max(0, min(sq - shift, sk))  # rows of the square causal part
@@ -81,7 +82,7 @@ def tile(sq: int, sk: int, mask: str) -> Tiling:
         pieces.append(Piece(shift, shift + n, n, True))
     if n == sk and shift + n < sq:  # these rows are past the last key: they see all of them
         pieces.append(Piece(shift + n, sq, sk, False))
-    return Tiling(sq, sk, empty, tuple(pieces))
+    return Tiling.of(sq, sk, empty, tuple(pieces))
 
 
 def forward(kernel: SquareForward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scale: float):
@@ -109,17 +110,7 @@ def forward(kernel: SquareForward, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return out, lse
 
 
-def backward(
-    kernel: SquareBackward,
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    mask: str,
-    scale: float,
-):
+def backward(kernel: SquareBackward, dout, q, k, v, out, lse, mask: str, scale: float):
     """``(dq, dk, dv)`` of the block under ``mask`` from calls of ``kernel`` on its pieces.
 
     ``out`` and ``lse`` are the merged ones of the rows (the backward of a ring step). Empty rows get
