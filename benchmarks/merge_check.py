@@ -4,8 +4,9 @@ import sys
 
 import torch
 
-from xcp.bench import _Clock, median
-from xcp.merge import merge_
+from xcp.cli.common import Clock, median
+from xcp.kernels.merge import merge_
+from xcp.plugins import select_backend
 from xcp_cuda.fused_merge import fused_merge_
 
 
@@ -36,7 +37,7 @@ def main() -> int:
             f"merge rows={rows}: max|dO|={eo:.2e} max|dL|={el:.2e} inf-equal={same_inf} nan={nan}",
             "ok" if good else "FAIL",
         )
-    clock = _Clock(dev)
+    clock = Clock(select_backend("cuda", None), dev)
     out = torch.randn(b, s, h, d, device=dev)
     lse = torch.randn(b, h, s, device=dev)
     bo = torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16)

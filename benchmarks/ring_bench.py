@@ -1,6 +1,6 @@
 """Run ``xcp bench`` from a checkout: ``python benchmarks/ring_bench.py [xcp bench flags]``.
 
-The measuring code lives in :mod:`xcp.bench` so that the console script and this file share it.
+The measuring code lives in :mod:`xcp.cli.bench` so that the console script and this file share it.
 """
 
 import sys

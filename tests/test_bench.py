@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from xcp.bench import BenchConfig, attention_flops, format_report, median, ratio, run_bench
 from xcp.cli import main
+from xcp.cli.bench import BenchConfig, format_report, ratio, run_bench
+from xcp.cli.common import attention_flops, median
 
 
 def tiny(**kw) -> BenchConfig:

@@ -49,8 +49,7 @@ SANITIZE_DEFAULTS = Problem(heads=4, kv_heads=2, head_dim=8, dtype="float64")
 
 
 def _add_sanitize(sub) -> None:
-    from ..backend import HANDOFF_POLICIES
-    from ..lifetime import POLICIES
+    from ..lifetime import HANDOFF_POLICIES, SLOT_POLICIES
 
     p = sub.add_parser("sanitize", help="run the ring under the CPU lifetime sanitizer; exit 1 on any finding")
     p.add_argument("--world", type=positive, default=4)
@@ -58,7 +57,7 @@ def _add_sanitize(sub) -> None:
     add_problem_flags(p, SANITIZE_DEFAULTS, ["balance"])
     p.add_argument("--handoff", choices=HANDOFF_POLICIES, default=None, help="default: the sim backend's own")
     p.add_argument("--backward", action="store_true", help="also run the backward ring (bound: 4 shards)")
-    p.add_argument("--policy", choices=POLICIES, default="bounded")
+    p.add_argument("--policy", choices=SLOT_POLICIES, default="bounded")
     add_problem_flags(p, SANITIZE_DEFAULTS, ["dtype", "heads", "kv_heads", "head_dim"])
     p.add_argument("--seq", type=positive, default=None, help="global length; default 4 tokens per rank")
     p.add_argument("--calls", type=positive, default=1, help="calls per rank (more exercise the workspace)")
@@ -78,7 +77,7 @@ def _cmd_sanitize(args) -> int:
         kv_heads=args.kv_heads,
         seq=args.seq,
         head_dim=args.head_dim,
-        policy=args.policy,
+        slots=args.policy,
         calls=args.calls,
     )
     print(report.format())

@@ -88,11 +88,11 @@ class VirtualRing:
     """P virtual ranks on one device, each a thread with its own stream, sharing pre-sharded inputs."""
 
     def __init__(
-        self, backend, world: int, full: tuple[torch.Tensor, ...], causal: bool, balance: str, policy="bounded"
+        self, backend, world: int, full: tuple[torch.Tensor, ...], causal: bool, balance: str, slots="bounded"
     ):
         from ..api import shard
 
-        self.backend, self.world_size, self.causal, self.balance, self.policy = backend, world, causal, balance, policy
+        self.backend, self.world_size, self.causal, self.balance, self.slots = backend, world, causal, balance, slots
         self.device = full[0].device
         self.world = LocalWorld(world, device=self.device)
         self.shards = [tuple(shard(x, world, r, balance=balance) for x in full) for r in range(world)]
@@ -102,14 +102,14 @@ class VirtualRing:
 
     def _rank(self, group, backward: bool, main_stream) -> Any:
         be = self.backend
-        stream = self.streams[group.rank]
+        stream = self.streams[group.rank()]
         be.wait_stream(stream, main_stream)
-        q, k, v, dout = self.shards[group.rank]
-        cfg = RingConfig(group, be, self.causal, self.scale, self.balance, self.policy)
+        q, k, v, dout = self.shards[group.rank()]
+        cfg = RingConfig(group, be, self.causal, self.scale, self.balance, self.slots)
         with be.stream_context(stream), track_buffers() as ledger:
             out, lse = ring_forward(q, k, v, cfg)
             grads = ring_backward(dout, q, k, v, out, lse, cfg) if backward else None
-        self.ledgers[group.rank] = ledger
+        self.ledgers[group.rank()] = ledger
         return stream, out, grads
 
     def run(self, backward: bool) -> list[Any]:
@@ -240,10 +240,11 @@ def _memory_one(cfg, backend, device, world, policy) -> dict[str, Any]:
 def _graph_one(cfg, backend, clock, device) -> dict[str, Any] | None:
     """Captured forward of a world of one (the whole ring loop, merge included) against eager.
 
-    The Backend has no graph API, so graphs come from the device module where it has ``CUDAGraph``.
+    The Backend has no graph API, so the graph comes from the device module where it has one.
     """
     mod = None if device.type == "cpu" else torch.get_device_module(device.type)
-    if not hasattr(mod, "CUDAGraph"):
+    graph_class = getattr(mod, f"{device.type.upper()}Graph", None)  # the device module's graph, if any
+    if graph_class is None:
         return None
     seq = min(cfg.seqs)
     q, k, v, _ = random_inputs(cfg, seq, device)
@@ -254,7 +255,7 @@ def _graph_one(cfg, backend, clock, device) -> dict[str, Any] | None:
         for _ in range(2):
             ring_forward(q, k, v, rcfg)
     backend.wait_stream(main, side)
-    graph = mod.CUDAGraph()
+    graph = graph_class()
     with mod.graph(graph):
         captured_out, _ = ring_forward(q, k, v, rcfg)
     graph.replay()

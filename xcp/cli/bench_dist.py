@@ -48,9 +48,9 @@ class DistBenchConfig(Measurement):
     reference_seq: int = 65536
 
 
-def _ring_step(cfg, shards, policy: str = "bounded"):
+def _ring_step(cfg, shards, slots: str = "bounded"):
     q, k, v, dout = (x.detach().requires_grad_(i < 3) for i, x in enumerate(shards))
-    out = attention(q, k, v, causal=True, device=cfg.device, policy=policy, balance=cfg.balance)
+    out = attention(q, k, v, causal=True, device=cfg.device, slots=slots, balance=cfg.balance)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 

@@ -92,7 +92,7 @@ class RunResult:
 
 def _rank_step(group, cfg: RunConfig, backend, full: tuple[torch.Tensor, ...], functional: bool):
     """One rank's shard, forward and backward; returns (out, dq, dk, dv, seconds, ledger)."""
-    q, k, v, dout = (shard(x, group.size, group.rank, balance=cfg.balance) for x in full)
+    q, k, v, dout = (shard(x, group.size(), group.rank(), balance=cfg.balance) for x in full)
     with track_buffers() as ledger:
         start = time.perf_counter()
         if functional:  # GPU threads cannot share autograd's one device worker: a waiting backward blocks it

@@ -1,0 +1,244 @@
+"""What the ``xcp`` tools share, so that ``run``, ``bench`` and ``bench --distributed`` describe, build and
+judge a problem the same way: the dtype names, the tolerances, the problem's shape and its flags, seeded
+inputs, the float64 reference, the error measure, the clock, and the process-group set-up under torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from .. import schedule
+from ..api import unshard
+from ..plugins import select_backend
+from ..testing.reference import sdpa_reference
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Largest accepted relative error ||x - ref|| / ||ref|| per input dtype. float64 and float32 sit many
+# orders above their rounding (1e-16, 6e-8) to allow for sums over thousands of keys; bf16 (8-bit
+# mantissa, unit roundoff 3.9e-3) and fp16 (11-bit, 4.9e-4) are bounded by the rounding of the inputs and
+# outputs themselves, since accumulation is fp32.
+REL_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+@dataclass
+class Problem:
+    """The attention problem every tool runs: shapes, dtype, backend and balance. The defaults are one
+    H200-sized layer (32 query heads over 8 K/V heads of 128, bf16 on cuda); a tool that wants other
+    defaults gives its own instance (see :func:`add_problem_flags`)."""
+
+    batch: int = 1
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    balance: str = schedule.DEFAULT_BALANCE
+
+
+@dataclass
+class Measurement(Problem):
+    """A timed problem, as ``xcp bench`` (one process) and ``xcp bench --distributed`` measure it."""
+
+    seqs: list[int] = field(default_factory=lambda: [16384, 65536, 131072])
+    memory_seq: int = 262144
+    warmup: int = 1
+    reps: int = 5
+    check_tolerance: float = REL_TOLERANCE[torch.bfloat16]  # bf16's bound, whatever the dtype
+
+
+def positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1; got {value}")
+    return value
+
+
+_FLAGS: dict[str, dict[str, Any]] = {
+    "batch": {"type": positive},
+    "heads": {"type": positive},
+    "kv_heads": {"type": positive},
+    "head_dim": {"type": positive},
+    "dtype": {"choices": list(DTYPES)},
+    "device": {"help": "backend name: cpu, cuda, npu, ..."},
+    "balance": {"choices": schedule.BALANCES},
+}
+PROBLEM_FLAGS = tuple(_FLAGS)
+
+
+def add_problem_flags(parser: argparse.ArgumentParser, defaults: Problem, names: Sequence[str] = PROBLEM_FLAGS):
+    """Declare ``--batch --heads --kv-heads --head-dim --dtype --device --balance`` (or the ``names`` among
+    them) on ``parser``, each defaulting to the field of ``defaults``."""
+    for name in names:
+        parser.add_argument("--" + name.replace("_", "-"), default=getattr(defaults, name), **_FLAGS[name])
+
+
+def problem_args(args: argparse.Namespace, names: Sequence[str] = PROBLEM_FLAGS) -> dict[str, Any]:
+    """The parsed problem flags, as keyword arguments of a :class:`Problem`."""
+    return {name: getattr(args, name) for name in names}
+
+
+# ``xcp bench`` has no --balance: it measures the default balance
+MEASUREMENT_FLAGS = tuple(n for n in PROBLEM_FLAGS if n != "balance")
+
+
+def measurement_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags ``bench`` and ``bench --distributed`` share, as keyword arguments of a :class:`Measurement`."""
+    return problem_args(args, (*MEASUREMENT_FLAGS, "seqs", "memory_seq", "warmup", "reps"))
+
+
+def tool_device(backend, name: str, default_index: int | None = None) -> torch.device:
+    """The torch device a tool runs on: the CPU, or the backend's device at the index ``name`` gives
+    (``cuda:1``), else at ``default_index``."""
+    if backend.device_type == "cpu":
+        return torch.device("cpu")
+    index = int(name.split(":", 1)[1]) if ":" in name else default_index
+    return torch.device(backend.device_type, index)
+
+
+def random_inputs(problem: Problem, seq: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Seeded random q, k, v and dout of ``seq`` tokens in the problem's dtype, drawn on ``device`` (the same
+    seed gives every rank of a device type the same tensors)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = DTYPES[problem.dtype]
+    heads = (problem.heads, problem.kv_heads, problem.kv_heads, problem.heads)
+    return tuple(torch.randn(problem.batch, seq, h, problem.head_dim, generator=gen, device=device, dtype=dtype)
+                 for h in heads)  # fmt: skip
+
+
+def reference(q, k, v, dout, causal: bool) -> tuple[torch.Tensor, ...]:
+    """out, dq, dk, dv of whole-sequence attention in float64 on the CPU (torch SDPA, K/V heads repeated)."""
+    q, k, v, dout = (x.detach().to("cpu", torch.float64) for x in (q, k, v, dout))
+    q.requires_grad_()
+    k.requires_grad_()
+    v.requires_grad_()
+    out = sdpa_reference(q, k, v, causal)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    return out.detach(), dq, dk, dv
+
+
+def whole_kernel(backend, full: Sequence[torch.Tensor], causal: bool, backward: bool):
+    """The backend's own kernel on the whole sequence: ``(out, (dq, dk, dv) or None)``, the yardstick of
+    the benchmarks."""
+    q, k, v, dout = full
+    scale = 1.0 / q.shape[-1] ** 0.5
+    mask = "causal" if causal else "none"
+    out, lse = backend.forward(q, k, v, mask, scale)
+    grads = backend.backward(dout, q, k, v, out.to(q.dtype), lse, mask, scale) if backward else None
+    return out, grads
+
+
+class Error(NamedTuple):
+    max_abs: float
+    rel: float  # ||got - ref|| / ||ref|| in the 2-norm
+
+
+def error(got: torch.Tensor, ref: torch.Tensor) -> Error:
+    """The error of ``got`` against ``ref``, computed where ``ref`` lies, in float64 if ``ref`` is float64
+    and in float32 otherwise."""
+    dtype = torch.promote_types(ref.dtype, torch.float32)
+    ref = ref.detach().to(dtype)
+    diff = got.detach().to(ref.device, dtype) - ref
+    rel = diff.norm() / ref.norm().clamp_min(torch.finfo(dtype).tiny)
+    return Error(diff.abs().max().item(), rel.item())
+
+
+def median(values: list[float]) -> float:
+    """The median of ``values`` (the figure every timing reports)."""
+    if not values:
+        raise ValueError("values: expected at least one timing; got none")
+    return statistics.median(values)
+
+
+def attention_flops(batch: int, seq: int, heads: int, head_dim: int, causal: bool, backward: bool) -> float:
+    """FLOPs of attention on the whole sequence (forward 4*B*S^2*H*D, halved if causal; fwd+bwd 3.5x)."""
+    flops = 4.0 * batch * seq * seq * heads * head_dim
+    if causal:
+        flops /= 2
+    return flops * (3.5 if backward else 1.0)
+
+
+class Clock:
+    """Host wall time of a region, with the device drained before and after it."""
+
+    def __init__(self, backend, device: torch.device) -> None:
+        self.backend, self.device = backend, device
+
+    def time(self, fn: Callable[[], Any]) -> float:
+        self.backend.synchronize(self.device)
+        start = time.perf_counter()
+        fn()
+        self.backend.synchronize(self.device)
+        return time.perf_counter() - start
+
+
+def device_peak(backend, device: torch.device, fn: Callable[[], Any]) -> int | None:
+    """Bytes the device allocator's peak rose above what was allocated before ``fn``; None where the device
+    keeps no statistics."""
+    backend.synchronize(device)
+    backend.reset_peak_memory(device)
+    before = backend.memory_stats(device)
+    fn()
+    backend.synchronize(device)
+    after = backend.memory_stats(device)
+    return None if before is None or after is None else after["peak"] - before["allocated"]
+
+
+def under_torchrun() -> bool:
+    """True when torchrun started this process (RANK and WORLD_SIZE are set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def join_process_group(device_name: str):
+    """Under torchrun: select the backend, put this rank on its local device and join the default process
+    group; returns ``(backend, device, rank, world size)``."""
+    import torch.distributed as dist
+
+    backend = select_backend(device_name, None)
+    device = tool_device(backend, device_name, int(os.environ.get("LOCAL_RANK", "0")))
+    backend.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend.dist_backend)
+    return backend, device, dist.get_rank(), dist.get_world_size()
+
+
+def gather_whole(shards: Sequence[torch.Tensor], world: int, balance: str) -> list[torch.Tensor]:
+    """Every rank's shard of each tensor, all-gathered and put back in sequence order on every rank."""
+    import torch.distributed as dist
+
+    whole = []
+    for t in shards:
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous())
+        whole.append(unshard(parts, balance=balance))
+    return whole
+
+
+def write_json(report: dict[str, Any], path: str) -> None:
+    """Write a report as JSON."""
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or a RuntimeError saying how to install it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError(
+            f"--plot needs matplotlib, which is not importable: {exc} (pip install 'xcp[plot]')"
+        ) from exc
+    return plt
