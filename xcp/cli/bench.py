@@ -238,13 +238,10 @@ def _memory_one(cfg, backend, device, world, policy) -> dict[str, Any]:
 
 
 def _graph_one(cfg, backend, clock, device) -> dict[str, Any] | None:
-    """Captured forward of a world of one (the whole ring loop, merge included) against eager.
-
-    The Backend has no graph API, so the graph comes from the device module where it has one.
-    """
-    mod = None if device.type == "cpu" else torch.get_device_module(device.type)
-    graph_class = getattr(mod, f"{device.type.upper()}Graph", None)  # the device module's graph, if any
-    if graph_class is None:
+    """Captured forward of a world of one (the whole ring loop, merge included) against eager; None where
+    the backend has no device graphs."""
+    graph = backend.new_graph()
+    if graph is None:
         return None
     seq = min(cfg.seqs)
     q, k, v, _ = random_inputs(cfg, seq, device)
@@ -255,8 +252,7 @@ def _graph_one(cfg, backend, clock, device) -> dict[str, Any] | None:
         for _ in range(2):
             ring_forward(q, k, v, rcfg)
     backend.wait_stream(main, side)
-    graph = graph_class()
-    with mod.graph(graph):
+    with backend.capture_graph(graph):
         captured_out, _ = ring_forward(q, k, v, rcfg)
     graph.replay()
     eager_out, _ = ring_forward(q, k, v, rcfg)
