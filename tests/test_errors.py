@@ -184,3 +184,21 @@ def test_shard_rejects_bad_arguments(args, kwargs, exc, parts):
 def test_unshard_rejects_bad_arguments(shards, kwargs, exc, parts):
     with raises(exc, *parts):
         xcp.unshard(shards, **kwargs)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_double_backward_is_refused_not_silently_wrong(world):
+    """xcp.attention is differentiable once (as flash kernels are): a second grad raises."""
+    q, k, v = (torch.randn(1, 8, 2, 4, dtype=torch.float64) for _ in range(3))
+
+    def rank_fn(group):
+        ql, kl, vl = (xcp.shard(x, world, group.rank()).requires_grad_() for x in (q, k, v))
+        out = xcp.attention(ql, kl, vl, causal=True, group=group)
+        (dq,) = torch.autograd.grad(out.square().sum(), ql, create_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            dq.sum().backward()
+        with pytest.raises(RuntimeError):  # never a silent, wrong second-order term
+            torch.autograd.grad(dq.sum(), ql)
+        return True
+
+    assert xcp.LocalWorld(world).run(rank_fn) == [True] * world

@@ -120,3 +120,37 @@ def test_group_describes_itself():
     g = world.group(2)
     assert (g.rank(), g.size()) == (2, 3)
     assert repr(g) == "<LocalGroup rank 2 of 3>"
+
+
+def test_a_rank_stuck_in_user_code_is_named_within_the_timeout():
+    """run() returns within about the world's timeout when one rank never finishes, naming that rank."""
+    release = threading.Event()
+
+    def rank_fn(group):
+        if group.rank() == 1:
+            release.wait(30)  # stuck in user code: no xcp wait can time out here
+        return group.rank()
+
+    start = time.monotonic()
+    try:
+        expected = r"LocalWorld rank 1 of 3 did not finish within 0.6 s \(twice the world's"
+        with pytest.raises(RuntimeError, match=expected):
+            xcp.LocalWorld(3, timeout=0.3).run(rank_fn)
+        assert time.monotonic() - start < 5
+    finally:
+        release.set()
+
+
+def test_a_stuck_rank_after_a_failure_names_both():
+    release = threading.Event()
+
+    def rank_fn(group):
+        if group.rank() == 0:
+            raise ValueError("boom")
+        release.wait(30)
+
+    try:
+        with pytest.raises(RuntimeError, match=r"rank 1 of 2 did not finish.*rank 0 had failed: ValueError: boom"):
+            xcp.LocalWorld(2, timeout=0.3).run(rank_fn)
+    finally:
+        release.set()

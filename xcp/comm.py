@@ -202,7 +202,11 @@ class LocalWorld:
         """Run ``fn(group, *args)`` on every rank, one thread each; return the results in rank order.
 
         An exception in any rank aborts the others (their waits raise :class:`RankAborted`) and is
-        re-raised here as a RuntimeError naming the rank.
+        re-raised here as a RuntimeError naming the rank. Once any rank has finished, the others have twice
+        the world's ``timeout`` to finish too (time for a wait on a peer to time out first, with its own
+        message); a rank still running then (stuck in user code, where no xcp wait
+        can time out) is named in a RuntimeError, aborted at its next xcp wait, and left behind as a daemon
+        thread.
         """
         self._boxes.clear()
         self._failure = None
@@ -219,11 +223,12 @@ class LocalWorld:
                     if self._failure is None and not isinstance(exc, RankAborted):
                         self._failure = (rank, exc)
 
-        threads = [threading.Thread(target=body, args=(r,), name=f"xcp-rank-{r}") for r in range(self.world_size)]
+        threads = [
+            threading.Thread(target=body, args=(r,), name=f"xcp-rank-{r}", daemon=True) for r in range(self.world_size)
+        ]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        self._join(threads, errors)
         if self._failure is None and any(errors):
             rank = next(r for r, e in enumerate(errors) if e is not None)
             self._failure = (rank, errors[rank])
@@ -232,6 +237,34 @@ class LocalWorld:
             what = f"{type(exc).__name__}: {exc}"
             raise RuntimeError(f"LocalWorld rank {rank} of {self.world_size} failed: {what}") from exc
         return results
+
+    def _join(self, threads: list[threading.Thread], errors: list[BaseException | None]) -> None:
+        """Wait for every rank; raise naming the ranks still running 2 x ``timeout`` s after the first finished."""
+        first_done: float | None = None
+        while True:
+            alive = [r for r, t in enumerate(threads) if t.is_alive()]
+            if not alive:
+                return
+            now = time.monotonic()
+            if first_done is None and len(alive) < len(threads):
+                first_done = now
+            if first_done is not None and now - first_done > 2 * self.timeout:
+                break
+            threads[alive[0]].join(0.02)
+        finished = [r for r in range(len(threads)) if r not in alive]
+        with self._lock:
+            cause = self._failure
+            if cause is None:
+                stuck = RuntimeError(f"ranks {alive} did not finish")
+                self._failure = (alive[0], stuck)  # aborts the stuck ranks at their next xcp wait
+        names = ", ".join(str(r) for r in alive)
+        why = ""
+        if cause is not None:
+            why = f"; rank {cause[0]} had failed: {type(cause[1]).__name__}: {cause[1]}"
+        raise RuntimeError(
+            f"LocalWorld rank{'s' if len(alive) > 1 else ''} {names} of {self.world_size} did not finish within "
+            f"{2 * self.timeout:g} s (twice the world's timeout) after rank {finished[0]} finished{why}"
+        ) from (cause[1] if cause is not None else None)
 
     # -- mailbox
     def _box(self, key: tuple) -> queue.Queue:

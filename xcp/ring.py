@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import schedule
 from .backend import Backend
@@ -187,7 +188,11 @@ def ring_backward(
 
 
 class RingAttention(torch.autograd.Function):
-    """Autograd wrapper: saves (q, k, v, out, lse) and runs :func:`ring_backward`."""
+    """Autograd wrapper: saves (q, k, v, out, lse) and runs :func:`ring_backward`.
+
+    Differentiable once, as flash kernels are: a double backward (``create_graph=True`` then a second
+    grad) raises instead of returning wrong second-order terms.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, cfg: RingConfig):  # type: ignore[override]
@@ -198,6 +203,7 @@ class RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the ring's backward is not itself differentiable: a second grad raises
     def backward(ctx, dout):  # type: ignore[override]
         cfg = ctx.cfg
         if cfg.comm.size() > 1 and cfg.comm.ranks_are_threads and threading.get_ident() != ctx.thread:
