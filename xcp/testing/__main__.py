@@ -1,16 +1,30 @@
 """``python -m xcp.testing --xcp-backend NAME [pytest options]``: the conformance suite for one backend.
 
 Works from any directory: it loads the pytest plugin itself, collects the suite from the installed
-package and writes no cache into the current directory.
+package and writes no cache into the current directory. Needs pytest (xcp's ``test`` extra).
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+
+def install_hint() -> str:
+    """How to install the test extra: from a checkout (editable) or from an index."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() and (root / "xcp" / "testing").is_dir():
+        return f"pip install -e '.[test]' (in {root})"
+    return "pip install 'xcp[test]'"
 
 
 def main(argv: list[str] | None = None) -> int:
-    import pytest
+    try:
+        import pytest
+    except ImportError as exc:
+        print(f"python -m xcp.testing needs pytest, which is not importable ({exc}); "
+              f"install xcp's test extra: {install_hint()}", file=sys.stderr)
+        return 2
 
     args = sys.argv[1:] if argv is None else list(argv)
     return int(

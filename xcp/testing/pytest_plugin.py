@@ -1,7 +1,9 @@
 """pytest plugin of the conformance suite: the ``--xcp-backend NAME`` option and the ``xcp_backend`` fixture.
 
-Load it with ``-p xcp.testing.pytest_plugin`` (``python -m xcp.testing`` does). It imports nothing heavy
-until the option is used, so it is cheap to load in any pytest session.
+Load it with ``-p xcp.testing.pytest_plugin`` (``python -m xcp.testing`` does). Installing xcp also registers
+it (entry point ``pytest11``), so every pytest session of that environment loads it: at module level it
+imports pytest and nothing else (no xcp module, no torch); xcp is imported only when ``--xcp-backend`` is
+used (``tests/test_packaging.py`` checks this).
 """
 
 from __future__ import annotations
