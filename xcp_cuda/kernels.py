@@ -1,7 +1,7 @@
 """The CUDA block kernels: which one serves a block, and thin wrappers over PyTorch's fused attention ops.
 
 Every wrapper takes and returns xcp's layout, q [B, Sq, H, D] and k, v [B, Sk, Hkv, D], and is only asked
-for ``causal=False`` or causal on a square block (:mod:`xcp.kernels.tiling` cuts the rest), so the kernels'
+for ``causal=False`` or causal on a square block (:mod:`xcp.kernels.fused` cuts the rest), so the kernels'
 own alignment of a non-square causal mask never matters.
 
 The ops (schemas as registered in PyTorch's native_functions.yaml, checked against torch 2.13):

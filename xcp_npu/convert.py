@@ -7,7 +7,7 @@ the row's log-sum-exp is m + log(s). Its backward ``npu_fusion_attention_grad`` 
 probabilities as exp(x - softmax_max) / softmax_sum, so the ring's merged lse L goes back in as
 softmax_max = L (expanded to 8) with softmax_sum = 1.
 
-Masks: xcp asks the kernel only for "none" or causal on a square block (:mod:`xcp.kernels.tiling` cuts every
+Masks: xcp asks the kernel only for "none" or causal on a square block (:mod:`xcp.kernels.fused` cuts every
 other case, including strictly-causal, into those). Square causal is sparse_mode 3 (rightDownCausal, the
 mode Ascend recommends for causal training) with the compressed 2048×2048 mask whose True entries (the
 strict upper triangle) are masked out; on a square block right-down and top-left alignment coincide.

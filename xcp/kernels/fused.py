@@ -1,20 +1,164 @@
 """A base for backends whose block kernel is a fused vendor op (CUDA flash, Ascend npu_fusion_attention).
 
-Such ops serve two masks safely, none and causal on a square block, and some of them read grouped-query
-K/V natively. The base turns any (mask, Sq, Sk) into those calls through :mod:`xcp.kernels.tiling` and
-repeats K/V per query head where the kernel (or the user's ``gqa="repeat"``) asks for it, so a backend
-writes only its two square kernels.
+Such ops serve two masks safely, none and causal on a square block, and some of them read
+grouped-query K/V natively. The base turns any (mask, Sq, Sk) into those calls (the mask tiling below)
+and repeats K/V per query head where the kernel (or the user's ``gqa="repeat"``) asks for it, so a
+backend writes only its two square kernels.
+
+Mask tiling, pure torch. Fused kernels (CUDA flash / memory-efficient, Ascend npu_fusion_attention) serve
+two masks safely: none, and causal on a *square* block. xcp's masks are top-left aligned on any shape:
+``causal`` lets query i see keys 0..i and ``strict`` keys 0..i-1. A kernel's own causal flag is not enough because
+
+- flash-attn (and the flash kernel inside PyTorch) aligns a non-square causal mask to the bottom-right,
+  Ascend's usual causal mode (sparse_mode 3) is bottom-right too; only the square case is unambiguous;
+- no kernel has a strictly-causal mode: the usual identity "strict = causal on q[1:] against k[:-1]" holds
+  when Sq <= Sk, but not beyond (with Sq > Sk, query Sk already sees every key, k[:-1] would drop one).
+
+So every (mask, Sq, Sk) is cut into query-row ranges, in order:
+
+    rows [0, empty)           see no key: out 0, lse -inf, dq 0 (strict row 0; all rows if Sk == 0);
+    rows [a, a + n)           square causal against keys [0, n)            (causal, strict);
+    rows [..., Sq)            every key [0, Sk), no mask                   (none; causal/strict rows
+                                                                              past the last key).
+
+Each query row lies in exactly one piece, so forward results are concatenated, never merged. Keys a
+piece does not cover get zero gradient. The ring itself only asks for ``none`` on any shape and for
+``causal``/``strict`` on square blocks, which give one kernel call (plus one empty row for strict).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ..backend import Backend, required
-from . import tiling
+from ..schedule import check_mask
+from .merge import NEG_INF, accumulator_dtype
 
+# ---------------------------------------------------------------------------------------------- mask tiling
+SquareForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
+"""``kernel(q, k, v, causal, scale) -> (out, lse)``; only called with causal on Sq == Sk."""
+
+SquareBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+"""``kernel(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``; same promise as the forward."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Query rows [start, stop) against keys [0, keys); ``causal`` means square causal (stop-start == keys)."""
+
+    start: int
+    stop: int
+    keys: int
+    causal: bool
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Rows [0, empty) see no key; ``pieces`` cover rows [empty, Sq) contiguously, in order. ``whole``:
+    one kernel call on the unsliced block gives the answer (no slicing, no padding)."""
+
+    sq: int
+    sk: int
+    empty: int
+    pieces: tuple[Piece, ...]
+    whole: bool = False
+
+    @classmethod
+    def of(cls, sq: int, sk: int, empty: int, pieces: tuple[Piece, ...]) -> Tiling:
+        return cls(sq, sk, empty, pieces, empty == 0 and len(pieces) == 1 and pieces[0].keys == sk)
+
+
+def tile(sq: int, sk: int, mask: str) -> Tiling:
+    """The pieces of a block of ``sq`` queries and ``sk`` keys under ``mask`` (see the module docstring)."""
+    check_mask(mask)
+    if sq < 0 or sk < 0:
+        raise ValueError(f"sq, sk: expected lengths >= 0; got {sq}, {sk}")
+    if sk == 0 or sq == 0:
+        return Tiling.of(sq, sk, sq, ())
+    if mask == "none":
+        return Tiling.of(sq, sk, 0, (Piece(0, sq, sk, False),))
+    shift = 0 if mask == "causal" else 1  # row shift + m sees keys 0..m
+    empty = min(shift, sq)
+    n = max(0, min(sq - shift, sk))  # rows of the square causal part
+    pieces = []
+    if n:
+        pieces.append(Piece(shift, shift + n, n, True))
+    if n == sk and shift + n < sq:  # these rows are past the last key: they see all of them
+        pieces.append(Piece(shift + n, sq, sk, False))
+    return Tiling.of(sq, sk, empty, tuple(pieces))
+
+
+def forward(kernel: SquareForward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scale: float):
+    """``(out, lse)`` of the block under ``mask``, from calls of ``kernel`` on its pieces.
+
+    out [B, Sq, H, D] in the kernel's output dtype (zeros on empty rows); lse [B, H, Sq] float32
+    (float64 for float64 inputs), -inf on empty rows.
+    """
+    t = tile(q.shape[1], k.shape[1], mask)
+    if t.whole:
+        return kernel(q, k, v, t.pieces[0].causal, scale)
+    outs, lses = [], []
+    for p in t.pieces:
+        o, lse = kernel(q[:, p.start : p.stop], k[:, : p.keys], v[:, : p.keys], p.causal, scale)
+        outs.append(o)
+        lses.append(lse)
+    b, sq, h, d = q.shape
+    out_dtype = outs[0].dtype if outs else q.dtype
+    lse_dtype = lses[0].dtype if lses else accumulator_dtype(q.dtype)
+    if t.empty:
+        outs.insert(0, torch.zeros((b, t.empty, h, v.shape[3]), dtype=out_dtype, device=q.device))
+        lses.insert(0, torch.full((b, h, t.empty), NEG_INF, dtype=lse_dtype, device=q.device))
+    out = torch.cat([o.to(out_dtype) for o in outs], dim=1)
+    lse = torch.cat([x.to(lse_dtype) for x in lses], dim=2)
+    return out, lse
+
+
+def backward(kernel: SquareBackward, dout, q, k, v, out, lse, mask: str, scale: float):
+    """``(dq, dk, dv)`` of the block under ``mask`` from calls of ``kernel`` on its pieces.
+
+    ``out`` and ``lse`` are the merged ones of the rows (the backward of a ring step). Empty rows get
+    dq 0; keys no piece covers get dk = dv = 0. Where two pieces add into the same keys the sums are in
+    float32 (float64 for float64), otherwise the kernel's dtype is kept.
+    """
+    t = tile(q.shape[1], k.shape[1], mask)
+    if t.whole:
+        return kernel(dout, q, k, v, out, lse, t.pieces[0].causal, scale)
+    dqs, dk, dv = [], None, None
+    acc = accumulator_dtype(q.dtype)
+    for p in t.pieces:
+        r = slice(p.start, p.stop)
+        gq, gk, gv = kernel(
+            dout[:, r], q[:, r], k[:, : p.keys], v[:, : p.keys], out[:, r], lse[:, :, r], p.causal, scale
+        )
+        dqs.append(gq)
+        if dk is None:
+            dk, dv = _pad_keys(gk, k.shape[1]), _pad_keys(gv, v.shape[1])
+        else:  # a second piece: add in the accumulator dtype
+            dk, dv = dk.to(acc), dv.to(acc)
+            dk[:, : p.keys] += gk
+            dv[:, : p.keys] += gv
+    q_dtype = dqs[0].dtype if dqs else q.dtype
+    if t.empty:
+        dqs.insert(0, torch.zeros((q.shape[0], t.empty, *q.shape[2:]), dtype=q_dtype, device=q.device))
+    dq = torch.cat([g.to(q_dtype) for g in dqs], dim=1)
+    if dk is None:
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    return dq, dk, dv
+
+
+def _pad_keys(g: torch.Tensor, sk: int) -> torch.Tensor:
+    """``g`` [B, n, Hkv, D] extended with zero rows to [B, sk, Hkv, D] (a new tensor; ``g`` when n == sk)."""
+    n = g.shape[1]
+    if n == sk:
+        return g
+    return torch.cat([g, g.new_zeros((g.shape[0], sk - n, *g.shape[2:]))], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------- GQA
 GQA_MODES = ("native", "repeat")
 """``native``: a kernel that reads K/V with fewer heads gets them as they are; ``repeat``: K/V are always
 repeated per query head and dK/dV summed over each group (slower, more memory; the fallback when a
@@ -58,11 +202,11 @@ class FusedKernelBackend(Backend):
 
     def forward(self, q, k, v, mask, scale):
         """(out, lse) of the block under ``mask``; rows that see no key give out 0 and lse -inf."""
-        return tiling.forward(self.square_forward, q, k, v, mask, scale)
+        return forward(self.square_forward, q, k, v, mask, scale)
 
     def backward(self, dout, q, k, v, out, lse, mask, scale):
         """(dq, dk, dv) of the block from the merged out and lse of its rows, shaped like q, k, v."""
-        return tiling.backward(self.square_backward, dout, q, k, v, out, lse, mask, scale)
+        return backward(self.square_backward, dout, q, k, v, out, lse, mask, scale)
 
     def kv_groups(self, q: torch.Tensor, k: torch.Tensor, native: bool = True) -> int:
         """How many times K/V are repeated before a kernel call: 1 unless the block is GQA and the kernel
