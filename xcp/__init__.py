@@ -1,13 +1,51 @@
-"""xcp: context-parallel (ring) attention with proven-safe, bounded buffer lifetimes on any device."""
+"""xcp: context-parallel (ring) attention with proven-safe, bounded buffer lifetimes on any device.
 
-from .api import attention, shard, unshard
-from .backend import Backend, SynchronousBackend
-from .comm import Communicator, LocalGroup, LocalWorld
-from .hookspecs import hookimpl
-from .lifetime import BufferLedger, track_buffers
-from .plugins import backend_table, get_backend, list_backends, register_plugin, unregister_plugin
-from .ring import RingConfig, ring_backward, ring_forward
-from .schedule import BALANCES, Plan, Step, plan
+The public names load on first use (PEP 562), so importing a submodule that needs no torch (the pytest
+plugin, the schedule) stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .api import attention, shard, unshard
+    from .backend import Backend, SynchronousBackend
+    from .comm import Communicator, LocalGroup, LocalWorld
+    from .hookspecs import hookimpl
+    from .lifetime import BufferLedger, track_buffers
+    from .plugins import backend_table, get_backend, list_backends, register_plugin, unregister_plugin
+    from .ring import RingConfig, ring_backward, ring_forward
+    from .schedule import BALANCES, Plan, Step, plan
+
+_EXPORTS = {
+    "BALANCES": "schedule",
+    "Backend": "backend",
+    "BufferLedger": "lifetime",
+    "Communicator": "comm",
+    "LocalGroup": "comm",
+    "LocalWorld": "comm",
+    "Plan": "schedule",
+    "RingConfig": "ring",
+    "Step": "schedule",
+    "SynchronousBackend": "backend",
+    "attention": "api",
+    "backend_table": "plugins",
+    "get_backend": "plugins",
+    "hookimpl": "hookspecs",
+    "list_backends": "plugins",
+    "plan": "schedule",
+    "register_plugin": "plugins",
+    "ring_backward": "ring",
+    "ring_forward": "ring",
+    "shard": "api",
+    "track_buffers": "lifetime",
+    "unregister_plugin": "plugins",
+    "unshard": "api",
+}
+"""Public name -> the submodule that defines it."""
 
 __all__ = [
     "BALANCES",
@@ -36,3 +74,18 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:  # a submodule, as ``xcp.schedule`` after a plain ``import xcp``
+        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module 'xcp' has no attribute {name!r}")
+        return importlib.import_module(f".{name}", __name__)
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
