@@ -7,7 +7,7 @@ import torch
 from xcp.cli.common import Clock, median
 from xcp.kernels.merge import merge_
 from xcp.plugins import select_backend
-from xcp_cuda.fused_merge import fused_merge_
+from xcp_cuda.kernels import fused_merge_
 
 
 def main() -> int:

@@ -19,7 +19,6 @@ from xcp.kernels.fused import FusedKernelBackend
 from xcp.kernels.math import math_backward, math_forward
 
 from . import kernels
-from .fused_merge import fused_merge_, fused_merge_supported
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -97,8 +96,8 @@ class CUDABackend(FusedKernelBackend):
     # ------------------------------------------------------------------ block kernel
     def fused_merge_(self, out, lse, block_out, block_lse, rows) -> bool:
         """One Triton kernel where it applies (fp32 accumulators); False lets the ring merge eagerly."""
-        if self.fused_merge and fused_merge_supported(out, block_out):
-            fused_merge_(out, lse, block_out, block_lse, rows)
+        if self.fused_merge and kernels.fused_merge_supported(out, block_out):
+            kernels.fused_merge_(out, lse, block_out, block_lse, rows)
             return True
         return False
 
