@@ -202,3 +202,26 @@ def test_double_backward_is_refused_not_silently_wrong(world):
         return True
 
     assert xcp.LocalWorld(world).run(rank_fn) == [True] * world
+
+
+def test_unshard_names_a_shard_of_another_dtype_or_device():
+    a = torch.zeros(1, 4, 2, 3)
+    expected = r"shards\[1\]: expected dtype torch.float32 \(that of shards\[0\]\); got torch.float64"
+    with pytest.raises(TypeError, match=expected):
+        xcp.unshard([a, a.double()])
+    with pytest.raises(ValueError, match=r"shards\[1\]: expected device cpu \(that of shards\[0\]\); got meta"):
+        xcp.unshard([a, a.to("meta")])
+
+
+def test_numpy_scalars_are_accepted_like_python_ones():
+    np = pytest.importorskip("numpy")
+    q = torch.randn(1, 8, 2, 4, dtype=torch.float64)
+    want = xcp.attention(q, q, q, causal=True, scale=0.25)
+    got = xcp.attention(q, q, q, causal=np.bool_(True), scale=np.float32(0.25))
+    assert torch.equal(got, want)
+    assert torch.equal(xcp.shard(q, np.int64(2), np.int64(1)), xcp.shard(q, 2, 1))
+    assert torch.equal(xcp.shard(q, 2, 1, dim=np.int32(1)), xcp.shard(q, 2, 1))
+    with pytest.raises(ValueError, match=r"rank: expected an integer in \[0, 2\); got np.int64\(2\) \(int64\)"):
+        xcp.shard(q, 2, np.int64(2))
+    with pytest.raises(TypeError, match=r"causal: expected a bool \(or numpy.bool_\); got int"):
+        xcp.attention(q, q, q, causal=1)

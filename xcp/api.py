@@ -6,6 +6,7 @@ Every argument is checked up front; an error names the argument, what was expect
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -74,7 +75,7 @@ def check_inputs(q: Any, k: Any, v: Any) -> None:
 def _check_scale(scale: Any, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+    if schedule.is_bool(scale) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale: expected a positive finite number or None; got {scale!r}")
     return float(scale)
 
@@ -112,8 +113,9 @@ def attention(
     :returns: this rank's output, shaped and typed like q.
     """
     check_inputs(q, k, v)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool; got {type(causal).__name__}")
+    if not schedule.is_bool(causal):
+        raise TypeError(f"causal: expected a bool (or numpy.bool_); got {type(causal).__name__}")
+    causal = bool(causal)
     schedule.check_balance(balance)
     if policy is not None:
         warnings.warn("attention(policy=...) is now spelled slots=...", DeprecationWarning, stacklevel=2)
@@ -143,9 +145,9 @@ attention.__doc__ = attention.__doc__.replace("{layout}", _LAYOUT)
 
 
 def _check_dim(x: torch.Tensor, dim: int, name: str = "dim") -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+    if not schedule.is_integer(dim) or not -x.dim() <= dim < x.dim():
         raise ValueError(f"{name}: expected an integer in [{-x.dim()}, {x.dim()}); got {dim!r}")
-    return dim % x.dim()
+    return int(dim) % x.dim()
 
 
 def _slice(x: torch.Tensor, dim: int, start: int, stop: int, step: int) -> torch.Tensor:
@@ -165,6 +167,7 @@ def shard(
         raise TypeError(f"x: expected a torch.Tensor; got {type(x).__name__}")
     dim = _check_dim(x, dim)
     schedule.check_world(world_size, rank)
+    world_size, rank = int(world_size), int(rank)
     schedule.check_seq_len(x.shape[dim], world_size, balance, what=f"x.shape[{dim}]")
     parts = [_slice(x, dim, a, b, c) for a, b, c in schedule.chunk_slices(x.shape[dim], world_size, rank, balance)]
     if len(parts) > 1:
@@ -183,6 +186,10 @@ def unshard(shards: Sequence[torch.Tensor], dim: int = 1, balance: str = schedul
             raise ValueError(
                 f"shards[{r}]: expected shape {tuple(shards[0].shape)} (that of shards[0]); got {tuple(s.shape)}"
             )
+        if s.dtype != shards[0].dtype:
+            raise TypeError(f"shards[{r}]: expected dtype {shards[0].dtype} (that of shards[0]); got {s.dtype}")
+        if s.device != shards[0].device:
+            raise ValueError(f"shards[{r}]: expected device {shards[0].device} (that of shards[0]); got {s.device}")
     schedule.check_balance(balance)
     world = len(shards)
     dim = _check_dim(shards[0], dim)

@@ -13,6 +13,7 @@ serves any shard length: ``(0, 2)`` is the whole shard, ``(1, 2)`` its second ha
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 BALANCES = ("zigzag", "contiguous", "stripe")
@@ -53,12 +54,23 @@ def check_mask(mask: str) -> str:
 _NO_RANK = object()
 
 
+def is_integer(value: object) -> bool:
+    """True for Python and numpy integers (anything registered as ``numbers.Integral``), never for bools."""
+    return isinstance(value, numbers.Integral) and not is_bool(value)
+
+
+def is_bool(value: object) -> bool:
+    """True for ``bool`` and ``numpy.bool_``."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+
+
 def check_world(world_size: int, rank: object = _NO_RANK) -> None:
-    """Raise a ValueError unless ``world_size >= 1`` and (when a rank is given) ``0 <= rank < world_size``."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size: expected an integer >= 1; got {world_size!r}")
-    if rank is not _NO_RANK and (not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size):
-        raise ValueError(f"rank: expected an integer in [0, {world_size}); got {rank!r}")
+    """Raise a ValueError unless ``world_size >= 1`` and (when a rank is given) ``0 <= rank < world_size``;
+    numpy integers are integers too."""
+    if not is_integer(world_size) or world_size < 1:
+        raise ValueError(f"world_size: expected an integer >= 1; got {world_size!r} ({type(world_size).__name__})")
+    if rank is not _NO_RANK and (not is_integer(rank) or not 0 <= rank < world_size):  # type: ignore[operator]
+        raise ValueError(f"rank: expected an integer in [0, {world_size}); got {rank!r} ({type(rank).__name__})")
 
 
 @dataclass(frozen=True)
