@@ -11,8 +11,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -78,11 +76,6 @@ def test_pytest_plugin_module_imports_nothing_heavy():
     assert proc.stdout.strip() == "['xcp.testing', 'xcp.testing.pytest_plugin']", proc.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="xcp/__init__.py imports xcp.api and torch eagerly, and importing the plugin imports its parent "
-    "package; needs a lazy xcp/__init__.py (PEP 562 __getattr__). Remove this mark once it is.",
-)
 def test_importing_the_pytest_plugin_loads_neither_torch_nor_xcp_api():
     proc = run_python("import xcp.testing.pytest_plugin, sys; print('torch' in sys.modules, 'xcp.api' in sys.modules)")
     assert proc.returncode == 0, proc.stderr
