@@ -127,3 +127,87 @@ def test_distributed_bench_gloo_two_processes(tmp_path):
     policies = {m["policy"]: m for m in data["memory"]}
     assert policies["bounded"]["peak_kv_shards"] <= 4
     assert policies["keep_all"]["peak_ring_bytes"] >= policies["bounded"]["peak_ring_bytes"]
+
+
+# --- sizes default to the device; what does not fit is refused up front (issue 10, item 9) ---
+
+
+def test_cpu_bench_without_sizes_uses_the_small_cpu_defaults(capsys, monkeypatch):
+    """No size flags on the CPU: the small CPU grid (not the H200 grid, terabytes of scores on the CPU)."""
+    from xcp.cli import common
+
+    monkeypatch.setattr(common, "available_bytes", lambda backend, device: 1)  # refuse, to see the sizes
+    assert main(["bench", "--device", "cpu", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "H=8/2 D=64 float32" in err and "131072" not in err and "262144" not in err
+
+
+def test_bench_refuses_what_does_not_fit_in_memory(capsys):
+    assert main(["bench", "--device", "cpu", "--seqs", "1048576", "--worlds", "2", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "xcp bench: error: this configuration needs about" in err and "TiB" in err
+    assert "S=1048576" in err and "available RAM is" in err
+
+
+def test_size_defaults_follow_the_device_type():
+    import argparse
+
+    from xcp.cli.bench import SIZE_FLAGS
+    from xcp.cli.common import CPU_SIZES, DEVICE_SIZES, apply_size_defaults
+
+    class Device:
+        device_type = "cuda"
+
+    class Host:
+        device_type = "cpu"
+
+    args = argparse.Namespace(**{**dict.fromkeys(SIZE_FLAGS), "heads": 4})
+    note = apply_size_defaults(args, Device(), SIZE_FLAGS)
+    assert args.seqs == DEVICE_SIZES["seqs"] and args.heads == 4 and ", heads " not in note and "kv-heads 8" in note
+    args = argparse.Namespace(**dict.fromkeys(SIZE_FLAGS))
+    note = apply_size_defaults(args, Host(), SIZE_FLAGS)
+    assert args.seqs == CPU_SIZES["seqs"] and args.memory_seq == CPU_SIZES["memory_seq"]
+    assert note.startswith("small CPU defaults (cpu)")
+    given = argparse.Namespace(**{n: 1 for n in SIZE_FLAGS})
+    assert apply_size_defaults(given, Host(), SIZE_FLAGS) is None
+
+
+def test_cli_bench_header_says_which_defaults(tmp_path, capsys):
+    path = tmp_path / "b.json"
+    code = main(
+        ["bench", "--device", "cpu", "--seqs", "16", "--worlds", "2", "--heads", "2", "--kv-heads", "1",
+         "--head-dim", "4", "--reps", "1", "--warmup", "0", "--memory-seq", "16", "--memory-worlds", "2",
+         "--quiet", "--mask", "full", "--no-graph", "--json", str(path)]
+    )  # fmt: skip
+    assert code == 0
+    assert "sizes: small CPU defaults (cpu): dtype float32" in capsys.readouterr().out
+    assert json.loads(path.read_text())["meta"]["config"]["dtype"] == "float32"
+
+
+def test_bench_accepts_a_plugin_backend_whose_device_type_is_cpu(capsys, monkeypatch):
+    """--device names a backend (the tensors live on its device_type), and its sizes are the CPU's."""
+    from xcp.cpu import CPUBackend
+    from xcp.hookspecs import hookimpl
+    from xcp.plugins import register_plugin, unregister_plugin
+
+    class Renamed(CPUBackend):
+        name = "bench-test-cpu"
+
+    class Plugin:
+        @hookimpl
+        def xcp_register_backends(self, register):
+            register(Renamed())
+
+    plugin = Plugin()
+    register_plugin(plugin, "bench-test")
+    try:
+        code = main(
+            ["bench", "--device", "bench-test-cpu", "--seqs", "16", "--worlds", "2", "--heads", "2",
+             "--kv-heads", "1", "--head-dim", "4", "--reps", "1", "--warmup", "0", "--memory-seq", "16",
+             "--memory-worlds", "2", "--quiet", "--mask", "full", "--no-graph"]
+        )  # fmt: skip
+    finally:
+        unregister_plugin(plugin)
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "backend bench-test-cpu" in text and "small CPU defaults" in text

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+import xcp
 from xcp.cli import main
+from xcp.cpu import CPUBackend
+from xcp.hookspecs import hookimpl
+from xcp.plugins import backend_table, register_plugin, unregister_plugin
 
 
 def test_run_checks_and_prints_table(capsys):
@@ -37,15 +42,59 @@ def test_run_rejects_non_positive(capsys):
 def test_plan_table(capsys):
     assert main(["plan", "--world", "4", "--causal"]) == 0
     text = capsys.readouterr().out
-    assert "diagonal" in text and "lower" in text and "upper" in text
-    rows = text.splitlines()[3:7]  # title, legend, header, then one row per step
-    assert [row.count("src ") for row in rows] == [4, 4, 4, 4]
+    assert "D diagonal" in text and "L lower" in text and "U upper" in text
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("step"))
+    assert lines[head].split() == ["step", "r0", "r1", "r2", "r3", "kv", "peers"]
+    rows = [line.split() for line in lines[head + 1 : head + 5]]  # one row per step: 4 cells, then the peers
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"]
+    assert rows[0][1:9] == ["0D", "0.50", "1D", "0.50", "2D", "0.50", "3D", "0.50"]
+    assert rows[1][1:3] == ["3U", "0.50"] and rows[1][3:5] == ["0L", "0.50"]
+    assert [" ".join(r[9:]) for r in rows] == ["->r+1 <-r-1"] * 3 + ["none"]
+
+
+@pytest.mark.parametrize("world", [2, 5, 8, 16, 33])
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous", "stripe"])
+def test_plan_table_fits_100_columns_and_keeps_every_cell(capsys, world, balance):
+    assert main(["plan", "--world", str(world), "--causal", "--balance", balance]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    heads = [line.split() for line in lines if line.startswith("step")]
+    assert sorted(int(c[1:]) for h in heads for c in h[1:-2]) == list(range(world))  # every rank, once
+    rows = [line for line in lines if line[:1].isdigit()]
+    assert len(rows) == world * len(heads)  # one row per step in each block of ranks
+
+
+def test_plan_skip_cells_and_totals(capsys):
+    assert main(["plan", "--world", "4", "--causal", "--balance", "contiguous"]) == 0
+    text = capsys.readouterr().out
+    assert "x skip" in text and "F full" in text and "3x 0.00" in text
+    assert next(line for line in text.splitlines() if line.startswith("total")).split() == [
+        "total", "0.50", "1.50", "2.50", "3.50"]  # fmt: skip
 
 
 def test_plan_plot(tmp_path, capsys):
     path = tmp_path / "plan.png"
     assert main(["plan", "--world", "3", "--balance", "stripe", "--causal", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_plot_colours_by_share_of_work_and_fills_the_figure(tmp_path, capsys):
+    """Contiguous causal: skipped (0), diagonal (0.5) and full (1) cells get the colours of their share,
+    and no third of the figure is left blank."""
+    np = pytest.importorskip("numpy")
+    image = pytest.importorskip("matplotlib.image")
+    from matplotlib import colormaps
+
+    path = tmp_path / "plan.png"
+    assert main(["plan", "--world", "4", "--balance", "contiguous", "--causal", "--plot", str(path)]) == 0
+    rgb = image.imread(str(path))[..., :3]
+    for share in (0.0, 0.5, 1.0):
+        colour = np.array(colormaps["viridis"](share)[:3])
+        close = (np.abs(rgb - colour).max(axis=-1) < 0.02).mean()
+        assert close > 0.02, f"share {share}: {close:.3f} of the pixels have its colour"
+    blank_columns = (rgb.min(axis=(0, 2)) > 0.98).mean()
+    assert blank_columns < 0.15
 
 
 def test_backends_lists_cpu(capsys):
@@ -75,5 +124,125 @@ def test_run_under_torchrun_uses_the_process_group(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("torch.distributed (gloo), rank") == 2
-    assert proc.stdout.count("PASS") == 2
+    assert proc.stdout.count("torch.distributed (gloo), rank") == 1  # rank 0 alone prints the report
+    assert "rank 0 of 2" in proc.stdout
+    assert proc.stdout.count("PASS") == 1
+
+
+@pytest.mark.parametrize(("rank", "flags", "prints"), [("0", [], True), ("1", [], False), ("1", ["--all-ranks"], True)])
+def test_under_torchrun_only_rank_0_prints_unless_all_ranks(capsys, monkeypatch, rank, flags, prints):
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["plan", "--world", "2", *flags]) == 0
+    assert ("ring plan" in capsys.readouterr().out) == prints
+
+
+# --- backends by name (issue 10, item 8) ---
+
+
+class _RenamedCPU(CPUBackend):
+    name = "cli-test-cpu"  # a plug-in backend whose name is no torch device type
+
+
+class _SwitchedOff(CPUBackend):
+    name = "cli-test-off"
+
+    def available(self):
+        return False, "switched off for the test"
+
+
+class _TestPlugin:
+    @hookimpl
+    def xcp_register_backends(self, register):
+        register(_RenamedCPU())
+        register(_SwitchedOff())
+
+
+@pytest.fixture
+def test_backends():
+    plugin = _TestPlugin()
+    register_plugin(plugin, "cli-test")
+    yield
+    unregister_plugin(plugin)
+
+
+SMALL = ["--seq", "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "4", "--world", "2"]
+
+
+def test_run_accepts_a_backend_name(capsys, test_backends):
+    assert main(["run", "--device", "cli-test-cpu", *SMALL]) == 0
+    text = capsys.readouterr().out
+    assert "device cli-test-cpu" in text and "PASS" in text
+
+
+@pytest.mark.parametrize("device", ["nosuch", "cli-test-off", "cuda", "npu", "cli-test-cpu:x"])
+@pytest.mark.parametrize("tool", ["run", "bench"])
+def test_unknown_or_unusable_backend_is_xcps_error_with_the_table(capsys, test_backends, tool, device):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("cuda is usable here")
+    if device == "npu" and any(r.name == "npu" and r.available for r in backend_table()):
+        pytest.skip("npu is usable here")
+    args = SMALL if tool == "run" else ["--seqs", "32", "--worlds", "2", "--memory-seq", "32", "--quiet"]
+    assert main([tool, "--device", device, *args]) == 2  # an exception would fail the test: no traceback
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"xcp {tool}: error: ")
+    if device.endswith(":x"):
+        assert "expected a backend name, optionally with :INDEX" in captured.err
+    else:
+        assert f"backend {device!r} is" in captured.err
+        assert "installed backends:" in captured.err and "cpu: available" in captured.err
+        assert "cli-test-off: switched off for the test" in captured.err
+
+
+# --- version, python -m xcp, argument errors, help (issue 10, items 12 and 13) ---
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"xcp {xcp.__version__}"
+
+
+def test_python_dash_m_xcp_is_the_command(tmp_path):
+    import subprocess
+    import sys
+
+    version = subprocess.run([sys.executable, "-m", "xcp", "--version"], capture_output=True, text=True, cwd=tmp_path)
+    assert version.returncode == 0 and version.stdout.strip() == f"xcp {xcp.__version__}"
+    plan = subprocess.run([sys.executable, "-m", "xcp", "plan", "--world", "2"], capture_output=True, text=True,
+                          cwd=tmp_path)  # fmt: skip
+    assert plan.returncode == 0 and plan.stdout.startswith("ring plan: world 2")
+    bad = subprocess.run([sys.executable, "-m", "xcp", "plan", "--world", "x"], capture_output=True, text=True,
+                         cwd=tmp_path)  # fmt: skip
+    assert bad.returncode == 2 and "usage: xcp plan" in bad.stderr
+
+
+@pytest.mark.parametrize("tool", ["run", "plan", "sanitize"])
+def test_bad_integer_names_the_flag_and_shows_the_subcommand_usage(capsys, tool):
+    with pytest.raises(SystemExit) as exit_:
+        main([tool, "--world", "abc"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: xcp {tool} ")
+    assert "--world: expected an integer >= 1; got 'abc'" in err
+    assert "invalid" not in err
+
+
+@pytest.mark.parametrize(
+    ("tool", "shown"),
+    [
+        ("run", ["(default: 3072)", "(default: 4)", "(default: float32)", "(default: cpu)"]),
+        ("sanitize", ["(default: bounded)", "(default: float64)"]),
+        ("plan", ["(default: zigzag)"]),
+        ("bench", ["(default: 2,4,8)", "512,1024,2048 when the backend's device type is cpu", "(default: 5)"]),
+    ],
+)
+def test_help_shows_the_defaults(capsys, tool, shown):
+    with pytest.raises(SystemExit):
+        main([tool, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for default in shown:
+        assert default in text
+    assert "(default: None)" not in text

@@ -5,11 +5,14 @@ nothing in the library imports it."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from collections.abc import Sequence
 
+from .. import __version__
 from . import bench, bench_dist, plan, run
-from .common import DTYPES, Problem, add_problem_flags, positive
+from .common import DTYPES, HelpFormatter, Problem, add_problem_flags, positive, quiet_rank
 
 __all__ = ["build_parser", "main"]
 
@@ -52,12 +55,12 @@ def _add_sanitize(sub) -> None:
     from ..lifetime import HANDOFF_POLICIES, SLOT_POLICIES
 
     p = sub.add_parser("sanitize", help="run the ring under the CPU lifetime sanitizer; exit 1 on any finding")
-    p.add_argument("--world", type=positive, default=4)
-    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--world", type=positive, default=4, help="virtual ranks")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal mask")
     add_problem_flags(p, SANITIZE_DEFAULTS, ["balance"])
     p.add_argument("--handoff", choices=HANDOFF_POLICIES, default=None, help="default: the sim backend's own")
     p.add_argument("--backward", action="store_true", help="also run the backward ring (bound: 4 shards)")
-    p.add_argument("--policy", choices=SLOT_POLICIES, default="bounded")
+    p.add_argument("--policy", choices=SLOT_POLICIES, default="bounded", help="ring buffer slot policy")
     add_problem_flags(p, SANITIZE_DEFAULTS, ["dtype", "heads", "kv_heads", "head_dim"])
     p.add_argument("--seq", type=positive, default=None, help="global length; default 4 tokens per rank")
     p.add_argument("--calls", type=positive, default=1, help="calls per rank (more exercise the workspace)")
@@ -103,18 +106,30 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``xcp`` command."""
-    parser = argparse.ArgumentParser(prog="xcp", description="Context-parallel (ring) attention on any device.")
+    parser = argparse.ArgumentParser(
+        prog="xcp", description="Context-parallel (ring) attention on any device.", formatter_class=HelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"xcp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add, _ in COMMANDS.values():
         add(sub)
+    for name, p in sub.choices.items():
+        p.prog = f"{parser.prog} {name}"  # errors show the subcommand's usage
+        p.formatter_class = HelpFormatter  # --help shows the defaults
+        p.add_argument("--all-ranks", action="store_true",
+                       help="under torchrun, print on every rank (default: rank 0 only)")  # fmt: skip
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``xcp`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
+    quiet = quiet_rank() and not args.all_ranks
     try:
-        return COMMANDS[args.command][1](args)
+        with contextlib.ExitStack() as stack:
+            if quiet:  # rank 0 prints the report; the other ranks' errors still reach stderr
+                stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
+            return COMMANDS[args.command][1](args)
     except (ValueError, TypeError, RuntimeError) as exc:
         print(f"xcp {args.command}: error: {exc}", file=sys.stderr)
         return 2

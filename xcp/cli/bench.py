@@ -24,15 +24,18 @@ import torch
 
 from ..comm import LocalWorld, SingleRank
 from ..lifetime import track_buffers
-from ..plugins import select_backend
 from ..ring import RingConfig, ring_backward, ring_forward
 from .common import (
     DTYPES,
     MEASUREMENT_FLAGS,
     Clock,
     Measurement,
+    Problem,
     add_problem_flags,
+    apply_size_defaults,
+    attention_bytes,
     attention_flops,
+    check_memory,
     device_peak,
     error,
     measurement_args,
@@ -40,7 +43,8 @@ from .common import (
     positive,
     pyplot,
     random_inputs,
-    tool_device,
+    size_help,
+    tool_backend,
     whole_kernel,
     write_json,
 )
@@ -55,6 +59,7 @@ class BenchConfig(Measurement):
     memory_worlds: list[int] = field(default_factory=lambda: [2, 4, 8])
     graph: bool = True
     check: bool = True
+    sizes_note: str | None = None  # which device-dependent size defaults were used, for the header
 
     def validate(self) -> None:
         """Raise a ValueError naming the first field that cannot be measured."""
@@ -141,14 +146,34 @@ def _progress(done: int, total: int, label: str) -> None:
     sys.stderr.flush()
 
 
+def estimate_bytes(cfg: BenchConfig, device_type: str) -> tuple[int, str]:
+    """Estimated peak memory of the run and what needs it: the whole-sequence kernel at the largest seq, or
+    the ring at the memory figure's length over the fewest ranks. The math kernel (the cpu backend's, and a
+    device's for float64) materialises scores; fused device kernels are linear in the length."""
+    quadratic = device_type == "cpu" or cfg.dtype == "float64"
+    problem = Problem(cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dtype)
+    seq, world = max(cfg.seqs), min(cfg.memory_worlds)
+    candidates = [
+        (attention_bytes(problem, seq, 1, quadratic), f"fwd+bwd on the whole sequence at S={seq}"),
+        (
+            attention_bytes(problem, cfg.memory_seq, world, quadratic),
+            f"the memory figure at S={cfg.memory_seq}, P={world}",
+        ),
+    ]
+    needed, what = max(candidates)
+    shape = f"B={cfg.batch} H={cfg.heads}/{cfg.kv_heads} D={cfg.head_dim} {cfg.dtype}"
+    return needed, f"{what}, {shape}"
+
+
 def run_bench(cfg: BenchConfig, progress: bool = True, checkpoint: str | None = None) -> dict[str, Any]:
     """Measure every figure of ``cfg``; returns a JSON-ready dict (rows of timing, memory and graph).
 
     :param checkpoint: a JSON path rewritten after every figure, so a run cut short keeps what it measured.
+    :raises ValueError: a field cannot be measured, or the run would need more memory than there is.
     """
     cfg.validate()
-    backend = select_backend(cfg.device, None)
-    device = tool_device(backend, cfg.device, 0)
+    backend, device = tool_backend(cfg.device, 0)
+    check_memory(backend, device, *estimate_bytes(cfg, device.type))
     clock = Clock(backend, device)
     jobs = [(s, p, c) for s in cfg.seqs for c in cfg.causal for p in cfg.worlds]
     report: dict[str, Any] = {"meta": _meta(cfg, backend, device), "timing": [], "memory": [], "graph": None}
@@ -278,6 +303,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"backend {m['backend']} ({m['kernel']})",
         f"B={c['batch']} H={c['heads']} Hkv={c['kv_heads']} D={c['head_dim']} {c['dtype']} balance {c['balance']}, "
         f"median of {c['reps']} after {c['warmup']} warm-up",
+        *([f"sizes: {c['sizes_note']} (give the flags to change them)"] if c.get("sizes_note") else []),
         "",
         f"{'S':>8} {'P':>3} {'mask':>6} | {'fwd ref ms':>10} {'fwd ring ms':>11} {'ratio':>6} | "
         f"{'f+b ref ms':>10} {'f+b ring ms':>11} {'ratio':>6} {'TFLOP/s':>8} | check",
@@ -348,21 +374,46 @@ def plot_report(report: dict[str, Any], path: str) -> None:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     d = BenchConfig()
-    p = sub.add_parser("bench", help="ring overhead vs one whole-sequence kernel, memory, graph capture")
-    p.add_argument("--seqs", type=positive_list, default=d.seqs, help="comma-separated sequence lengths")
+    p = sub.add_parser(
+        "bench",
+        help="ring overhead vs one whole-sequence kernel, memory, graph capture",
+        description="Sizes default to the device: the H200 grid on a device, a small grid when the backend's "
+        "device type is cpu. A run whose estimated memory exceeds what the machine has is refused up front.",
+    )
+    p.add_argument(
+        "--seqs", type=positive_list, default=None, help=size_help("seqs", "comma-separated sequence lengths")
+    )
     p.add_argument("--worlds", type=positive_list, default=d.worlds, help="comma-separated virtual rank counts")
-    p.add_argument("--mask", choices=tuple(MASKS), default="both")
-    add_problem_flags(p, d, MEASUREMENT_FLAGS)
-    p.add_argument("--warmup", type=int, default=d.warmup)
-    p.add_argument("--reps", type=positive, default=d.reps)
-    p.add_argument("--memory-seq", type=positive, default=d.memory_seq)
-    p.add_argument("--memory-worlds", type=positive_list, default=d.memory_worlds)
+    p.add_argument("--mask", choices=tuple(MASKS), default="both", help="which masks to time")
+    add_problem_flags(p, d, [n for n in MEASUREMENT_FLAGS if n not in SIZE_FLAGS])
+    for name in ("heads", "kv_heads", "head_dim", "dtype"):
+        p.add_argument("--" + name.replace("_", "-"), default=None, **_size_flag(name))
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed runs before the timed ones")
+    p.add_argument("--reps", type=positive, default=d.reps, help="timed runs (the median is reported)")
+    p.add_argument(
+        "--memory-seq", type=positive, default=None, help=size_help("memory_seq", "length of the memory figure")
+    )
+    p.add_argument(
+        "--memory-worlds", type=positive_list, default=d.memory_worlds, help="rank counts of the memory figure"
+    )
     p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the graph-capture figure")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the correctness check")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw ratio vs S and memory vs P")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+SIZE_FLAGS = ("seqs", "memory_seq", "heads", "kv_heads", "head_dim", "dtype")
+"""The flags whose default depends on the device (see :data:`xcp.cli.common.CPU_SIZES`)."""
+
+
+def _size_flag(name: str) -> dict[str, Any]:
+    from .common import _FLAGS
+
+    flag = dict(_FLAGS[name])
+    flag["help"] = size_help(name, flag["help"])
+    return flag
 
 
 MASKS = {"both": [False, True], "causal": [True], "full": [False]}
@@ -380,7 +431,10 @@ def positive_list(text: str) -> list[int]:
 
 
 def command(args: argparse.Namespace) -> int:
+    backend, _ = tool_backend(args.device, 0)  # an unknown or unusable backend: the error and the table, first
+    note = apply_size_defaults(args, backend, SIZE_FLAGS)
     cfg = BenchConfig(
+        sizes_note=note,
         worlds=args.worlds,
         causal=MASKS[args.mask],
         memory_worlds=args.memory_worlds,

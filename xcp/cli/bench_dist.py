@@ -14,6 +14,7 @@ it for NCCL). Three figures, all printed by rank 0:
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,11 @@ from ..lifetime import track_buffers
 from .common import (
     Clock,
     Measurement,
+    Problem,
+    apply_size_defaults,
+    attention_bytes,
     attention_flops,
+    check_memory,
     device_peak,
     error,
     gather_whole,
@@ -33,6 +38,8 @@ from .common import (
     median,
     positive,
     random_inputs,
+    size_help,
+    tool_backend,
     under_torchrun,
     whole_kernel,
     write_json,
@@ -46,6 +53,21 @@ class DistBenchConfig(Measurement):
 
     check_seq: int = 32768
     reference_seq: int = 65536
+    sizes_note: str | None = None
+
+
+def estimate_bytes(cfg: DistBenchConfig, world: int, local_world: int, device_type: str) -> tuple[int, str]:
+    """Estimated peak memory of one machine: rank 0's whole-sequence kernel (check and reference) and each
+    rank's shard of the longest ring; on the CPU every local rank shares the machine's memory."""
+    quadratic = device_type == "cpu" or cfg.dtype == "float64"
+    problem = Problem(cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dtype)
+    whole = max(cfg.check_seq, cfg.reference_seq)
+    ring_seq = max(*cfg.seqs, cfg.memory_seq)
+    ring = attention_bytes(problem, ring_seq // world, 1, quadratic)
+    rank0 = attention_bytes(problem, whole, 1, quadratic) + ring
+    needed = rank0 + (local_world - 1) * ring if device_type == "cpu" else rank0
+    what = f"the whole-sequence kernel at S={whole} on rank 0, the ring at S={ring_seq} over {world} ranks"
+    return needed, what
 
 
 def _ring_step(cfg, shards, slots: str = "bounded"):
@@ -60,8 +82,11 @@ def run_distributed_bench(cfg: DistBenchConfig) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     backend, device, rank, world = join_process_group(cfg.device)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    check_memory(backend, device, *estimate_bytes(cfg, world, local_world, device.type))
     clock = Clock(backend, device)
     report: dict[str, Any] = {"world": world, "backend": backend.name, "dist_backend": dist.get_backend()}
+    report["sizes_note"] = cfg.sizes_note
 
     # correctness: gather the ring's results to rank 0 and compare with the whole-sequence kernel
     full = random_inputs(cfg, cfg.check_seq, device)  # the same seed, so the same sequence, on every rank
@@ -138,6 +163,8 @@ def format_distributed(report: dict[str, Any]) -> str:
     lines = [
         f"xcp bench --distributed: {report['world']} ranks, backend {report['backend']} over {report['dist_backend']}"
     ]
+    if report.get("sizes_note"):
+        lines.append(f"sizes: {report['sizes_note']} (give the flags to change them)")
     c = report["check"]
     lines.append(
         f"check S={c['seq']}: "
@@ -165,18 +192,23 @@ def format_distributed(report: dict[str, Any]) -> str:
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """The flags ``xcp bench`` takes for ``--distributed`` alone."""
-    d = DistBenchConfig()
     parser.add_argument("--distributed", action="store_true", help="real ranks under torchrun, one device each")
-    parser.add_argument("--check-seq", type=positive, default=d.check_seq,
-                        help="--distributed: length of the correctness check")  # fmt: skip
-    parser.add_argument("--reference-seq", type=positive, default=d.reference_seq,
-                        help="--distributed: whole-sequence reference")  # fmt: skip
+    parser.add_argument("--check-seq", type=positive, default=None,
+                        help=size_help("check_seq", "--distributed: length of the correctness check"))  # fmt: skip
+    parser.add_argument("--reference-seq", type=positive, default=None,
+                        help=size_help("reference_seq", "--distributed: whole-sequence reference"))  # fmt: skip
 
 
 def command(args: argparse.Namespace) -> int:
     if not under_torchrun():
         raise RuntimeError("--distributed: expected to run under torchrun (RANK and WORLD_SIZE set); they are not")
-    cfg = DistBenchConfig(check_seq=args.check_seq, reference_seq=args.reference_seq, **measurement_args(args))
+    from .bench import SIZE_FLAGS
+
+    backend, _ = tool_backend(args.device)  # an unknown or unusable backend: the error and the table, first
+    note = apply_size_defaults(args, backend, (*SIZE_FLAGS, "check_seq", "reference_seq"))
+    cfg = DistBenchConfig(
+        check_seq=args.check_seq, reference_seq=args.reference_seq, sizes_note=note, **measurement_args(args)
+    )
     try:
         report = run_distributed_bench(cfg)
     finally:

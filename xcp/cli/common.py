@@ -57,21 +57,95 @@ class Measurement(Problem):
 
 
 def positive(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = int(text)
+    """argparse type: an integer >= 1 (argparse prefixes the flag: ``--world: expected ...``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1; got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1; got {text!r}")
     return value
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each flag's default, except where there is none to show (None, a switch) or the help
+    text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if "%(default)" in help_text or "default:" in help_text or action.default in (None, argparse.SUPPRESS):
+            return help_text
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            return help_text
+        if isinstance(action.default, list):
+            return f"{help_text} (default: {','.join(map(str, action.default))})"
+        return super()._get_help_string(action)
+
+
+# What a size flag of ``xcp bench`` defaults to when it is not given: the H200 grid of issue 5 on a device,
+# and a grid a laptop finishes in a minute or two when the backend's device type is cpu (the math kernel
+# materialises S x S scores per head: the device grid would need terabytes there).
+DEVICE_SIZES: dict[str, Any] = {
+    "seqs": [16384, 65536, 131072],
+    "memory_seq": 262144,
+    "heads": 32,
+    "kv_heads": 8,
+    "head_dim": 128,
+    "dtype": "bfloat16",
+    "check_seq": 32768,
+    "reference_seq": 65536,
+}
+CPU_SIZES: dict[str, Any] = {
+    "seqs": [512, 1024, 2048],
+    "memory_seq": 4096,
+    "heads": 8,
+    "kv_heads": 2,
+    "head_dim": 64,
+    "dtype": "float32",
+    "check_seq": 1024,
+    "reference_seq": 2048,
+}
+
+
+def _sizes_text(sizes: dict[str, Any], names: Sequence[str]) -> str:
+    def show(v: Any) -> str:
+        return ",".join(map(str, v)) if isinstance(v, list) else str(v)
+
+    return ", ".join(f"{n.replace('_', '-')} {show(sizes[n])}" for n in names)
+
+
+def apply_size_defaults(args: argparse.Namespace, backend, names: Sequence[str]) -> str | None:
+    """Fill the size flags among ``names`` that the user left out (None) with the defaults of the backend's
+    device type; returns a line saying which defaults were used, or None when every size was given."""
+    sizes = CPU_SIZES if backend.device_type == "cpu" else DEVICE_SIZES
+    missing = [n for n in names if getattr(args, n, None) is None]
+    for name in missing:
+        setattr(args, name, list(sizes[name]) if isinstance(sizes[name], list) else sizes[name])
+    if not missing:
+        return None
+    kind = "small CPU" if sizes is CPU_SIZES else "device"
+    return f"{kind} defaults ({backend.device_type}): {_sizes_text(sizes, missing)}"
+
+
+def size_help(name: str, text: str) -> str:
+    """The help of a size flag: its text, then its default on a device and on the CPU."""
+    return (
+        f"{text} (default: {_sizes_text(DEVICE_SIZES, [name]).split(' ', 1)[1]} on a device, "
+        f"{_sizes_text(CPU_SIZES, [name]).split(' ', 1)[1]} when the backend's device type is cpu)"
+    )
+
+
 _FLAGS: dict[str, dict[str, Any]] = {
-    "batch": {"type": positive},
-    "heads": {"type": positive},
-    "kv_heads": {"type": positive},
-    "head_dim": {"type": positive},
-    "dtype": {"choices": list(DTYPES)},
-    "device": {"help": "backend name: cpu, cuda, npu, ..."},
-    "balance": {"choices": schedule.BALANCES},
+    "batch": {"type": positive, "help": "batch size"},
+    "heads": {"type": positive, "help": "query heads"},
+    "kv_heads": {"type": positive, "help": "key/value heads (a divisor of --heads)"},
+    "head_dim": {"type": positive, "help": "size of one head"},
+    "dtype": {"choices": list(DTYPES), "help": "dtype of q, k, v"},
+    "device": {
+        "help": "backend name as `xcp backends` lists it (cpu, cuda, npu, a plug-in's name), "
+        "optionally with a device index: cuda:1"
+    },  # fmt: skip
+    "balance": {"choices": schedule.BALANCES, "help": "how the sequence is cut into shards"},
 }
 PROBLEM_FLAGS = tuple(_FLAGS)
 
@@ -100,10 +174,77 @@ def measurement_args(args: argparse.Namespace) -> dict[str, Any]:
 def tool_device(backend, name: str, default_index: int | None = None) -> torch.device:
     """The torch device a tool runs on: the CPU, or the backend's device at the index ``name`` gives
     (``cuda:1``), else at ``default_index``."""
+    index = default_index
+    if ":" in name:
+        text = name.split(":", 1)[1]
+        if not text.isdigit():
+            raise ValueError(f"device: expected a backend name, optionally with :INDEX (cuda:1); got {name!r}")
+        index = int(text)
     if backend.device_type == "cpu":
         return torch.device("cpu")
-    index = int(name.split(":", 1)[1]) if ":" in name else default_index
     return torch.device(backend.device_type, index)
+
+
+def tool_backend(name: str, default_index: int | None = None):
+    """The backend ``--device`` names (a backend name such as ``tiled``, or a device type) and the torch
+    device its tensors live on (``backend.device_type``); raises BackendError (a RuntimeError) with the
+    table of installed backends when it is unknown or unusable here."""
+    backend = select_backend(name, None)
+    return backend, tool_device(backend, name, default_index)
+
+
+def available_bytes(backend, device: torch.device) -> int | None:
+    """Memory this machine can still give the tool: available RAM for a cpu device type (MemAvailable of
+    /proc/meminfo, else os.sysconf), free device memory where the device module reports it; else None."""
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    try:
+        free, _total = torch.get_device_module(device.type).mem_get_info(device)
+        return int(free)
+    except Exception:  # noqa: BLE001 - a device without the query: skip the check
+        return None
+
+
+def attention_bytes(problem: Problem, seq: int, world: int, quadratic: bool) -> int:
+    """Estimated peak bytes of forward+backward attention over ``seq`` tokens cut into ``world`` shards
+    that run at once: the inputs, outputs and gradients (three copies: whole kernel, ring, reference),
+    their accumulator-dtype copies, and, for a ``quadratic`` (math) kernel, about four score-sized
+    [B, H, S/P, S/P] buffers per shard."""
+    elt = DTYPES[problem.dtype].itemsize
+    acc = 8 if problem.dtype == "float64" else 4
+    tokens = problem.batch * seq * problem.head_dim
+    io = 3 * tokens * (2 * problem.heads + 2 * problem.kv_heads) * elt + 6 * tokens * problem.heads * acc
+    scores = 4 * problem.batch * problem.heads * (seq // world) ** 2 * acc * world if quadratic else 0
+    return io + scores
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def check_memory(backend, device: torch.device, needed: int, what: str) -> None:
+    """Refuse up front (ValueError) a run whose estimated memory exceeds what the machine has."""
+    have = available_bytes(backend, device)
+    if have is not None and needed > have:
+        where = "available RAM" if device.type == "cpu" else f"free memory on {device}"
+        raise ValueError(
+            f"this configuration needs about {human_bytes(needed)} ({what}) but {where} is {human_bytes(have)}; "
+            "give smaller sizes (--seqs, --memory-seq, --heads, --head-dim, --dtype)"
+        )
 
 
 def random_inputs(problem: Problem, seq: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -199,13 +340,17 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def quiet_rank() -> bool:
+    """True on every rank but 0 under torchrun: those print nothing unless ``--all-ranks`` is given."""
+    return under_torchrun() and os.environ.get("RANK", "0") != "0"
+
+
 def join_process_group(device_name: str):
     """Under torchrun: select the backend, put this rank on its local device and join the default process
     group; returns ``(backend, device, rank, world size)``."""
     import torch.distributed as dist
 
-    backend = select_backend(device_name, None)
-    device = tool_device(backend, device_name, int(os.environ.get("LOCAL_RANK", "0")))
+    backend, device = tool_backend(device_name, int(os.environ.get("LOCAL_RANK", "0")))
     backend.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend.dist_backend)

@@ -17,7 +17,6 @@ import torch
 from ..api import attention, shard, unshard
 from ..comm import LocalWorld, resolve_group
 from ..lifetime import track_buffers
-from ..plugins import select_backend
 from ..ring import RingConfig, ring_backward, ring_forward
 from .common import (
     DTYPES,
@@ -31,7 +30,7 @@ from .common import (
     problem_args,
     random_inputs,
     reference,
-    tool_device,
+    tool_backend,
     under_torchrun,
 )
 
@@ -118,8 +117,7 @@ def run_demo(cfg: RunConfig) -> RunResult:
     """Run the demo on a LocalWorld, or on the torch.distributed world when torchrun started us."""
     if under_torchrun():
         return _run_distributed(cfg)
-    backend = select_backend(cfg.device, None)
-    device = tool_device(backend, cfg.device)
+    backend, device = tool_backend(cfg.device)
     full = random_inputs(cfg, cfg.seq, device, cfg.seed)
     world = LocalWorld(cfg.world, device=device)
     results = world.run(_rank_step, cfg, backend, full, device.type != "cpu")
@@ -162,12 +160,13 @@ def add_parser(sub) -> None:
     add_problem_flags(p, d, ["batch"])  # interleaved with the run's own flags, in the order of --help
     p.add_argument("--seq", type=positive, default=d.seq, help="global sequence length")
     add_problem_flags(p, d, ["heads", "kv_heads", "head_dim", "dtype"])
-    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=d.causal)
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=d.causal, help="causal mask")
     add_problem_flags(p, d, ["balance", "device"])
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the random inputs")
 
 
 def command(args: argparse.Namespace) -> int:
+    tool_backend(args.device)  # an unknown or unusable backend: xcp's error and the backend table, first
     cfg = RunConfig(world=args.world, seq=args.seq, causal=args.causal, seed=args.seed, **problem_args(args))
     result = run_demo(cfg)
     print(result.table())
