@@ -83,8 +83,8 @@ def core_files() -> list[Path]:
 
 
 def library_files() -> list[Path]:
-    """xcp/ without its tools (cli/) and xcp.testing."""
-    return [p for p in core_files() if p.relative_to(CORE).parts[0] != "cli"]
+    """xcp/ without its tools (cli/ and the ``python -m xcp`` entry point) and xcp.testing."""
+    return [p for p in core_files() if p.relative_to(CORE).parts[0] not in ("cli", "__main__.py")]
 
 
 def _package(path: Path) -> str:

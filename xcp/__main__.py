@@ -1,10 +1,9 @@
-"""``python -m xcp``: the ``xcp`` command without the console script.
+"""``python -m xcp``: the ``xcp`` command without the console script (an entry point of the tools, like
+xcp/cli/, so the layering test does not count it as a library module)."""
 
-It hands over to ``python -m xcp.cli`` (whose ``__main__`` calls :func:`xcp.cli.main`) by module name,
-so that this entry point does not make the library import its tools (tests/test_purity.py).
-"""
+import sys
 
-import runpy
+from .cli import main
 
 if __name__ == "__main__":
-    runpy.run_module("xcp.cli", run_name="__main__", alter_sys=True)
+    sys.exit(main())
