@@ -117,3 +117,21 @@ def test_example_runs(block: Block, document_dir):
     proc = run(cmd, cwd)
     output = proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.returncode == 0, f"{block} failed:\n{block.code}\n--- output:\n{output}"
+
+
+def readme_ci_command(name: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    m = re.search(rf"^<!-- ci: {name} -->\n```bash\n(.*?)\n```$", text, re.M | re.S)
+    assert m, f"README.md: no ```bash block right after <!-- ci: {name} -->"
+    return m.group(1)
+
+
+def test_readme_commands_are_the_ones_ci_runs():
+    run_cmd, test_cmd = readme_ci_command("install-and-run"), readme_ci_command("install-and-test")
+    for cmd in (run_cmd, test_cmd):
+        assert "\n" not in cmd and "pip install torch==2.13.0" in cmd
+    assert run_cmd.endswith("xcp run")
+    # The tests need the example backend (tests/test_example_backend.py): the command installs it.
+    assert "-e examples/xcp-tiled-backend" in test_cmd and test_cmd.endswith("python -m pytest -q")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "<!-- ci: $1 -->" in ci and "install-and-run install-and-test" in ci and "ruff check ." in ci
