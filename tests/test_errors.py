@@ -79,6 +79,14 @@ def test_attention_rejects_bad_tensors(q, k, v, exc, parts):
         ({"handoff": "copy"}, ValueError, ["handoff: expected one of record_stream, clone, event, none", "'copy'"]),
         ({"group": 3}, TypeError, ["group: expected a torch.distributed ProcessGroup", "got int"]),
         ({"group": "world"}, TypeError, ["group: expected", "xcp.LocalWorld", "got str"]),
+        ({"timeout": 0}, ValueError, ["timeout: expected a positive finite number of seconds or None", "got 0"]),
+        ({"timeout": "5"}, ValueError, ["timeout: expected a positive finite", "got '5'"]),
+        ({"timeout": float("inf")}, ValueError, ["timeout: expected a positive finite", "got inf"]),
+        (
+            {"timeout": 5, "group": xcp.LocalWorld(1).group(0)},
+            ValueError,
+            ["timeout: applies to torch.distributed groups", "LocalWorld(timeout=...)"],
+        ),
     ],
 )
 def test_attention_rejects_bad_options(kwargs, exc, parts):
@@ -225,3 +233,20 @@ def test_numpy_scalars_are_accepted_like_python_ones():
         xcp.shard(q, 2, np.int64(2))
     with pytest.raises(TypeError, match=r"causal: expected a bool \(or numpy.bool_\); got int"):
         xcp.attention(q, q, q, causal=1)
+
+
+@pytest.mark.parametrize(("raw", "want"), [("", None), ("  ", None), ("2.5", 2.5), ("30", 30.0)])
+def test_the_timeout_environment_variable(monkeypatch, raw, want):
+    from xcp.comm import timeout_from_env
+
+    monkeypatch.setenv("XCP_TIMEOUT", raw)
+    assert timeout_from_env() == want
+
+
+@pytest.mark.parametrize("raw", ["soon", "0", "-3", "nan", "inf"])
+def test_a_bad_timeout_environment_variable_is_named(monkeypatch, raw):
+    from xcp.comm import timeout_from_env
+
+    monkeypatch.setenv("XCP_TIMEOUT", raw)
+    with raises(ValueError, "XCP_TIMEOUT: expected a positive", repr(raw) if raw == "soon" else raw):
+        timeout_from_env()

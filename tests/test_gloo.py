@@ -9,6 +9,7 @@ saves its shards. The parent unshards them and compares with the float64 whole-s
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -121,3 +122,113 @@ def test_gloo_matches_the_reference(tmp_path, reference, world):
             assert got.dtype == torch.float64
             err = (got - getattr(want, tensor)).abs().max().item()
             assert err <= 1e-10, f"{name} {tensor}: max abs error {err:.3e}"
+
+
+FAULT_WORKER = textwrap.dedent(
+    """
+    import datetime, json, os, sys, time
+    import torch, torch.distributed as dist
+    import xcp
+
+    rank, world, workdir, scenario = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dist.init_process_group(
+        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 6 * world, 2, 4, dtype=torch.float64) for _ in range(3))
+    local = [xcp.shard(x, world, rank) for x in (q, k, v)]
+
+    def outcome(fn):
+        start = time.monotonic()
+        try:
+            fn()
+            return {"ok": True, "seconds": time.monotonic() - start}
+        except Exception as exc:
+            return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
+
+    results = {}
+    if scenario == "disagree":  # rank 1 alone asks for full attention, then all agree
+        results["first"] = outcome(lambda: xcp.attention(*local, causal=rank != 1))
+        results["then"] = outcome(lambda: xcp.attention(*local, causal=True))
+    else:  # "stuck": all agree once, then the last rank sleeps in user code while the others call again
+        results["first"] = outcome(lambda: xcp.attention(*local, causal=True))
+        if rank == world - 1:
+            time.sleep(120)
+        kwargs = {} if rank == 1 else {"timeout": 2}  # rank 1 takes its bound from XCP_TIMEOUT
+        results["then"] = outcome(lambda: xcp.attention(*local, causal=True, **kwargs))
+    with open(f"{workdir}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    os._exit(0)  # no barrier or teardown: a peer may be asleep
+    """
+)
+
+
+def run_fault_ranks(world: int, workdir: Path, scenario: str, wait_for: list[int]) -> dict[int, dict]:
+    """Start ``world`` ranks of FAULT_WORKER; wait (60 s at most) for the ranks ``wait_for``, kill the rest."""
+    script = workdir / "fault_worker.py"
+    script.write_text(FAULT_WORKER)
+    env = dict(os.environ, OMP_NUM_THREADS="1", XCP_TIMEOUT="2")
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(world), str(workdir), scenario],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    try:
+        logs = {}
+        for r in wait_for:
+            try:
+                logs[r] = procs[r].communicate(timeout=60)[0]
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"gloo rank {r} did not finish within 60 s ({scenario})")
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    results = {}
+    for r in wait_for:
+        path = workdir / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote no result:\n{logs[r]}"
+        results[r] = json.loads(path.read_text())
+    return results
+
+
+def test_a_stuck_gloo_peer_fails_the_others_within_the_bound(tmp_path):
+    results = run_fault_ranks(3, tmp_path, "stuck", wait_for=[0, 1])
+    for r in (0, 1):
+        assert results[r]["first"]["ok"], results[r]
+        then = results[r]["then"]
+        assert then.get("error") == "CommTimeout", then
+        assert then["seconds"] < 20, f"rank {r} waited {then['seconds']:.1f} s against a bound of 2 s"
+        assert "no progress within 2 s" in then["message"] and "is rank 2 stuck" in then["message"]
+    # rank 0 waits to receive from the sleeper; rank 1 to send to it: both at step 0 of the K/V ring
+    assert results[0]["then"]["message"].startswith("xcp: rank 0 receiving kv0 from rank 2 at step 0")
+    assert results[1]["then"]["message"].startswith("xcp: rank 1 sending kv0 to rank 2 at step 0")
+
+
+def test_gloo_ranks_that_disagree_all_raise_and_then_recover(tmp_path):
+    results = run_fault_ranks(3, tmp_path, "disagree", wait_for=[0, 1, 2])
+    messages = {results[r]["first"].get("message") for r in range(3)}
+    assert len(messages) == 1, messages
+    (message,) = messages
+    assert {results[r]["first"].get("error") for r in range(3)} == {"ValueError"}
+    assert "causal (ranks 0, 2: True; rank 1: False)" in message
+    assert all(results[r]["then"].get("ok") for r in range(3)), results
+
+
+def test_which_waits_xcp_bounds(monkeypatch):
+    from xcp.comm import DEFAULT_TIMEOUT, DistCommunicator
+
+    comm = DistCommunicator.__new__(DistCommunicator)  # the bound alone, without a process group
+    comm.timeout = None
+    assert comm.wait_bound(torch.device("cpu")) == DEFAULT_TIMEOUT  # gloo's wait blocks the host anyway
+    assert comm.wait_bound(torch.device("cuda", 0)) is None  # a stream wait: the process group's timeout
+    comm.timeout = 3.0
+    assert comm.wait_bound(torch.device("cuda", 0)) == 3.0  # asked for: the host waits, bounded

@@ -333,5 +333,3 @@ def test_identity_and_gqa_flag(monkeypatch):
     assert NPUBackend().gqa == "repeat"
     with pytest.raises(ValueError, match="gqa: expected one of native, repeat; got 'x'"):
         NPUBackend(gqa="x")
-
-

@@ -87,7 +87,10 @@ def test_pytest_plugin_does_nothing_without_its_option(tmp_path):
     (tmp_path / "test_one.py").write_text("def test_one():\n    pass\n")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "xcp.testing.pytest_plugin", "--help"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     assert "--xcp-backend" in proc.stdout

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .api import attention, shard, unshard
     from .backend import Backend, SynchronousBackend
-    from .comm import Communicator, LocalGroup, LocalWorld
+    from .comm import CommTimeout, Communicator, LocalGroup, LocalWorld
     from .hookspecs import hookimpl
     from .lifetime import BufferLedger, track_buffers
     from .plugins import backend_table, get_backend, list_backends, register_plugin, unregister_plugin
@@ -24,6 +24,7 @@ _EXPORTS = {
     "BALANCES": "schedule",
     "Backend": "backend",
     "BufferLedger": "lifetime",
+    "CommTimeout": "comm",
     "Communicator": "comm",
     "LocalGroup": "comm",
     "LocalWorld": "comm",
@@ -51,6 +52,7 @@ __all__ = [
     "BALANCES",
     "Backend",
     "BufferLedger",
+    "CommTimeout",
     "Communicator",
     "LocalGroup",
     "LocalWorld",

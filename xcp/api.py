@@ -92,6 +92,7 @@ def attention(
     device: str | torch.device | None = None,
     slots: str = "bounded",
     handoff: str | None = None,
+    timeout: float | None = None,
     policy: str | None = None,
 ) -> torch.Tensor:
     """Ring attention over the ranks of ``group``; differentiable in q, k and v.
@@ -109,6 +110,10 @@ def attention(
         kept; for comparisons only).
     :param handoff: the hand-off policy, overriding the backend's (``record_stream``, ``clone``,
         ``event``, ``none``).
+    :param timeout: seconds a wait on a peer of a torch.distributed group may take before a
+        :class:`xcp.CommTimeout` naming this rank, the peer, the step and the tag; default ``XCP_TIMEOUT``,
+        else 600 s where the wait blocks the host (gloo) and the process group's own timeout for device
+        waits (NCCL, HCCL). A LocalWorld bounds its waits by its own ``timeout``.
     :param policy: the former name of ``slots`` (deprecated).
     :returns: this rank's output, shaped and typed like q.
     """
@@ -124,7 +129,7 @@ def attention(
     if handoff is not None:
         check_handoff(handoff)
     scale = _check_scale(scale, q.shape[3])
-    comm = resolve_group(group)
+    comm = resolve_group(group, timeout)
     backend = select_backend(None if device is None else str(device), q.device.type)
     if backend.device_type != q.device.type:
         raise ValueError(f"device: backend {backend.name!r} runs on {backend.device_type} tensors; q is on {q.device}")

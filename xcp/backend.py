@@ -156,8 +156,15 @@ class Backend:
 
     @required
     def backward(
-        self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-        lse: torch.Tensor, mask: str, scale: float,
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        mask: str,
+        scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of one block given the *merged* output and log-sum-exp of the whole row.
 

@@ -13,6 +13,10 @@ tag, backend) -> work``, ``work.wait()``, ``rank_store()``):
 
 from __future__ import annotations
 
+import datetime
+import math
+import numbers
+import os
 import queue
 import threading
 import time
@@ -27,7 +31,13 @@ from .lifetime import thread_store
 Sends = Sequence[tuple[torch.Tensor, int]]
 Recvs = Sequence[tuple[torch.Tensor, int]]
 
-_TAGS = {"kv": 1, "dkv": 2}
+_TAGS = {"kv": 1, "dkv": 2, "agree": 3}
+
+TIMEOUT_ENV = "XCP_TIMEOUT"
+DEFAULT_TIMEOUT = 600.0
+"""Seconds a torch.distributed wait that blocks the host (gloo, CPU tensors) may take when neither
+``timeout=`` nor ``XCP_TIMEOUT`` says otherwise: gloo's own bound is the process group's (30 minutes by
+default), far too long to learn that a peer is stuck."""
 
 
 class RankAborted(RuntimeError):
@@ -35,7 +45,34 @@ class RankAborted(RuntimeError):
 
 
 class CommTimeout(TimeoutError):
-    """A virtual rank waited longer than its world's timeout for a peer."""
+    """A rank waited longer than its bound for a peer (a LocalWorld's ``timeout``, or ``XCP_TIMEOUT`` /
+    ``timeout=`` on a torch.distributed group); the message names the rank, the peer, the step and the tag."""
+
+
+def check_timeout(timeout: Any, name: str = "timeout") -> float | None:
+    """``timeout`` as float seconds (None stays None); a ValueError naming ``name`` unless positive and finite."""
+    if timeout is None:
+        return None
+    real = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
+    if not real or not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"{name}: expected a positive finite number of seconds or None; got {timeout!r}")
+    return float(timeout)
+
+
+def timeout_from_env() -> float | None:
+    """The bound set by ``XCP_TIMEOUT`` (seconds), or None when it is unset or empty."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}: expected a positive number of seconds; got {raw!r}") from None
+    return check_timeout(value, name=TIMEOUT_ENV)
+
+
+def _at_step(step: int | None) -> str:
+    return "" if step is None else f" at step {step}"
 
 
 class Work(Protocol):
@@ -61,10 +98,11 @@ class Communicator(Protocol):
     def size(self) -> int:
         """The number of ranks (the world size of the ring)."""
 
-    def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any) -> Work:
+    def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any, step: int | None = None) -> Work:
         """Send each ``(tensor, peer)`` of ``sends`` and receive into each ``(buffer, peer)`` of ``recvs``.
 
-        Issued on the backend's current stream; ``tag`` (``kv`` or ``dkv``) keeps channels apart.
+        Issued on the backend's current stream; ``tag`` (``kv``, ``dkv`` or ``agree``) keeps channels apart;
+        ``step`` (the ring step, when there is one) is for error messages.
         """
 
     def rank_store(self) -> dict:
@@ -90,18 +128,25 @@ class SingleRank:
     def rank_store(self) -> dict:
         return thread_store()
 
-    def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any) -> Work:
+    def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any, step: int | None = None) -> Work:
         if sends or recvs:
             raise RuntimeError("a world of one rank has no peer to exchange with")
         return _DoneWork()
 
 
 class DistCommunicator:
-    """Point-to-point over a torch.distributed process group (``batch_isend_irecv``)."""
+    """Point-to-point over a torch.distributed process group (``batch_isend_irecv``).
+
+    :param timeout: seconds a wait on a peer may take before :class:`CommTimeout`; None reads
+        ``XCP_TIMEOUT``. Without either, waits that block the host anyway (CPU tensors, gloo) are bounded
+        by :data:`DEFAULT_TIMEOUT`, and device waits (NCCL, HCCL), which only order streams and never block
+        the host, are left to the process group's own timeout. An explicit bound applies to device waits
+        too, at a price: each wait then blocks the host until the transfer has landed.
+    """
 
     ranks_are_threads = False
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, timeout: float | None = None) -> None:
         import torch.distributed as dist
 
         self._dist = dist
@@ -109,6 +154,13 @@ class DistCommunicator:
         self._size = dist.get_world_size(self.group)
         self._rank = dist.get_rank(self.group)
         self._global = [dist.get_global_rank(self.group, r) for r in range(self._size)]
+        timeout = check_timeout(timeout)
+        self.timeout = timeout if timeout is not None else timeout_from_env()
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The global ranks of the group, in group order."""
+        return tuple(self._global)
 
     def rank(self) -> int:
         return self._rank
@@ -119,7 +171,13 @@ class DistCommunicator:
     def rank_store(self) -> dict:
         return thread_store()
 
-    def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any) -> Work:
+    def wait_bound(self, device: torch.device) -> float | None:
+        """Seconds a wait on ``device`` tensors may take (None: unbounded by xcp)."""
+        if self.timeout is not None:
+            return self.timeout
+        return DEFAULT_TIMEOUT if device.type == "cpu" else None
+
+    def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any, step: int | None = None) -> Work:
         dist = self._dist
         base = _TAGS[tag] * 16
         # P2P needs contiguous tensors; a copy made here is on the current (comm) stream, which the process
@@ -129,16 +187,42 @@ class DistCommunicator:
         ops += [dist.P2POp(dist.irecv, b, self._global[p], self.group, base + i) for i, (b, p) in enumerate(recvs)]
         if not ops:
             return _DoneWork()
-        return _DistWork(dist.batch_isend_irecv(ops))
+        what = [f"sending {tag}{i} to rank {p}" for i, (_, p) in enumerate(sends)]
+        what += [f"receiving {tag}{i} from rank {p}" for i, (_, p) in enumerate(recvs)]
+        peers = [p for _, p in sends] + [p for _, p in recvs]
+        bound = self.wait_bound((sends[0][0] if sends else recvs[0][0]).device)
+        return _DistWork(dist.batch_isend_irecv(ops), list(zip(what, peers)), self._who(), step, bound)
+
+    def _who(self) -> str:
+        me = self._global[self._rank]
+        return f"rank {self._rank}" + ("" if me == self._rank else f" (global rank {me})")
 
 
 class _DistWork:
-    def __init__(self, requests: list) -> None:
-        self._requests = requests
+    """Requests in flight; ``wait`` bounds them together by one deadline when a bound is set."""
+
+    def __init__(self, requests: list, what: list[tuple[str, int]], who: str, step: int | None, bound: float | None):
+        self._requests, self._what, self._who, self._step, self._bound = requests, what, who, step, bound
 
     def wait(self) -> None:
-        for req in self._requests:
-            req.wait()
+        if self._bound is None:
+            for req in self._requests:
+                req.wait()
+            return
+        start = time.monotonic()
+        deadline = start + self._bound
+        for req, (what, peer) in zip(self._requests, self._what):
+            left = max(deadline - time.monotonic(), 0.001)
+            try:
+                req.wait(datetime.timedelta(seconds=left))
+            except RuntimeError as exc:
+                where = f"xcp: {self._who} {what}{_at_step(self._step)}"
+                if time.monotonic() >= deadline - 0.05 * self._bound or "timed out" in str(exc).lower():
+                    raise CommTimeout(
+                        f"{where}: no progress within {self._bound:g} s; is rank {peer} stuck or gone? "
+                        f"(the bound is xcp.attention(timeout=...) or {TIMEOUT_ENV})"
+                    ) from exc
+                raise RuntimeError(f"{where} failed: {exc}") from exc
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -174,11 +258,11 @@ class LocalWorld:
     def __init__(self, world_size: int, device: str | torch.device = "cpu", timeout: float = 120.0) -> None:
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"world_size: expected an integer >= 1; got {world_size!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout: expected a positive number of seconds; got {timeout!r}")
         self.world_size = world_size
         self.device = torch.device(device)
-        self.timeout = float(timeout)
+        self.timeout = check_timeout(timeout)
+        if self.timeout is None:
+            raise ValueError("timeout: expected a positive finite number of seconds; got None")
         self._lock = threading.Lock()
         self._boxes: dict[tuple, queue.Queue] = {}
         self._failure: tuple[int, BaseException] | None = None
@@ -330,7 +414,7 @@ class LocalGroup:
         """A dict kept per rank for the life of the world (xcp.lifetime keeps streams and buffers there)."""
         return self.world._rank_store(self._rank)
 
-    def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any) -> _LocalWork:
+    def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any, step: int | None = None) -> _LocalWork:
         """Post ``recvs``, then copy each send into its peer's posted buffer on the current stream.
 
         Blocks (on the host) until each peer has posted the matching receive; never waits on a device.
@@ -339,7 +423,7 @@ class LocalGroup:
             raise ValueError(f"tag: expected one of {', '.join(_TAGS)}; got {tag!r}")
         world, me = self.world, self._rank
         if not sends and not recvs:
-            return _LocalWork(self, backend, [], tag)
+            return _LocalWork(self, backend, [], tag, step)
         device = (sends[0][0] if sends else recvs[0][0]).device
         stream = backend.current_stream(device)
         if recvs:
@@ -350,7 +434,9 @@ class LocalGroup:
         if sends:
             waited: list[Any] = []
             for i, (tensor, peer) in enumerate(sends):
-                post = world._take(me, ("post", me, peer, tag, i), f"rank {peer} to post receive {tag}{i}")
+                post = world._take(
+                    me, ("post", me, peer, tag, i), f"rank {peer} to post receive {tag}{i}{_at_step(step)}"
+                )
                 if post.buf.shape != tensor.shape or post.buf.dtype != tensor.dtype:
                     raise RuntimeError(
                         f"rank {me}: sending {tag}{i} shaped {tuple(tensor.shape)} {tensor.dtype} to rank {peer}, "
@@ -366,12 +452,12 @@ class LocalGroup:
             backend.record_event(done, stream)
             for i, (_, peer) in enumerate(sends):
                 world._box(("done", me, peer, tag, i)).put(done)
-        return _LocalWork(self, backend, [(buf.device, peer, i) for i, (buf, peer) in enumerate(recvs)], tag)
+        return _LocalWork(self, backend, [(buf.device, peer, i) for i, (buf, peer) in enumerate(recvs)], tag, step)
 
 
 class _LocalWork:
-    def __init__(self, group: LocalGroup, backend: Any, recvs: list, tag: str) -> None:
-        self._group, self._backend, self._recvs, self._tag = group, backend, recvs, tag
+    def __init__(self, group: LocalGroup, backend: Any, recvs: list, tag: str, step: int | None) -> None:
+        self._group, self._backend, self._recvs, self._tag, self._step = group, backend, recvs, tag, step
         self._waited = False
 
     def wait(self) -> None:
@@ -382,28 +468,39 @@ class _LocalWork:
         g, be = self._group, self._backend
         waited: list[Any] = []
         for device, peer, i in self._recvs:
-            done = g.world._take(g._rank, ("done", peer, g._rank, self._tag, i), f"{self._tag}{i} from rank {peer}")
+            key = ("done", peer, g._rank, self._tag, i)
+            done = g.world._take(g._rank, key, f"{self._tag}{i} from rank {peer}{_at_step(self._step)}")
             if not any(done is e for e in waited):
                 be.wait_event(be.current_stream(device), done)
                 waited.append(done)
 
 
-def resolve_group(group: Any) -> Communicator:
+def resolve_group(group: Any, timeout: float | None = None) -> Communicator:
     """The communicator for ``group``: a LocalGroup or communicator as is, a ProcessGroup wrapped, None
-    the default process group when torch.distributed is initialised, else a world of one."""
+    the default process group when torch.distributed is initialised, else a world of one.
+
+    :param timeout: the wait bound of a torch.distributed group (see :class:`DistCommunicator`); other
+        groups carry their own, and a ValueError says so when one is given for them.
+    """
+    timeout = check_timeout(timeout)
     if group is None:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            return DistCommunicator(None)
+            return DistCommunicator(None, timeout)
         return SingleRank()
     if isinstance(group, Communicator):
+        if timeout is not None:
+            raise ValueError(
+                f"timeout: applies to torch.distributed groups; {group!r} bounds its own waits "
+                "(a LocalWorld's by LocalWorld(timeout=...))"
+            )
         return group
     try:
         import torch.distributed as dist
 
         if isinstance(group, dist.ProcessGroup):
-            return DistCommunicator(group)
+            return DistCommunicator(group, timeout)
     except (ImportError, AttributeError):  # pragma: no cover - torch built without distributed
         pass
     raise TypeError(

@@ -18,6 +18,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import schedule
+from .agreement import check_agreement
 from .backend import Backend
 from .comm import Communicator
 from .kernels.merge import accumulator_dtype, merge_, new_accumulators
@@ -82,7 +83,7 @@ class _KVRing:
         with call.on_comm():
             call.comm_after_compute()  # the slot nxt was last read by the previous step's compute
             send = call.hand_to_comm(self.current, "kv", ordered=True)
-            self._work = _exchange(self.comm, send, nxt, step.send_to, step.recv_from, "kv", call.backend)
+            self._work = _exchange(self.comm, send, nxt, step.send_to, step.recv_from, "kv", call.backend, step.step)
 
     def views(self, keys: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows ``keys`` of the shard held now (pass them on, do not keep them: a kept view keeps
@@ -95,9 +96,9 @@ class _KVRing:
             self.current, self._work, self._next = self._next, None, None
 
 
-def _exchange(comm: Communicator, send, recv, to: int, frm: int, tag: str, backend: Backend) -> Any:
+def _exchange(comm: Communicator, send, recv, to: int, frm: int, tag: str, backend: Backend, step: int) -> Any:
     """Send the tensors of ``send`` to rank ``to`` and receive ``recv`` from rank ``frm``, pairwise."""
-    return comm.exchange([(t, to) for t in send], [(b, frm) for b in recv], tag, backend)
+    return comm.exchange([(t, to) for t in send], [(b, frm) for b in recv], tag, backend, step=step)
 
 
 def ring_forward(
@@ -110,6 +111,7 @@ def ring_forward(
     of two slots (docs/design.md, buffer lifetime rules; xcp/lifetime.py).
     """
     comm, backend = cfg.comm, cfg.backend
+    check_agreement(comm, backend, q, k, v, cfg)
     n = q.shape[1]
     out, lse = new_accumulators(q)
     call = RingCall(comm, backend, q.device, cfg.slots, cfg.handoff) if comm.size() > 1 else None
@@ -176,7 +178,7 @@ def ring_backward(
             with call.on_comm():
                 send = call.hand_to_comm((dk_acc, dv_acc), "dkv")  # M waits for the additions above
                 dkv_work = _exchange(
-                    comm, send, dkv_slots.slot(i + 1), step.dkv_send_to, plan.dkv_home_from, "dkv", backend
+                    comm, send, dkv_slots.slot(i + 1), step.dkv_send_to, plan.dkv_home_from, "dkv", backend, i
                 )
             del send
             kv.end()

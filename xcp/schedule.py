@@ -33,6 +33,7 @@ STRIPE_CAUSAL = "stripe-causal"  # stripe, src <= r (src < r or the diagonal): c
 STRIPE_STRICT = "stripe-strict"  # stripe, src > r: strictly-causal mask
 SKIP = "skip"  # contiguous causal, src > r: every key lies in the future, nothing to compute
 
+
 def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     """Return ``value`` if it is one of ``choices``, else raise a ValueError naming the argument ``name``,
     the choices and the value."""

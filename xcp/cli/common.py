@@ -384,6 +384,7 @@ def pyplot():
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise RuntimeError(
-            f"--plot needs matplotlib, which is not importable: {exc} (pip install 'xcp[plot]')"
+            f"--plot needs matplotlib, which is not importable: {exc} "
+            "(pip install matplotlib, or pip install -e '.[plot]' in a checkout)"
         ) from exc
     return plt

@@ -22,8 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import pytest
     except ImportError as exc:
-        print(f"python -m xcp.testing needs pytest, which is not importable ({exc}); "
-              f"install xcp's test extra: {install_hint()}", file=sys.stderr)
+        print(
+            f"python -m xcp.testing needs pytest, which is not importable ({exc}); "
+            f"install xcp's test extra: {install_hint()}",
+            file=sys.stderr,
+        )
         return 2
 
     args = sys.argv[1:] if argv is None else list(argv)

@@ -357,7 +357,8 @@ class DeviceModel:
 
     @contextlib.contextmanager
     def label(self, text: str) -> Iterator[None]:
-        """Name the ops of the block (e.g. a peer-to-peer copy); a labelled ``p2p`` write marks a received buffer."""
+        """Name the ops of the block (e.g. a peer-to-peer copy); a labelled ``p2p`` write marks a received buffer
+        (``p2p agree``, xcp.agreement's fingerprint, excepted)."""
         labels = self._state().labels
         labels.append(text)
         try:
@@ -405,7 +406,9 @@ class DeviceModel:
             for t, write in touched:
                 st = self._storage(t, stream)
                 self._check(t, st, stream, name, write)
-                if write and labels and labels[-1].startswith("p2p") and not st.comm:
+                # a shard slot, not the small fingerprint of xcp.agreement, which is no ring shard
+                shard = labels and labels[-1].startswith("p2p") and not labels[-1].startswith("p2p agree")
+                if write and shard and not st.comm:
                     self._mark_comm(st, name, stream, t)
 
     def _mark_comm(self, st: _Storage, op: str, stream: SimStream, t: torch.Tensor) -> None:

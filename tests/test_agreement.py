@@ -1,0 +1,151 @@
+"""Ranks that disagree are told so, on every rank, the first time a configuration is used (xcp.agreement)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from strategies import random_inputs
+
+import xcp
+from xcp import agreement
+
+
+def _base(rank: int) -> dict:
+    q, k, v, _ = random_inputs(1, 12, 4, 2, 8, seed=5)
+    return dict(q=q, k=k, v=v, causal=True, balance="zigzag", scale=None)
+
+
+def _mutate(field: str, kw: dict) -> None:
+    """Change ``field`` of rank 1's call."""
+    if field == "causal":
+        kw["causal"] = False
+    elif field == "balance":
+        kw["balance"] = "contiguous"
+    elif field == "scale":
+        kw["scale"] = 0.3
+    elif field == "q.shape":  # a longer sequence: the local shards differ in length
+        q, k, v, _ = random_inputs(1, 18, 4, 2, 8, seed=5)
+        kw.update(q=q, k=k, v=v)
+    elif field == "k.dtype":
+        kw.update(q=kw["q"].float(), k=kw["k"].float(), v=kw["v"].float())
+
+
+def _run(world_size: int, fn) -> list:
+    """Each rank's return value or the message of the exception it raised."""
+
+    def body(group):
+        try:
+            return fn(group)
+        except ValueError as exc:
+            return f"ValueError: {exc}"
+
+    return xcp.LocalWorld(world_size, timeout=10).run(body)
+
+
+def _call(group, kw: dict):
+    p, r = group.size(), group.rank()
+    local = [xcp.shard(kw[t], p, r, balance=kw["balance"]) for t in ("q", "k", "v")]
+    return xcp.attention(*local, causal=kw["causal"], balance=kw["balance"], scale=kw["scale"], group=group)
+
+
+@pytest.mark.parametrize("field", ["causal", "balance", "scale", "q.shape", "k.dtype"])
+def test_every_rank_names_the_field_that_differs(field):
+    def fn(group):
+        kw = _base(group.rank())
+        if group.rank() == 1:
+            _mutate(field, kw)
+        return _call(group, kw)
+
+    results = _run(3, fn)
+    assert all(isinstance(r, str) for r in results), results  # every rank raised
+    assert len(set(results)) == 1, "every rank raises the same message"
+    message = results[0]
+    assert f"{field} (" in message
+    assert "ranks 0, 2:" in message and "rank 1:" in message
+    described = {
+        "causal": "rank 1: False",
+        "balance": "rank 1: 'contiguous'",
+        "scale": "rank 1: 0.3",
+        "q.shape": "rank 1: (1, 6, 4, 8)",
+        "k.dtype": "rank 1: 'torch.float32'",
+    }
+    assert described[field] in message
+
+
+def test_ranks_that_agree_run_and_are_checked_once_per_configuration(monkeypatch):
+    gathers = []
+    real = agreement.ring_gather
+
+    def counting(comm, backend, mine):
+        gathers.append(comm.rank())
+        return real(comm, backend, mine)
+
+    monkeypatch.setattr(agreement, "ring_gather", counting)
+    kw = _base(0)
+    other = dict(kw, causal=False)
+
+    def fn(group):
+        outs = [_call(group, kw) for _ in range(3)]
+        outs.append(_call(group, other))
+        outs.append(_call(group, kw))
+        return outs
+
+    results = _run(2, fn)
+    assert sorted(gathers) == [0, 0, 1, 1], "one check per rank for each of the two configurations"
+    for r in range(2):
+        assert torch.equal(results[r][0], results[r][1])  # the check changes nothing in the result
+
+
+def test_a_disagreement_is_not_remembered_as_agreed(monkeypatch):
+    def fn(group):
+        kw = _base(0)
+        bad = dict(kw, causal=group.rank() == 0, scale=0.3)  # new to every rank, unlike the good call
+        first = None
+        try:
+            _call(group, bad)
+        except ValueError as exc:
+            first = str(exc)
+        good = dict(kw, causal=True)
+        out = _call(group, good)
+        try:  # the same disagreement again is caught again: it never joined the agreed set
+            _call(group, bad)
+        except ValueError as exc:
+            return first, out, str(exc)
+        return first, out, None
+
+    results = _run(2, fn)
+    for first, out, again in results:
+        assert first is not None and "causal (" in first
+        assert again == first
+        assert out.shape == (1, 6, 4, 8)
+
+
+def test_fingerprints_describe_themselves():
+    q = torch.zeros(2, 8, 4, 16, dtype=torch.bfloat16)
+    k = torch.zeros(2, 8, 2, 16, dtype=torch.bfloat16)
+    values = agreement.fingerprint(q, k, k, True, "stripe", 0.125)
+    assert agreement.describe(values) == {
+        "causal": True,
+        "balance": "stripe",
+        "scale": 0.125,
+        "q.shape": (2, 8, 4, 16),
+        "k.shape": (2, 8, 2, 16),
+        "v.shape": (2, 8, 2, 16),
+        "q.dtype": "torch.bfloat16",
+        "k.dtype": "torch.bfloat16",
+        "v.dtype": "torch.bfloat16",
+    }
+    assert agreement.disagreement([values, values]) is None
+    other = agreement.fingerprint(q, k, k, True, "stripe", 0.25)
+    assert "scale (rank 0: 0.125; rank 1: 0.25)" in agreement.disagreement([values, other])
+
+
+def test_the_agreed_set_is_bounded(monkeypatch):
+    monkeypatch.setattr(agreement, "MAX_AGREED", 2)
+
+    def fn(group):
+        for scale in (0.1, 0.2, 0.3):
+            _call(group, dict(_base(0), scale=scale))
+        return len(agreement.agreed_set(group))
+
+    assert _run(2, fn) == [1, 1]

@@ -1,0 +1,137 @@
+"""Ranks agree on a call before its ring runs.
+
+Ranks called with different ``causal``, ``balance``, ``scale``, shapes or dtypes would run rings whose
+shards do not fit together and return wrong results without an error. So the first call of each
+configuration passes a fingerprint (a few int64) around the ring: every rank then holds every rank's
+values, and where they differ all ranks raise the same error, naming the fields and each rank's value.
+
+A configuration joins the set of agreed ones only after a check in which every rank of the group took
+part, so the set is the same on every rank and later calls with an agreed configuration skip the check
+on all ranks together. What this cannot see: ranks that each pass a *different* configuration the group
+has already agreed on (the check runs on first use only, to cost nothing afterwards).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import zlib
+from typing import Any
+
+import torch
+
+from . import schedule
+
+FIELDS = ("causal", "balance", "scale", "q.shape", "k.shape", "v.shape", "q.dtype", "k.dtype", "v.dtype")
+MAX_AGREED = 4096
+"""Agreed fingerprints a rank remembers per group; when full the set starts afresh (on every rank at the
+same call, since every rank adds the same fingerprints in the same order)."""
+
+_DIMS = 4
+_process_agreed: dict[tuple, set] = {}
+_lock = threading.Lock()
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return zlib.crc32(str(dtype).encode())
+
+
+def _dtype_names() -> dict[int, str]:
+    return {_dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def _shape(x: torch.Tensor) -> list[int]:
+    dims = list(x.shape)[:_DIMS]
+    return dims + [-1] * (_DIMS - len(dims))
+
+
+def fingerprint(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, balance: str, scale: float) -> tuple:
+    """The configuration of a call as int64 values, in the order of :data:`FIELDS`."""
+    (scale_bits,) = struct.unpack("<q", struct.pack("<d", float(scale)))
+    values = [int(bool(causal)), schedule.BALANCES.index(balance), scale_bits]
+    for x in (q, k, v):
+        values += _shape(x)
+    values += [_dtype_code(x.dtype) for x in (q, k, v)]
+    return tuple(values)
+
+
+def describe(values: tuple | list) -> dict[str, Any]:
+    """Field name -> readable value of a fingerprint."""
+    names = _dtype_names()
+    causal, balance, scale_bits = values[:3]
+    shapes = [tuple(d for d in values[3 + i * _DIMS : 3 + (i + 1) * _DIMS] if d >= 0) for i in range(3)]
+    dtypes = [names.get(c, f"dtype#{c}") for c in values[3 + 3 * _DIMS :]]
+    (scale,) = struct.unpack("<d", struct.pack("<q", scale_bits))
+    balances = schedule.BALANCES
+    return dict(
+        zip(
+            FIELDS,
+            [bool(causal), balances[balance] if 0 <= balance < len(balances) else balance, scale, *shapes, *dtypes],
+        )
+    )
+
+
+def disagreement(rows: list[tuple | list]) -> str | None:
+    """None when every rank's fingerprint is the same, else a message naming each field that differs and
+    the ranks holding each value."""
+    if all(tuple(r) == tuple(rows[0]) for r in rows):
+        return None
+    described = [describe(r) for r in rows]
+    parts = []
+    for field in FIELDS:
+        by_value: dict[str, list[int]] = {}
+        for rank, d in enumerate(described):
+            by_value.setdefault(repr(d[field]), []).append(rank)
+        if len(by_value) > 1:
+            holders = "; ".join(
+                f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {value}"
+                for value, ranks in by_value.items()
+            )
+            parts.append(f"{field} ({holders})")
+    return (
+        "xcp: the ranks of the group called attention with different arguments: "
+        + "; ".join(parts)
+        + ". Every rank must pass the same causal, balance and scale, and shards of equal shape and dtype."
+    )
+
+
+def agreed_set(comm: Any) -> set:
+    """The fingerprints this rank's group has agreed on: per virtual rank for ranks that are threads, else
+    per process and group membership (so a rank's calls from several threads share one set)."""
+    members = getattr(comm, "members", None)
+    if comm.ranks_are_threads or members is None:
+        return comm.rank_store().setdefault("agreed", set())
+    with _lock:
+        return _process_agreed.setdefault(tuple(members), set())
+
+
+def ring_gather(comm: Any, backend: Any, mine: torch.Tensor) -> list[list[int]]:
+    """Every rank's ``mine`` (a small int64 tensor), in rank order: P - 1 hops around the ring."""
+    size, rank = comm.size(), comm.rank()
+    rows: list[torch.Tensor | None] = [None] * size
+    rows[rank] = current = mine
+    for hop in range(size - 1):
+        buf = torch.empty_like(mine)
+        comm.exchange([(current, (rank + 1) % size)], [(buf, (rank - 1) % size)], "agree", backend, step=hop).wait()
+        rows[(rank - 1 - hop) % size] = current = buf
+    return torch.stack(rows).tolist()  # one host read (a device sync) for all of them
+
+
+def check_agreement(comm: Any, backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Any) -> None:
+    """Raise a ValueError on every rank when the ranks' configurations differ; a no-op for a configuration
+    the group has agreed on before, for a world of one, and while a graph is being captured (the check
+    reads its result on the host; the eager warm-up call before a capture makes it)."""
+    if comm.size() == 1 or backend.is_capturing():
+        return
+    values = fingerprint(q, k, v, cfg.causal, cfg.balance, cfg.scale)
+    agreed = agreed_set(comm)
+    if values in agreed:
+        return
+    mine = torch.tensor(values, dtype=torch.int64, device=q.device)
+    rows = ring_gather(comm, backend, mine)
+    message = disagreement(rows)
+    if message is not None:
+        raise ValueError(message)
+    if len(agreed) >= MAX_AGREED:
+        agreed.clear()
+    agreed.add(values)
