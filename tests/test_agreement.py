@@ -134,8 +134,13 @@ def test_fingerprints_describe_themselves():
         "q.dtype": "torch.bfloat16",
         "k.dtype": "torch.bfloat16",
         "v.dtype": "torch.bfloat16",
+        "cu_seqlens": None,
+        "sinks": None,
     }
     assert agreement.disagreement([values, values]) is None
+    docs = agreement.fingerprint(q, k, k, True, "stripe", 0.125, (0, 3, 8), torch.zeros(4))
+    described = agreement.describe(docs)
+    assert described["cu_seqlens"].startswith("2 documents (crc32 ") and described["sinks"] == "[4] torch.float32"
     other = agreement.fingerprint(q, k, k, True, "stripe", 0.25)
     assert "scale (rank 0: 0.125; rank 1: 0.25)" in agreement.disagreement([values, other])
 

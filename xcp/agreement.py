@@ -1,9 +1,10 @@
 """Ranks agree on a call before its ring runs.
 
-Ranks called with different ``causal``, ``balance``, ``scale``, shapes or dtypes would run rings whose
-shards do not fit together and return wrong results without an error. So the first call of each
-configuration passes a fingerprint (a few int64) around the ring: every rank then holds every rank's
-values, and where they differ all ranks raise the same error, naming the fields and each rank's value.
+Ranks called with different ``causal``, ``balance``, ``scale``, shapes, dtypes, documents or sinks would
+run rings whose shards do not fit together and return wrong results without an error. So the first call
+of each configuration passes a fingerprint (a few int64; the document boundaries as a CRC) around the
+ring: every rank then holds every rank's values, and where they differ all ranks raise the same error,
+naming the fields and each rank's value.
 
 A configuration joins the set of agreed ones only after a check in which every rank of the group took
 part, so the set is the same on every rank and later calls with an agreed configuration skip the check
@@ -22,7 +23,19 @@ import torch
 
 from . import schedule
 
-FIELDS = ("causal", "balance", "scale", "q.shape", "k.shape", "v.shape", "q.dtype", "k.dtype", "v.dtype")
+FIELDS = (
+    "causal",
+    "balance",
+    "scale",
+    "q.shape",
+    "k.shape",
+    "v.shape",
+    "q.dtype",
+    "k.dtype",
+    "v.dtype",
+    "cu_seqlens",
+    "sinks",
+)
 MAX_AGREED = 4096
 """Agreed fingerprints a rank remembers per group; when full the set starts afresh (on every rank at the
 same call, since every rank adds the same fingerprints in the same order)."""
@@ -45,13 +58,28 @@ def _shape(x: torch.Tensor) -> list[int]:
     return dims + [-1] * (_DIMS - len(dims))
 
 
-def fingerprint(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, balance: str, scale: float) -> tuple:
-    """The configuration of a call as int64 values, in the order of :data:`FIELDS`."""
+def fingerprint(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    balance: str,
+    scale: float,
+    documents: tuple[int, ...] | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple:
+    """The configuration of a call as int64 values, in the order of :data:`FIELDS` (documents as their
+    count and a CRC of the boundaries; sinks as their length and dtype; -1 where absent)."""
     (scale_bits,) = struct.unpack("<q", struct.pack("<d", float(scale)))
     values = [int(bool(causal)), schedule.BALANCES.index(balance), scale_bits]
     for x in (q, k, v):
         values += _shape(x)
     values += [_dtype_code(x.dtype) for x in (q, k, v)]
+    if documents is None:
+        values += [-1, -1]
+    else:
+        values += [len(documents) - 1, zlib.crc32(struct.pack(f"<{len(documents)}q", *documents))]
+    values += [-1, -1] if sinks is None else [sinks.numel(), _dtype_code(sinks.dtype)]
     return tuple(values)
 
 
@@ -60,13 +88,23 @@ def describe(values: tuple | list) -> dict[str, Any]:
     names = _dtype_names()
     causal, balance, scale_bits = values[:3]
     shapes = [tuple(d for d in values[3 + i * _DIMS : 3 + (i + 1) * _DIMS] if d >= 0) for i in range(3)]
-    dtypes = [names.get(c, f"dtype#{c}") for c in values[3 + 3 * _DIMS :]]
+    tail = 3 + 3 * _DIMS
+    dtypes = [names.get(c, f"dtype#{c}") for c in values[tail : tail + 3]]
+    docs, crc, sinks, sinks_dtype = values[tail + 3 : tail + 7]
     (scale,) = struct.unpack("<d", struct.pack("<q", scale_bits))
     balances = schedule.BALANCES
     return dict(
         zip(
             FIELDS,
-            [bool(causal), balances[balance] if 0 <= balance < len(balances) else balance, scale, *shapes, *dtypes],
+            [
+                bool(causal),
+                balances[balance] if 0 <= balance < len(balances) else balance,
+                scale,
+                *shapes,
+                *dtypes,
+                None if docs < 0 else f"{docs} documents (crc32 {crc:08x})",
+                None if sinks < 0 else f"[{sinks}] {names.get(sinks_dtype, sinks_dtype)}",
+            ],
         )
     )
 
@@ -117,13 +155,15 @@ def ring_gather(comm: Any, backend: Any, mine: torch.Tensor) -> list[list[int]]:
     return torch.stack(rows).tolist()  # one host read (a device sync) for all of them
 
 
-def check_agreement(comm: Any, backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Any) -> None:
+def check_agreement(
+    comm: Any, backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Any, sinks: Any = None
+) -> None:
     """Raise a ValueError on every rank when the ranks' configurations differ; a no-op for a configuration
     the group has agreed on before, for a world of one, and while a graph is being captured (the check
     reads its result on the host; the eager warm-up call before a capture makes it)."""
     if comm.size() == 1 or backend.is_capturing():
         return
-    values = fingerprint(q, k, v, cfg.causal, cfg.balance, cfg.scale)
+    values = fingerprint(q, k, v, cfg.causal, cfg.balance, cfg.scale, getattr(cfg, "documents", None), sinks)
     agreed = agreed_set(comm)
     if values in agreed:
         return

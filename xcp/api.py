@@ -15,6 +15,7 @@ import torch
 
 from . import schedule
 from .comm import resolve_group
+from .documents import check_cu_seqlens
 from .lifetime import check_handoff, check_slots
 from .plugins import select_backend
 from .ring import RingAttention, RingConfig, ring_forward
@@ -80,6 +81,43 @@ def _check_scale(scale: Any, head_dim: int) -> float:
     return float(scale)
 
 
+def _check_documents(cu_seqlens: Any, q: torch.Tensor, world: int) -> tuple[int, ...] | None:
+    """The global document boundaries as a tuple (None for one document: the dense path)."""
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1:
+            raise ValueError(
+                f"cu_seqlens: expected 1 dim [documents + 1]; got {cu_seqlens.dim()} dims, shape "
+                f"{tuple(cu_seqlens.shape)}"
+            )
+        if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+            raise TypeError(f"cu_seqlens: expected an integer dtype (int32 or int64); got {cu_seqlens.dtype}")
+    elif not isinstance(cu_seqlens, (list, tuple)):
+        raise TypeError(
+            "cu_seqlens: expected an integer tensor [documents + 1] (or a list of ints); "
+            f"got {type(cu_seqlens).__name__}"
+        )
+    if q.shape[0] != 1:
+        raise ValueError(f"q: expected batch 1 with cu_seqlens (the packed layout); got batch {q.shape[0]}")
+    cu = check_cu_seqlens(cu_seqlens, q.shape[1] * world)
+    return None if len(cu) == 2 else cu
+
+
+def _check_sinks(sinks: Any, q: torch.Tensor) -> torch.Tensor | None:
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks: expected a float tensor [heads] or None; got {type(sinks).__name__}")
+    if sinks.dim() != 1 or sinks.shape[0] != q.shape[2]:
+        raise ValueError(f"sinks: expected shape ({q.shape[2]},) (one logit per query head); got {tuple(sinks.shape)}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks: expected a floating-point dtype; got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks: expected device {q.device} (the device of q); got {sinks.device}")
+    return sinks
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -87,6 +125,8 @@ def attention(
     *,
     causal: bool = False,
     group: Any = None,
+    cu_seqlens: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     scale: float | None = None,
     balance: str = schedule.DEFAULT_BALANCE,
     device: str | torch.device | None = None,
@@ -101,6 +141,12 @@ def attention(
     :param k: this rank's keys [batch, seq, kv_heads, head_dim]; kv_heads divides heads (GQA/MQA).
     :param v: this rank's values, shaped like k.
     :param causal: causal attention over the *global* sequence.
+    :param cu_seqlens: packed documents: an integer tensor [documents + 1] of GLOBAL boundaries
+        ``0 = cu[0] < ... < cu[-1] = S`` (S = local length x ranks), equal on every rank; query i sees key
+        j only in its own document. Batch must be 1. Keep it on the CPU: it is read on the host.
+    :param sinks: a float tensor [heads]: one value-less logit per query head added to every row's
+        softmax (attention sinks), applied once after the ring. Differentiable; each rank's gradient is
+        the share of its rows, summed over ranks like any replicated parameter's.
     :param group: a torch.distributed ProcessGroup, a group from :class:`xcp.LocalWorld`, or None (the
         default process group when one is initialised, else a world of one rank).
     :param scale: factor on q·k; default 1/sqrt(head_dim).
@@ -129,7 +175,9 @@ def attention(
     if handoff is not None:
         check_handoff(handoff)
     scale = _check_scale(scale, q.shape[3])
+    sinks = _check_sinks(sinks, q)
     comm = resolve_group(group, timeout)
+    documents = _check_documents(cu_seqlens, q, comm.size())
     backend = select_backend(None if device is None else str(device), q.device.type)
     if backend.device_type != q.device.type:
         raise ValueError(f"device: backend {backend.name!r} runs on {backend.device_type} tensors; q is on {q.device}")
@@ -140,10 +188,11 @@ def attention(
         raise ValueError(
             f"q: balance 'zigzag' needs an even local sequence length (two chunks per rank); got {q.shape[1]}"
         )
-    cfg = RingConfig(comm, backend, causal, scale, balance, slots, handoff)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return RingAttention.apply(q, k, v, cfg)
-    return ring_forward(q, k, v, cfg)[0]
+    cfg = RingConfig(comm, backend, causal, scale, balance, slots, handoff, documents)
+    needs_grad = any(x is not None and x.requires_grad for x in (q, k, v, sinks))
+    if torch.is_grad_enabled() and needs_grad:
+        return RingAttention.apply(q, k, v, sinks, cfg)
+    return ring_forward(q, k, v, cfg, sinks)[0]
 
 
 attention.__doc__ = attention.__doc__.replace("{layout}", _LAYOUT)

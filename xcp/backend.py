@@ -175,6 +175,60 @@ class Backend:
         """
         raise NotImplementedError(f"backend {self.name!r} has no backward kernel")
 
+    def forward_varlen(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_q: tuple[int, ...],
+        cu_k: tuple[int, ...],
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of packed segments (documents): segment i is queries ``[cu_q[i], cu_q[i + 1])``
+        against keys ``[cu_k[i], cu_k[i + 1])``, no mask, or square causal when ``causal`` (then
+        ``cu_q == cu_k``). The segments tile q and k (batch 1) without gaps.
+
+        :returns: ``(out, lse)`` shaped and typed as :meth:`forward`'s. The default makes one
+            :meth:`forward` call per segment; a backend with a varlen kernel overrides it.
+        """
+        mask = "causal" if causal else "none"
+        outs, lses = [], []
+        for i in range(len(cu_q) - 1):
+            qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+            o, lse = self.forward(q[:, qs], k[:, ks], v[:, ks], mask, scale)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+
+    def backward_varlen(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        cu_q: tuple[int, ...],
+        cu_k: tuple[int, ...],
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients of packed segments (see :meth:`forward_varlen`) from the merged out and lse.
+
+        :returns: ``(dq, dk, dv)`` shaped like q, k, v. The default makes one :meth:`backward` call per
+            segment; a backend with a varlen kernel overrides it.
+        """
+        mask = "causal" if causal else "none"
+        grads: list[list[torch.Tensor]] = [[], [], []]
+        for i in range(len(cu_q) - 1):
+            qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+            g = self.backward(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], mask, scale)
+            for acc, x in zip(grads, g):
+                acc.append(x)
+        dq, dk, dv = (torch.cat(x, dim=1) for x in grads)
+        return dq, dk, dv
+
     def fused_merge_(
         self, out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor, rows: slice
     ) -> bool:

@@ -21,7 +21,8 @@ from . import schedule
 from .agreement import check_agreement
 from .backend import Backend
 from .comm import Communicator
-from .kernels.merge import accumulator_dtype, merge_, new_accumulators
+from .documents import document_plan
+from .kernels.merge import accumulator_dtype, apply_sinks_, merge_, new_accumulators, sinks_grad
 from .lifetime import RingCall, ShardSlots
 
 
@@ -31,6 +32,8 @@ class RingConfig:
 
     :param slots: the slot policy, ``bounded`` (two receive slots) or ``keep_all``.
     :param handoff: the hand-off policy; None is the backend's own.
+    :param documents: global document boundaries ``(0, ..., S)`` of a packed sequence (checked by
+        :func:`xcp.documents.check_cu_seqlens`), or None for one sequence.
     """
 
     comm: Communicator
@@ -40,10 +43,46 @@ class RingConfig:
     balance: str = schedule.DEFAULT_BALANCE
     slots: str = "bounded"
     handoff: str | None = None
+    documents: tuple[int, ...] | None = None
 
     @property
     def plan(self) -> schedule.Plan:
         return schedule.plan(self.comm.size(), self.comm.rank(), self.causal, self.balance)
+
+    def block_calls(self, n: int) -> list[list[BlockCall]]:
+        """The kernel calls of each step for local shards of ``n`` tokens."""
+        plan = self.plan
+        if self.documents is None:
+            return [[BlockCall(*_views(st, n), st.mask)] if st.computes else [] for st in plan.steps]
+        docs = document_plan(self.documents, self.comm.size(), self.comm.rank(), self.causal, self.balance)
+        return [
+            [
+                BlockCall(slice(r.q0, r.q1), slice(r.k0, r.k1), r.mask, (r.cu_q, r.cu_k) if r.segments > 1 else None)
+                for r in step
+            ]
+            for step in docs.steps
+        ]
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """One kernel call of a step: query rows ``qs`` against key rows ``ks`` of the shard held, under
+    ``mask``; ``cu`` the (cu_q, cu_k) of packed segments (a varlen call), None for a dense call."""
+
+    qs: slice
+    ks: slice
+    mask: str
+    cu: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    def forward(self, backend: Backend, q, k, v, scale: float):
+        if self.cu is None:
+            return backend.forward(q, k, v, self.mask, scale)
+        return backend.forward_varlen(q, k, v, *self.cu, self.mask == "causal", scale)
+
+    def backward(self, backend: Backend, dout, q, k, v, out, lse, scale: float):
+        if self.cu is None:
+            return backend.backward(dout, q, k, v, out, lse, self.mask, scale)
+        return backend.backward_varlen(dout, q, k, v, out, lse, *self.cu, self.mask == "causal", scale)
 
 
 def _views(step: schedule.Step, n: int) -> tuple[slice, slice]:
@@ -102,29 +141,32 @@ def _exchange(comm: Communicator, send, recv, to: int, frm: int, tag: str, backe
 
 
 def ring_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: RingConfig
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: RingConfig, sinks: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's attention output (in q's dtype) and log-sum-exp (accumulator dtype, [B, H, S]).
+
+    ``sinks`` [H]: one value-less logit per head, folded in once after the merge (the lse includes it).
 
     Step i computes (on the caller's stream C) on the shard of ``src`` while, on the comm stream M, that
     shard goes to the next rank and the shard of step i + 1 arrives from the previous one into the other
     of two slots (docs/design.md, buffer lifetime rules; xcp/lifetime.py).
     """
     comm, backend = cfg.comm, cfg.backend
-    check_agreement(comm, backend, q, k, v, cfg)
+    check_agreement(comm, backend, q, k, v, cfg, sinks)
     n = q.shape[1]
     out, lse = new_accumulators(q)
     call = RingCall(comm, backend, q.device, cfg.slots, cfg.handoff) if comm.size() > 1 else None
     kv = _KVRing(call, comm, k, v)
     with call or contextlib.nullcontext():
-        for step in cfg.plan.steps:
+        for step, blocks in zip(cfg.plan.steps, cfg.block_calls(n)):
             kv.begin(step)
-            if step.computes:
-                qs, ks = _views(step, n)
-                block_out, block_lse = backend.forward(q[:, qs], *kv.views(ks), step.mask, cfg.scale)
-                merge_block(backend, out, lse, block_out, block_lse, qs)
+            for b in blocks:
+                block_out, block_lse = b.forward(backend, q[:, b.qs], *kv.views(b.ks), cfg.scale)
+                merge_block(backend, out, lse, block_out, block_lse, b.qs)
                 del block_out, block_lse
             kv.end()
+    if sinks is not None:
+        apply_sinks_(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
@@ -141,13 +183,14 @@ def ring_backward(
 
     K/V travel as in the forward; the dK/dV of a shard travel one step behind it, each rank adding its
     contribution, and a final hop returns them to their owner. dQ accumulates locally. Two KV slots and
-    two dKV slots per rank, whatever the number of ranks.
+    two dKV slots per rank, whatever the number of ranks. ``out`` and ``lse`` are the final ones (with
+    the sinks folded in, where there are sinks).
     """
     comm, backend, plan = cfg.comm, cfg.backend, cfg.plan
     n = q.shape[1]
-    if comm.size() == 1:  # one step, always the whole local shard: no accumulators, no slots
-        g = backend.backward(dout, q, k, v, out, lse, plan.steps[0].mask, cfg.scale)
-        return tuple(x.to(like.dtype).contiguous() for x, like in zip(g, (q, k, v)))
+    calls = cfg.block_calls(n)
+    if comm.size() == 1:  # one step on the whole shard, nothing moves
+        return _local_backward(dout, q, k, v, out, lse, cfg, calls[0])
     acc = accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     call = RingCall(comm, backend, q.device, cfg.slots, cfg.handoff)
@@ -155,25 +198,25 @@ def ring_backward(
     dkv_slots = call.slots("dkv", (k, v), dtype=acc, steps=range(comm.size() + 1))
     with call:
         dkv_work = None
-        for step in plan.steps:
+        for step, blocks in zip(plan.steps, calls):
             i = step.step
             kv.begin(step)
-            block = None
-            if step.computes:
-                qs, ks = _views(step, n)
-                block = backend.backward(
-                    dout[:, qs], q[:, qs], *kv.views(ks), out[:, qs], lse[:, :, qs], step.mask, cfg.scale
-                )
-                dq[:, qs] += block[0]
+            grads = []
+            for b in blocks:
+                qs = b.qs
+                g = b.backward(backend, dout[:, qs], q[:, qs], *kv.views(b.ks), out[:, qs], lse[:, :, qs], cfg.scale)
+                dq[:, qs] += g[0]
+                grads.append((b.ks, g[1], g[2]))
+                del g
             if i == 0:
                 dk_acc, dv_acc = dkv_slots.slot(0, zero=True)
             else:
                 dkv_work.wait()  # the dK/dV of src, from the previous rank, are in slot i
                 dk_acc, dv_acc = dkv_slots.slot(i)
-            if block is not None:
-                dk_acc[:, ks] += block[1]
-                dv_acc[:, ks] += block[2]
-                del block
+            for ks, gk, gv in grads:
+                dk_acc[:, ks] += gk
+                dv_acc[:, ks] += gv
+            del grads
             # after the last step this is the hop home: the owner of src is the next rank
             with call.on_comm():
                 send = call.hand_to_comm((dk_acc, dv_acc), "dkv")  # M waits for the additions above
@@ -189,17 +232,36 @@ def ring_backward(
     return dq.to(q.dtype), dk, dv
 
 
+def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig, blocks: list[BlockCall]):
+    """The backward of a world of one: one dense call as it is, or the varlen calls of the documents."""
+    backend = cfg.backend
+    n = q.shape[1]
+    if len(blocks) == 1 and blocks[0].qs == slice(0, n) and blocks[0].ks == slice(0, n):
+        g = blocks[0].backward(backend, dout, q, k, v, out, lse, cfg.scale)
+        return tuple(x.to(like.dtype).contiguous() for x, like in zip(g, (q, k, v)))
+    acc = accumulator_dtype(q.dtype)
+    grads = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v)]
+    for b in blocks:
+        qs, ks = b.qs, b.ks
+        g = b.backward(backend, dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], cfg.scale)
+        grads[0][:, qs] += g[0]
+        grads[1][:, ks] += g[1]
+        grads[2][:, ks] += g[2]
+    return tuple(x.to(like.dtype) for x, like in zip(grads, (q, k, v)))
+
+
 class RingAttention(torch.autograd.Function):
-    """Autograd wrapper: saves (q, k, v, out, lse) and runs :func:`ring_backward`.
+    """Autograd wrapper: saves (q, k, v, out, lse, sinks) and runs :func:`ring_backward`; the sinks'
+    gradient is this rank's share (its rows), which ranks sum like any replicated parameter's.
 
     Differentiable once, as flash kernels are: a double backward (``create_graph=True`` then a second
     grad) raises instead of returning wrong second-order terms.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, cfg: RingConfig):  # type: ignore[override]
-        out, lse = ring_forward(q, k, v, cfg)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sinks, cfg: RingConfig):  # type: ignore[override]
+        out, lse = ring_forward(q, k, v, cfg, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.cfg = cfg
         ctx.thread = threading.get_ident()
         return out
@@ -215,6 +277,8 @@ class RingAttention(torch.autograd.Function):
                 "device, where a ring that waits for its peers would hang. Drive virtual ranks on this device "
                 "with xcp.ring_forward / xcp.ring_backward, or use real ranks (torchrun)."
             )
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, cfg)
-        return dq, dk, dv, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, cfg)
+        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsinks, None

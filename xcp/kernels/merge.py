@@ -51,3 +51,32 @@ def merge_(
     weight = torch.where(b_lse == NEG_INF, 0.0, torch.sigmoid(b_lse - l_old))
     o.sub_(weight.transpose(1, 2).unsqueeze(-1) * (o - block_out.to(o.dtype)))
     l_old.copy_(torch.logaddexp(l_old, b_lse))
+
+
+def apply_sinks_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Add one value-less logit per head to every row's softmax, in place, after the merge.
+
+    ``L' = logaddexp(L, sinks[h])`` and ``out' = out * exp(L - L')``: the same as attending to an extra key
+    whose score is ``sinks[h]`` and whose value is zero. Rows with ``L' = -inf`` (no key, sink -inf) stay 0.
+
+    :param out: merged output [B, S, H, D] (accumulator dtype).
+    :param lse: merged log-sum-exp [B, H, S] (accumulator dtype).
+    :param sinks: [H], any float dtype.
+    """
+    sink = sinks.detach().to(lse.dtype).view(1, -1, 1)
+    new = torch.logaddexp(lse, sink)
+    factor = torch.where(new == NEG_INF, 0.0, torch.exp(lse - torch.where(new == NEG_INF, 0.0, new)))
+    out.mul_(factor.transpose(1, 2).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Gradient of the loss in ``sinks`` [H] from this rank's rows: ``-sum_rows p_sink * (dout . out)``.
+
+    :param out: the final output [B, S, H, D]; ``lse`` the final log-sum-exp [B, H, S] (sink included).
+    """
+    acc = lse.dtype
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, S]
+    sink = sinks.detach().to(acc).view(1, -1, 1)
+    p_sink = torch.where(lse == NEG_INF, 0.0, torch.exp(sink - torch.where(lse == NEG_INF, 0.0, lse)))
+    return (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)
