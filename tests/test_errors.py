@@ -250,3 +250,43 @@ def test_a_bad_timeout_environment_variable_is_named(monkeypatch, raw):
     monkeypatch.setenv("XCP_TIMEOUT", raw)
     with raises(ValueError, "XCP_TIMEOUT: expected a positive", repr(raw) if raw == "soon" else raw):
         timeout_from_env()
+
+
+# ------------------------------------------------------------------------------- documents and sinks
+
+
+def packed():
+    return t(1, 8, 4, 6), t(1, 8, 2, 6), t(1, 8, 2, 6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "parts"),
+    [
+        ({"cu_seqlens": torch.tensor([[0, 8]])}, ValueError, ["cu_seqlens: expected 1 dim", "got 2 dims"]),
+        ({"cu_seqlens": torch.tensor([0.0, 8.0])}, TypeError, ["cu_seqlens: expected an integer dtype", "float32"]),
+        ({"cu_seqlens": "0,8"}, TypeError, ["cu_seqlens: expected an integer tensor", "got str"]),
+        ({"cu_seqlens": torch.tensor([1, 8])}, ValueError, ["cu_seqlens: expected cu_seqlens[0] == 0; got 1"]),
+        ({"cu_seqlens": torch.tensor([0, 9])}, ValueError, ["expected cu_seqlens[-1] == 8", "got 9"]),
+        ({"cu_seqlens": torch.tensor([0, 5, 5, 8])}, ValueError, ["strictly increasing", "cu_seqlens[1] = 5"]),
+        ({"sinks": [0.0] * 4}, TypeError, ["sinks: expected a float tensor [heads] or None", "got list"]),
+        ({"sinks": torch.zeros(2)}, ValueError, ["sinks: expected shape (4,) (one logit per query head)", "(2,)"]),
+        ({"sinks": torch.zeros(1, 4)}, ValueError, ["sinks: expected shape (4,)", "got (1, 4)"]),
+        ({"sinks": torch.zeros(4, dtype=torch.int64)}, TypeError, ["sinks: expected a floating-point", "int64"]),
+        ({"sinks": torch.zeros(4, device="meta")}, ValueError, ["sinks: expected device cpu", "got meta"]),
+    ],
+)
+def test_bad_documents_and_sinks_are_named(kwargs, exc, parts):
+    with raises(exc, *parts):
+        xcp.attention(*packed(), **kwargs)
+
+
+def test_documents_need_batch_one():
+    with raises(ValueError, "q: expected batch 1 with cu_seqlens (the packed layout); got batch 2"):
+        xcp.attention(*good(), cu_seqlens=torch.tensor([0, 8]))
+
+
+def test_documents_and_sinks_are_not_mutated():
+    cu, sinks = torch.tensor([0, 3, 8]), torch.zeros(4)
+    before = cu.clone(), sinks.clone()
+    xcp.attention(*packed(), cu_seqlens=cu, sinks=sinks, causal=True)
+    assert torch.equal(cu, before[0]) and torch.equal(sinks, before[1])

@@ -191,9 +191,9 @@ def segments(cu: tuple[int, ...], world: int, rank: int, src: int, balance: str,
         q0 = max(q0, _count_at_most(qp, _global(kp, k0) - 1))
         if q0 >= q1:
             continue
-        if _global(kp, k1 - 1) <= _global(qp, q0):
+        if _global(kp, k1 - 1) <= _global(qp, q0) and (q1 - q0, k1 - k0) != (1, 1):
             out.append(Segment(q0, q1, k0, k1, False))
-            continue
+            continue  # (a 1 x 1 segment is called causal: it then joins its neighbours' varlen call)
         if q1 - q0 != k1 - k0 or _count_at_most(kp, _global(qp, q0)) != k0 + 1:
             raise AssertionError(  # the module docstring's claim; tests check it for every balance
                 f"xcp.documents: document {d} of rank {rank} against rank {src} ({balance}) is neither full "
