@@ -44,6 +44,12 @@ HEADS = {"mha": (4, 4), "gqa": (4, 2)}
 BATCH, HEAD_DIM, SEQ = 2, 16, 21  # odd lengths catch kernels that assume whole tiles
 SCALE = 0.37  # not 1/sqrt(16): catches a kernel that ignores its ``scale`` argument
 RING_SEQ = 24  # divisible by 2P for P = 2, 3 (zigzag) and by P (stripe, contiguous)
+VARLEN_LAYOUTS = {  # name: (cu_q, cu_k, causal) of packed segments; segments of length 1, odd totals
+    "causal": ((0, 1, 8, 9, SEQ), (0, 1, 8, 9, SEQ), True),
+    "full": ((0, 1, 8, 9, SEQ), (0, 5, 6, 14, 17), False),
+}
+VARLEN_SPLIT = ((0, 1, 8, 9, SEQ), (0, 4, 6, 14, 17))
+"""Segments whose keys (each at least 2) the ``varlen-split-keys`` check cuts into two varlen calls."""
 RING_LAYOUTS = (  # (causal, balance, masks the backend must serve)
     (False, "contiguous", ("none",)),
     (True, "zigzag", ("none", "causal")),
@@ -367,6 +373,109 @@ def check_split_keys(backend: Backend, dtype: torch.dtype) -> None:
     assert_close("split-key backward dv", torch.cat(dvs, dim=1), ref_dv, dtype)
 
 
+# ---------------------------------------------------------------------------------------------- varlen
+
+
+def _packed_inputs(backend: Backend, dtype: torch.dtype, heads: str, tq: int, tk: int, seed: int):
+    """Batch-1 packed (q, k, v, dout) [1, T, H, D]: q and k are strided views (sequence stride D, from a
+    heads-first buffer), which the varlen methods must accept like the dense ones."""
+    h, hkv = HEADS[heads]
+    dev = _device(backend)
+
+    def strided(t: int, n: int, s: int) -> torch.Tensor:
+        return _random((1, n, t + 3, HEAD_DIM), dtype, dev, s).transpose(1, 2)[:, 2 : 2 + t]
+
+    q, k = strided(tq, h, seed), strided(tk, hkv, seed + 1)
+    return q, k, _sequence_view(1, tk, hkv, dtype, dev, seed + 2), _sequence_view(1, tq, h, dtype, dev, seed + 3)
+
+
+def _segments(cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> list[tuple[slice, slice]]:
+    return [(slice(a, b), slice(c, d)) for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+
+
+def _varlen_reference(dout, q, k, v, cu_q, cu_k, causal: bool):
+    """``(out, lse, dq, dk, dv)`` in float64: each segment on its own through the reference, concatenated."""
+    parts = [
+        reference_gradients(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], "causal" if causal else "none", SCALE)
+        for qs, ks in _segments(cu_q, cu_k)
+    ]
+    out, lse, dq, dk, dv = zip(*parts)
+    return torch.cat(out, 1), torch.cat(lse, 2), torch.cat(dq, 1), torch.cat(dk, 1), torch.cat(dv, 1)
+
+
+def _varlen_forward_checked(backend, q, k, v, cu_q, cu_k, causal, dtype):
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, SCALE)
+    _assert_result("varlen forward out", out, q, tuple(q.shape), _value_dtypes(dtype))
+    _assert_result("varlen forward lse", lse, q, (1, q.shape[2], q.shape[1]), (accumulator_dtype(dtype),))
+    return out, lse
+
+
+def check_forward_varlen(backend: Backend, dtype: torch.dtype, layout: str, heads: str) -> None:
+    """``forward_varlen`` of packed segments against the reference on each segment alone: out, and lse
+    float32 [1, H, Tq] (float64 for float64)."""
+    cu_q, cu_k, causal = VARLEN_LAYOUTS[layout]
+    q, k, v, dout = _packed_inputs(backend, dtype, heads, cu_q[-1], cu_k[-1], seed=51)
+    inputs = [x.clone() for x in (q, k, v)]
+    ref_out, ref_lse, *_ = _varlen_reference(dout, q, k, v, cu_q, cu_k, causal)
+    out, lse = _varlen_forward_checked(backend, q, k, v, cu_q, cu_k, causal, dtype)
+    assert_close(f"varlen forward out ({layout})", out, ref_out, dtype)
+    assert_close(f"varlen forward lse ({layout})", lse, ref_lse, dtype)
+    _assert_unchanged("varlen forward", inputs, [q, k, v])
+
+
+def check_backward_varlen(backend: Backend, dtype: torch.dtype, layout: str, heads: str) -> None:
+    """``backward_varlen`` against the reference given the reference out (input dtype) and lse, the lse
+    a strided slice as the ring passes it."""
+    cu_q, cu_k, causal = VARLEN_LAYOUTS[layout]
+    q, k, v, dout = _packed_inputs(backend, dtype, heads, cu_q[-1], cu_k[-1], seed=61)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = _varlen_reference(dout, q, k, v, cu_q, cu_k, causal)
+    out = ref_out.to(q.device, dtype)
+    lse = torch.cat([ref_lse, ref_lse[:, :, :3]], dim=2).to(q.device, accumulator_dtype(dtype))[:, :, : q.shape[1]]
+    inputs = [x.clone() for x in (dout, q, k, v, out, lse)]
+    grads = backend.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, SCALE)
+    if not (isinstance(grads, tuple | list) and len(grads) == 3):
+        raise AssertionError(f"backward_varlen: expected (dq, dk, dv); got {type(grads).__name__}")
+    for name, g, x, ref in zip(("dq", "dk", "dv"), grads, (q, k, v), (ref_dq, ref_dk, ref_dv)):
+        _assert_result(f"varlen backward {name}", g, x, tuple(x.shape), _value_dtypes(dtype))
+        assert_close(f"varlen backward {name} ({layout})", g, ref, dtype)
+    _assert_unchanged("varlen backward", inputs, [dout, q, k, v, out, lse])
+
+
+def check_split_keys_varlen(backend: Backend, dtype: torch.dtype) -> None:
+    """The ring's use of the varlen methods: each segment's keys cut in two varlen calls, merged with
+    ``merge_``, and backward calls given the *merged* out and lse, equal each segment over all its keys."""
+    cu_q, cu_k = VARLEN_SPLIT
+    q, k, v, dout = _packed_inputs(backend, dtype, "gqa", cu_q[-1], cu_k[-1], seed=71)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = _varlen_reference(dout, q, k, v, cu_q, cu_k, False)
+    halves = []  # per part: (key rows of k in order, cu_k of the part)
+    for first in (True, False):
+        rows, cu = [], [0]
+        for _, ks in _segments(cu_q, cu_k):
+            cut = ks.start + (ks.stop - ks.start + 1) // 2
+            part = range(ks.start, cut) if first else range(cut, ks.stop)
+            rows.extend(part)
+            cu.append(cu[-1] + len(part))
+        halves.append((torch.tensor(rows, device=q.device), tuple(cu)))
+    out, lse = new_accumulators(q)
+    for rows, cu in halves:
+        block_out, block_lse = _varlen_forward_checked(backend, q, k[:, rows], v[:, rows], cu_q, cu, False, dtype)
+        merge_block(backend, out, lse, block_out, block_lse)
+    assert_close("varlen split-key merged out", out, ref_out, dtype)
+    assert_close("varlen split-key merged lse", lse, ref_lse, dtype)
+    merged_out = out.to(dtype)
+    dq = torch.zeros(q.shape, dtype=torch.float64)
+    dk, dv = torch.zeros(k.shape, dtype=torch.float64), torch.zeros(v.shape, dtype=torch.float64)
+    for rows, cu in halves:
+        kr, vr = k[:, rows], v[:, rows]
+        bdq, bdk, bdv = backend.backward_varlen(dout, q, kr, vr, merged_out, lse, cu_q, cu, False, SCALE)
+        dq += bdq.to("cpu", torch.float64)
+        dk[:, rows.cpu()] = bdk.to("cpu", torch.float64)
+        dv[:, rows.cpu()] = bdv.to("cpu", torch.float64)
+    assert_close("varlen split-key backward dq", dq, ref_dq, dtype)
+    assert_close("varlen split-key backward dk", dk, ref_dk, dtype)
+    assert_close("varlen split-key backward dv", dv, ref_dv, dtype)
+
+
 # ---------------------------------------------------------------------------------------------- ring
 
 
@@ -425,8 +534,8 @@ def _case(name: str, check: Callable[..., None], **kwargs: Any) -> Case:
 
 
 def cases(backend: Backend) -> list[Case]:
-    """Every check for ``backend``: for each dtype and mask it claims, in MHA and GQA, plus streams,
-    events, hand-off, memory statistics and full rings of 2 and 3 ranks."""
+    """Every check for ``backend``: for each dtype and mask it claims, in MHA and GQA, dense and packed
+    (varlen) blocks, plus streams, events, hand-off, memory statistics and full rings of 2 and 3 ranks."""
     out = [
         _case("identity", check_identity),
         _case("registered", check_registered),
@@ -448,6 +557,16 @@ def cases(backend: Backend) -> list[Case]:
             out.append(_case(f"forward-{d}-{label}", check_forward, **shape))
             out.append(_case(f"backward-{d}-{label}", check_backward, **shape))
         out.append(_case(f"split-keys-{d}", check_split_keys, dtype=dtype))
+        # Packed documents: forward_varlen / backward_varlen (the base class's per-segment loop, or a
+        # backend's varlen kernel).
+        for layout, (_, _, causal) in VARLEN_LAYOUTS.items():
+            if causal and "causal" not in backend.masks:
+                continue
+            for heads in HEADS:
+                shape = {"dtype": dtype, "layout": layout, "heads": heads}
+                out.append(_case(f"varlen-forward-{d}-{layout}-{heads}", check_forward_varlen, **shape))
+                out.append(_case(f"varlen-backward-{d}-{layout}-{heads}", check_backward_varlen, **shape))
+        out.append(_case(f"varlen-split-keys-{d}", check_split_keys_varlen, dtype=dtype))
         for world_size in (2, 3):
             for causal, balance, needs in RING_LAYOUTS:
                 if all(m in backend.masks for m in needs):
