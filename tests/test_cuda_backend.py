@@ -10,16 +10,19 @@ import math
 import subprocess
 import sys
 import types
+from collections import OrderedDict
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import xcp
 from xcp.api import check_qkv
 from xcp.kernels import fused
 from xcp.kernels import fused as pieces  # the mask tiling lives in the fused-kernel base
 from xcp.kernels.math import allowed_keys, math_backward, math_forward
+from xcp.testing import conformance
 from xcp_cuda import CUDABackend, kernels
 
 MASKS = ("none", "causal", "strict")
@@ -368,6 +371,62 @@ class FakeAten:
         dq, dk, dv = _bhsd_grads(dout, q, k, v, out, lse[..., : q.shape[2]].double(), m, scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
+    # The varlen flash ops: packed [total, H, D], int32 cumulative lengths, each segment attended on its
+    # own (causal bottom-right per segment, +inf lse on rows without keys), lse float32 [H, total_q].
+    @staticmethod
+    def _packed(*xs):
+        for x in xs:
+            assert x.dim() == 3 and x.is_contiguous(), "the varlen flash ops take contiguous [total, H, D]"
+
+    @staticmethod
+    def _segments(q, k, cq, ck, max_q, max_k):
+        for name, c, total, longest in (("q", cq, q.shape[0], max_q), ("k", ck, k.shape[0], max_k)):
+            assert c.dtype == torch.int32 and c.dim() == 1 and c.device == q.device, f"cum_seq_{name}: int32 1-D"
+            bounds = c.tolist()
+            assert bounds[0] == 0 and bounds[-1] == total, f"cum_seq_{name} {bounds} does not tile {total} rows"
+            assert longest == max(b - a for a, b in zip(bounds, bounds[1:])), f"max_{name} is not the longest"
+        assert cq.shape == ck.shape, "as many query segments as key segments"
+        qb, kb = cq.tolist(), ck.tolist()
+        return [(slice(a, b), slice(c, d)) for a, b, c, d in zip(qb, qb[1:], kb, kb[1:])]
+
+    def _flash_attention_forward(
+        self, q, k, v, cq, ck, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None,
+        window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None,
+    ):  # fmt: skip
+        self._packed(q, k, v)
+        assert q.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0.0 and not return_debug_mask
+        assert q.shape[1] % k.shape[1] == 0 and window_size_left is None and seqused_k is None
+        segs = self._segments(q, k, cq, ck, max_q, max_k)
+        self.calls.append(("flash_varlen_fwd", q.shape[0], k.shape[0], k.shape[1], is_causal, len(segs)))
+        out = torch.empty(q.shape, dtype=q.dtype)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
+        for qs, ks in segs:
+            seg = [x[s].transpose(0, 1).unsqueeze(0) for x, s in ((q, qs), (k, ks), (v, ks))]  # [1, H, S, D]
+            o, seg_lse = _bhsd_attention(*seg, self._mask(seg[0].shape[2], seg[1].shape[2], is_causal, True), scale)
+            out[qs] = o[0].transpose(0, 1).to(q.dtype)
+            lse[:, qs] = torch.where(seg_lse[0] == NEG_INF, math.inf, seg_lse[0]).float()
+        return out, lse, torch.zeros(2, dtype=torch.uint64), torch.zeros((), dtype=torch.uint64), torch.empty(0)
+
+    def _flash_attention_backward(
+        self, dout, q, k, v, out, lse, cq, ck, max_q, max_k, dropout_p, is_causal, rng_state, unused, *,
+        scale=None, window_size_left=None, window_size_right=None,
+    ):  # fmt: skip
+        self._packed(dout, q, k, v, out)
+        assert dropout_p == 0.0 and window_size_left is None and window_size_right is None
+        assert rng_state.dtype == torch.uint64 and rng_state.shape == (2,) and unused.dtype == torch.uint64
+        assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous()
+        assert out.dtype == q.dtype and dout.dtype == q.dtype
+        segs = self._segments(q, k, cq, ck, max_q, max_k)
+        self.calls.append(("flash_varlen_bwd", q.shape[0], k.shape[0], k.shape[1], is_causal, len(segs)))
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for qs, ks in segs:
+            seg = [x[s].transpose(0, 1).unsqueeze(0) for x, s in ((dout, qs), (q, qs), (k, ks), (v, ks), (out, qs))]
+            m = self._mask(seg[1].shape[2], seg[2].shape[2], is_causal, True)
+            g = _bhsd_grads(*seg, lse[:, qs].unsqueeze(0).double(), m, scale)
+            for acc, x, s in zip((dq, dk, dv), g, (qs, ks, ks)):
+                acc[s] = x[0].transpose(0, 1).to(acc.dtype)
+        return dq, dk, dv
+
 
 def _cpu_backend(monkeypatch, **kwargs):
     fake = FakeAten()
@@ -413,6 +472,213 @@ def test_backend_glue_against_math(monkeypatch, dtype, mask, sq, sk, gqa):
         assert all(sq_ == sk_ for _, sq_, sk_, _, causal in fake.calls if causal)  # only square causal calls
         kv_heads = {c[3] for c in fake.calls}
         assert kv_heads == ({2} if kind == "flash" and gqa == "native" else {4})
+
+
+# ---------------------------------------------------------------------------------------------- varlen
+VARLEN_LAYOUTS = {  # name: (cu_q, cu_k, causal); segments of length 1 next to longer ones
+    "causal": ((0, 1, 6, 7, 12), (0, 1, 6, 7, 12), True),
+    "full": ((0, 1, 6, 9), (0, 4, 5, 12), False),
+    "one-segment": ((0, 7), (0, 7), True),
+}
+
+# Outputs rounded once to the input dtype (everything else is float64 in the stand-in): half an ulp,
+# 2^-11 (fp16) and 2^-8 (bf16) relative to values of at most max|ref|; twice that for room.
+VARLEN_TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def _strided(x):
+    """The same values as a non-contiguous [B, S, H, D] view (heads-first storage)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _block_diagonal(cu_q, cu_k, causal):
+    """Boolean [Tq, Tk]: segment i's queries see segment i's keys (square causal when ``causal``)."""
+    m = torch.zeros(cu_q[-1], cu_k[-1], dtype=torch.bool)
+    for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
+        block = torch.ones(b - a, d - c, dtype=torch.bool)
+        m[a:b, c:d] = block.tril() if causal else block
+    return m
+
+
+def _varlen_reference(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
+    """float64 attention over the whole packed block under its block-diagonal mask: (out, lse) and the
+    gradients from the given merged out/lse, in xcp's layout."""
+    bhsd = [x.transpose(1, 2) for x in (q, k, v)]
+    allowed = _block_diagonal(cu_q, cu_k, causal)
+    ref_out, ref_lse = _bhsd_attention(*bhsd, allowed, scale)
+    grads = _bhsd_grads(dout.transpose(1, 2), *bhsd, out.transpose(1, 2), lse.double(), allowed, scale)
+    return (ref_out.transpose(1, 2), ref_lse, *(g.transpose(1, 2) for g in grads))
+
+
+def _varlen_block(cu_q, cu_k, h, hkv, d, dtype, seed):
+    q, k, v = _block(1, cu_q[-1], cu_k[-1], h, hkv, d, dtype=dtype, seed=seed)
+    return _strided(q), _strided(k), v
+
+
+@pytest.mark.parametrize("dtype", list(VARLEN_TOL))
+@pytest.mark.parametrize("layout", list(VARLEN_LAYOUTS))
+@pytest.mark.parametrize("hkv", [4, 2, 1])
+@pytest.mark.parametrize("gqa", ["native", "repeat"])
+def test_varlen_flash_against_float64(monkeypatch, dtype, layout, hkv, gqa):
+    """One flash varlen call forward and one backward (from a merged out/lse) for all segments."""
+    cu_q, cu_k, causal = VARLEN_LAYOUTS[layout]
+    backend, fake = _cpu_backend(monkeypatch, gqa=gqa)
+    q, k, v = _varlen_block(cu_q, cu_k, 4, hkv, 16, dtype, seed=len(cu_q) + hkv)
+    scale = 0.3
+    assert backend.varlen_kernel(q, cu_q, cu_k)
+    before = [x.clone() for x in (q, k, v)]
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, scale)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (1, 4, cu_q[-1]) and lse.dtype == torch.float32
+    dout = _rand(*out.shape, dtype=dtype, seed=9)
+    merged_out = _rand(*out.shape, dtype=dtype, seed=10)
+    merged_lse = torch.cat([_merged(lse.double()).float(), lse], dim=2)[:, :, : cu_q[-1]]  # strided, as the ring's
+    dq, dk, dv = backend.backward_varlen(dout, q, k, v, merged_out, merged_lse, cu_q, cu_k, causal, scale)
+    assert (dq.dtype, dk.dtype, dv.dtype) == (dtype,) * 3
+    ref = _varlen_reference(dout, q, k, v, merged_out, merged_lse, cu_q, cu_k, causal, scale)
+    _close_all((out, lse, dq, dk, dv), ref, VARLEN_TOL[dtype])
+    for x, y in zip((q, k, v), before):
+        assert torch.equal(x, y)
+    kv_heads = hkv if gqa == "native" else 4
+    segments = len(cu_q) - 1
+    assert fake.calls == [
+        ("flash_varlen_fwd", cu_q[-1], cu_k[-1], kv_heads, causal, segments),
+        ("flash_varlen_bwd", cu_q[-1], cu_k[-1], kv_heads, causal, segments),
+    ]
+
+
+# The per-segment loop through the dense stand-ins: outputs rounded once, dK/dV of a GQA group summed from
+# rounded terms where K/V are repeated (efficient): up to four half-ulps of the dtype; float64 is exact.
+FALLBACK_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize(
+    "dtype,head_dim,capability,kind",
+    [
+        (torch.float64, 16, (9, 0), "math"),
+        (torch.bfloat16, 20, (9, 0), "math"),  # head_dim not a multiple of 8
+        (torch.float32, 16, (9, 0), "efficient"),
+        (torch.float16, 16, (7, 5), "efficient"),  # pre-Ampere: no flash
+        (torch.bfloat16, 264, (9, 0), "efficient"),  # too wide for flash
+    ],
+)
+@pytest.mark.parametrize("layout", ["causal", "full"])
+def test_varlen_falls_back_to_one_call_per_segment(monkeypatch, dtype, head_dim, capability, kind, layout):
+    """Where flash does not serve the block the base class's loop runs: one dense call per segment."""
+    cu_q, cu_k, causal = VARLEN_LAYOUTS[layout]
+    backend, fake = _cpu_backend(monkeypatch)
+    monkeypatch.setattr(backend, "_capability", lambda device: capability)
+    q, k, v = _varlen_block(cu_q, cu_k, 4, 2, head_dim, dtype, seed=5)
+    assert not backend.varlen_kernel(q, cu_q, cu_k) and backend.kernel_for(q) == kind
+    scale = 1 / math.sqrt(head_dim)
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, scale)
+    dout, merged_out = _rand(*out.shape, dtype=dtype, seed=3), _rand(*out.shape, dtype=dtype, seed=4)
+    merged_lse = _merged(lse.double()).to(lse.dtype)
+    grads = backend.backward_varlen(dout, q, k, v, merged_out, merged_lse, cu_q, cu_k, causal, scale)
+    base_fwd = xcp.Backend.forward_varlen(backend, q, k, v, cu_q, cu_k, causal, scale)
+    base_bwd = xcp.Backend.backward_varlen(backend, dout, q, k, v, merged_out, merged_lse, cu_q, cu_k, causal, scale)
+    for got, want in zip((out, lse, *grads), (*base_fwd, *base_bwd)):
+        assert torch.equal(got, want)
+    ref = _varlen_reference(dout, q, k, v, merged_out, merged_lse, cu_q, cu_k, causal, scale)
+    _close_all((out, lse, *grads), ref, FALLBACK_TOL[dtype])
+    assert not any(c[0].startswith("flash_varlen") for c in fake.calls)
+    if kind == "efficient":  # forward and backward, once per segment each, twice (ours and the base's)
+        assert len(fake.calls) == 4 * (len(cu_q) - 1)
+
+
+def test_varlen_needs_keys_and_queries_in_every_segment(monkeypatch):
+    """A segment without keys would come back from flash with lse +inf: the per-segment loop serves it."""
+    assert kernels.varlen_served((0, 2, 5), (0, 1, 4))
+    assert not kernels.varlen_served((0, 2, 5), (0, 0, 4)) and not kernels.varlen_served((0, 0, 5), (0, 1, 4))
+    backend, fake = _cpu_backend(monkeypatch)
+    q, k, v = _varlen_block((0, 2, 5), (0, 0, 4), 2, 2, 16, torch.float16, seed=1)
+    assert not backend.varlen_kernel(q, (0, 2, 5), (0, 0, 4))
+    assert not backend.varlen_kernel(torch.cat([q, q]), (0, 2, 5), (0, 1, 4))  # batch 2: not packed
+    out, lse = backend.forward_varlen(q, k, v, (0, 2, 5), (0, 0, 4), False, 0.25)
+    assert (out[:, :2] == 0).all() and torch.isneginf(lse[:, :, :2]).all()
+    assert not any(c[0].startswith("flash_varlen") for c in fake.calls)
+
+
+def test_cu_seqlens_are_uploaded_once_and_evicted_oldest_first(monkeypatch):
+    monkeypatch.setattr(kernels, "CU_CACHE_SIZE", 2)
+    monkeypatch.setattr(kernels, "_CU_CACHE", OrderedDict())
+    cpu = torch.device("cpu")
+    a = kernels.cu_seqlens((0, 3, 5), cpu)
+    assert a.dtype == torch.int32 and a.tolist() == [0, 3, 5]
+    assert kernels.cu_seqlens((0, 3, 5), cpu) is a
+    b = kernels.cu_seqlens((0, 5), cpu)
+    assert kernels.cu_seqlens((0, 3, 5), cpu) is a  # now the most recent: (0, 5) goes first
+    kernels.cu_seqlens((0, 1, 5), cpu)
+    assert list(kernels._CU_CACHE) == [((0, 3, 5), cpu), ((0, 1, 5), cpu)]
+    assert kernels.cu_seqlens((0, 5), cpu) is not b
+    assert kernels.max_seqlen((0, 3, 5)) == 3 and kernels.max_seqlen((0, 1)) == 1
+
+
+def test_varlen_call_reuses_the_uploaded_boundaries(monkeypatch):
+    monkeypatch.setattr(kernels, "_CU_CACHE", OrderedDict())
+    backend, fake = _cpu_backend(monkeypatch)
+    cu_q, cu_k, causal = VARLEN_LAYOUTS["full"]
+    q, k, v = _varlen_block(cu_q, cu_k, 2, 2, 16, torch.bfloat16, seed=2)
+    uploads = []
+    real = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **kw: uploads.append(a[0]) or real(*a, **kw))
+    for _ in range(3):
+        out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, 0.3)
+        backend.backward_varlen(out, q, k, v, out, lse, cu_q, cu_k, causal, 0.3)
+    assert uploads == [cu_q, cu_k] and len(fake.calls) == 6
+
+
+# The conformance suite's varlen checks, on the stand-in ops (fp16/bf16: the flash varlen path; fp32 and
+# float64: the per-segment fallback) and, where there is one, on a GPU.
+VARLEN_CASES = [c for c in conformance.cases(CUDABackend()) if c.id.startswith("varlen-")]
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
+def test_varlen_conformance_on_the_stand_in(monkeypatch, case):
+    backend, _ = _cpu_backend(monkeypatch)
+    case.run(backend)
+
+
+class _IgnoresSegments(FakeAten):
+    """A varlen forward that attends across document boundaries (one segment over everything)."""
+
+    def _flash_attention_forward(self, q, k, v, cq, ck, max_q, max_k, *args, **kwargs):
+        whole_q, whole_k = cq[[0, -1]].contiguous(), ck[[0, -1]].contiguous()
+        return super()._flash_attention_forward(q, k, v, whole_q, whole_k, q.shape[0], k.shape[0], *args, **kwargs)
+
+
+class _RecomputesLse(FakeAten):
+    """A varlen backward that renormalises by its own block's lse instead of the merged one."""
+
+    def _flash_attention_backward(self, dout, q, k, v, out, lse, cq, ck, max_q, max_k, p, causal, *args, **kwargs):
+        own = super()._flash_attention_forward(q, k, v, cq, ck, max_q, max_k, 0.0, causal, False, scale=kwargs["scale"])
+        own_out, own_lse = own[0], own[1]
+        return super()._flash_attention_backward(
+            dout, q, k, v, own_out, own_lse, cq, ck, max_q, max_k, p, causal, *args, **kwargs
+        )
+
+
+@pytest.mark.parametrize(
+    "fake,check,kwargs,message",
+    [
+        (_IgnoresSegments, conformance.check_forward_varlen, {"layout": "full", "heads": "gqa"}, "varlen forward out"),
+        (_IgnoresSegments, conformance.check_forward_varlen, {"layout": "causal", "heads": "mha"}, "varlen forward"),
+        (_RecomputesLse, conformance.check_split_keys_varlen, {}, "varlen split-key backward"),
+    ],
+)
+def test_varlen_conformance_catches_a_broken_kernel(monkeypatch, fake, check, kwargs, message):
+    backend, _ = _cpu_backend(monkeypatch)
+    monkeypatch.setattr(kernels, "ATEN", fake())
+    with pytest.raises(AssertionError, match=message):
+        check(backend, torch.bfloat16, **kwargs)
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
+def test_varlen_conformance_on_a_gpu(case):
+    backend = CUDABackend()
+    ok, reason = backend.available()
+    if not ok:
+        pytest.skip(f"needs a CUDA GPU ({reason})")
+    case.run(backend)
 
 
 def test_flash_attn_package_serves_the_forward(monkeypatch):

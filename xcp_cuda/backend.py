@@ -36,7 +36,9 @@ class CUDABackend(FusedKernelBackend):
     Kernel per block, by :func:`xcp_cuda.kernels.choose_kernel`: the aten flash op for fp16/bf16 with
     head_dim % 8 == 0 and <= 256 (the flash-attn package's forward instead when it is installed), the aten
     memory-efficient op for fp32 and the other aligned head dims, and the math kernel for the rest
-    (float64, unaligned head dims). Masks beyond none / square causal are cut by the base class.
+    (float64, unaligned head dims). Masks beyond none / square causal are cut by the base class. Packed
+    documents (:meth:`forward_varlen`) take one call of the aten flash varlen op where the flash op
+    serves the block, else one block call per segment (the base class).
 
     :param gqa: ``native`` (default; env ``XCP_CUDA_GQA``) or ``repeat``, see
         :data:`xcp.kernels.fused.GQA_MODES`.
@@ -146,3 +148,26 @@ class CUDABackend(FusedKernelBackend):
         if self.kv_groups(q, k, kernels.native_gqa(kind)) > 1:
             op = kernels.with_repeated_kv_backward(op)
         return op(dout, q, k, v, out, lse, causal, scale)
+
+    def varlen_kernel(self, q: torch.Tensor, cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> bool:
+        """Whether packed segments like these take one aten flash varlen call: the flash op serves q
+        (:func:`kernels.choose_kernel`), batch 1, and every segment has queries and keys."""
+        return q.shape[0] == 1 and self.kernel_for(q) == kernels.FLASH and kernels.varlen_served(cu_q, cu_k)
+
+    def forward_varlen(self, q, k, v, cu_q, cu_k, causal: bool, scale: float):
+        """One flash varlen call for all segments where it serves them, else one call per segment."""
+        if not self.varlen_kernel(q, cu_q, cu_k):
+            return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale)
+        op = kernels.flash_varlen_forward
+        if self.kv_groups(q, k) > 1:
+            op = kernels.with_repeated_kv(op)
+        return op(q, k, v, cu_q, cu_k, causal, scale)
+
+    def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float):
+        """One flash varlen backward from the merged out/lse where it serves, else one call per segment."""
+        if not self.varlen_kernel(q, cu_q, cu_k):
+            return super().backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+        op = kernels.flash_varlen_backward
+        if self.kv_groups(q, k) > 1:
+            op = kernels.with_repeated_kv_backward(op)
+        return op(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)

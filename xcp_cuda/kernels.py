@@ -27,6 +27,19 @@ dropout_p=0., is_causal=False, *, scale=None)`` -> (output, log_sumexp, philox_s
 logsumexp, philox_seed, philox_offset, dropout_p, grad_input_mask, is_causal=False, *, scale=None)``
     -> (grad_query, grad_key, grad_value, grad_bias).
 
+``aten._flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+is_causal, return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None, ...)``
+    -> (output, softmax_logsumexp, rng_state, unused, debug_attn_mask). The varlen form of the flash op:
+    packed inputs [total, H, D], cum_seq_* int32 device tensors of cumulative lengths (segment i is
+    queries [cum_seq_q[i], cum_seq_q[i+1]) against keys [cum_seq_k[i], cum_seq_k[i+1])), max_* the
+    longest segment; logsumexp float32 [H, total_q]. Same dtypes, head dims, GPUs and native GQA as the
+    dense op; causal is bottom-right per segment (ours are square, so top-left alike).
+
+``aten._flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+max_q, max_k, dropout_p, is_causal, rng_state, unused, *, scale=None, window_size_left=None,
+window_size_right=None)`` -> (grad_query, grad_key, grad_value), packed like the forward. The dense
+    flash backward above forwards its philox seed and offset here as rng_state and unused.
+
 ``flash_attn.flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, ..., return_attn_probs)``
     (the flash-attn package, when installed) takes our [B, S, H, D] layout and GQA directly and, with
     return_attn_probs=True, returns (out, softmax_lse [B, H, Sq] float32, S_dmask). Only its forward is
@@ -43,6 +56,8 @@ which makes P = 0 and every gradient of the row 0, so :func:`lse_for_backward` m
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -183,6 +198,101 @@ def efficient_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     return res[0].transpose(1, 2), res[1].transpose(1, 2), res[2].transpose(1, 2)
 
 
+# ---------------------------------------------------------------------------------------------- flash varlen
+CU_CACHE_SIZE = 64
+"""How many (boundaries, device) pairs :func:`cu_seqlens` keeps on the device: documents change with
+every batch, so only the recent ones (the ranks' steps and the backward repeat them) are worth keeping."""
+
+_CU_CACHE: OrderedDict[tuple[tuple[int, ...], torch.device], torch.Tensor] = OrderedDict()
+_CU_GRAPHS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+_CU_LOCK = threading.Lock()  # LocalWorld ranks are threads sharing one backend
+
+
+def cu_seqlens(cu: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``cu`` as an int32 tensor on ``device``, uploaded once and then served from a small LRU cache.
+
+    A cached tensor is read by later calls on any stream, so each use records the current stream (the
+    allocator then waits for that work before reusing the memory of an evicted entry). One used during
+    graph capture is kept for good: the graph reads its address at every replay. A cache miss during
+    capture cannot upload (a synchronous copy); warm up before capturing, as for any CUDA graph.
+    """
+    key = (cu, device)
+    with _CU_LOCK:
+        t = _CU_CACHE.get(key)
+        if t is None:
+            t = torch.tensor(cu, dtype=torch.int32, device=device)
+            _CU_CACHE[key] = t
+            if len(_CU_CACHE) > CU_CACHE_SIZE:
+                _CU_CACHE.popitem(last=False)
+        else:
+            _CU_CACHE.move_to_end(key)
+        if t.is_cuda:
+            if torch.cuda.is_current_stream_capturing():
+                _CU_GRAPHS[key] = t
+            else:
+                t.record_stream(torch.cuda.current_stream(t.device))
+    return t
+
+
+def max_seqlen(cu: tuple[int, ...]) -> int:
+    """The longest segment of cumulative boundaries ``cu``."""
+    return max(b - a for a, b in zip(cu, cu[1:]))
+
+
+def varlen_served(cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> bool:
+    """Whether the flash varlen op serves these segments: every one has queries and keys (what
+    :mod:`xcp.documents` plans). A segment without keys would come back with lse +inf, not -inf."""
+    return all(b > a for a, b in zip(cu_q, cu_q[1:])) and all(b > a for a, b in zip(cu_k, cu_k[1:]))
+
+
+def flash_varlen_forward(q, k, v, cu_q, cu_k, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """aten flash varlen forward of packed segments (batch 1): out [1, Tq, H, D] in q's dtype and lse
+    float32 [1, H, Tq]. K/V may be GQA."""
+    res = ATEN._flash_attention_forward(
+        q[0].contiguous(),
+        k[0].contiguous(),
+        v[0].contiguous(),
+        cu_seqlens(cu_q, q.device),
+        cu_seqlens(cu_k, q.device),
+        max_seqlen(cu_q),
+        max_seqlen(cu_k),
+        0.0,
+        causal,
+        False,
+        scale=scale,
+    )
+    out, lse = res[0], res[1]
+    if tuple(lse.shape) != (q.shape[2], q.shape[1]):  # older flash kernels padded it per segment
+        raise RuntimeError(
+            f"aten._flash_attention_forward: expected logsumexp [H, total_q] = {(q.shape[2], q.shape[1])}; "
+            f"got {tuple(lse.shape)} (torch {torch.__version__})"
+        )
+    return out.unsqueeze(0), lse.unsqueeze(0)
+
+
+def flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float):
+    """aten flash varlen backward from the merged out/lse: dq [1, Tq, H, D], dk, dv [1, Tk, Hkv, D]."""
+    seed, offset = _rng_placeholders(q.device, flash=True)
+    dq, dk, dv = ATEN._flash_attention_backward(
+        dout[0].to(q.dtype).contiguous(),
+        q[0].contiguous(),
+        k[0].contiguous(),
+        v[0].contiguous(),
+        out[0].to(q.dtype).contiguous(),
+        lse_for_backward(lse[0]),
+        cu_seqlens(cu_q, q.device),
+        cu_seqlens(cu_k, q.device),
+        max_seqlen(cu_q),
+        max_seqlen(cu_k),
+        0.0,
+        causal,
+        seed,  # rng_state: read only when dropout_p > 0, as in flash_backward
+        offset,  # unused
+        scale=scale,
+    )
+    return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
+
+
 # ---------------------------------------------------------------------------------------------- flash_attn
 def flash_attn_forward(module: Any, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The flash-attn package's forward: out [B, Sq, H, D] in q's dtype, lse float32 [B, H, Sq]; GQA native."""
@@ -201,11 +311,12 @@ def flash_attn_forward(module: Any, q, k, v, causal: bool, scale: float) -> tupl
 
 # ---------------------------------------------------------------------------------------------- GQA wrappers
 def with_repeated_kv(forward_op):
-    """A forward that takes GQA K/V by repeating them per query head (for kernels without GQA)."""
+    """A forward that takes GQA K/V by repeating them per query head (for kernels without GQA). The
+    arguments after q, k, v (``causal, scale``, or ``cu_q, cu_k, causal, scale``) pass through."""
 
-    def run(q, k, v, causal, scale):
+    def run(q, k, v, *args):
         groups = q.shape[2] // k.shape[2]
-        return forward_op(q, repeat_kv(k, groups), repeat_kv(v, groups), causal, scale)
+        return forward_op(q, repeat_kv(k, groups), repeat_kv(v, groups), *args)
 
     return run
 
@@ -213,9 +324,9 @@ def with_repeated_kv(forward_op):
 def with_repeated_kv_backward(backward_op):
     """The backward matching :func:`with_repeated_kv`: repeat K/V, then sum dK/dV over each group."""
 
-    def run(dout, q, k, v, out, lse, causal, scale):
+    def run(dout, q, k, v, out, lse, *args):
         groups = q.shape[2] // k.shape[2]
-        dq, dk, dv = backward_op(dout, q, repeat_kv(k, groups), repeat_kv(v, groups), out, lse, causal, scale)
+        dq, dk, dv = backward_op(dout, q, repeat_kv(k, groups), repeat_kv(v, groups), out, lse, *args)
         return dq, sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)
 
     return run
