@@ -9,11 +9,16 @@ Hand-off is ``clone``: a tensor given to another stream is copied in that stream
 stream owns the copy. That is the fix Ascend users rely on, because torch_npu's allocator (with
 MULTI_STREAM_MEMORY_REUSE, its default) erases record_stream marks when an HCCL work is waited on, so
 a zero-copy record_stream hand-off is not a guarantee there.
+
+Packed segments (``forward_varlen`` / ``backward_varlen``) go to one npu_fusion_attention(_grad) call in the TND
+layout with the cumulative ``actual_seq_qlen`` / ``actual_seq_kvlen``; how that kernel lays out its softmax
+statistics is not settled by the docs (see :mod:`xcp_npu.convert`), hence ``tnd_stats``.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 import torch
@@ -28,18 +33,24 @@ class NPUBackend(FusedKernelBackend):
 
     :param gqa: ``native`` (default; env ``XCP_NPU_GQA``): K/V with fewer heads go to npu_fusion_attention
         as they are (it allows N_kv dividing N in BSND); or ``repeat``.
+    :param tnd_stats: how the TND (varlen) kernel lays out softmax_max / softmax_sum: ``segment`` (default;
+        env ``XCP_NPU_TND_STATS``), ``global`` or ``tnd`` (see :data:`xcp_npu.convert.TND_STATS_LAYOUTS`).
     """
 
     name = "npu"
     device_type = "npu"
     dist_backend = "hccl"
     handoff_policy = "clone"
-    kernel = "torch_npu.npu_fusion_attention (+ _grad), BSND, causal as sparse_mode 3"
+    kernel = "torch_npu.npu_fusion_attention (+ _grad), BSND; packed segments TND; causal as sparse_mode 3"
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     gqa_env = "XCP_NPU_GQA"
+    tnd_stats_env = "XCP_NPU_TND_STATS"
 
-    def __init__(self, gqa: str | None = None) -> None:
+    def __init__(self, gqa: str | None = None, tnd_stats: str | None = None) -> None:
         super().__init__(gqa)
+        if tnd_stats is None:
+            tnd_stats = os.environ.get(self.tnd_stats_env, "segment")
+        self.tnd_stats = convert.check_tnd_stats(tnd_stats)
         self._vendor: Any = None
         self._vendor_error: str | None = None
         self._masks: dict[torch.device, torch.Tensor] = {}
@@ -99,13 +110,18 @@ class NPUBackend(FusedKernelBackend):
         self._module().reset_peak_memory_stats(device)
 
     # ------------------------------------------------------------------ block kernel
+    def _causal_mask(self, device: torch.device) -> torch.Tensor:
+        """The compressed causal mask on ``device``, built once per device."""
+        if device not in self._masks:
+            self._masks[device] = convert.causal_mask(device)
+        return self._masks[device]
+
     def _sparse(self, causal: bool, device: torch.device) -> dict[str, Any]:
-        mask = None
-        if causal:
-            if device not in self._masks:
-                self._masks[device] = convert.causal_mask(device)
-            mask = self._masks[device]
-        return convert.sparse_args(causal, mask)
+        return convert.sparse_args(causal, self._causal_mask(device) if causal else None)
+
+    def _varlen(self, cu_q, cu_k, causal: bool, tq: int, tk: int, device: torch.device) -> dict[str, Any]:
+        mask = self._causal_mask(device) if causal else None
+        return {**convert.varlen_args(cu_q, cu_k, causal, tq, tk, mask), **convert.softmax_layout_args(self.tnd_stats)}
 
     def square_forward(self, q, k, v, causal: bool, scale: float):
         convert.check_square(q, k, causal)
@@ -145,4 +161,52 @@ class NPUBackend(FusedKernelBackend):
             **self._sparse(causal, q.device),
         )
         dq, dk, dv = grads[0], grads[1], grads[2]
+        return dq, sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)
+
+    # ------------------------------------------------------------------ packed segments
+    def forward_varlen(self, q, k, v, cu_q, cu_k, causal: bool, scale: float):
+        """All segments in one TND npu_fusion_attention call (per-segment sparse_mode 3 when causal); a block the
+        fused op cannot take (head dim, batch) goes to the per-segment default."""
+        if convert.varlen_unsupported(q, k):
+            return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale)
+        groups = self.kv_groups(q, k)
+        qt = q[0].contiguous()  # [T, N, D]: batch 1 dropped
+        kt, vt = (repeat_kv(x, groups)[0].contiguous() for x in (k, v))
+        outputs = self.vendor().npu_fusion_attention(
+            qt,
+            kt,
+            vt,
+            qt.shape[1],  # head_num: the query heads; K/V may have fewer (GQA)
+            convert.VARLEN_LAYOUT,
+            scale=scale,
+            keep_prob=1.0,
+            **self._varlen(cu_q, cu_k, causal, q.shape[1], k.shape[1], q.device),
+        )
+        out, softmax_max, softmax_sum = convert.check_varlen_forward_outputs(qt, vt, outputs)
+        return out.unsqueeze(0), convert.lse_from_tnd_stats(softmax_max, softmax_sum, cu_q, self.tnd_stats)
+
+    def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float):
+        """Gradients of all segments in one TND npu_fusion_attention_grad call, from the merged out and lse."""
+        if convert.varlen_unsupported(q, k):
+            return super().backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+        groups = self.kv_groups(q, k)
+        qt = q[0].contiguous()
+        kt, vt = (repeat_kv(x, groups)[0].contiguous() for x in (k, v))
+        softmax_max, softmax_sum = convert.tnd_stats_from_lse(lse, cu_q, self.tnd_stats)
+        grads = self.vendor().npu_fusion_attention_grad(
+            qt,
+            kt,
+            vt,
+            dout[0].to(q.dtype).contiguous(),
+            qt.shape[1],
+            convert.VARLEN_LAYOUT,
+            softmax_max=softmax_max,
+            softmax_sum=softmax_sum,
+            softmax_in=None,
+            attention_in=out[0].to(q.dtype).contiguous(),  # the merged out
+            scale_value=scale,
+            keep_prob=1.0,
+            **self._varlen(cu_q, cu_k, causal, q.shape[1], k.shape[1], q.device),
+        )
+        dq, dk, dv = grads[0].unsqueeze(0), grads[1].unsqueeze(0), grads[2].unsqueeze(0)
         return dq, sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)

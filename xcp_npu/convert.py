@@ -7,6 +7,9 @@ the row's log-sum-exp is m + log(s). Its backward ``npu_fusion_attention_grad`` 
 probabilities as exp(x - softmax_max) / softmax_sum, so the ring's merged lse L goes back in as
 softmax_max = L (expanded to 8) with softmax_sum = 1.
 
+Packed segments (documents) use the TND layout instead: see the section at the end of this module, which also
+records what the docs leave unclear about the TND softmax statistics.
+
 Masks: xcp asks the kernel only for "none" or causal on a square block (:mod:`xcp.kernels.fused` cuts every
 other case, including strictly-causal, into those). Square causal is sparse_mode 3 (rightDownCausal, the
 mode Ascend recommends for causal training) with the compressed 2048×2048 mask whose True entries (the
@@ -120,4 +123,167 @@ def check_forward_outputs(q: torch.Tensor, v: torch.Tensor, outputs: Any) -> tup
         raise ValueError(f"attention_out: expected shape {expected_out} (BSND); got {tuple(out.shape)}")
     check_softmax_stats("softmax_max", smax, (b, n, sq))
     check_softmax_stats("softmax_sum", ssum, (b, n, sq))
+    return out, smax, ssum
+
+
+# ---------------------------------------------------------------------------------------------- packed segments (TND)
+# What the sources say (checked for this code; quotes abridged):
+#
+# - actual_seq_qlen / actual_seq_kvlen are host int lists of CUMULATIVE lengths WITHOUT a leading 0. The
+#   parameter text of npu_fusion_attention as restated in Ascend/MindSpeed docs/ops/fusion_attention.md:
+#   "Host侧的int array ... 表示query每个S的累加和长度 ... 比如真正的S长度列表为：2 2 2 2 2 则actual_seq_qlen传：
+#   2 4 6 8 10" (lengths 2 2 2 2 2 -> pass 2 4 6 8 10); hiascend.com's "torch_npu.npu_fusion_attention" page
+#   (PyTorch 6.0.RC3, ptaoplist_000445) lists "TND(actual_seq_qlen/actual_seq_kvlen需传值)". torch_npu's op-plugin
+#   (the C++ adapter) agrees: for TND it counts dropout elements as ac_seq_qlen[0] * ac_seq_kvlen[0] plus the
+#   products of the later differences, i.e. element 0 is the first segment's length, and it requires both lists
+#   non-empty and of equal length. A segment with Sq > 0 and Skv == 0 is not supported (ours are never empty).
+# - TND softmax_max / softmax_sum are allocated as float32 [T, N, 8] (op-plugin: "{T, N_local, 8} // [T, N, 8]"),
+#   but CANN's aclnnFlashAttentionVarLenScoreV4 page (CANN 8.3.RC1 / 8.5.0 operator API) says the original varlen
+#   kernel's softmax outputs, "虽然标注为 TND 格式，实际的数据排布为 NTD" (labelled TND, actually laid out NTD);
+#   V4 adds softmaxOutLayout = "same_as_input" for a true TND layout, and aclnnFlashAttentionUnpaddingScoreGradV4
+#   reads its softmax inputs the same way (softmaxInLayout "" = NTD data, "same_as_input" = TND). torch_npu exposes
+#   this as softmax_layout="TND" (newer op-plugin only; it raises "The param softmax_layout is not supported"
+#   where the CANN kernels lack V4).
+# - UNCLEAR in the docs: whether "NTD" is global ([N, T] over all segments) or per segment. Ascend/MindSpeed
+#   mindspeed/core/context_parallel/utils.py (flatten_softmax / unflatten_softmax, used by its TND ring attention)
+#   reads the default layout PER SEGMENT: segment i occupies rows [N * cu[i], N * cu[i+1]) of the [T * N, 8] view,
+#   as [N, s_i] (head-major within the segment, the varlen analogue of BNSD's [B, N, S, 8]). That is our default,
+#   "segment"; "global" is the literal [N, T] reading; "tnd" passes softmax_layout="TND". Only Ascend hardware can
+#   settle which default is right: tests/test_npu_pure.py has a device test that says which layouts match.
+#   With one segment "segment" and "global" coincide.
+
+VARLEN_LAYOUT = "TND"
+"""Packed segments as [T, N, D] (batch 1 dropped), boundaries in actual_seq_qlen / actual_seq_kvlen."""
+TND_STATS_LAYOUTS = ("segment", "global", "tnd")
+"""How the TND kernel lays out softmax_max / softmax_sum rows (see the notes above): ``segment`` (default) per
+segment [N, s_i]; ``global`` [N, T]; ``tnd`` [T, N] (passes softmax_layout="TND")."""
+TND_HEAD_DIM_MULTIPLE, TND_MAX_HEAD_DIM = 16, 512
+"""npu_fusion_attention's head-dim constraint assumed for the varlen call: a multiple of 16, at most 512."""
+
+
+def check_tnd_stats(layout: str) -> str:
+    """Return ``layout`` if it is one of :data:`TND_STATS_LAYOUTS`, else raise a ValueError listing them."""
+    if layout not in TND_STATS_LAYOUTS:
+        raise ValueError(f"tnd_stats: expected one of {', '.join(TND_STATS_LAYOUTS)}; got {layout!r}")
+    return layout
+
+
+def varlen_unsupported(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why the fused TND call cannot take q [1, T, N, D] / k [1, T, N_kv, D]; None when it can."""
+    n, d, n_kv = q.shape[2], q.shape[3], k.shape[2]
+    if q.shape[0] != 1 or k.shape[0] != 1:
+        return f"batch {q.shape[0]} (TND packs batch 1)"
+    if d % TND_HEAD_DIM_MULTIPLE or not 0 < d <= TND_MAX_HEAD_DIM:
+        return f"head dim {d} is not a multiple of {TND_HEAD_DIM_MULTIPLE} in 16..{TND_MAX_HEAD_DIM}"
+    if n_kv == 0 or n % n_kv:
+        return f"{n_kv} K/V heads do not divide {n} query heads"
+    return None
+
+
+def actual_seq_lens(cu: tuple[int, ...] | list[int], total: int, name: str = "cu_q") -> list[int]:
+    """``cu`` (``(0, ..., total)``, strictly increasing) as the kernel's cumulative list: ``list(cu[1:])``.
+
+    E.g. ``(0, 3, 8, 12)`` -> ``[3, 8, 12]``. Raises a ValueError naming ``name`` unless ``cu`` starts at 0, ends at
+    ``total`` (the tokens of the call) and has no empty segment.
+    """
+    values = [int(x) for x in cu]
+    if len(values) < 2 or values[0] != 0 or values[-1] != total:
+        raise ValueError(f"{name}: expected cumulative boundaries from 0 to {total}; got {tuple(values)}")
+    if any(b <= a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name}: expected strictly increasing boundaries (no empty segment); got {tuple(values)}")
+    return values[1:]
+
+
+def varlen_args(
+    cu_q: tuple[int, ...], cu_k: tuple[int, ...], causal: bool, tq: int, tk: int, mask: torch.Tensor | None
+) -> dict[str, Any]:
+    """Keyword arguments of npu_fusion_attention(_grad) for packed segments: the cumulative lists and the mask.
+
+    Causal segments are square (``cu_q == cu_k``): sparse_mode 3 (right-down causal, per segment in TND) with the
+    compressed 2048x2048 mask, which on a square segment is top-left causal; otherwise sparse_mode 0, no mask.
+    """
+    qlen, kvlen = actual_seq_lens(cu_q, tq, "cu_q"), actual_seq_lens(cu_k, tk, "cu_k")
+    if len(qlen) != len(kvlen):
+        raise ValueError(f"cu_k: expected {len(qlen)} segments (as cu_q); got {len(kvlen)}")
+    if causal and qlen != kvlen:
+        raise ValueError(f"cu_k: causal segments must be square (cu_k == cu_q = {tuple(cu_q)}); got {tuple(cu_k)}")
+    return {"actual_seq_qlen": qlen, "actual_seq_kvlen": kvlen, **sparse_args(causal, mask)}
+
+
+def softmax_layout_args(layout: str) -> dict[str, Any]:
+    """``{"softmax_layout": "TND"}`` for the ``tnd`` stats layout; nothing otherwise (older torch_npu lacks it)."""
+    return {"softmax_layout": "TND"} if check_tnd_stats(layout) == "tnd" else {}
+
+
+def _stat_rows(lse_nt: torch.Tensor, cu: tuple[int, ...], layout: str) -> torch.Tensor:
+    """[N, T] -> the T * N values in the order of the kernel's stat rows under ``layout``."""
+    if layout == "tnd":
+        return lse_nt.t().reshape(-1)
+    if layout == "global":
+        return lse_nt.reshape(-1)
+    return torch.cat([lse_nt[:, a:b].reshape(-1) for a, b in zip(cu, cu[1:])])
+
+
+def _rows_to_nt(rows: torch.Tensor, cu: tuple[int, ...], layout: str, n: int) -> torch.Tensor:
+    """The kernel's T * N stat rows under ``layout`` -> [N, T] (the inverse of :func:`_stat_rows`)."""
+    t = rows.numel() // n
+    if layout == "tnd":
+        return rows.reshape(t, n).t()
+    if layout == "global":
+        return rows.reshape(n, t)
+    sizes = [n * (b - a) for a, b in zip(cu, cu[1:])]
+    return torch.cat([part.reshape(n, -1) for part in rows.split(sizes)], dim=1)
+
+
+def check_tnd_stats_shape(name: str, x: torch.Tensor, t: int, n: int) -> None:
+    """Raise a ValueError unless ``x`` is [T, N, 8]."""
+    if tuple(x.shape) != (t, n, STAT_WIDTH):
+        raise ValueError(f"{name}: expected shape {(t, n, STAT_WIDTH)} (TND statistics); got {tuple(x.shape)}")
+
+
+def lse_from_tnd_stats(
+    softmax_max: torch.Tensor, softmax_sum: torch.Tensor, cu_q: tuple[int, ...], layout: str = "segment"
+) -> torch.Tensor:
+    """lse [1, N, T] float32 from TND statistics [T, N, 8] laid out as ``layout``; -inf where the sum is 0."""
+    check_tnd_stats(layout)
+    t = cu_q[-1]
+    if softmax_max.dim() != 3:
+        raise ValueError(f"softmax_max: expected shape [{t}, N, {STAT_WIDTH}]; got {tuple(softmax_max.shape)}")
+    n = softmax_max.shape[1]
+    check_tnd_stats_shape("softmax_max", softmax_max, t, n)
+    check_tnd_stats_shape("softmax_sum", softmax_sum, t, n)
+    m = _rows_to_nt(softmax_max.reshape(-1, STAT_WIDTH)[:, 0].to(torch.float32), cu_q, layout, n)
+    s = _rows_to_nt(softmax_sum.reshape(-1, STAT_WIDTH)[:, 0].to(torch.float32), cu_q, layout, n)
+    return torch.where(s > 0, m + torch.log(s), NEG_INF).unsqueeze(0)
+
+
+def tnd_stats_from_lse(
+    lse: torch.Tensor, cu_q: tuple[int, ...], layout: str = "segment"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax_max, softmax_sum) float32 [T, N, 8] laid out as ``layout``, from a merged lse [1, N, T].
+
+    As :func:`softmax_stats_from_lse`: softmax_max = lse (+inf where lse is -inf), softmax_sum = 1.
+    """
+    check_tnd_stats(layout)
+    if lse.dim() != 3 or lse.shape[0] != 1 or lse.shape[2] != cu_q[-1]:
+        raise ValueError(f"lse: expected shape [1, N, {cu_q[-1]}]; got {tuple(lse.shape)}")
+    n, t = lse.shape[1], lse.shape[2]
+    lse = lse[0].to(torch.float32)
+    m = torch.where(lse == NEG_INF, float("inf"), lse)
+    rows = _stat_rows(m, cu_q, layout)
+    softmax_max = rows.reshape(t, n, 1).expand(t, n, STAT_WIDTH).contiguous()
+    return softmax_max, torch.ones_like(softmax_max)
+
+
+def check_varlen_forward_outputs(q: torch.Tensor, v: torch.Tensor, outputs: Any) -> tuple[torch.Tensor, ...]:
+    """(attention_out, softmax_max, softmax_sum) of a TND call, shapes checked: q [T, N, D], v [Tk, N_kv, Dv]."""
+    if not isinstance(outputs, (tuple, list)) or len(outputs) < 3:
+        raise ValueError(f"npu_fusion_attention: expected at least 3 outputs; got {type(outputs).__name__}")
+    out, smax, ssum = outputs[0], outputs[1], outputs[2]
+    t, n = q.shape[0], q.shape[1]
+    expected_out = (t, n, v.shape[2])
+    if tuple(out.shape) != expected_out:
+        raise ValueError(f"attention_out: expected shape {expected_out} (TND); got {tuple(out.shape)}")
+    check_tnd_stats_shape("softmax_max", smax, t, n)
+    check_tnd_stats_shape("softmax_sum", ssum, t, n)
     return out, smax, ssum
