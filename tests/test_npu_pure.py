@@ -4,6 +4,11 @@ The stand-in follows torch_npu's documented contract for npu_fusion_attention(_g
 head_num = query heads, K/V heads dividing them, softmax_max/softmax_sum float32 [B, N, Sq, 8], sparse_mode
 0 and the right-down causal sparse_mode 3 with the compressed 2048×2048 mask, ``scale`` in the forward and
 ``scale_value`` in the grad). References are float64 math (xcp.cpu) on the whole block.
+
+Packed segments: the stand-in also implements the TND layout independently (float64 per segment, cumulative
+``actual_seq_qlen`` / ``actual_seq_kvlen`` without a leading 0, statistics [T, N, 8] whose rows follow a layout
+chosen per stand-in: ``segment``, ``global``, or ``tnd`` when called with softmax_layout="TND"). The layout of real
+hardware is not settled by the docs (see xcp_npu.convert); the device test at the end says which one matches.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ import pytest
 import torch
 from strategies import assert_close_to
 
+import xcp
+from xcp.backend import Backend, SynchronousBackend
 from xcp.kernels.math import allowed_keys, math_backward, math_forward
+from xcp.ring import RingConfig, ring_backward, ring_forward
 from xcp_npu import NPUBackend, convert
 
 MASKS = ("none", "causal", "strict")
@@ -134,10 +142,12 @@ def _compressed_causal_mask():
 class FakeTorchNPU(types.ModuleType):
     """npu_fusion_attention and npu_fusion_attention_grad as torch_npu documents them, in float64."""
 
-    def __init__(self):
+    def __init__(self, tnd_stats="segment"):
         super().__init__("torch_npu")
         self.calls = []
+        self.varlen_calls = []
         self.checked_mask = None
+        self.tnd_stats = tnd_stats  # the row layout of TND statistics without softmax_layout="TND"
 
     def _allowed(self, sq, sk, atten_mask, sparse_mode):
         if sparse_mode == 0:
@@ -178,7 +188,14 @@ class FakeTorchNPU(types.ModuleType):
         sparse_mode=0,
         gen_mask_parallel=True,
         sync=False,
+        softmax_layout="",
     ):
+        if input_layout == "TND":
+            return self._tnd_forward(
+                query, key, value, head_num, atten_mask, scale, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
+                softmax_layout, keep_prob, pse,
+            )  # fmt: skip
+        assert actual_seq_qlen is None and actual_seq_kvlen is None and softmax_layout == ""
         self._check(query, key, value, head_num, input_layout)
         assert keep_prob == 1.0 and pse is None
         self.calls.append(("fwd", query.shape[1], key.shape[1], key.shape[2], sparse_mode))
@@ -219,7 +236,14 @@ class FakeTorchNPU(types.ModuleType):
         sparse_mode=0,
         gen_mask_parallel=True,
         sync=False,
+        softmax_layout="",
     ):
+        if input_layout == "TND":
+            return self._tnd_backward(
+                query, key, value, dy, head_num, atten_mask, softmax_max, softmax_sum, attention_in, scale_value,
+                actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, keep_prob,
+            )  # fmt: skip
+        assert actual_seq_qlen is None and actual_seq_kvlen is None and softmax_layout == ""
         self._check(query, key, value, head_num, input_layout)
         assert dy.dtype == attention_in.dtype == query.dtype and keep_prob == 1.0
         assert softmax_max.shape == softmax_sum.shape == (query.shape[0], head_num, query.shape[1], 8)
@@ -237,6 +261,84 @@ class FakeTorchNPU(types.ModuleType):
         b, sk, n, d = dk.shape
         dk = dk.reshape(b, sk, n // groups, groups, d).sum(3)
         dv = dv.reshape(b, sk, n // groups, groups, d).sum(3)
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None
+
+    # ------------------------------------------------------------------ TND (packed segments)
+    def _tnd_segments(self, query, key, value, head_num, actual_seq_qlen, actual_seq_kvlen, softmax_layout):
+        """[(q0, q1, k0, k1)] from the documented host lists: cumulative lengths without a leading 0."""
+        assert query.dim() == key.dim() == value.dim() == 3 and head_num == query.shape[1]
+        assert key.shape == value.shape and query.shape[1] % key.shape[1] == 0
+        assert query.is_contiguous() and key.is_contiguous() and value.is_contiguous()
+        for lens, total in ((actual_seq_qlen, query.shape[0]), (actual_seq_kvlen, key.shape[0])):
+            assert isinstance(lens, list) and all(type(x) is int for x in lens), "host int lists"
+            assert lens and lens[0] > 0 and lens[-1] == total, "cumulative, without the leading 0"
+        assert len(actual_seq_qlen) == len(actual_seq_kvlen)
+        assert softmax_layout in ("", "TND")
+        cq, ck = [0, *actual_seq_qlen], [0, *actual_seq_kvlen]
+        return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(actual_seq_qlen))]
+
+    def _stat_row(self, layout, t_total, n, q0, q1, h):
+        """Rows of the [T * N, 8] view that hold head h of the segment's queries [q0, q1) under ``layout``."""
+        j = torch.arange(q0, q1)
+        if layout == "tnd":
+            return j * n + h
+        if layout == "global":
+            return h * t_total + j
+        return n * q0 + h * (q1 - q0) + (j - q0)  # segment: [N, s_i] blocks, one per segment
+
+    def _tnd_forward(
+        self, query, key, value, head_num, atten_mask, scale, qlen, kvlen, sparse_mode, softmax_layout, keep_prob, pse
+    ):
+        segs = self._tnd_segments(query, key, value, head_num, qlen, kvlen, softmax_layout)
+        assert keep_prob == 1.0 and pse is None
+        layout = "tnd" if softmax_layout == "TND" else self.tnd_stats
+        t, n = query.shape[0], head_num
+        self.varlen_calls.append(("fwd", list(qlen), list(kvlen), key.shape[1], sparse_mode, softmax_layout))
+        groups = n // key.shape[1]
+        out = torch.zeros(t, n, value.shape[2], dtype=torch.float64)
+        smax, ssum = torch.zeros(t * n, 8, dtype=torch.float32), torch.zeros(t * n, 8, dtype=torch.float32)
+        for q0, q1, k0, k1 in segs:
+            qs, ks, vs = query[q0:q1].unsqueeze(0), key[k0:k1].unsqueeze(0), value[k0:k1].unsqueeze(0)
+            s = _scores_bnss(qs, ks, scale, self._allowed(q1 - q0, k1 - k0, atten_mask, sparse_mode))
+            m, total = _npu_stats(s)  # [1, N, s_i, 8]
+            p = torch.exp(s - m[..., :1].double()) / total[..., :1].double()
+            out[q0:q1] = torch.einsum("bnqk,bknd->bqnd", p, vs.double().repeat_interleave(groups, 2))[0]
+            for h in range(n):
+                rows = self._stat_row(layout, t, n, q0, q1, h)
+                smax[rows], ssum[rows] = m[0, h], total[0, h]
+        stats = (smax.reshape(t, n, 8), ssum.reshape(t, n, 8))
+        return out.to(query.dtype), *stats, torch.zeros(0), 0, 0, 0
+
+    def _tnd_backward(
+        self, query, key, value, dy, head_num, atten_mask, softmax_max, softmax_sum, attention_in, scale,
+        qlen, kvlen, sparse_mode, softmax_layout, keep_prob,
+    ):  # fmt: skip
+        segs = self._tnd_segments(query, key, value, head_num, qlen, kvlen, softmax_layout)
+        assert dy.dtype == attention_in.dtype == query.dtype and keep_prob == 1.0
+        t, n = query.shape[0], head_num
+        assert softmax_max.shape == softmax_sum.shape == (t, n, 8) and dy.shape == attention_in.shape
+        layout = "tnd" if softmax_layout == "TND" else self.tnd_stats
+        self.varlen_calls.append(("bwd", list(qlen), list(kvlen), key.shape[1], sparse_mode, softmax_layout))
+        groups = n // key.shape[1]
+        dq = torch.zeros(query.shape, dtype=torch.float64)
+        dk = torch.zeros(key.shape, dtype=torch.float64)
+        dv = torch.zeros(value.shape, dtype=torch.float64)
+        mrows, srows = softmax_max.reshape(t * n, 8).double(), softmax_sum.reshape(t * n, 8).double()
+        for q0, q1, k0, k1 in segs:
+            qs, ks, vs = (x.unsqueeze(0) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))
+            kr, vr = (x.double().repeat_interleave(groups, 2) for x in (ks, vs))
+            s = _scores_bnss(qs, ks, scale, self._allowed(q1 - q0, k1 - k0, atten_mask, sparse_mode))
+            m = torch.stack([mrows[self._stat_row(layout, t, n, q0, q1, h), 0] for h in range(n)])[None, ..., None]
+            tot = torch.stack([srows[self._stat_row(layout, t, n, q0, q1, h), 0] for h in range(n)])[None, ..., None]
+            p = torch.exp(s - m) / tot
+            do, o = dy[q0:q1].unsqueeze(0).double(), attention_in[q0:q1].unsqueeze(0).double()
+            dp = torch.einsum("bqnd,bknd->bnqk", do, vr)
+            ds = p * (dp - (do * o).sum(-1).transpose(1, 2).unsqueeze(-1))
+            dq[q0:q1] = (torch.einsum("bnqk,bknd->bqnd", ds, kr) * scale)[0]
+            gk = torch.einsum("bnqk,bqnd->bknd", ds, qs.double())[0] * scale
+            gv = torch.einsum("bnqk,bqnd->bknd", p, do)[0]
+            dk[k0:k1] += gk.reshape(k1 - k0, n // groups, groups, -1).sum(2)
+            dv[k0:k1] += gv.reshape(k1 - k0, n // groups, groups, -1).sum(2)
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None
 
 
@@ -333,3 +435,297 @@ def test_identity_and_gqa_flag(monkeypatch):
     assert NPUBackend().gqa == "repeat"
     with pytest.raises(ValueError, match="gqa: expected one of native, repeat; got 'x'"):
         NPUBackend(gqa="x")
+
+
+# ---------------------------------------------------------------------------------------------- packed segments (TND)
+def _segment_reference(q, k, v, cu_q, cu_k, causal, scale, dout=None, out=None, lse=None):
+    """float64 math per segment, concatenated: (out, lse), or (dq, dk, dv) from the merged out/lse."""
+    mask = "causal" if causal else "none"
+    parts = []
+    for i in range(len(cu_q) - 1):
+        qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        q_, k_, v_ = q[:, qs].double(), k[:, ks].double(), v[:, ks].double()
+        if dout is None:
+            parts.append(math_forward(q_, k_, v_, mask, scale))
+        else:
+            do, o, x = dout[:, qs].double(), out[:, qs].double(), lse[:, :, qs]
+            parts.append(math_backward(do, q_, k_, v_, o, x, mask, scale))
+    if dout is None:
+        return torch.cat([o for o, _ in parts], 1), torch.cat([x for _, x in parts], 2)
+    return tuple(torch.cat([g[i] for g in parts], 1) for i in range(3))
+
+
+def _packed(tq, tk, h, hkv, d, dtype, seed=1):
+    """q [1, tq, h, d], k/v [1, tk, hkv, d]: non-contiguous views (heads-first storage, k and v interleaved)."""
+    q = _rand(1, h, tq + 3, d, dtype=dtype, seed=seed)[:, :, 2 : 2 + tq].transpose(1, 2)
+    kv = _rand(1, tk + 1, 2, hkv, d, dtype=dtype, seed=seed + 1)[:, 1:]
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    return q, k, v
+
+
+SEGMENTS = {  # (cu_q, cu_k) for unmasked runs; causal runs use cu_q for both
+    "three": ((0, 1, 5, 12), (0, 3, 4, 10)),
+    "ones": ((0, 1, 2, 3), (0, 1, 2, 3)),
+    "one": ((0, 6), (0, 9)),
+}
+
+
+@pytest.mark.parametrize("layout", convert.TND_STATS_LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+@pytest.mark.parametrize("segments", list(SEGMENTS))
+@pytest.mark.parametrize("gqa", ["native", "repeat"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-6), (torch.float32, 1e-5)])
+def test_varlen_against_float64_segments(monkeypatch, layout, causal, segments, gqa, dtype, tol):
+    """One TND call per direction, whatever the stats layout, agreeing with float64 math per segment; the
+    stand-in uses the same layout as the backend (a mismatch is caught by the next test)."""
+    fake = FakeTorchNPU(tnd_stats="segment" if layout == "tnd" else layout)
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    backend = NPUBackend(gqa=gqa, tnd_stats=layout)
+    backend.device_type = "cpu"
+    cu_q, cu_k = SEGMENTS[segments]
+    cu_k = cu_q if causal else cu_k
+    h, hkv, d = 4, 2, 16
+    q, k, v = _packed(cu_q[-1], cu_k[-1], h, hkv, d, dtype)
+    scale = 1 / math.sqrt(d)
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, scale)
+    ref_out, ref_lse = _segment_reference(q, k, v, cu_q, cu_k, causal, scale)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (1, h, cu_q[-1]) and lse.dtype == torch.float32
+    assert_close_to("out", out, ref_out, tol)
+    assert_close_to("lse", lse, ref_lse, 1e-6)
+
+    dout = _rand(*out.shape, dtype=dtype, seed=4)
+    merged_lse = ref_lse.float() + 0.2  # the rows saw more keys in other blocks
+    merged_out = _rand(*out.shape, dtype=dtype, seed=5)
+    grads = backend.backward_varlen(dout, q, k, v, merged_out, merged_lse, cu_q, cu_k, causal, scale)
+    ref = _segment_reference(q, k, v, cu_q, cu_k, causal, scale, dout, merged_out, merged_lse.double())
+    for name, got, want, x in zip(("dq", "dk", "dv"), grads, ref, (q, k, v)):
+        assert got.shape == x.shape and got.dtype == dtype
+        assert_close_to(name, got, want, tol)
+
+    assert fake.calls == [], "packed segments must not fall back to dense calls"
+    kv_heads = hkv if gqa == "native" else h
+    sparse_mode = 3 if causal else 0
+    softmax_layout = "TND" if layout == "tnd" else ""
+    for op, call in zip(("fwd", "bwd"), fake.varlen_calls, strict=True):
+        assert call == (op, list(cu_q[1:]), list(cu_k[1:]), kv_heads, sparse_mode, softmax_layout)
+
+
+def test_varlen_stats_layout_mismatch_is_visible(monkeypatch):
+    """With several segments the three stats layouts differ: a backend reading the wrong one gets a wrong lse
+    (so the stand-in would catch a conversion that ignores the layout)."""
+    cu = (0, 2, 5, 9)
+    q, k, v = _packed(9, 9, 4, 4, 16, torch.float64)
+    ref_out, ref_lse = _segment_reference(q, k, v, cu, cu, False, 0.25)
+    for hardware in ("segment", "global"):
+        monkeypatch.setitem(sys.modules, "torch_npu", FakeTorchNPU(tnd_stats=hardware))
+        for assumed in ("segment", "global"):
+            backend = NPUBackend(tnd_stats=assumed)
+            backend.device_type = "cpu"
+            out, lse = backend.forward_varlen(q, k, v, cu, cu, False, 0.25)
+            assert_close_to("out", out, ref_out, 1e-6)  # float32 statistics; the output ignores their layout
+            err = (lse - ref_lse).abs().max().item()
+            assert (err < 1e-6) == (hardware == assumed), (hardware, assumed, err)
+
+
+def test_varlen_argument_building():
+    assert convert.actual_seq_lens((0, 3, 8, 12), 12) == [3, 8, 12]
+    assert convert.actual_seq_lens((0, 1), 1) == [1] and type(convert.actual_seq_lens((0, 1), 1)[0]) is int
+    mask = convert.causal_mask()
+    causal = convert.varlen_args((0, 2, 5), (0, 2, 5), True, 5, 5, mask)
+    assert causal["actual_seq_qlen"] == causal["actual_seq_kvlen"] == [2, 5]
+    assert causal["sparse_mode"] == 3 and causal["atten_mask"] is mask
+    none = convert.varlen_args((0, 2, 5), (0, 4, 6), False, 5, 6, None)
+    assert none == {
+        "actual_seq_qlen": [2, 5],
+        "actual_seq_kvlen": [4, 6],
+        "atten_mask": None,
+        "sparse_mode": 0,
+        "pre_tockens": 2147483647,
+        "next_tockens": 2147483647,
+    }
+    assert convert.VARLEN_LAYOUT == "TND"
+    assert convert.softmax_layout_args("tnd") == {"softmax_layout": "TND"}
+    assert convert.softmax_layout_args("segment") == convert.softmax_layout_args("global") == {}
+    with pytest.raises(ValueError, match=r"cu_q: expected cumulative boundaries from 0 to 5; got \(1, 5\)"):
+        convert.actual_seq_lens((1, 5), 5)
+    with pytest.raises(ValueError, match=r"cu_k: expected cumulative boundaries from 0 to 6; got \(0, 5\)"):
+        convert.varlen_args((0, 5), (0, 5), False, 5, 6, None)
+    with pytest.raises(ValueError, match="cu_q: expected strictly increasing boundaries"):
+        convert.actual_seq_lens((0, 2, 2, 5), 5)
+    with pytest.raises(ValueError, match="cu_k: expected 2 segments"):
+        convert.varlen_args((0, 2, 5), (0, 5), False, 5, 5, None)
+    with pytest.raises(ValueError, match="cu_k: causal segments must be square"):
+        convert.varlen_args((0, 2, 5), (0, 3, 5), True, 5, 5, mask)
+    with pytest.raises(ValueError, match="mask: expected a bool"):
+        convert.varlen_args((0, 5), (0, 5), True, 5, 5, None)
+    with pytest.raises(ValueError, match="tnd_stats: expected one of segment, global, tnd; got 'x'"):
+        convert.check_tnd_stats("x")
+
+
+@pytest.mark.parametrize("layout", convert.TND_STATS_LAYOUTS)
+def test_tnd_statistics_conversion(layout):
+    """The merged lse goes in as softmax_max (+inf where -inf) with sum 1, each value on the stand-in's row for
+    its (token, head); the stand-in's statistics come back as the true lse, -inf where the sum is 0."""
+    fake, cu, n = FakeTorchNPU(), (0, 3, 4, 9), 2
+    t = cu[-1]
+    lse = _rand(1, n, t, seed=7).float()
+    lse[0, 1, 3] = NEG_INF
+    smax, ssum = convert.tnd_stats_from_lse(lse, cu, layout)
+    assert smax.shape == ssum.shape == (t, n, 8) and smax.dtype == torch.float32 and smax.is_contiguous()
+    assert (ssum == 1).all() and (smax == smax[..., :1]).all()
+    rows = smax.reshape(t * n, 8)[:, 0]
+    for q0, q1 in zip(cu, cu[1:]):
+        for h in range(n):
+            want = torch.where(lse[0, h, q0:q1] == NEG_INF, math.inf, lse[0, h, q0:q1])
+            assert torch.equal(rows[fake._stat_row(layout, t, n, q0, q1, h)], want)
+    back = convert.lse_from_tnd_stats(smax, torch.where(smax.isinf(), 0.0, ssum), cu, layout)
+    assert back.shape == (1, n, t) and torch.equal(back, lse)
+    with pytest.raises(ValueError, match=r"softmax_max: expected shape \(9, 2, 8\) \(TND statistics\)"):
+        convert.lse_from_tnd_stats(smax[:8], ssum[:8], cu, layout)
+    with pytest.raises(ValueError, match=r"softmax_max: expected shape \[9, N, 8\]"):
+        convert.lse_from_tnd_stats(smax[None], ssum[None], cu, layout)
+    with pytest.raises(ValueError, match=r"lse: expected shape \[1, N, 9\]"):
+        convert.tnd_stats_from_lse(lse[0], cu, layout)
+
+
+def test_varlen_checks_kernel_outputs(fake_npu, monkeypatch):
+    backend = _npu_on_cpu()
+    q, k, v = _packed(5, 5, 4, 2, 16, torch.float32)
+    good = fake_npu.npu_fusion_attention
+
+    def returning(fix):
+        monkeypatch.setattr(fake_npu, "npu_fusion_attention", lambda *a, **kw: fix(good(*a, **kw)))
+
+    returning(lambda o: (o[0].unsqueeze(0), *o[1:]))  # a BSND output
+    with pytest.raises(ValueError, match=r"attention_out: expected shape \(5, 4, 16\) \(TND\); got \(1, 5, 4, 16\)"):
+        backend.forward_varlen(q, k, v, (0, 2, 5), (0, 2, 5), True, 0.25)
+    returning(lambda o: (o[0], o[1].reshape(1, 4, 5, 8), *o[2:]))  # BNSD statistics
+    with pytest.raises(ValueError, match=r"softmax_max: expected shape \(5, 4, 8\) \(TND statistics\)"):
+        backend.forward_varlen(q, k, v, (0, 2, 5), (0, 2, 5), True, 0.25)
+    returning(lambda o: o[0])
+    with pytest.raises(ValueError, match="npu_fusion_attention: expected at least 3 outputs; got Tensor"):
+        backend.forward_varlen(q, k, v, (0, 2, 5), (0, 2, 5), True, 0.25)
+
+
+@pytest.mark.parametrize("d,batch", [(8, 1), (24, 1), (16, 2)], ids=["d8", "d24", "batch2"])
+def test_varlen_falls_back_to_dense_calls(fake_npu, d, batch):
+    """Head dims the fused TND op does not take (and batch > 1) go to Backend's per-segment default."""
+    backend = _npu_on_cpu()
+    cu_q = cu_k = (0, 2, 7)
+    q, k = _rand(batch, 7, 4, d, seed=1), _rand(batch, 7, 2, d, seed=2)
+    v = _rand(batch, 7, 2, d, seed=3)
+    assert convert.varlen_unsupported(q, k)
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, True, 0.3)
+    ref_out, ref_lse = _segment_reference(q, k, v, cu_q, cu_k, True, 0.3)
+    assert_close_to("out", out, ref_out, 1e-6)  # the stand-in normalises with float32 statistics
+    assert_close_to("lse", lse, ref_lse, 1e-6)
+    dout = _rand(*out.shape, seed=4)
+    grads = backend.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, True, 0.3)
+    ref = _segment_reference(q, k, v, cu_q, cu_k, True, 0.3, dout, out, lse.double())
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+        assert_close_to(name, got, want, 1e-6)
+    assert fake_npu.varlen_calls == [] and len(fake_npu.calls) == 4  # one dense call per segment and direction
+
+
+def test_varlen_supported_shapes():
+    q, k = torch.zeros(1, 3, 8, 128), torch.zeros(1, 3, 2, 128)
+    assert convert.varlen_unsupported(q, k) is None
+    assert convert.varlen_unsupported(torch.zeros(1, 3, 8, 512), torch.zeros(1, 3, 8, 512)) is None
+    assert "head dim 528" in convert.varlen_unsupported(torch.zeros(1, 3, 8, 528), torch.zeros(1, 3, 8, 528))
+    assert "3 K/V heads do not divide 8" in convert.varlen_unsupported(q, torch.zeros(1, 3, 3, 128))
+
+
+def test_varlen_does_not_mutate_inputs(fake_npu):
+    backend = _npu_on_cpu()
+    cu = (0, 1, 5)
+    q, k, v = _packed(5, 5, 2, 1, 16, torch.float64)
+    dout, out, lse = _rand(1, 5, 2, 16, seed=4), _rand(1, 5, 2, 16, seed=5), _rand(1, 2, 5, seed=6).float()
+    before = [x.clone() for x in (q, k, v, dout, out, lse)]
+    backend.forward_varlen(q, k, v, cu, cu, True, 0.25)
+    backend.backward_varlen(dout, q, k, v, out, lse, cu, cu, True, 0.25)
+    for x, y in zip((q, k, v, dout, out, lse), before):
+        assert torch.equal(x, y)
+
+
+def test_tnd_stats_flag(monkeypatch):
+    assert NPUBackend().tnd_stats == "segment"
+    monkeypatch.setenv("XCP_NPU_TND_STATS", "global")
+    assert NPUBackend().tnd_stats == "global" and NPUBackend(tnd_stats="tnd").tnd_stats == "tnd"
+    with pytest.raises(ValueError, match="tnd_stats: expected one of segment, global, tnd; got 'x'"):
+        NPUBackend(tnd_stats="x")
+
+
+class _NPUGlueOnCPU(SynchronousBackend, NPUBackend):
+    """NPUBackend's kernels (on the stand-in) with the CPU's no-op streams, for a ring on LocalWorld."""
+
+    name, device_type = "npu-glue", "cpu"
+
+
+@pytest.mark.parametrize("balance", ["zigzag", "stripe"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "none"])
+def test_ring_with_documents_uses_tnd_calls(fake_npu, balance, causal):
+    """P = 2 virtual ranks, packed documents: the ring's varlen runs go through one TND call each and the result
+    is per-document float64 attention, forward and backward."""
+    backend = _NPUGlueOnCPU()
+    p, s, h, hkv, d = 2, 24, 4, 2, 16
+    docs = (0, 3, 4, 13, 20, 24)
+    scale = 1 / math.sqrt(d)
+    q, k, v, dout = (_rand(1, s, n, d, seed=i) for i, n in enumerate((h, hkv, hkv, h)))
+    shards = [[xcp.shard(x, p, r, balance=balance) for x in (q, k, v, dout)] for r in range(p)]
+
+    def rank(group):
+        ql, kl, vl, dl = shards[group.rank()]
+        cfg = RingConfig(group, backend, causal, scale, balance, documents=docs)
+        out, lse = ring_forward(ql, kl, vl, cfg)
+        return (out, *ring_backward(dl, ql, kl, vl, out, lse, cfg))
+
+    results = xcp.LocalWorld(p).run(rank)
+    got = [xcp.unshard([r[i] for r in results], balance=balance) for i in range(4)]
+    ref_out, ref_lse = _segment_reference(q, k, v, docs, docs, causal, scale)
+    ref = _segment_reference(q, k, v, docs, docs, causal, scale, dout, ref_out, ref_lse)
+    assert_close_to("out", got[0], ref_out, 1e-6)
+    for name, g, want in zip(("dq", "dk", "dv"), got[1:], ref):
+        assert_close_to(name, g, want, 1e-6)
+    assert fake_npu.varlen_calls, "the plan had no multi-segment run: pick other documents"
+
+
+# ---------------------------------------------------------------------------------------------- on Ascend hardware
+def test_device_varlen_stats_layout():
+    """On an NPU: forward_varlen/backward_varlen of each stats layout against the per-segment dense calls (the
+    base default). The configured default must match; the message lists every layout's error, which is how
+    hardware settles what the docs leave open (see xcp_npu.convert)."""
+    probe = NPUBackend()
+    ok, reason = probe.available()
+    if not ok:
+        pytest.skip(f"needs torch_npu ({reason})")
+    device, dtype = torch.device("npu"), torch.bfloat16
+    cu_q, cu_k = (0, 64, 80, 208), (0, 32, 96, 224)
+    h, hkv, d, scale = 8, 2, 128, 128**-0.5
+    q = _rand(1, cu_q[-1], h, d, dtype=dtype, seed=1).to(device)
+    k, v = (_rand(1, cu_k[-1], hkv, d, dtype=dtype, seed=i).to(device) for i in (2, 3))
+    dout = _rand(1, cu_q[-1], h, d, dtype=dtype, seed=4).to(device)
+    errors = {}
+    for causal in (False, True):
+        ck = cu_q if causal else cu_k
+        kk, vv = (x[:, : ck[-1]] for x in (k, v))
+        ref_out, ref_lse = Backend.forward_varlen(probe, q, kk, vv, cu_q, ck, causal, scale)
+        ref = Backend.backward_varlen(probe, dout, q, kk, vv, ref_out, ref_lse, cu_q, ck, causal, scale)
+        for layout in convert.TND_STATS_LAYOUTS:
+            backend = NPUBackend(tnd_stats=layout)
+            try:
+                out, lse = backend.forward_varlen(q, kk, vv, cu_q, ck, causal, scale)
+                grads = backend.backward_varlen(dout, q, kk, vv, ref_out, ref_lse, cu_q, ck, causal, scale)
+            except (RuntimeError, TypeError) as exc:  # softmax_layout="TND" needs a recent torch_npu and CANN
+                errors[layout, causal] = f"unavailable: {str(exc)[:80]}"
+                continue
+            scale_of = lambda x: max(1.0, x.float().abs().max().item())  # noqa: E731
+            errors[layout, causal] = max(
+                (lse - ref_lse).abs().max().item(),
+                (out.float() - ref_out.float()).abs().max().item() / scale_of(ref_out),
+                *((g.float() - r.float()).abs().max().item() / scale_of(r) for g, r in zip(grads, ref)),
+            )
+    default = probe.tnd_stats
+    for causal in (False, True):
+        err = errors[default, causal]
+        assert isinstance(err, float) and err < 4e-2, f"stats layout {default!r} does not match; errors: {errors}"
