@@ -246,3 +246,154 @@ def test_help_shows_the_defaults(capsys, tool, shown):
     for default in shown:
         assert default in text
     assert "(default: None)" not in text
+
+
+# --- xcp plan --documents (issue 11) ---
+
+
+def brute_force_pairs(lengths, world, rank, src, causal, balance):
+    """(query, key) pairs of rank's queries against src's keys that the document mask allows."""
+    from xcp.schedule import shard_indices
+
+    doc = [d for d, n in enumerate(lengths) for _ in range(n)]
+    seq = len(doc)
+    queries, keys = shard_indices(seq, world, rank, balance), shard_indices(seq, world, src, balance)
+    return sum(doc[i] == doc[j] and (not causal or j <= i) for i in queries for j in keys)
+
+
+@pytest.mark.parametrize(
+    ("world", "balance", "causal", "lengths"),
+    [
+        (4, "zigzag", True, [3, 9, 1, 1, 18]),
+        (4, "zigzag", False, [3, 9, 1, 1, 18]),
+        (3, "stripe", True, [1, 7, 2, 1, 1]),
+        (4, "contiguous", True, [5, 1, 10]),
+        (2, "zigzag", True, [12]),
+        (5, "stripe", False, [1] * 10),
+        (4, "contiguous", True, [4, 8, 8, 8, 4]),  # the ring stops after 2 steps
+        (3, "zigzag", True, [2] * 6),  # after 1 step: nothing moves
+    ],
+)
+def test_plan_documents_work_is_the_brute_force_count_of_allowed_pairs(capsys, world, balance, causal, lengths):
+    from xcp.cli.packing import boundaries
+    from xcp.cli.plan import document_blocks
+
+    seq, local = sum(lengths), sum(lengths) // world
+    blocks = document_blocks(boundaries(lengths), world, causal, balance)
+    expected = [[brute_force_pairs(lengths, world, r, (r - i) % world, causal, balance) for r in range(world)]
+                for i in range(world)]  # fmt: skip
+    steps = len(blocks)  # the ring may stop early: every later block is empty on every rank
+    assert 1 <= steps <= world and (steps == world or any(expected[steps - 1])) and not any(map(any, expected[steps:]))
+    expected = expected[:steps]
+    assert [[b.pairs for b in row] for row in blocks] == expected
+    for i, row in enumerate(blocks):
+        for r, b in enumerate(row):
+            assert b.src == (r - i) % world and b.work == expected[i][r] / local**2
+            assert (b.kind == "empty") == (b.pairs == 0) == (b.calls == 0)
+            assert b.calls <= b.segments
+    totals = [sum(expected[i][r] for i in range(steps)) for r in range(world)]
+    assert sum(totals) == brute_force_pairs(lengths, 1, 0, 0, causal, "contiguous")  # every allowed pair once
+
+    flags = ["--causal"] if causal else []
+    assert main(["plan", "--world", str(world), "--balance", balance, *flags,
+                 "--documents", ",".join(map(str, lengths))]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[0].endswith(f"{len(lengths)} packed documents, S = {seq} ({local} per rank)")
+    total_line = next(line for line in lines if line.startswith("total")).split()[1:]
+    assert total_line == [f"{t / local**2:.2f}" for t in totals]
+    rows = [line.split() for line in lines if line[:1].isdigit()]
+    assert len(rows) == steps
+    for i, row in enumerate(rows):  # per cell: <src><kind> <calls>/<segments> <share>
+        assert row[3 : 3 * world + 1 : 3] == [f"{e / local**2:.2f}" for e in expected[i]]
+        assert row[1 : 3 * world : 3] == [f"{b.src}{b.code}" for b in blocks[i]]
+        assert row[2 : 3 * world : 3] == [f"{b.calls}/{b.segments}" for b in blocks[i]]
+    mean = sum(totals) / world
+    ratio = max(totals) / mean if mean else 1.0
+    assert f"max/mean {ratio:.3f}" in text
+
+
+def test_plan_documents_zigzag_example(capsys):
+    """The issue's example: each step x rank cell says empty (x), full (F) or causal (C), with its calls,
+    and the rank totals are unbalanced by the documents although the dense plan is not."""
+    assert main(["plan", "--world", "4", "--causal", "--documents", "3000,9000,4384"]) == 0
+    text = capsys.readouterr().out
+    assert "block kinds: x empty, F full (unmasked segments), C causal (square-causal segments)" in text
+    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines() if line[:1].isdigit() or
+            line.startswith(("total", "calls"))}  # fmt: skip
+    assert rows["0"][:9:3] == ["0C", "1C", "2C"] and rows["1"][0:3] == ["3x", "0/0", "0.00"]
+    assert rows["1"][3:6] == ["0F", "1/1", "0.12"]
+    assert rows["calls"] == ["3/4", "3/5", "3/4", "3/3"]
+    assert "max/mean 1.558 (1 = balanced; 1.000 without documents)" in text
+    assert max(len(line) for line in text.splitlines()) <= 100
+
+
+@pytest.mark.parametrize("world", [8, 16])
+def test_plan_documents_fits_100_columns(capsys, world):
+    assert main(["plan", "--world", str(world), "--causal", "--documents", "longtail:8:200", "--seq", "2048"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    heads = [line.split() for line in lines if line.startswith("step")]
+    assert sorted(int(c[1:]) for h in heads for c in h[1:-2]) == list(range(world))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--documents", "3000,9000,4385"],
+         "--documents: expected lengths summing to a multiple of 8 (balance 'zigzag' over 4 ranks needs it); "
+         "got a sum of 16385 (nearest: 16384 or 16392)"),
+        (["--documents", "3000,9000,4384", "--seq", "16000"],
+         "--documents: expected lengths summing to --seq 16000; got 3 lengths summing to 16384"),
+        (["--documents", "longtail:16:64"], "--documents: 'longtail:16:64' draws lengths to fill the sequence; "
+         "expected --seq too"),
+        (["--documents", "longtail:16:64", "--seq", "100"],
+         "--seq: balance 'zigzag' over 4 ranks needs a positive multiple of 8; got 100"),
+        (["--seq", "64"], "--seq: expected only with --documents"),
+    ],
+)  # fmt: skip
+def test_plan_bad_documents_name_the_flag_the_expected_and_the_actual(capsys, args, message):
+    assert main(["plan", "--world", "4", "--causal", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"xcp plan: error: {message}")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("3,x", "--documents: expected comma-separated document lengths (integers >= 1, summing to S) or "
+                "longtail:MIN:MAX[:SEED]; got '3,x'"),
+        ("4,0,4", "got '4,0,4' (a length below 1)"),
+        ("longtail:64:8", "--documents: expected longtail:MIN:MAX[:SEED] with integers 1 <= MIN <= MAX"),
+        ("longtail:8", "got 'longtail:8'"),
+    ],
+)  # fmt: skip
+def test_plan_unparsable_documents_is_a_usage_error(capsys, value, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--world", "2", "--documents", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: xcp plan ") and message in err
+
+
+def test_longtail_lengths_are_seeded_bounded_and_fill_the_sequence():
+    from xcp.cli.packing import longtail_lengths, parse_documents
+
+    lengths = longtail_lengths(65536, 512, 32768, seed=3)
+    assert sum(lengths) == 65536 and lengths == longtail_lengths(65536, 512, 32768, seed=3)
+    assert all(512 <= n <= 32768 for n in lengths[:-1]) and 1 <= lengths[-1] <= 32768
+    assert longtail_lengths(65536, 512, 32768, seed=4) != lengths
+    spec = parse_documents("longtail:512:32768:3")
+    assert spec.draw(65536) == lengths and parse_documents("longtail:512:32768").seed == 0
+    many = longtail_lengths(1 << 22, 1, 1024)  # log-uniform: as many lengths below 32 as above
+    assert 0.35 < sum(n < 32 for n in many) / len(many) < 0.65
+
+
+def test_plan_documents_plot(tmp_path, capsys):
+    np = pytest.importorskip("numpy")
+    image = pytest.importorskip("matplotlib.image")
+    path = tmp_path / "docs.png"
+    assert main(["plan", "--world", "4", "--causal", "--documents", "3000,9000,4384", "--plot", str(path)]) == 0
+    assert f"plot written to {path}" in capsys.readouterr().out
+    rgb = image.imread(str(path))[..., :3]
+    assert rgb.shape[0] > 100 and (np.abs(rgb - rgb[0, 0]).max() > 0.5)

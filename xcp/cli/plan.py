@@ -3,7 +3,11 @@ shard, and who sends to whom, can be read before anything runs."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .. import schedule
+from ..documents import document_plan
+from . import packing
 from .common import Problem, add_problem_flags, positive, pyplot
 
 WIDTH = 100
@@ -20,8 +24,11 @@ KIND_CODES = {
 }
 
 
-def _plans(world_size: int, causal: bool, balance: str) -> list[schedule.Plan]:
-    return [schedule.plan(world_size, r, causal, balance) for r in range(world_size)]
+def _plans(world_size: int, causal: bool, balance: str, steps: int | None = None) -> list[schedule.Plan]:
+    """Every rank's plan: all P steps, or the first ``steps`` (a ring over documents that ends early)."""
+    if steps is None or steps == world_size:
+        return [schedule.plan(world_size, r, causal, balance) for r in range(world_size)]
+    return [schedule.plan(world_size, r, causal, balance, steps) for r in range(world_size)]
 
 
 def _ring_peers(steps: list[schedule.Step], world_size: int) -> str | None:
@@ -40,6 +47,30 @@ def _cell(step: schedule.Step, peers: bool) -> str:
     return text
 
 
+def _grid(cells: list[list[str]], peers: list[str | None], rows: list[tuple[str, list[str]]], width: int) -> list[str]:
+    """The step x rank grid within ``width`` columns, in blocks of ranks: one line per step (its cells and
+    kv peers), then one line per entry of ``rows`` (a name and a text per rank)."""
+    world_size = len(cells[0])
+    col = max(4, *(len(c) for row in cells for c in row), *(len(t) for _, texts in rows for t in texts),
+              len(f"r{world_size - 1}")) + 1  # fmt: skip
+    peer_col = max(len("kv peers"), *(len(p or "in cells") for p in peers)) + 1
+    per_block = max(1, (width - 6 - peer_col) // col)
+    lines = []
+    for start in range(0, world_size, per_block):
+        ranks = range(start, min(start + per_block, world_size))
+        lines.append("")
+        lines.append(f"{'step':<6}" + "".join(f"{'r' + str(r):<{col}}" for r in ranks) + "kv peers")
+        for i, row in enumerate(cells):
+            lines.append(f"{i:<6}" + "".join(f"{row[r]:<{col}}" for r in ranks) + (peers[i] or "in cells"))
+        for name, texts in rows:
+            lines.append(f"{name:<6}" + "".join(f"{texts[r]:<{col}}" for r in ranks))
+    return lines
+
+
+BACKWARD_NOTE = "backward: dK/dV of each shard follow it one step behind; after the last step each goes home to r+1"
+PEERS_NOTE = "kv peers: where each rank sends the KV it holds (->) and receives the next (<-) after the step"
+
+
 def plan_table(world_size: int, causal: bool, balance: str, width: int = WIDTH) -> str:
     """The step x rank table within ``width`` columns: one row per step, per rank a compact cell (source
     shard, block kind code, share of a full block), and per step the KV peers (in the cells where they are
@@ -48,81 +79,227 @@ def plan_table(world_size: int, causal: bool, balance: str, width: int = WIDTH) 
     steps = [[p.steps[i] for p in plans] for i in range(world_size)]
     peers = [_ring_peers(row, world_size) for row in steps]
     cells = [[_cell(s, peers[i] is None) for s in row] for i, row in enumerate(steps)]
-    work = [sum(s.work for s in p.steps) for p in plans]
-    totals = [f"{w:.2f}" for w in work]
-    col = max(4, *(len(c) for row in cells for c in row), *(len(t) for t in totals), len(f"r{world_size - 1}")) + 1
-    peer_col = max(len("kv peers"), *(len(p or "in cells") for p in peers)) + 1
-    per_block = max(1, (width - 6 - peer_col) // col)
+    totals = [f"{sum(s.work for s in p.steps):.2f}" for p in plans]
     kinds = dict.fromkeys(s.kind for row in steps for s in row)
     lines = [
         f"ring plan: world {world_size}, {'causal' if causal else 'full'} attention, balance {balance}",
         "cell: <source shard><block kind> <share of a full block>; "
         + ", ".join(f"{KIND_CODES.get(k, '?')} {k}" for k in kinds),
-        "kv peers: where each rank sends the KV it holds (->) and receives the next (<-) after the step",
+        PEERS_NOTE,
+        *_grid(cells, peers, [("total", totals)], width),
+        "",
+        BACKWARD_NOTE,
     ]
-    for start in range(0, world_size, per_block):
-        ranks = range(start, min(start + per_block, world_size))
-        lines.append("")
-        lines.append(f"{'step':<6}" + "".join(f"{'r' + str(r):<{col}}" for r in ranks) + "kv peers")
-        for i, row in enumerate(cells):
-            lines.append(f"{i:<6}" + "".join(f"{row[r]:<{col}}" for r in ranks) + (peers[i] or "in cells"))
-        lines.append(f"{'total':<6}" + "".join(f"{totals[r]:<{col}}" for r in ranks))
-    lines.append("")
-    lines.append("backward: dK/dV of each shard follow it one step behind; after the last step each goes home to r+1")
     return "\n".join(line.rstrip() for line in lines)
 
 
-def plot_plan(world_size: int, causal: bool, balance: str, path: str) -> None:
-    """Draw the plan as a heat map coloured by each cell's share of work, each cell labelled with its source
-    shard and block kind, with the total work per rank under the map."""
+# ---------------------------------------------------------------------------------------- packed documents
+EMPTY, CAUSAL, MIXED = "empty", "causal", "mixed"
+DOCUMENT_KINDS = {EMPTY: "x", schedule.FULL: "F", CAUSAL: "C", MIXED: "M"}
+"""Block kinds with documents: nothing to compute, only unmasked segments, only square-causal ones, both."""
+KIND_NOTES = {EMPTY: "empty", schedule.FULL: "full (unmasked segments)", CAUSAL: "causal (square-causal segments)",
+              MIXED: "mixed (both)"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DocumentBlock:
+    """What one rank computes at one step of a ring over packed documents."""
+
+    src: int
+    calls: int  # kernel calls (xcp.documents.Run)
+    segments: int  # document segments in them
+    pairs: int  # (query, key) pairs computed
+    work: float  # pairs as a share of a full shard x shard block
+    kind: str
+
+    @property
+    def code(self) -> str:
+        return DOCUMENT_KINDS[self.kind]
+
+
+def _block_kind(runs) -> str:
+    masks = {r.causal for r in runs}
+    if not masks:
+        return EMPTY
+    return MIXED if len(masks) > 1 else CAUSAL if True in masks else schedule.FULL
+
+
+def document_blocks(cu: tuple[int, ...], world_size: int, causal: bool, balance: str) -> list[list[DocumentBlock]]:
+    """``[step][rank]``: the :class:`DocumentBlock` of every cell of the ring over documents ``cu``, for the
+    steps the ring runs (all P, or fewer where every rank's later blocks are empty)."""
+    local = cu[-1] // world_size
+    plans = [document_plan(cu, world_size, r, causal, balance) for r in range(world_size)]
+    steps = len(plans[0].steps)
+    return [
+        [
+            DocumentBlock(
+                src=(r - i) % world_size,
+                calls=len(p.steps[i]),
+                segments=sum(run.segments for run in p.steps[i]),
+                pairs=p.pairs[i],
+                work=p.work(local)[i],
+                kind=_block_kind(p.steps[i]),
+            )
+            for r, p in enumerate(plans)
+        ]
+        for i in range(steps)
+    ]
+
+
+def _ring_end(m: int, world_size: int) -> list[str]:
+    """How a ring of ``m`` of ``world_size`` steps ends, forward and backward."""
+    if m == world_size:
+        return [BACKWARD_NOTE]
+    if m == 1:
+        return ["the ring stops after step 0 (every later block is empty): nothing moves, forward or backward"]
+    return [
+        f"the ring stops after {m} of {world_size} steps (every later block is empty): "
+        f"K/V move {m - 1} time{'s' * (m > 2)}",
+        f"backward: dK/dV of each shard follow it one step behind; after step {m - 1} each goes home to r-{m - 1}",
+    ]
+
+
+def document_table(cu: tuple[int, ...], world_size: int, causal: bool, balance: str, width: int = WIDTH) -> str:
+    """The step x rank table of a ring over packed documents ``cu`` (global boundaries): per cell the source
+    shard, the block kind, kernel calls / document segments and the share of a full block; per rank the
+    total work and calls; then the balance of the work over ranks (max / mean)."""
+    blocks = document_blocks(cu, world_size, causal, balance)
+    m = len(blocks)
+    ring = _plans(world_size, causal, balance, m)  # who sends to whom: the ring's m steps
+    peers = [_ring_peers([p.steps[i] for p in ring], world_size) for i in range(m)]
+    cells = []
+    for i, row in enumerate(blocks):
+        texts = [f"{b.src}{b.code} {b.calls}/{b.segments} {b.work:.2f}" for b in row]
+        if peers[i] is None:
+            texts = [t + f" >{ring[r].steps[i].send_to}<{ring[r].steps[i].recv_from}" for r, t in enumerate(texts)]
+        cells.append(texts)
+    work = [sum(row[r].work for row in blocks) for r in range(world_size)]
+    calls = [f"{sum(row[r].calls for row in blocks)}/{sum(row[r].segments for row in blocks)}"
+             for r in range(world_size)]  # fmt: skip
+    dense_work = [sum(s.work for s in p.steps) for p in _plans(world_size, causal, balance)]
+    lengths = packing.lengths_of(cu)
+    kinds = [k for k in DOCUMENT_KINDS if any(b.kind == k for row in blocks for b in row)]
+    mean = sum(work) / world_size
+    lines = [
+        f"ring plan: world {world_size}, {'causal' if causal else 'full'} attention, balance {balance}, "
+        f"{len(lengths)} packed documents, S = {cu[-1]} ({cu[-1] // world_size} per rank)",
+        f"documents: lengths {packing.abbreviate(lengths)}",
+        "cell: <source shard><block kind> <kernel calls>/<document segments> <share of a full block>",
+        "block kinds: " + ", ".join(f"{DOCUMENT_KINDS[k]} {KIND_NOTES[k]}" for k in kinds),
+        PEERS_NOTE,
+        *_grid(cells, peers, [("total", [f"{w:.2f}" for w in work]), ("calls", calls)], width),
+        "",
+        f"work per rank: max {max(work):.3f}, mean {mean:.3f}, max/mean {packing.max_over_mean(work):.3f} "
+        f"(1 = balanced; {packing.max_over_mean(dense_work):.3f} without documents)",
+        *_ring_end(m, world_size),
+    ]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+# ---------------------------------------------------------------------------------------- plots
+def _plot_grid(work, kinds, texts, totals, title: str, path: str) -> None:
+    """A step x rank heat map coloured by each cell's share of work (0..1), each cell hatched by its kind
+    and labelled with ``texts``, with each rank's total work under the map."""
     plt = pyplot()
-    plans = _plans(world_size, causal, balance)
-    work = [[plans[r].steps[i].work for r in range(world_size)] for i in range(world_size)]
-    side = 0.9 * world_size
-    fig, ax = plt.subplots(figsize=(side + 2.6, side + 2.0), layout="constrained")
+    steps, world_size = len(work), len(work[0])
+    fig, ax = plt.subplots(figsize=(0.9 * world_size + 2.6, 0.9 * steps + 2.0), layout="constrained")
     im = ax.imshow(work, cmap="viridis", vmin=0, vmax=1, aspect="auto")
     from matplotlib.patches import Patch, Rectangle
 
-    kinds = list(dict.fromkeys(p.steps[i].kind for i in range(world_size) for p in plans))
-    hatch = dict(zip(kinds, ("", "//", "..", "xx", "\\\\", "oo", "++")))
-    for i in range(world_size):
+    names = list(dict.fromkeys(k for row in kinds for k in row))
+    hatch = dict(zip(names, ("", "//", "..", "xx", "\\\\", "oo", "++")))
+    for i in range(steps):
         for r in range(world_size):
-            s = plans[r].steps[i]
-            if hatch[s.kind]:  # the block kind as a pattern, so equal shares of different kinds differ
-                ax.add_patch(Rectangle((r - 0.5, i - 0.5), 1, 1, fill=False, hatch=hatch[s.kind], ec="0.75", lw=0))
-            ink = "black" if s.work > 0.6 else "white"
+            if hatch[kinds[i][r]]:  # the block kind as a pattern, so equal shares of different kinds differ
+                ax.add_patch(Rectangle((r - 0.5, i - 0.5), 1, 1, fill=False, hatch=hatch[kinds[i][r]], ec="0.75",
+                                       lw=0))  # fmt: skip
+            ink = "black" if work[i][r] > 0.6 else "white"
             box = {"boxstyle": "round,pad=0.2", "fc": "white" if ink == "black" else "black", "alpha": 0.7, "lw": 0}
-            text = f"src {s.src}\n{s.kind}\n{s.work:.2f}"
-            ax.text(r, i, text, ha="center", va="center", fontsize=7, color=ink, bbox=box, zorder=5)
-    totals = [sum(s.work for s in p.steps) for p in plans]
+            ax.text(r, i, texts[i][r], ha="center", va="center", fontsize=7, color=ink, bbox=box, zorder=5)
     ax.set_xlabel("rank (total work: " + " ".join(f"{t:.2f}" for t in totals) + ")", fontsize=8)
     ax.set_ylabel("step")
     ax.set_xticks(range(world_size))
-    ax.set_yticks(range(world_size))
-    ax.set_title(
-        f"xcp ring plan: P={world_size}, {'causal' if causal else 'full'}, {balance}\n"
-        "colour: share of work per cell; text: source shard, kind, share",
-        fontsize=9,
-    )
-    handles = [Patch(fc="white", ec="0.4", hatch=hatch[k] * 2, label=k) for k in kinds]
+    ax.set_yticks(range(steps))
+    ax.set_title(title, fontsize=9)
+    handles = [Patch(fc="white", ec="0.4", hatch=hatch[k] * 2, label=k) for k in names]
     fig.legend(handles=handles, title="block kind (pattern)", fontsize=7, title_fontsize=7, loc="outside lower center",
-               ncols=len(kinds))  # fmt: skip
+               ncols=len(names))  # fmt: skip
     fig.colorbar(im, ax=ax, label="share of work: fraction of a full shard x shard block")
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def plot_plan(world_size: int, causal: bool, balance: str, path: str) -> None:
+    """Draw the plan as a heat map coloured by each cell's share of work, each cell labelled with its source
+    shard and block kind, with the total work per rank under the map."""
+    plans = _plans(world_size, causal, balance)
+    steps = [[plans[r].steps[i] for r in range(world_size)] for i in range(world_size)]
+    _plot_grid(
+        [[s.work for s in row] for row in steps],
+        [[s.kind for s in row] for row in steps],
+        [[f"src {s.src}\n{s.kind}\n{s.work:.2f}" for s in row] for row in steps],
+        [sum(s.work for s in p.steps) for p in plans],
+        f"xcp ring plan: P={world_size}, {'causal' if causal else 'full'}, {balance}\n"
+        "colour: share of work per cell; text: source shard, kind, share",
+        path,
+    )
+
+
+def plot_documents(cu: tuple[int, ...], world_size: int, causal: bool, balance: str, path: str) -> None:
+    """Draw the plan over packed documents like :func:`plot_plan`; each cell also shows its kernel calls
+    and document segments."""
+    blocks = document_blocks(cu, world_size, causal, balance)
+    work = [sum(row[r].work for row in blocks) for r in range(world_size)]
+    _plot_grid(
+        [[b.work for b in row] for row in blocks],
+        [[b.kind for b in row] for row in blocks],
+        [[f"src {b.src}\n{b.kind}\n{b.calls}/{b.segments}\n{b.work:.2f}" for b in row] for row in blocks],
+        work,
+        f"xcp ring plan: P={world_size}, {'causal' if causal else 'full'}, {balance}, {len(cu) - 1} documents, "
+        f"S={cu[-1]}, work max/mean {packing.max_over_mean(work):.2f}"
+        + (f", {len(blocks)} of {world_size} steps" if len(blocks) < world_size else "")
+        + "\n"
+        "colour: share of work per cell; text: source shard, kind, kernel calls/segments, share",
+        path,
+    )
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="print (or plot) the step x rank table of a ring plan")
+    p = sub.add_parser(
+        "plan",
+        help="print (or plot) the step x rank table of a ring plan",
+        description="With --documents, each cell shows what one rank computes at one step of a ring over packed "
+        "documents: the block kind (x empty, F full, C causal, M mixed), kernel calls / document segments and "
+        "the share of a full shard x shard block; then each rank's total and the balance (max/mean).",
+    )
     p.add_argument("--world", type=positive, required=True, help="ranks in the ring")
     p.add_argument("--causal", action="store_true", help="causal mask (default: full attention)")
     add_problem_flags(p, Problem(), ["balance"])
+    p.add_argument(
+        "--documents", type=packing.parse_documents, metavar="L1,L2,...|longtail:MIN:MAX[:SEED]",
+        help="packed documents: their lengths in sequence order (summing to S), or lengths drawn log-uniformly "
+        "in [MIN, MAX] (seeded) to fill --seq",
+    )  # fmt: skip
+    p.add_argument("--seq", type=positive, default=None,
+                   help="global length S with --documents (default: the sum of the lengths)")  # fmt: skip
     p.add_argument("--plot", metavar="FILE.png", help="also draw the plan into this file (needs matplotlib)")
 
 
 def command(args) -> int:
-    print(plan_table(args.world, args.causal, args.balance))
+    if args.documents is None:
+        if args.seq is not None:
+            raise ValueError(
+                f"--seq: expected only with --documents (a plan without documents does not depend on S); got {args.seq}"
+            )
+        print(plan_table(args.world, args.causal, args.balance))
+        if args.plot:
+            plot_plan(args.world, args.causal, args.balance, args.plot)
+            print(f"plot written to {args.plot}")
+        return 0
+    lengths, _ = packing.resolve_lengths(args.documents, args.seq, args.world, args.balance)
+    cu = packing.boundaries(lengths)
+    print(document_table(cu, args.world, args.causal, args.balance))
     if args.plot:
-        plot_plan(args.world, args.causal, args.balance, args.plot)
+        plot_documents(cu, args.world, args.causal, args.balance, args.plot)
         print(f"plot written to {args.plot}")
     return 0
