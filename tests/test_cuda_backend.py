@@ -434,6 +434,7 @@ def _cpu_backend(monkeypatch, **kwargs):
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # importing it raises ImportError
     backend = CUDABackend(**kwargs)
     backend.device_type = "cpu"  # run the glue on CPU tensors
+    backend.fused_merge = False  # the Triton merge takes CUDA tensors only (on a GPU machine triton is there)
     monkeypatch.setattr(backend, "_capability", lambda device: (9, 0))
     return backend, fake
 
