@@ -136,10 +136,12 @@ def test_fingerprints_describe_themselves():
         "v.dtype": "torch.bfloat16",
         "cu_seqlens": None,
         "sinks": None,
+        "window": None,
     }
     assert agreement.disagreement([values, values]) is None
-    docs = agreement.fingerprint(q, k, k, True, "stripe", 0.125, (0, 3, 8), torch.zeros(4))
+    docs = agreement.fingerprint(q, k, k, True, "stripe", 0.125, (0, 3, 8), torch.zeros(4), (None, 0))
     described = agreement.describe(docs)
+    assert described["window"] == (None, 0)
     assert described["cu_seqlens"].startswith("2 documents (crc32 ") and described["sinks"] == "[4] torch.float32"
     other = agreement.fingerprint(q, k, k, True, "stripe", 0.25)
     assert "scale (rank 0: 0.125; rank 1: 0.25)" in agreement.disagreement([values, other])

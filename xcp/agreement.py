@@ -35,6 +35,7 @@ FIELDS = (
     "v.dtype",
     "cu_seqlens",
     "sinks",
+    "window",
 )
 MAX_AGREED = 4096
 """Agreed fingerprints a rank remembers per group; when full the set starts afresh (on every rank at the
@@ -67,6 +68,7 @@ def fingerprint(
     scale: float,
     documents: tuple[int, ...] | None = None,
     sinks: torch.Tensor | None = None,
+    window: tuple | None = None,
 ) -> tuple:
     """The configuration of a call as int64 values, in the order of :data:`FIELDS` (documents as their
     count and a CRC of the boundaries; sinks as their length and dtype; -1 where absent)."""
@@ -80,6 +82,7 @@ def fingerprint(
     else:
         values += [len(documents) - 1, zlib.crc32(struct.pack(f"<{len(documents)}q", *documents))]
     values += [-1, -1] if sinks is None else [sinks.numel(), _dtype_code(sinks.dtype)]
+    values += [-2, -2] if window is None else [-1 if w is None else w for w in window]
     return tuple(values)
 
 
@@ -90,7 +93,7 @@ def describe(values: tuple | list) -> dict[str, Any]:
     shapes = [tuple(d for d in values[3 + i * _DIMS : 3 + (i + 1) * _DIMS] if d >= 0) for i in range(3)]
     tail = 3 + 3 * _DIMS
     dtypes = [names.get(c, f"dtype#{c}") for c in values[tail : tail + 3]]
-    docs, crc, sinks, sinks_dtype = values[tail + 3 : tail + 7]
+    docs, crc, sinks, sinks_dtype, left, right = values[tail + 3 : tail + 9]
     (scale,) = struct.unpack("<d", struct.pack("<q", scale_bits))
     balances = schedule.BALANCES
     return dict(
@@ -104,6 +107,7 @@ def describe(values: tuple | list) -> dict[str, Any]:
                 *dtypes,
                 None if docs < 0 else f"{docs} documents (crc32 {crc:08x})",
                 None if sinks < 0 else f"[{sinks}] {names.get(sinks_dtype, sinks_dtype)}",
+                None if left == -2 else tuple(None if w == -1 else w for w in (left, right)),
             ],
         )
     )
@@ -163,7 +167,17 @@ def check_agreement(
     reads its result on the host; the eager warm-up call before a capture makes it)."""
     if comm.size() == 1 or backend.is_capturing():
         return
-    values = fingerprint(q, k, v, cfg.causal, cfg.balance, cfg.scale, getattr(cfg, "documents", None), sinks)
+    values = fingerprint(
+        q,
+        k,
+        v,
+        cfg.causal,
+        cfg.balance,
+        cfg.scale,
+        getattr(cfg, "documents", None),
+        sinks,
+        getattr(cfg, "window", None),
+    )
     agreed = agreed_set(comm)
     if values in agreed:
         return

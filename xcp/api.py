@@ -15,7 +15,7 @@ import torch
 
 from . import schedule
 from .comm import resolve_group
-from .documents import check_cu_seqlens
+from .documents import check_cu_seqlens, check_window
 from .lifetime import check_handoff, check_slots
 from .plugins import select_backend
 from .ring import RingAttention, RingConfig, ring_forward
@@ -127,6 +127,7 @@ def attention(
     group: Any = None,
     cu_seqlens: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
     scale: float | None = None,
     balance: str = schedule.DEFAULT_BALANCE,
     device: str | torch.device | None = None,
@@ -147,6 +148,10 @@ def attention(
     :param sinks: a float tensor [heads]: one value-less logit per query head added to every row's
         softmax (attention sinks), applied once after the ring. Differentiable; each rank's gradient is
         the share of its rows, summed over ranks like any replicated parameter's.
+    :param window: a sliding window ``(left, right)`` over global positions: query i sees key j only when
+        ``i - left <= j <= i + right`` (ints >= 0, None unbounded; with ``causal`` right is 0 or None).
+        The ring runs only the steps whose shards a window reaches (``balance="contiguous"`` needs the
+        fewest: see :func:`xcp.schedule.choose_balance`).
     :param group: a torch.distributed ProcessGroup, a group from :class:`xcp.LocalWorld`, or None (the
         default process group when one is initialised, else a world of one rank).
     :param scale: factor on q·k; default 1/sqrt(head_dim).
@@ -176,8 +181,12 @@ def attention(
         check_handoff(handoff)
     scale = _check_scale(scale, q.shape[3])
     sinks = _check_sinks(sinks, q)
+    window = check_window(window, causal)
     comm = resolve_group(group, timeout)
     documents = _check_documents(cu_seqlens, q, comm.size())
+    if window is not None and documents is None:  # the window's plan works on (0, S): one document
+        schedule.check_seq_len(q.shape[1] * comm.size(), comm.size(), balance, what="the global sequence length")
+        documents = (0, q.shape[1] * comm.size())
     backend = select_backend(None if device is None else str(device), q.device.type)
     if backend.device_type != q.device.type:
         raise ValueError(f"device: backend {backend.name!r} runs on {backend.device_type} tensors; q is on {q.device}")
@@ -188,7 +197,7 @@ def attention(
         raise ValueError(
             f"q: balance 'zigzag' needs an even local sequence length (two chunks per rank); got {q.shape[1]}"
         )
-    cfg = RingConfig(comm, backend, causal, scale, balance, slots, handoff, documents)
+    cfg = RingConfig(comm, backend, causal, scale, balance, slots, handoff, documents, window)
     needs_grad = any(x is not None and x.requires_grad for x in (q, k, v, sinks))
     if torch.is_grad_enabled() and needs_grad:
         return RingAttention.apply(q, k, v, sinks, cfg)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .kernels.math import math_backward, math_forward
 from .lifetime import HANDOFF_POLICIES
 from .schedule import MASKS
 
@@ -184,19 +185,29 @@ class Backend:
         cu_k: tuple[int, ...],
         causal: bool,
         scale: float,
+        window: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of packed segments (documents): segment i is queries ``[cu_q[i], cu_q[i + 1])``
         against keys ``[cu_k[i], cu_k[i + 1])``, no mask, or square causal when ``causal`` (then
         ``cu_q == cu_k``). The segments tile q and k (batch 1) without gaps.
 
+        :param window: a sliding window ``(left, right)`` (ints >= 0, only with ``causal=False``) aligned,
+            as flash kernels align theirs, to each segment's bottom-right corner: query m of a segment of
+            sq queries and sk keys sees keys ``m + sk - sq - left .. m + sk - sq + right``. The ring only
+            asks for bands in which every query sees at least one key.
         :returns: ``(out, lse)`` shaped and typed as :meth:`forward`'s. The default makes one
-            :meth:`forward` call per segment; a backend with a varlen kernel overrides it.
+            :meth:`forward` call per segment (the math kernel for a window); a backend with a varlen
+            kernel overrides it.
         """
         mask = "causal" if causal else "none"
         outs, lses = [], []
         for i in range(len(cu_q) - 1):
             qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
-            o, lse = self.forward(q[:, qs], k[:, ks], v[:, ks], mask, scale)
+            if window is not None:
+                o, lse = math_forward(q[:, qs], k[:, ks], v[:, ks], "none", scale, window)
+                o = o.to(q.dtype) if q.dtype != torch.float64 else o
+            else:
+                o, lse = self.forward(q[:, qs], k[:, ks], v[:, ks], mask, scale)
             outs.append(o)
             lses.append(lse)
         return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
@@ -213,17 +224,22 @@ class Backend:
         cu_k: tuple[int, ...],
         causal: bool,
         scale: float,
+        window: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of packed segments (see :meth:`forward_varlen`) from the merged out and lse.
 
         :returns: ``(dq, dk, dv)`` shaped like q, k, v. The default makes one :meth:`backward` call per
-            segment; a backend with a varlen kernel overrides it.
+            segment (the math kernel for a window); a backend with a varlen kernel overrides it.
         """
         mask = "causal" if causal else "none"
         grads: list[list[torch.Tensor]] = [[], [], []]
         for i in range(len(cu_q) - 1):
             qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
-            g = self.backward(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], mask, scale)
+            args = (dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs])
+            if window is not None:
+                g = math_backward(*args, "none", scale, window)
+            else:
+                g = self.backward(*args, mask, scale)
             for acc, x in zip(grads, g):
                 acc.append(x)
         dq, dk, dv = (torch.cat(x, dim=1) for x in grads)

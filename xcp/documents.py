@@ -33,7 +33,9 @@ from . import schedule
 class Segment:
     """Query rows [q0, q1) of this rank against key rows [k0, k1) of the source shard, one document.
 
-    ``causal``: square causal (q1 - q0 == k1 - k0, query q0 + m sees keys k0..k0 + m); else no mask.
+    ``causal``: square causal (q1 - q0 == k1 - k0, query q0 + m sees keys k0..k0 + m); else no mask,
+    unless ``band`` is set: a sliding window ``(left, right)`` aligned to the segment's bottom-right corner,
+    as flash kernels align theirs: query m sees keys ``m + (sk - sq) - left .. m + (sk - sq) + right``.
     """
 
     q0: int
@@ -41,11 +43,14 @@ class Segment:
     k0: int
     k1: int
     causal: bool
+    band: tuple[int, int] | None = None
 
     @property
     def pairs(self) -> int:
         """The (query, key) pairs the segment computes."""
         n, m = self.q1 - self.q0, self.k1 - self.k0
+        if self.band is not None:
+            return band_pairs(n, m, *self.band)
         return n * (n + 1) // 2 if self.causal else n * m
 
 
@@ -64,6 +69,7 @@ class Run:
     causal: bool
     cu_q: tuple[int, ...]
     cu_k: tuple[int, ...]
+    band: tuple[int, int] | None = None
 
     @property
     def segments(self) -> int:
@@ -213,15 +219,142 @@ def runs(segs: Sequence[Segment]) -> tuple[Run, ...]:
             a, b = group[0], group[-1]
             cu_q = (0, *(s.q1 - a.q0 for s in group))
             cu_k = (0, *(s.k1 - a.k0 for s in group))
-            out.append(Run(a.q0, b.q1, a.k0, b.k1, a.causal, cu_q, cu_k))
+            out.append(Run(a.q0, b.q1, a.k0, b.k1, a.causal, cu_q, cu_k, a.band))
             group.clear()
 
     for s in segs:
-        if group and not (s.causal == group[-1].causal and s.q0 == group[-1].q1 and s.k0 == group[-1].k1):
+        last = group[-1] if group else None
+        if last is not None and not (
+            (s.causal, s.band) == (last.causal, last.band) and s.q0 == last.q1 and s.k0 == last.k1
+        ):
             flush()
         group.append(s)
     flush()
     return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------- windows
+Window = tuple  # (left, right): ints >= 0 or None (unbounded)
+
+_FAR = 1 << 62  # stands for an unbounded side in integer arithmetic
+
+
+def check_window(window: object, causal: bool) -> tuple[int | None, int | None] | None:
+    """``window`` as ``(left, right)`` (None for ``None`` or ``(None, None)``: no window), checked.
+
+    Query i sees key j iff ``i - left <= j <= i + right``; None is unbounded. With ``causal``, ``right``
+    must be 0 or None. Raises a TypeError or ValueError naming ``window``, the expected and the actual.
+    """
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window: expected a pair (left, right) of ints >= 0 or None; got {window!r}")
+    sides = []
+    for name, x in zip(("left", "right"), window):
+        if x is not None and not schedule.is_integer(x):
+            raise TypeError(f"window: expected {name} to be an int >= 0 or None; got {x!r} ({type(x).__name__})")
+        if x is not None and x < 0:
+            raise ValueError(f"window: expected {name} >= 0 or None; got {x}")
+        sides.append(None if x is None else int(x))
+    left, right = sides
+    if causal and right not in (None, 0):
+        raise ValueError(f"window: with causal=True the right side must be 0 or None; got right={right}")
+    if left is None and (right is None or causal):
+        return None  # unbounded on both sides: the dense case
+    return left, (0 if causal else right)
+
+
+def band_pairs(sq: int, sk: int, left: int, right: int) -> int:
+    """(query, key) pairs of an sq x sk block under a bottom-right aligned band ``(left, right)`` in which
+    every row sees at least one key (a trimmed segment): row i sees keys
+    ``max(0, i + off - left) .. min(sk - 1, i + off + right)``, ``off = sk - sq``."""
+    off = sk - sq
+    hi_split = min(max(sk - off - right, 0), sq)  # rows below it end at i + off + right, the rest at sk - 1
+    lo_split = min(max(left - off, 0), sq)  # rows below it start at key 0, the rest at i + off - left
+    ends = _arith(0, hi_split, off + right) + (sq - hi_split) * (sk - 1)
+    starts = _arith(lo_split, sq, off - left)
+    return ends - starts + sq
+
+
+def _arith(a: int, b: int, c: int) -> int:
+    """sum of (i + c) for a <= i < b."""
+    n = max(b - a, 0)
+    return n * c + (a + b - 1) * n // 2 if n else 0
+
+
+def _window_segments(
+    cu: tuple[int, ...], world: int, rank: int, src: int, balance: str, causal: bool, window: tuple
+) -> tuple[Segment, ...]:
+    """The segments of a block under a window: one per (query chunk, key chunk, document), since the
+    window depends on distances, which are linear only inside a chunk (stride 1, or P under stripe)."""
+    seq_len = cu[-1]
+    left, right = window
+    far_left = _FAR if left is None else left
+    far_right = _FAR if right is None else right
+    out = []
+    for a in _pieces(seq_len, world, rank, balance):
+        for b in _pieces(seq_len, world, src, balance):
+            t = a.stride
+            first = bisect.bisect_right(cu, max(a.global0, b.global0)) - 1
+            last_q = a.global0 + t * (a.count - 1)
+            last_k = b.global0 + t * (b.count - 1)
+            stop = bisect.bisect_right(cu, min(last_q, last_k))
+            diff = a.global0 - b.global0
+            # piece-relative band: key j of b is visible to query i of a iff lo <= j - i <= hi
+            lo = -_FAR if left is None else _ceil_div(diff - far_left, t)
+            hi = _FAR if right is None else (diff + far_right) // t
+            if lo > hi:  # the window holds no key of this chunk for any query of that one
+                continue
+            for d in range(max(first, 0), stop):
+                qa, qb = _local_range((_Piece(0, a.global0, t, a.count),), cu[d], cu[d + 1])
+                ka, kb = _local_range((_Piece(0, b.global0, t, b.count),), cu[d], cu[d + 1])
+                if qa == qb or ka == kb:
+                    continue
+                q0, q1 = max(qa, ka - hi), min(qb, kb - lo)
+                if q0 >= q1:
+                    continue
+                k0, k1 = max(ka, q0 + lo), min(kb, q1 + hi)
+                if k0 >= k1:
+                    continue
+                sq, sk = q1 - q0, k1 - k0
+                lo_r, hi_r = q0 + lo - k0, q0 + hi - k0  # segment-relative: lo_r <= j' - i' <= hi_r
+                seg_q, seg_k = (a.local0 + q0, a.local0 + q1), (b.local0 + k0, b.local0 + k1)
+                full = hi_r >= sk - 1 and sq - 1 + lo_r <= 0
+                square_causal = sq == sk and hi_r == 0 and sq - 1 + lo_r <= 0
+                if full and not (square_causal and causal):
+                    out.append(Segment(*seg_q, *seg_k, False))
+                elif square_causal:
+                    out.append(Segment(*seg_q, *seg_k, True))
+                else:
+                    off = sk - sq
+                    band = (min(off - lo_r, sk + sq), min(hi_r - off, sk + sq))
+                    if band[0] < 0 or band[1] < 0:
+                        raise AssertionError(f"xcp.documents: negative band {band} after trimming")
+                    out.append(Segment(*seg_q, *seg_k, False, band))
+    return tuple(sorted(out, key=lambda seg: (seg.q0, seg.k0)))
+
+
+@functools.lru_cache(maxsize=64)
+def ring_segments(
+    cu: tuple[int, ...], world_size: int, causal: bool, balance: str, window: tuple | None = None
+) -> tuple[int, tuple[tuple[tuple[Segment, ...], ...], ...]]:
+    """Every rank's segments, step by step, and the ring length they need: ``(m, per_rank[rank][step])``.
+
+    ``m`` is one more than the largest step at which any rank sees a key of the shard it holds: no needed
+    step is dropped and no unneeded one is run (for a one-directional ring of the same length on every
+    rank, which each rank computes alike from the global layout). Documents short enough, or a window,
+    end the ring early.
+    """
+
+    def block(r: int, i: int) -> tuple[Segment, ...]:
+        src = (r - i) % world_size
+        if window is None:
+            return segments(cu, world_size, r, src, balance, causal)
+        return _window_segments(cu, world_size, r, src, balance, causal, window)
+
+    per_rank = [[block(r, i) for i in range(world_size)] for r in range(world_size)]
+    m = 1 + max((i for blocks in per_rank for i, segs in enumerate(blocks) if segs), default=0)
+    return m, tuple(tuple(blocks[:m]) for blocks in per_rank)
 
 
 @dataclass(frozen=True)
@@ -235,6 +368,7 @@ class DocumentPlan:
     steps: tuple[tuple[Run, ...], ...]
     pairs: tuple[int, ...]
     """(query, key) pairs each step computes."""
+    window: tuple | None = None
 
     def work(self, local_len: int) -> tuple[float, ...]:
         """Each step's pairs as a share of a full shard-by-shard block."""
@@ -242,14 +376,16 @@ class DocumentPlan:
 
 
 @functools.lru_cache(maxsize=64)
-def document_plan(cu: tuple[int, ...], world_size: int, rank: int, causal: bool, balance: str) -> DocumentPlan:
-    """The :class:`DocumentPlan` of ``rank`` for documents ``cu`` (checked, a tuple: it is the cache key)."""
+def document_plan(
+    cu: tuple[int, ...], world_size: int, rank: int, causal: bool, balance: str, window: tuple | None = None
+) -> DocumentPlan:
+    """The :class:`DocumentPlan` of ``rank`` for documents ``cu`` (checked, a tuple: it is the cache key;
+    ``(0, S)`` for one sequence) under an optional ``window`` (checked by :func:`check_window`). The plan
+    may have fewer than P steps (:func:`ring_segments`)."""
     schedule.check_world(world_size, rank)
     schedule.check_balance(balance)
     schedule.check_seq_len(cu[-1], world_size, balance, what="cu_seqlens[-1]")
-    steps, pairs = [], []
-    for i in range(world_size):
-        segs = segments(cu, world_size, rank, (rank - i) % world_size, balance, causal)
-        steps.append(runs(segs))
-        pairs.append(sum(s.pairs for s in segs))
-    return DocumentPlan(world_size, rank, causal, balance, tuple(steps), tuple(pairs))
+    blocks = ring_segments(cu, world_size, causal, balance, None if window is None else tuple(window))[1][rank]
+    steps = tuple(runs(segs) for segs in blocks)
+    pairs = tuple(sum(s.pairs for s in segs) for segs in blocks)
+    return DocumentPlan(world_size, rank, causal, balance, steps, pairs, window)

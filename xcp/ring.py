@@ -21,7 +21,7 @@ from . import schedule
 from .agreement import check_agreement
 from .backend import Backend
 from .comm import Communicator
-from .documents import document_plan
+from .documents import Run, document_plan
 from .kernels.merge import accumulator_dtype, apply_sinks_, merge_, new_accumulators, sinks_grad
 from .lifetime import RingCall, ShardSlots
 
@@ -34,6 +34,8 @@ class RingConfig:
     :param handoff: the hand-off policy; None is the backend's own.
     :param documents: global document boundaries ``(0, ..., S)`` of a packed sequence (checked by
         :func:`xcp.documents.check_cu_seqlens`), or None for one sequence.
+    :param window: ``(left, right)`` sliding window over global positions (checked by
+        :func:`xcp.documents.check_window`); needs ``documents`` (``(0, S)`` for one sequence).
     """
 
     comm: Communicator
@@ -44,24 +46,26 @@ class RingConfig:
     slots: str = "bounded"
     handoff: str | None = None
     documents: tuple[int, ...] | None = None
+    window: tuple[int | None, int | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.documents is None:
+            raise ValueError("RingConfig: a window needs documents, (0, S) for one sequence of S tokens")
+
+    def _document_plan(self):
+        return document_plan(self.documents, self.comm.size(), self.comm.rank(), self.causal, self.balance, self.window)
 
     @property
     def plan(self) -> schedule.Plan:
-        return schedule.plan(self.comm.size(), self.comm.rank(), self.causal, self.balance)
+        """The ring's steps: all P, or as many as the documents and the window need."""
+        steps = None if self.documents is None else len(self._document_plan().steps)
+        return schedule.plan(self.comm.size(), self.comm.rank(), self.causal, self.balance, steps)
 
     def block_calls(self, n: int) -> list[list[BlockCall]]:
         """The kernel calls of each step for local shards of ``n`` tokens."""
-        plan = self.plan
         if self.documents is None:
-            return [[BlockCall(*_views(st, n), st.mask)] if st.computes else [] for st in plan.steps]
-        docs = document_plan(self.documents, self.comm.size(), self.comm.rank(), self.causal, self.balance)
-        return [
-            [
-                BlockCall(slice(r.q0, r.q1), slice(r.k0, r.k1), r.mask, (r.cu_q, r.cu_k) if r.segments > 1 else None)
-                for r in step
-            ]
-            for step in docs.steps
-        ]
+            return [[BlockCall(*_views(st, n), st.mask)] if st.computes else [] for st in self.plan.steps]
+        return [[BlockCall.of(r) for r in step] for step in self._document_plan().steps]
 
 
 @dataclass(frozen=True)
@@ -73,16 +77,31 @@ class BlockCall:
     ks: slice
     mask: str
     cu: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    window: tuple[int, int] | None = None
+
+    @classmethod
+    def of(cls, run: Run) -> BlockCall:
+        """The call of a run: dense for one unbanded segment, else varlen (a band always goes varlen)."""
+        varlen = run.segments > 1 or run.band is not None
+        return cls(
+            slice(run.q0, run.q1), slice(run.k0, run.k1), run.mask, (run.cu_q, run.cu_k) if varlen else None, run.band
+        )
 
     def forward(self, backend: Backend, q, k, v, scale: float):
         if self.cu is None:
             return backend.forward(q, k, v, self.mask, scale)
-        return backend.forward_varlen(q, k, v, *self.cu, self.mask == "causal", scale)
+        causal = self.mask == "causal"
+        if self.window is None:
+            return backend.forward_varlen(q, k, v, *self.cu, causal, scale)
+        return backend.forward_varlen(q, k, v, *self.cu, causal, scale, window=self.window)
 
     def backward(self, backend: Backend, dout, q, k, v, out, lse, scale: float):
         if self.cu is None:
             return backend.backward(dout, q, k, v, out, lse, self.mask, scale)
-        return backend.backward_varlen(dout, q, k, v, out, lse, *self.cu, self.mask == "causal", scale)
+        causal = self.mask == "causal"
+        if self.window is None:
+            return backend.backward_varlen(dout, q, k, v, out, lse, *self.cu, causal, scale)
+        return backend.backward_varlen(dout, q, k, v, out, lse, *self.cu, causal, scale, window=self.window)
 
 
 def _views(step: schedule.Step, n: int) -> tuple[slice, slice]:
@@ -106,10 +125,10 @@ class _KVRing:
     caller's own K and V in place.
     """
 
-    def __init__(self, call: RingCall | None, comm: Communicator, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``call`` is None in a world of one rank, where nothing moves."""
+    def __init__(self, call: RingCall | None, comm: Communicator, k: torch.Tensor, v: torch.Tensor, steps: int) -> None:
+        """``call`` is None in a world of one rank (or a ring of one step), where nothing moves."""
         self.call, self.comm = call, comm
-        self.slots: ShardSlots | None = None if call is None else call.slots("kv", (k, v), steps=range(1, comm.size()))
+        self.slots: ShardSlots | None = None if call is None else call.slots("kv", (k, v), steps=range(1, steps))
         self.current: list[torch.Tensor] | tuple[torch.Tensor, ...] = (k, v)
         self._work: Any = None
         self._next: list[torch.Tensor] | None = None
@@ -155,10 +174,12 @@ def ring_forward(
     check_agreement(comm, backend, q, k, v, cfg, sinks)
     n = q.shape[1]
     out, lse = new_accumulators(q)
-    call = RingCall(comm, backend, q.device, cfg.slots, cfg.handoff) if comm.size() > 1 else None
-    kv = _KVRing(call, comm, k, v)
+    plan = cfg.plan
+    moves = len(plan.steps) > 1
+    call = RingCall(comm, backend, q.device, cfg.slots, cfg.handoff) if moves else None
+    kv = _KVRing(call, comm, k, v, len(plan.steps))
     with call or contextlib.nullcontext():
-        for step, blocks in zip(cfg.plan.steps, cfg.block_calls(n)):
+        for step, blocks in zip(plan.steps, cfg.block_calls(n)):
             kv.begin(step)
             for b in blocks:
                 block_out, block_lse = b.forward(backend, q[:, b.qs], *kv.views(b.ks), cfg.scale)
@@ -189,13 +210,14 @@ def ring_backward(
     comm, backend, plan = cfg.comm, cfg.backend, cfg.plan
     n = q.shape[1]
     calls = cfg.block_calls(n)
-    if comm.size() == 1:  # one step on the whole shard, nothing moves
+    m = len(plan.steps)
+    if m == 1:  # one step on the own shard (a world of one, or a window within it): nothing moves
         return _local_backward(dout, q, k, v, out, lse, cfg, calls[0])
     acc = accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     call = RingCall(comm, backend, q.device, cfg.slots, cfg.handoff)
-    kv = _KVRing(call, comm, k, v)
-    dkv_slots = call.slots("dkv", (k, v), dtype=acc, steps=range(comm.size() + 1))
+    kv = _KVRing(call, comm, k, v, m)
+    dkv_slots = call.slots("dkv", (k, v), dtype=acc, steps=range(m + 1))
     with call:
         dkv_work = None
         for step, blocks in zip(plan.steps, calls):
@@ -221,12 +243,12 @@ def ring_backward(
             with call.on_comm():
                 send = call.hand_to_comm((dk_acc, dv_acc), "dkv")  # M waits for the additions above
                 dkv_work = _exchange(
-                    comm, send, dkv_slots.slot(i + 1), step.dkv_send_to, plan.dkv_home_from, "dkv", backend, i
+                    comm, send, dkv_slots.slot(i + 1), step.dkv_send_to, plan.dkv_recv_after(i), "dkv", backend, i
                 )
             del send
             kv.end()
         dkv_work.wait()
-        dk_acc, dv_acc = dkv_slots.slot(comm.size())
+        dk_acc, dv_acc = dkv_slots.slot(m)
         # fresh tensors: results never alias the slots, which the workspace keeps for the next call
         dk, dv = dk_acc.to(k.dtype, copy=True), dv_acc.to(v.dtype, copy=True)
     return dq.to(q.dtype), dk, dv

@@ -125,13 +125,18 @@ class Plan:
 
     @property
     def dkv_home_from(self) -> int:
-        """The rank that sends this rank its own finished dK/dV after the last step."""
-        return (self.rank - 1) % self.world_size
+        """The rank that sends this rank its own finished dK/dV after the last step (the last to use them)."""
+        return (self.rank + len(self.steps) - 1) % self.world_size
 
     @property
     def dkv_home_to(self) -> int:
         """The owner of the dK/dV this rank holds after the last step (it sends them there)."""
-        return (self.rank + 1) % self.world_size
+        return self.steps[-1].src
+
+    def dkv_recv_after(self, step: int) -> int:
+        """The rank whose dK/dV message this rank receives during ``step``: the previous rank's running
+        sum for the next step, or, during the last step, this rank's own finished dK/dV."""
+        return self.dkv_home_from if step == len(self.steps) - 1 else (self.rank - 1) % self.world_size
 
 
 def _halves_to_range(halves: tuple[int, int], local_len: int) -> tuple[int, int]:
@@ -166,24 +171,32 @@ def _block(balance: str, causal: bool, rank: int, src: int) -> tuple[str, str, t
     return SKIP, "none", (0, 0), (0, 0), 0.0
 
 
-def plan(world_size: int, rank: int, causal: bool = False, balance: str = DEFAULT_BALANCE) -> Plan:
+def plan(
+    world_size: int, rank: int, causal: bool = False, balance: str = DEFAULT_BALANCE, steps: int | None = None
+) -> Plan:
     """The per-step plan of ``rank`` in a ring of ``world_size`` ranks.
 
     :param world_size: number of ranks P (>= 1).
     :param rank: this rank, 0 <= rank < P.
     :param causal: whether the global attention is causal.
     :param balance: how the sequence is placed on ranks (one of :data:`BALANCES`).
+    :param steps: how many steps the ring runs (1..P; default P). A ring of m < P steps (a window that
+        reaches only the shards of the m - 1 previous ranks) forwards each K/V shard m - 1 times, and the
+        finished dK/dV of a shard go home from the last rank that used it in one hop, ``m - 1`` ranks back.
     :returns: a :class:`Plan` with one :class:`Step` per source shard, step 0 being the rank's own.
     """
     check_world(world_size, rank)
     check_balance(balance)
+    m = world_size if steps is None else steps
+    if not is_integer(m) or not 1 <= m <= world_size:
+        raise ValueError(f"steps: expected an integer in [1, {world_size}]; got {steps!r}")
     nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
-    steps = []
-    for i in range(world_size):
+    out = []
+    for i in range(m):
         src = (rank - i) % world_size
         kind, mask, qh, kh, work = _block(balance, causal, rank, src)
-        last = i == world_size - 1
-        steps.append(
+        last = i == m - 1
+        out.append(
             Step(
                 step=i,
                 rank=rank,
@@ -195,11 +208,11 @@ def plan(world_size: int, rank: int, causal: bool = False, balance: str = DEFAUL
                 work=work,
                 send_to=None if last else nxt,
                 recv_from=None if last else prv,
-                dkv_send_to=nxt,
+                dkv_send_to=src if last else nxt,  # the last hop goes home, to the shard's owner
                 dkv_recv_from=None if i == 0 else prv,
             )
         )
-    return Plan(world_size, rank, causal, balance, tuple(steps))
+    return Plan(world_size, rank, causal, balance, tuple(out))
 
 
 # ----------------------------------------------------------------------------------------------------

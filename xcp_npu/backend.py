@@ -164,11 +164,11 @@ class NPUBackend(FusedKernelBackend):
         return dq, sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)
 
     # ------------------------------------------------------------------ packed segments
-    def forward_varlen(self, q, k, v, cu_q, cu_k, causal: bool, scale: float):
+    def forward_varlen(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=None):
         """All segments in one TND npu_fusion_attention call (per-segment sparse_mode 3 when causal); a block the
-        fused op cannot take (head dim, batch) goes to the per-segment default."""
-        if convert.varlen_unsupported(q, k):
-            return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale)
+        fused op cannot take (head dim, batch), or a window, goes to the per-segment default."""
+        if window is not None or convert.varlen_unsupported(q, k):
+            return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale, window)
         groups = self.kv_groups(q, k)
         qt = q[0].contiguous()  # [T, N, D]: batch 1 dropped
         kt, vt = (repeat_kv(x, groups)[0].contiguous() for x in (k, v))
@@ -185,10 +185,10 @@ class NPUBackend(FusedKernelBackend):
         out, softmax_max, softmax_sum = convert.check_varlen_forward_outputs(qt, vt, outputs)
         return out.unsqueeze(0), convert.lse_from_tnd_stats(softmax_max, softmax_sum, cu_q, self.tnd_stats)
 
-    def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float):
+    def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, window=None):
         """Gradients of all segments in one TND npu_fusion_attention_grad call, from the merged out and lse."""
-        if convert.varlen_unsupported(q, k):
-            return super().backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+        if window is not None or convert.varlen_unsupported(q, k):
+            return super().backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
         groups = self.kv_groups(q, k)
         qt = q[0].contiguous()
         kt, vt = (repeat_kv(x, groups)[0].contiguous() for x in (k, v))

@@ -13,12 +13,22 @@ from ..schedule import check_mask
 from .merge import NEG_INF, accumulator_dtype
 
 
-def allowed_keys(sq: int, sk: int, mask: str, device: torch.device | None = None) -> torch.Tensor | None:
+def allowed_keys(
+    sq: int, sk: int, mask: str, device: torch.device | None = None, window: tuple[int, int] | None = None
+) -> torch.Tensor | None:
     """Boolean [Sq, Sk] matrix of the (query, key) pairs ``mask`` allows, or None for no mask.
 
-    ``causal`` is top-left aligned: query i sees keys 0..i; ``strict`` sees keys 0..i-1.
+    ``causal`` is top-left aligned: query i sees keys 0..i; ``strict`` sees keys 0..i-1. A ``window``
+    ``(left, right)`` (with mask ``none``) is a band aligned to the bottom-right corner, as flash kernels
+    align theirs: query i sees keys ``i + (sk - sq) - left .. i + (sk - sq) + right``.
     """
     check_mask(mask)
+    if window is not None:
+        if mask != "none":
+            raise ValueError(f"mask: a window goes with mask 'none'; got {mask!r}")
+        rows = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
+        cols = torch.arange(sk, device=device).unsqueeze(0)
+        return (cols >= rows - window[0]) & (cols <= rows + window[1])
     if mask == "none":
         return None
     diagonal = 0 if mask == "causal" else -1
@@ -31,10 +41,10 @@ def _heads_first(x: torch.Tensor, dtype: torch.dtype, groups: int = 1) -> torch.
     return x.repeat_interleave(groups, dim=1) if groups > 1 else x
 
 
-def _probabilities(q, k, mask: str, scale: float, lse=None):
+def _probabilities(q, k, mask: str, scale: float, lse=None, window=None):
     """Scores' softmax probabilities [B, H, Sq, Sk] and lse [B, H, Sq] (given or computed)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    allowed = allowed_keys(q.shape[-2], k.shape[-2], mask, q.device)
+    allowed = allowed_keys(q.shape[-2], k.shape[-2], mask, q.device, window)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, NEG_INF)
     if lse is None:
@@ -43,24 +53,24 @@ def _probabilities(q, k, mask: str, scale: float, lse=None):
     return torch.exp(scores - safe.unsqueeze(-1)), lse
 
 
-def math_forward(q, k, v, mask: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def math_forward(q, k, v, mask: str, scale: float, window=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Block attention in the accumulator dtype: out [B, Sq, H, D] and lse [B, H, Sq]."""
     acc = accumulator_dtype(q.dtype)
     groups = q.shape[2] // k.shape[2]
     qh = _heads_first(q, acc)
-    p, lse = _probabilities(qh, _heads_first(k, acc, groups), mask, scale)
+    p, lse = _probabilities(qh, _heads_first(k, acc, groups), mask, scale, window=window)
     out = torch.matmul(p, _heads_first(v, acc, groups))
     return out.transpose(1, 2), lse
 
 
-def math_backward(dout, q, k, v, out, lse, mask: str, scale: float):
+def math_backward(dout, q, k, v, out, lse, mask: str, scale: float, window=None):
     """Block gradients (dq, dk, dv) in the accumulator dtype, from the merged out and lse of the rows."""
     acc = accumulator_dtype(q.dtype)
     b, sk, hkv, d = k.shape
     groups = q.shape[2] // hkv
     qh, do = _heads_first(q, acc), _heads_first(dout, acc)
     kh, vh = _heads_first(k, acc, groups), _heads_first(v, acc, groups)
-    p, _ = _probabilities(qh, kh, mask, scale, lse.to(acc))
+    p, _ = _probabilities(qh, kh, mask, scale, lse.to(acc), window)
     delta = (do * _heads_first(out, acc)).sum(-1, keepdim=True)
     dv = torch.matmul(p.transpose(-1, -2), do)
     ds = p * (torch.matmul(do, vh.transpose(-1, -2)) - delta)
