@@ -599,6 +599,32 @@ def test_varlen_needs_keys_and_queries_in_every_segment(monkeypatch):
     assert not any(c[0].startswith("flash_varlen") for c in fake.calls)
 
 
+def test_varlen_options_the_flash_path_does_not_serve_go_to_the_base_class(monkeypatch):
+    """A keyword option of the contract (a sliding window, say) given a value runs the base class's
+    method with it; left at None it is not passed on, and flash serves the call."""
+    seen = []
+
+    def base_forward(self, q, k, v, cu_q, cu_k, causal, scale, **options):
+        seen.append(("forward", options))
+        return torch.zeros_like(q), torch.zeros(1, q.shape[2], q.shape[1])
+
+    def base_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, **options):
+        seen.append(("backward", options))
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(xcp.Backend, "forward_varlen", base_forward)
+    monkeypatch.setattr(xcp.Backend, "backward_varlen", base_backward)
+    backend, fake = _cpu_backend(monkeypatch)
+    cu_q, cu_k, causal = VARLEN_LAYOUTS["full"]
+    q, k, v = _varlen_block(cu_q, cu_k, 2, 2, 16, torch.float16, seed=4)
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, 0.3, window=(2, 0))
+    backend.backward_varlen(out, q, k, v, out, lse, cu_q, cu_k, causal, 0.3, window=(2, 0))
+    assert seen == [("forward", {"window": (2, 0)}), ("backward", {"window": (2, 0)})] and fake.calls == []
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, 0.3, window=None)
+    backend.backward_varlen(out, q, k, v, out, lse, cu_q, cu_k, causal, 0.3, window=None)
+    assert len(seen) == 2 and [c[0] for c in fake.calls] == ["flash_varlen_fwd", "flash_varlen_bwd"]
+
+
 def test_cu_seqlens_are_uploaded_once_and_evicted_oldest_first(monkeypatch):
     monkeypatch.setattr(kernels, "CU_CACHE_SIZE", 2)
     monkeypatch.setattr(kernels, "_CU_CACHE", OrderedDict())

@@ -30,6 +30,12 @@ def _env_flag(name: str, default: bool) -> bool:
     return value == "1"
 
 
+def _set(options: dict[str, Any]) -> dict[str, Any]:
+    """The keyword options given a value: those left at None are not passed on (a base class of an
+    older contract may not know them)."""
+    return {name: x for name, x in options.items() if x is not None}
+
+
 class CUDABackend(FusedKernelBackend):
     """NVIDIA GPUs (any device torch calls ``cuda``).
 
@@ -154,19 +160,21 @@ class CUDABackend(FusedKernelBackend):
         (:func:`kernels.choose_kernel`), batch 1, and every segment has queries and keys."""
         return q.shape[0] == 1 and self.kernel_for(q) == kernels.FLASH and kernels.varlen_served(cu_q, cu_k)
 
-    def forward_varlen(self, q, k, v, cu_q, cu_k, causal: bool, scale: float):
-        """One flash varlen call for all segments where it serves them, else one call per segment."""
-        if not self.varlen_kernel(q, cu_q, cu_k):
-            return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale)
+    def forward_varlen(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, **options: Any):
+        """One flash varlen call for all segments where it serves them, else one call per segment.
+        ``options`` the flash path does not serve (set to anything but None) go to the base class too."""
+        if any(x is not None for x in options.values()) or not self.varlen_kernel(q, cu_q, cu_k):
+            return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale, **_set(options))
         op = kernels.flash_varlen_forward
         if self.kv_groups(q, k) > 1:
             op = kernels.with_repeated_kv(op)
         return op(q, k, v, cu_q, cu_k, causal, scale)
 
-    def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float):
-        """One flash varlen backward from the merged out/lse where it serves, else one call per segment."""
-        if not self.varlen_kernel(q, cu_q, cu_k):
-            return super().backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+    def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, **options: Any):
+        """One flash varlen backward from the merged out/lse where it serves, else one call per segment
+        (also for ``options``, as :meth:`forward_varlen`)."""
+        if any(x is not None for x in options.values()) or not self.varlen_kernel(q, cu_q, cu_k):
+            return super().backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, **_set(options))
         op = kernels.flash_varlen_backward
         if self.kv_groups(q, k) > 1:
             op = kernels.with_repeated_kv_backward(op)
