@@ -126,9 +126,10 @@ def test_bad_boundaries_are_named(cu, seq, message):
 # ---------------------------------------------------------------------------------------------- numerics
 
 
-def masked_reference(q, k, v, dout, cu, causal, sinks=None, scale=None):
-    """One float64 softmax over the whole sequence with the explicit document (and causal) mask; the
-    sink, when given, is one more logit per head with a zero value. Returns out, dq, dk, dv[, dsinks]."""
+def masked_reference(q, k, v, dout, cu, causal, sinks=None, scale=None, window=None):
+    """One float64 softmax over the whole sequence with the explicit document (and causal, and window)
+    mask; the sink, when given, is one more logit per head with a zero value. Returns out, dq, dk, dv[,
+    dsinks]."""
     leaves = [t.detach().to(torch.float64).requires_grad_() for t in (q, k, v)]
     if sinks is not None:
         leaves.append(sinks.detach().to(torch.float64).requires_grad_())
@@ -139,6 +140,12 @@ def masked_reference(q, k, v, dout, cu, causal, sinks=None, scale=None):
     allowed = doc[:, None] == doc[None, :]
     if causal:
         allowed &= torch.ones(s, s, dtype=torch.bool).tril()
+    if window is not None:
+        i, j = torch.arange(s).unsqueeze(1), torch.arange(s).unsqueeze(0)
+        if window[0] is not None:
+            allowed &= j >= i - window[0]
+        if window[1] is not None:
+            allowed &= j <= i + window[1]
     scale = q.shape[3] ** -0.5 if scale is None else scale
     qh = q64.transpose(1, 2)
     kh = k64.transpose(1, 2).repeat_interleave(groups, dim=1)

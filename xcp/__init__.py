@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from .api import attention, shard, unshard
     from .backend import Backend, SynchronousBackend
     from .comm import CommTimeout, Communicator, LocalGroup, LocalWorld
+    from .documents import choose_balance
     from .hookspecs import hookimpl
     from .lifetime import BufferLedger, track_buffers
     from .plugins import backend_table, get_backend, list_backends, register_plugin, unregister_plugin
@@ -34,6 +35,7 @@ _EXPORTS = {
     "SynchronousBackend": "backend",
     "attention": "api",
     "backend_table": "plugins",
+    "choose_balance": "documents",
     "get_backend": "plugins",
     "hookimpl": "hookspecs",
     "list_backends": "plugins",
@@ -62,6 +64,7 @@ __all__ = [
     "SynchronousBackend",
     "attention",
     "backend_table",
+    "choose_balance",
     "get_backend",
     "hookimpl",
     "list_backends",

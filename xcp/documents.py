@@ -389,3 +389,51 @@ def document_plan(
     steps = tuple(runs(segs) for segs in blocks)
     pairs = tuple(sum(s.pairs for s in segs) for segs in blocks)
     return DocumentPlan(world_size, rank, causal, balance, steps, pairs, window)
+
+
+def choose_balance(
+    world_size: int,
+    *,
+    causal: bool = False,
+    window: object = None,
+    cu_seqlens: object = None,
+    seq_len: int | None = None,
+) -> str:
+    """The balance to shard with (pass it to :func:`xcp.shard`, :func:`xcp.attention` and
+    :func:`xcp.unshard` alike) for this configuration.
+
+    Ranks compute at the pace of the busiest, so the busiest rank's (query, key) pairs decide first (in
+    steps of 10% of the even share); then the fewest ring steps (a window, or short documents, end the ring
+    early under ``contiguous``, where each shard's neighbours hold the nearby tokens); then zigzag,
+    contiguous, stripe in that order. Without a window or documents this is ``zigzag``.
+
+    :param seq_len: the global sequence length, needed with a window when ``cu_seqlens`` is not given.
+    """
+    schedule.check_world(world_size)
+    window = check_window(window, causal)
+    if window is None and cu_seqlens is None:
+        return schedule.DEFAULT_BALANCE
+    if cu_seqlens is not None:
+        cu = check_cu_seqlens(cu_seqlens, seq_len)
+    elif seq_len is None or not schedule.is_integer(seq_len) or seq_len < 1:
+        raise ValueError(
+            f"seq_len: expected the global sequence length (or cu_seqlens) to compare balances; got {seq_len!r}"
+        )
+    else:
+        cu = (0, int(seq_len))
+    best = None
+    for order, balance in enumerate(("zigzag", "contiguous", "stripe")):
+        if cu[-1] % schedule.required_multiple(world_size, balance):
+            continue
+        m, per_rank = ring_segments(cu, world_size, bool(causal), balance, window)
+        work = [sum(s.pairs for step in blocks for s in step) for blocks in per_rank]
+        even = max(sum(work) / world_size, 1)
+        key = (int(10 * max(work) / even + 1e-9), m, order)
+        if best is None or key < best[0]:
+            best = (key, balance)
+    if best is None:
+        raise ValueError(
+            f"seq_len: no balance can split {cu[-1]} tokens over {world_size} ranks "
+            f"(a multiple of {world_size} is needed)"
+        )
+    return best[1]

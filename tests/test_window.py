@@ -1,0 +1,236 @@
+"""Sliding windows across the ring: only the steps a window reaches run, and they compute exactly the pairs
+the window allows.
+
+The plan is checked against a brute-force list of allowed pairs (global positions from
+xcp.schedule.shard_indices; window, documents and causality applied to them); the float64 ring against one
+softmax over the whole sequence with the explicit banded mask (tests/test_documents.py's reference).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import assert_close_to
+from test_documents import NAMES, masked_reference
+
+import xcp
+from xcp import documents, schedule
+from xcp.comm import LocalGroup
+
+
+@st.composite
+def windowed(draw: st.DrawFn, worlds=(1, 2, 3, 4, 8), max_chunks: int = 4) -> tuple:
+    """(world, balance, causal, cu, window): windows from 0 tokens to beyond S, any documents."""
+    world = draw(st.sampled_from(worlds))
+    balance = draw(st.sampled_from(xcp.BALANCES))
+    causal = draw(st.booleans())
+    seq = schedule.required_multiple(world, balance) * draw(st.integers(1, max_chunks))
+    cuts = draw(st.sets(st.integers(1, seq - 1), max_size=min(seq - 1, 5))) if seq > 1 else set()
+    side = st.one_of(st.none(), st.integers(0, 2 * seq + 2))
+    left = draw(side)
+    right = draw(st.sampled_from([0, None])) if causal else draw(side)
+    if left is None and (right is None or causal):
+        left = draw(st.integers(0, seq))  # keep a window: the dense case is tested elsewhere
+    return world, balance, causal, (0, *sorted(cuts), seq), (left, right)
+
+
+def allowed_pairs(cu, world, rank, src, balance, causal, window) -> set[tuple[int, int]]:
+    seq = cu[-1]
+    qi = schedule.shard_indices(seq, world, rank, balance)
+    ki = schedule.shard_indices(seq, world, src, balance)
+    left, right = window
+
+    def ok(gi: int, gj: int) -> bool:
+        same = bisect.bisect_right(cu, gi) == bisect.bisect_right(cu, gj)
+        return (
+            same
+            and (not causal or gj <= gi)
+            and (left is None or gj >= gi - left)
+            and (right is None or gj <= gi + right)
+        )
+
+    return {(i, j) for i, gi in enumerate(qi) for j, gj in enumerate(ki) if ok(gi, gj)}
+
+
+def pairs_of_runs(runs) -> list[tuple[int, int]]:
+    out = []
+    for run in runs:
+        for a in range(run.segments):
+            q0, q1 = run.q0 + run.cu_q[a], run.q0 + run.cu_q[a + 1]
+            k0, k1 = run.k0 + run.cu_k[a], run.k0 + run.cu_k[a + 1]
+            sq, sk = q1 - q0, k1 - k0
+            for i in range(sq):
+                for j in range(sk):
+                    if run.band is not None:
+                        seen = i + sk - sq - run.band[0] <= j <= i + sk - sq + run.band[1]
+                    else:
+                        seen = not run.causal or j <= i
+                    if seen:
+                        out.append((q0 + i, k0 + j))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(windowed())
+def test_the_plan_computes_each_allowed_pair_once_and_runs_the_fewest_steps(case):
+    world, balance, causal, cu, window = case
+    window = documents.check_window(window, causal)
+    needed = 0
+    plans = [documents.document_plan(cu, world, r, causal, balance, window) for r in range(world)]
+    for rank, plan in enumerate(plans):
+        for i in range(world):
+            want = allowed_pairs(cu, world, rank, (rank - i) % world, balance, causal, window)
+            if want:
+                needed = max(needed, i + 1)
+            if i >= len(plan.steps):
+                assert not want, f"step {i} of rank {rank} was dropped but has {len(want)} pairs"
+                continue
+            got = pairs_of_runs(plan.steps[i])
+            assert len(got) == len(set(got)), "no pair is computed twice"
+            assert set(got) == want
+            assert plan.pairs[i] == len(want)
+    assert {len(p.steps) for p in plans} == {max(needed, 1)}, "every rank runs the fewest steps that serve all"
+
+
+def test_contiguous_serves_a_causal_window_in_two_steps_zigzag_in_all():
+    seq, world = 1024, 8
+    for left in (1, 64, 128):  # up to the local length S / P
+        assert len(documents.document_plan((0, seq), world, 3, True, "contiguous", (left, 0)).steps) == 2
+        assert len(documents.document_plan((0, seq), world, 3, True, "zigzag", (left, 0)).steps) == world
+    assert len(documents.document_plan((0, seq), world, 3, True, "contiguous", (129, 0)).steps) == 3
+    assert len(documents.document_plan((0, seq), world, 3, True, "contiguous", (0, 0)).steps) == 1
+
+
+def test_choose_balance_picks_the_fewest_steps():
+    assert xcp.choose_balance(8, causal=True, window=(256, 0), seq_len=8192) == "contiguous"
+    assert xcp.choose_balance(8, causal=True, seq_len=8192) == "zigzag"
+    assert xcp.choose_balance(8, causal=False, window=(None, None), seq_len=8192) == "zigzag"
+    with pytest.raises(ValueError, match="seq_len: expected the global sequence length"):
+        xcp.choose_balance(8, causal=True, window=(256, 0))
+
+
+# ---------------------------------------------------------------------------------------------- the ring
+
+
+def ring(q, k, v, dout, world, balance, causal, cu, window, sinks=None):
+    def rank_fn(group):
+        r = group.rank()
+        local = [xcp.shard(t, world, r, balance=balance).requires_grad_() for t in (q, k, v)]
+        sk = None if sinks is None else sinks.detach().clone().requires_grad_()
+        docs = None if cu is None else torch.tensor(cu)
+        out = xcp.attention(
+            *local, causal=causal, group=group, balance=balance, cu_seqlens=docs, sinks=sk, window=window
+        )
+        out.backward(xcp.shard(dout, world, r, balance=balance))
+        return [out.detach(), *(t.grad for t in local), None if sk is None else sk.grad]
+
+    per_rank = xcp.LocalWorld(world, timeout=60).run(rank_fn)
+    got = [xcp.unshard([res[i] for res in per_rank], balance=balance) for i in range(4)]
+    if sinks is not None:
+        got.append(sum(res[4] for res in per_rank))
+    return got
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    case=windowed(max_chunks=3),
+    with_documents=st.booleans(),
+    with_sinks=st.booleans(),
+    groups=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_float64_ring_with_a_window_matches_the_banded_reference(case, with_documents, with_sinks, groups, seed):
+    world, balance, causal, cu, window = case
+    cu = cu if with_documents else (0, cu[-1])
+    gen = torch.Generator().manual_seed(seed)
+    seq = cu[-1]
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k, v, dout = rnd(1, seq, 2 * groups, 4), rnd(1, seq, 2, 4), rnd(1, seq, 2, 4), rnd(1, seq, 2 * groups, 4)
+    sinks = rnd(2 * groups) if with_sinks else None
+    got = ring(q, k, v, dout, world, balance, causal, cu if with_documents else None, window, sinks)
+    want = masked_reference(q, k, v, dout, cu, causal, sinks, window=window)
+    for name, g, w in zip(NAMES, got, want):
+        assert_close_to(name, g, w, 1e-10)
+
+
+@pytest.mark.parametrize(
+    ("left", "right", "causal"),
+    [(0, 0, True), (5, 0, True), (40, 0, True), (200, None, True), (3, 3, False), (0, 9, False), (None, 2, False)],
+)
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_windows_of_every_size_on_every_world(left, right, causal, world):
+    """1 token, less than a chunk, several ranks, beyond S; contiguous (the window's balance)."""
+    seq = 8 * world
+    gen = torch.Generator().manual_seed(world)
+    q, k, v, dout = (torch.randn(1, seq, 2, 4, generator=gen, dtype=torch.float64) for _ in range(4))
+    got = ring(q, k, v, dout, world, "contiguous", causal, None, (left, right))
+    want = masked_reference(q, k, v, dout, (0, seq), causal, window=(left, right))
+    for name, g, w in zip(NAMES, got, want):
+        assert_close_to(name, g, w, 1e-10)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_low_precision_window(dtype, tol):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(1, 64, h, 16, generator=gen, dtype=torch.float64).to(dtype) for h in (4, 2, 2, 4))
+    got = ring(q, k, v, dout, 4, "contiguous", True, (0, 10, 64), (12, 0))
+    want = masked_reference(q, k, v, dout, (0, 10, 64), True, window=(12, 0))
+    for name, g, w in zip(NAMES, got, want):
+        assert g.dtype == dtype
+        assert_close_to(name, g, w, tol)
+
+
+def test_a_short_ring_sends_only_what_the_window_needs(monkeypatch):
+    """Count the K/V messages: a causal window within one shard under contiguous placement sends each
+    shard once (2 steps), where the dense ring sends it P - 1 times; the dK/dV still all come home."""
+    sent: list[tuple[int, str]] = []
+    real = LocalGroup.exchange
+
+    def counting(self, sends, recvs, tag, backend, step=None):
+        sent.extend((self.rank(), tag) for _ in sends)
+        return real(self, sends, recvs, tag, backend, step)
+
+    monkeypatch.setattr(LocalGroup, "exchange", counting)
+    world, seq = 4, 64
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, dout = (torch.randn(1, seq, 2, 4, generator=gen, dtype=torch.float64) for _ in range(4))
+    got = ring(q, k, v, dout, world, "contiguous", True, None, (8, 0))
+    kv = sum(1 for _, tag in sent if tag == "kv")
+    dkv = sum(1 for _, tag in sent if tag == "dkv")
+    assert kv == 2 * world * 2  # K and V, one hop per rank, forward and backward
+    assert dkv == 2 * world * 2  # one step behind, then the hop home
+    want = masked_reference(q, k, v, dout, (0, seq), True, window=(8, 0))
+    for name, g, w in zip(NAMES, got, want):
+        assert_close_to(name, g, w, 1e-10)
+
+
+@pytest.mark.parametrize(
+    ("window", "causal", "exc", "message"),
+    [
+        ((-1, 0), True, ValueError, "window: expected left >= 0 or None; got -1"),
+        ((4, -2), False, ValueError, "window: expected right >= 0 or None; got -2"),
+        ((4, 3), True, ValueError, "window: with causal=True the right side must be 0 or None; got right=3"),
+        (4, True, TypeError, "window: expected a pair (left, right) of ints >= 0 or None; got 4"),
+        ((1, 2, 3), False, TypeError, "window: expected a pair (left, right)"),
+        ((1.5, 0), True, TypeError, "window: expected left to be an int >= 0 or None; got 1.5 (float)"),
+        (("4", 0), True, TypeError, "window: expected left to be an int >= 0 or None; got '4' (str)"),
+    ],
+)
+def test_bad_windows_are_named(window, causal, exc, message):
+    q = torch.zeros(1, 8, 2, 4)
+    with pytest.raises(exc, match=message.replace("(", r"\(").replace(")", r"\)")):
+        xcp.attention(q, q, q, causal=causal, window=window)
+
+
+def test_the_dense_window_is_the_dense_path():
+    assert documents.check_window((None, None), False) is None
+    assert documents.check_window((None, 0), True) is None
+    assert documents.check_window((None, None), True) is None
+    assert documents.check_window((3, None), True) == (3, 0)
