@@ -397,3 +397,15 @@ def test_plan_documents_plot(tmp_path, capsys):
     assert f"plot written to {path}" in capsys.readouterr().out
     rgb = image.imread(str(path))[..., :3]
     assert rgb.shape[0] > 100 and (np.abs(rgb - rgb[0, 0]).max() > 0.5)
+
+
+def test_sanitize_documents_runs_the_ring_over_packed_documents(capsys):
+    assert main(["sanitize", "--world", "4", "--backward", "--documents", "6", "--seed", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "documents=6" in text and "documents: 6 packed, lengths " in text
+    assert "with the document mask: out" in text and "no finding" in text and "bound 4" in text
+
+
+def test_sanitize_too_many_documents_is_a_clear_error(capsys):
+    assert main(["sanitize", "--world", "2", "--seq", "8", "--documents", "9"]) == 2
+    assert "documents: expected at most seq=8 documents (each at least 1 token); got 9" in capsys.readouterr().err

@@ -259,3 +259,85 @@ def test_sanitize_ring_rejects_bad_arguments():
         sanitize_ring(handoff="copy")
     with pytest.raises(ValueError, match="seq: balance 'zigzag' over 4 ranks needs a positive multiple of 8"):
         sanitize_ring(world=4, seq=12)
+
+
+# ----------------------------------------------------------------------------------------------------
+# packed documents (issue 11): blocks with nothing to compute change nothing that is alive
+
+
+@st.composite
+def document_configs(draw):
+    cfg = draw(ring_configs())
+    cfg["seq"] = cfg["world"] * draw(st.sampled_from([2, 4, 6]))
+    cfg["documents"] = draw(st.integers(1, cfg["seq"]))
+    return cfg
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(document_configs())
+def test_ring_with_documents_is_clean_and_bounded_on_the_sim_device(cfg):
+    report = sanitize_ring(**cfg)
+    assert report.ok, report.format()
+    assert report.config["documents"] == cfg["documents"] and len(report.document_lengths) == cfg["documents"]
+    assert sum(report.document_lengths) == cfg["seq"]
+    assert max(report.peak_kv_shards.values()) <= BOUND[cfg["backward"]]
+    assert max(report.peak_comm_bytes.values(), default=0) <= report.bound_comm_bytes
+    assert 1 <= report.ring_steps <= cfg["world"]
+    if report.ring_steps == 1:  # a ring of one step moves nothing
+        assert set(report.peak_kv_shards.values()) == {0}
+    assert all(err <= TOLERANCE[cfg["dtype"]] for err in report.max_error.values())
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(world=4, documents=5, backward=True),
+        dict(world=4, documents=7, causal=False, balance="stripe", backward=True, handoff="clone"),
+        dict(world=5, documents=4, balance="contiguous", causal=False),
+        dict(world=3, documents=2, seq=12, backward=True, handoff="event"),
+    ],
+)
+def test_documents_leave_what_is_alive_as_the_dense_ring_does(cfg):
+    """Where the ring runs all P steps, empty blocks (nothing computed) keep both slots in their rhythm: the
+    peaks of received shards and bytes per rank are those of the same ring without documents."""
+    report = sanitize_ring(**cfg)
+    dense = sanitize_ring(**{**cfg, "documents": None, "seq": report.config["seq"]})
+    assert report.ok and dense.ok, report.format() + "\n" + dense.format()
+    assert report.ring_steps == cfg["world"]
+    assert report.peak_kv_shards == dense.peak_kv_shards
+    assert set(report.peak_kv_shards.values()) == {BOUND[cfg.get("backward", False)]}
+    assert report.peak_comm_bytes == dense.peak_comm_bytes
+    assert min(report.document_lengths) == 1
+    assert report.format().count("documents: ") == 1 and "with the document mask" in report.format()
+
+
+def test_documents_numerics_are_checked_against_the_document_mask(monkeypatch):
+    """The reference really is masked by documents: with the plain causal mask in its place, the ring's
+    output (which honours the documents) is a numerics finding."""
+    from xcp.testing import sanitizer
+
+    monkeypatch.setattr(sanitizer, "document_mask", lambda cu, causal: torch.ones(cu[-1], cu[-1]).tril().bool())
+    report = sanitize_ring(world=2, documents=3, seq=8)
+    assert report.kinds() == {"numerics"}, report.format()
+    assert "out: error" in report.format() and "with the document mask" in report.format()
+
+
+def test_random_document_lengths():
+    from xcp.testing.sanitizer import random_document_lengths
+
+    for seq, n in [(16, 1), (16, 2), (16, 5), (16, 16), (64, 30)]:
+        lengths = random_document_lengths(seq, n, seed=7)
+        assert len(lengths) == n and sum(lengths) == seq and min(lengths) >= 1
+        assert lengths == random_document_lengths(seq, n, seed=7)
+        assert n == 1 or min(lengths) == 1  # a 1-token document whenever there are two or more
+    assert random_document_lengths(64, 8, seed=1) != random_document_lengths(64, 8, seed=2)
+    with pytest.raises(ValueError, match=r"documents: expected at most seq=8 documents \(each at least 1 token\); "
+                                         r"got 9"):  # fmt: skip
+        random_document_lengths(8, 9)
+    with pytest.raises(ValueError, match="batch: expected 1 with documents"):
+        sanitize_ring(world=2, documents=2, batch=2)
+
+
+def test_default_length_makes_room_for_every_document():
+    report = sanitize_ring(world=2, documents=13)  # 4 tokens per rank would hold 8
+    assert report.ok and report.config["seq"] == 16 and len(report.document_lengths) == 13

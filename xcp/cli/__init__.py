@@ -62,8 +62,13 @@ def _add_sanitize(sub) -> None:
     p.add_argument("--backward", action="store_true", help="also run the backward ring (bound: 4 shards)")
     p.add_argument("--policy", choices=SLOT_POLICIES, default="bounded", help="ring buffer slot policy")
     add_problem_flags(p, SANITIZE_DEFAULTS, ["dtype", "heads", "kv_heads", "head_dim"])
-    p.add_argument("--seq", type=positive, default=None, help="global length; default 4 tokens per rank")
+    p.add_argument("--seq", type=positive, default=None,
+                   help="global length; default 4 tokens per rank (with --documents N, at least N)")  # fmt: skip
     p.add_argument("--calls", type=positive, default=1, help="calls per rank (more exercise the workspace)")
+    p.add_argument("--documents", type=positive, default=None, metavar="N",
+                   help="pack the sequence with N documents of random lengths (some of 1 token, drawn from --seed); "
+                   "checked against float64 attention under the document mask, within the same bounds")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs and of the document lengths")
 
 
 def _cmd_sanitize(args) -> int:
@@ -82,6 +87,8 @@ def _cmd_sanitize(args) -> int:
         head_dim=args.head_dim,
         slots=args.policy,
         calls=args.calls,
+        seed=args.seed,
+        documents=args.documents,
     )
     print(report.format())
     return 0 if report.ok else 1

@@ -26,6 +26,7 @@ import torch
 from .. import plugins, schedule
 from ..api import shard, unshard
 from ..comm import LocalWorld
+from ..documents import document_plan
 from ..kernels.merge import accumulator_dtype
 from ..lifetime import check_handoff, check_slots, track_buffers
 from ..ring import RingConfig, ring_backward, ring_forward
@@ -93,6 +94,10 @@ class SanitizerReport:
     bound_shards: int
     bound_comm_bytes: int
     max_error: dict[str, float] = field(default_factory=dict)
+    document_lengths: tuple[int, ...] | None = None
+    """The packed documents' lengths (None: one sequence)."""
+    ring_steps: int | None = None
+    """Steps the ring ran (P, or fewer where documents leave every later block empty)."""
 
     @property
     def ok(self) -> bool:
@@ -106,6 +111,12 @@ class SanitizerReport:
         """A readable report: the configuration, per-rank peaks, then each finding."""
         cfg = " ".join(f"{k}={v}" for k, v in self.config.items())
         lines = [f"xcp sanitize: {cfg}"]
+        if self.document_lengths is not None:
+            shown = ",".join(map(str, self.document_lengths[:16])) + (",..." if len(self.document_lengths) > 16 else "")
+            lines.append(
+                f"  documents: {len(self.document_lengths)} packed, lengths {shown}; the ring ran {self.ring_steps} of "
+                f"{self.config['world']} steps"
+            )
         for r in sorted(self.peak_kv_shards):
             lines.append(
                 f"  rank {r}: peak {self.peak_kv_shards[r]} received shards (bound {self.bound_shards}), "
@@ -114,7 +125,8 @@ class SanitizerReport:
             )
         if self.max_error:
             errs = ", ".join(f"{k} {v:.2e}" for k, v in self.max_error.items())
-            lines.append(f"  largest error against float64 SDPA: {errs}")
+            masked = " with the document mask" if self.document_lengths is not None else ""
+            lines.append(f"  largest error against float64 SDPA{masked}: {errs}")
         if self.ok:
             lines.append("  no finding: every access ordered, no reuse hazard, nothing leaked, peaks within bounds")
         else:
@@ -127,6 +139,45 @@ def _check_int(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name}: expected an integer >= {low}; got {value!r}")
     return value
+
+
+def random_document_lengths(seq: int, documents: int, seed: int = 0) -> tuple[int, ...]:
+    """``documents`` lengths >= 1 summing to ``seq``, drawn from ``seed``: cut points uniform among the
+    ``seq - 1`` gaps, and, where there are two documents or more and some room, at least one document of a
+    single token (the smallest segments are where off-by-one masks show)."""
+    _check_int("documents", documents, 1)
+    if documents > seq:
+        raise ValueError(f"documents: expected at most seq={seq} documents (each at least 1 token); got {documents}")
+    gen = torch.Generator().manual_seed(seed)
+    cuts = sorted((torch.randperm(seq - 1, generator=gen)[: documents - 1] + 1).tolist())
+    lengths = [b - a for a, b in zip([0, *cuts], [*cuts, seq])]
+    if documents >= 2 and min(lengths) > 1:
+        i = int(torch.randint(documents, (), generator=gen))
+        j = i + 1 if i + 1 < documents else i - 1  # the neighbour that takes the rest of document i
+        lengths[j] += lengths[i] - 1
+        lengths[i] = 1
+    return tuple(lengths)
+
+
+def document_mask(cu: tuple[int, ...], causal: bool) -> torch.Tensor:
+    """Boolean [S, S]: query i may see key j iff both lie in one document (and j <= i when causal)."""
+    lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])])
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    allowed = doc.unsqueeze(1) == doc.unsqueeze(0)
+    if causal:
+        allowed &= torch.ones(cu[-1], cu[-1], dtype=torch.bool).tril()
+    return allowed
+
+
+def _masked_reference(q, k, v, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 SDPA of [B, S, H, D] inputs under a boolean [S, S] mask (every row sees a key), K/V heads
+    repeated for GQA."""
+    groups = q.shape[2] // k.shape[2]
+    qd, kd, vd = (x.transpose(1, 2) for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qd, kd.repeat_interleave(groups, 1), vd.repeat_interleave(groups, 1), attn_mask=allowed, scale=scale
+    )
+    return out.transpose(1, 2)
 
 
 def sanitize_ring(
@@ -144,6 +195,7 @@ def sanitize_ring(
     slots: str = "bounded",
     calls: int = 1,
     seed: int = 0,
+    documents: int | None = None,
 ) -> SanitizerReport:
     """Run the ring on ``world`` virtual ranks of the sim device and check every lifetime rule.
 
@@ -151,9 +203,14 @@ def sanitize_ring(
     :param handoff: hand-off policy (``record_stream``, ``clone``, ``event``, ``none``); None: the sim
         backend's default, ``record_stream``.
     :param backward: also run the backward pass (then the bound is 4 shards instead of 2).
-    :param seq: global sequence length; default 4 tokens per rank.
+    :param seq: global sequence length; default 4 tokens per rank (with ``documents``, at least one token
+        per document, rounded up to what the balance can split).
     :param slots: the slot policy, ``bounded`` or ``keep_all`` (which must exceed the bound for P >= 4).
     :param calls: calls per rank (more than one exercises the workspace).
+    :param documents: pack the sequence with this many documents (random lengths from ``seed``, at least one
+        of a single token where there are two or more): the ring runs with ``RingConfig.documents`` and is
+        checked against float64 SDPA under the document mask; the bounds stay the same, since blocks
+        with nothing to compute must not change what is alive.
     :returns: a :class:`SanitizerReport`; findings of kind race, reuse, leak, bound, capture or numerics.
     """
     _check_int("world", world, 1)
@@ -172,7 +229,17 @@ def sanitize_ring(
     check_slots(slots)
     if handoff is not None:
         check_handoff(handoff)
-    seq = 4 * world if seq is None else _check_int("seq", seq, 1)
+    if documents is not None:
+        _check_int("documents", documents, 1)
+        if batch != 1:
+            raise ValueError(f"batch: expected 1 with documents (the packed layout); got {batch}")
+    if seq is None:
+        seq = 4 * world
+        if documents is not None and documents > seq:  # room for every document, split evenly by the balance
+            m = schedule.required_multiple(world, balance)
+            seq = -(-documents // m) * m
+    else:
+        _check_int("seq", seq, 1)
     schedule.check_seq_len(seq, world, balance, what="seq")
     if world > 1 and causal and balance == "zigzag" and (seq // world) % 2:
         raise ValueError(f"seq: zigzag needs an even number of tokens per rank; got {seq // world}")
@@ -183,8 +250,16 @@ def sanitize_ring(
     v = torch.randn(batch, seq, kv_heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
     dout = torch.randn(batch, seq, heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
     scale = 1.0 / math.sqrt(head_dim)
+    lengths = cu = steps = None
+    if documents is not None:
+        lengths = random_document_lengths(seq, documents, seed)
+        cu = tuple(int(x) for x in torch.tensor((0, *lengths)).cumsum(0).tolist())
+        steps = len(document_plan(cu, world, 0, causal, balance).steps)
     leaves = [x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v)]
-    ref = sdpa_reference(*leaves, causal, scale)
+    if cu is None:
+        ref = sdpa_reference(*leaves, causal, scale)
+    else:
+        ref = _masked_reference(*leaves, document_mask(cu, causal), scale)
     refs = {"out": ref.detach()}
     if backward:
         refs.update(zip(("dq", "dk", "dv"), torch.autograd.grad(ref, leaves, dout.double())))
@@ -197,7 +272,7 @@ def sanitize_ring(
     config = {
         "world": world, "causal": causal, "balance": balance, "handoff": handoff or SimBackend.handoff_policy,
         "backward": backward, "dtype": str(dtype).replace("torch.", ""), "heads": heads, "kv_heads": kv_heads,
-        "seq": seq, "slots": slots, "calls": calls,
+        "seq": seq, "slots": slots, "calls": calls, "documents": documents,
     }  # fmt: skip
 
     findings: list[Finding] = []
@@ -207,7 +282,7 @@ def sanitize_ring(
         def rank(group: Any) -> tuple:
             with san.thread(f"rank{group.rank()}"), track_buffers() as ledger:
                 ql, kl, vl, dl = (shard(x, world, group.rank(), balance=balance) for x in (q, k, v, dout))
-                cfg = RingConfig(group, san.backend, causal, scale, balance, slots, handoff)
+                cfg = RingConfig(group, san.backend, causal, scale, balance, slots, handoff, documents=cu)
                 for _ in range(calls):
                     out, lse = ring_forward(ql, kl, vl, cfg)
                     grads = ring_backward(dl, ql, kl, vl, out, lse, cfg) if backward else ()
@@ -247,7 +322,10 @@ def sanitize_ring(
     tol = TOLERANCE[dtype]
     for name, err in errors.items():
         if not err <= tol:
-            findings.append(Finding("numerics", f"{name}: error {err:.3e} against float64 SDPA exceeds {tol:g}"))
+            masked = " with the document mask" if cu is not None else ""
+            findings.append(
+                Finding("numerics", f"{name}: error {err:.3e} against float64 SDPA{masked} exceeds {tol:g}")
+            )
     return SanitizerReport(
         config=config,
         findings=findings,
@@ -257,4 +335,6 @@ def sanitize_ring(
         bound_shards=bound,
         bound_comm_bytes=bound_bytes,
         max_error=errors,
+        document_lengths=lengths,
+        ring_steps=steps if steps is not None else world,
     )
