@@ -211,3 +211,93 @@ def test_bench_accepts_a_plugin_backend_whose_device_type_is_cpu(capsys, monkeyp
     assert code == 0
     text = capsys.readouterr().out
     assert "backend bench-test-cpu" in text and "small CPU defaults" in text
+
+
+# --- packed documents (issue 11): the ring over documents against one whole-sequence varlen call ---
+
+DOC_FLAGS = ["bench", "--device", "cpu", "--heads", "2", "--kv-heads", "1", "--head-dim", "4", "--dtype", "float64",
+             "--reps", "1", "--warmup", "0", "--quiet"]  # fmt: skip
+
+
+def test_cli_bench_documents_prints_ratios_work_shares_and_the_dense_ratio(tmp_path, capsys):
+    lengths = [3, 9, 1, 1, 18]
+    path = tmp_path / "docs.json"
+    code = main([*DOC_FLAGS, "--documents", ",".join(map(str, lengths)), "--worlds", "2,4", "--mask", "causal",
+                 "--compare-dense", "--json", str(path)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "packed documents (5 documents, lengths 3,9,1,1,18): ring of P virtual ranks vs one whole-sequence" in text
+    assert "work max/mean" in text and "dense f+b" in text and "share of the work per rank" in text
+    data = json.loads(path.read_text())
+    rows = data["documents"]
+    assert [(r["seq"], r["world"], r["causal"], r["documents"]) for r in rows] == [(32, 2, True, 5), (32, 4, True, 5)]
+    assert [(r["seq"], r["world"], r["causal"]) for r in data["timing"]] == [(32, 2, True), (32, 4, True)]
+    for r in rows:
+        for mode in ("fwd", "fwd_bwd"):
+            assert r[f"{mode}_check_ok"] and max(r[f"{mode}_errors"].values()) < 1e-12, r[f"{mode}_errors"]
+            assert math.isfinite(r[f"{mode}_ratio"]) and r[f"{mode}_ratio"] > 0
+        assert set(r["fwd_bwd_errors"]) == {"out", "dq", "dk", "dv"}
+        assert sum(r["work_pairs"]) == sum(n * (n + 1) // 2 for n in lengths)  # every allowed pair, once
+        assert sum(r["work_share"]) == pytest.approx(1.0)
+        assert r["work_max_over_mean"] == pytest.approx(max(r["work_pairs"]) * r["world"] / sum(r["work_pairs"]))
+        line = next(x for x in text.splitlines() if x.startswith(f"  S=32 P={r['world']} causal: "))
+        assert line.split(": ", 1)[1].startswith(" ".join(f"r{i} {s:.3f}" for i, s in enumerate(r["work_share"])))
+        assert f"max/mean {r['work_max_over_mean']:.3f}" in line
+    table = [x.split() for x in text.splitlines() if x.strip().startswith("32 ")]
+    assert [t[:4] for t in table] == [["32", "2", "causal", "5"], ["32", "4", "causal", "5"]]
+    dense_ratio = {r["world"]: r["fwd_bwd_ratio"] for r in data["timing"]}
+    assert [t[-4] for t in table] == [f"{dense_ratio[2]:.3f}", f"{dense_ratio[4]:.3f}"]  # the dense f+b column
+
+
+def test_run_bench_longtail_documents_fill_each_length():
+    report = run_bench(tiny(documents="longtail:2:8:5", seqs=[32, 64], worlds=[4], causal=[False, True]),
+                       progress=False)  # fmt: skip
+    rows = report["documents"]
+    assert [(r["seq"], r["causal"]) for r in rows] == [(32, False), (32, True), (64, False), (64, True)]
+    for r in rows:
+        assert r["fwd_check_ok"] and r["fwd_bwd_check_ok"], r
+        assert 2 <= r["longest"] <= 8 and r["shortest"] >= 1 and r["documents"] >= r["seq"] // 8
+    assert report["timing"] == [] and report["memory"] == [] and report["graph"] is None
+    assert "long-tailed (log-uniform) lengths in [2, 8], seed 5" in format_report(report)
+
+
+def test_bench_documents_check_is_against_the_document_mask(monkeypatch, capsys):
+    """The yardstick is the varlen call over the documents: given the dense whole-sequence kernel instead,
+    the ring (which honours the documents) fails its check and the command exits 1."""
+    from xcp.cli import bench
+    from xcp.cli.common import whole_kernel
+
+    monkeypatch.setattr(bench, "whole_varlen", lambda be, full, cu, causal, b: whole_kernel(be, full, causal, b))
+    assert main([*DOC_FLAGS, "--documents", "5,11", "--worlds", "2", "--mask", "causal"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--documents", "3,4", "--worlds", "4"], "--documents: expected lengths summing to a multiple of 8 "
+         "(balance 'zigzag' over 4 ranks needs it); got a sum of 7 (nearest: 8)"),
+        (["--documents", "3,5", "--seqs", "16"],
+         "--documents: expected lengths summing to --seqs 16; got 2 lengths summing to 8"),
+        (["--documents", "3,5", "--seqs", "8,16"],
+         "--seqs: expected one length, the sum of the --documents lengths (8), or none; got 8,16"),
+        (["--documents", "longtail:4:8", "--seqs", "30", "--worlds", "2"],
+         "--seqs: balance 'zigzag' over 2 ranks needs a positive multiple of 4; got 30"),
+        (["--documents", "8,8", "--batch", "2", "--worlds", "2"],
+         "--batch: expected 1 with --documents (the packed layout); got 2"),
+        (["--compare-dense"], "--compare-dense: expected together with --documents"),
+        (["--documents", "8,8", "--distributed"], "--documents: not measured with --distributed yet; got '8,8'"),
+    ],
+)  # fmt: skip
+def test_bench_bad_documents_name_the_flag_the_expected_and_the_actual(capsys, args, message):
+    assert main(["bench", "--device", "cpu", "--quiet", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"xcp bench: error: {message}")
+
+
+def test_bench_unparsable_documents_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--documents", "longtail:512"])
+    err = capsys.readouterr().err
+    assert "--documents: expected longtail:MIN:MAX[:SEED] with integers 1 <= MIN <= MAX" in err
+    assert "got 'longtail:512'" in err

@@ -99,6 +99,8 @@ def _add_bench(sub) -> None:
 
 
 def _cmd_bench(args) -> int:
+    if args.distributed and args.documents is not None:
+        raise ValueError(f"--documents: not measured with --distributed yet; got {args.documents.text!r}")
     return (bench_dist if args.distributed else bench).command(args)
 
 

@@ -23,8 +23,10 @@ from typing import Any
 import torch
 
 from ..comm import LocalWorld, SingleRank
+from ..documents import document_plan
 from ..lifetime import track_buffers
 from ..ring import RingConfig, ring_backward, ring_forward
+from . import packing
 from .common import (
     DTYPES,
     MEASUREMENT_FLAGS,
@@ -46,6 +48,7 @@ from .common import (
     size_help,
     tool_backend,
     whole_kernel,
+    whole_varlen,
     write_json,
 )
 
@@ -60,9 +63,29 @@ class BenchConfig(Measurement):
     graph: bool = True
     check: bool = True
     sizes_note: str | None = None  # which device-dependent size defaults were used, for the header
+    documents: str | None = None
+    """``--documents`` as given (lengths, or ``longtail:MIN:MAX[:SEED]``): time the ring over packed documents
+    against one whole-sequence varlen call instead of the dense figures; None: the dense bench."""
+    compare_dense: bool = False
+    """With ``documents``: also time the dense ring at the same S, P and masks (its ratio is printed beside)."""
+
+    def document_spec(self) -> packing.DocumentSpec | None:
+        if self.documents is None:
+            return None
+        try:
+            return packing.parse_documents(self.documents)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"{packing.FLAG}: {exc}") from None
 
     def validate(self) -> None:
         """Raise a ValueError naming the first field that cannot be measured."""
+        spec = self.document_spec()
+        if spec is not None:  # first, so that a sum the balance cannot split is named by --documents
+            if self.batch != 1:
+                raise ValueError(f"--batch: expected 1 with --documents (the packed layout); got {self.batch}")
+            for s in self.seqs:
+                for p in self.worlds:
+                    packing.resolve_lengths(spec, s, p, self.balance, "--seqs")
         for name in ("seqs", "worlds", "memory_worlds"):
             values = getattr(self, name)
             if not values or any(not isinstance(v, int) or v < 1 for v in values):
@@ -93,11 +116,19 @@ class VirtualRing:
     """P virtual ranks on one device, each a thread with its own stream, sharing pre-sharded inputs."""
 
     def __init__(
-        self, backend, world: int, full: tuple[torch.Tensor, ...], causal: bool, balance: str, slots="bounded"
+        self,
+        backend,
+        world: int,
+        full: tuple[torch.Tensor, ...],
+        causal: bool,
+        balance: str,
+        slots="bounded",
+        documents: tuple[int, ...] | None = None,
     ):
         from ..api import shard
 
         self.backend, self.world_size, self.causal, self.balance, self.slots = backend, world, causal, balance, slots
+        self.documents = documents
         self.device = full[0].device
         self.world = LocalWorld(world, device=self.device)
         self.shards = [tuple(shard(x, world, r, balance=balance) for x in full) for r in range(world)]
@@ -110,7 +141,7 @@ class VirtualRing:
         stream = self.streams[group.rank()]
         be.wait_stream(stream, main_stream)
         q, k, v, dout = self.shards[group.rank()]
-        cfg = RingConfig(group, be, self.causal, self.scale, self.balance, self.slots)
+        cfg = RingConfig(group, be, self.causal, self.scale, self.balance, self.slots, documents=self.documents)
         with be.stream_context(stream), track_buffers() as ledger:
             out, lse = ring_forward(q, k, v, cfg)
             grads = ring_backward(dout, q, k, v, out, lse, cfg) if backward else None
@@ -173,6 +204,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True, checkpoint: str | None = 
     """
     cfg.validate()
     backend, device = tool_backend(cfg.device, 0)
+    if cfg.documents is not None:
+        return _run_documents(cfg, backend, device, progress, checkpoint)
     check_memory(backend, device, *estimate_bytes(cfg, device.type))
     clock = Clock(backend, device)
     jobs = [(s, p, c) for s in cfg.seqs for c in cfg.causal for p in cfg.worlds]
@@ -220,8 +253,15 @@ def _time_one(cfg, backend, clock, device, seq, world, causal) -> dict[str, Any]
     full = random_inputs(cfg, seq, device)
     ring = VirtualRing(backend, world, full, causal, cfg.balance)
     row: dict[str, Any] = {"seq": seq, "world": world, "causal": causal}
+    flops = {b: attention_flops(cfg.batch, seq, cfg.heads, cfg.head_dim, causal, b) for b in (False, True)}
+    return _measure(cfg, clock, ring, lambda b: whole_kernel(backend, full, causal, b), flops, row)
+
+
+def _measure(cfg, clock, ring: VirtualRing, whole: Callable[[bool], Any], flops: dict[bool, float], row):
+    """Check the ring against ``whole(backward)`` (the yardstick), then time both, interleaved: the median
+    times, their ratio and the ring's throughput for ``flops[backward]``, into ``row``."""
     for mode, backward in (("fwd", False), ("fwd_bwd", True)):
-        whole_out, whole_grads = whole_kernel(backend, full, causal, backward)
+        whole_out, whole_grads = whole(backward)
         results = ring.run(backward)
         if cfg.check:
             errs = check_againstwhole_kernel(ring, results, whole_out, whole_grads)
@@ -229,18 +269,92 @@ def _time_one(cfg, backend, clock, device, seq, world, causal) -> dict[str, Any]
             row[f"{mode}_check_ok"] = all(math.isfinite(e) and e <= cfg.check_tolerance for e in errs.values())
         del whole_out, whole_grads, results
         for _ in range(cfg.warmup):
-            whole_kernel(backend, full, causal, backward)
+            whole(backward)
             ring.run(backward)
         ref_t, ring_t = [], []
         for _ in range(cfg.reps):  # interleaved, so drifts in clock or temperature hit both alike
-            ref_t.append(clock.time(lambda b=backward: whole_kernel(backend, full, causal, b)))
+            ref_t.append(clock.time(lambda b=backward: whole(b)))
             ring_t.append(clock.time(lambda b=backward: ring.run(b)))
         row[f"{mode}_ref_s"] = median(ref_t)
         row[f"{mode}_ring_s"] = median(ring_t)
         row[f"{mode}_ratio"] = ratio(row[f"{mode}_ring_s"], row[f"{mode}_ref_s"])
-        flops = attention_flops(cfg.batch, seq, cfg.heads, cfg.head_dim, causal, backward)
-        row[f"{mode}_ring_tflops"] = flops / row[f"{mode}_ring_s"] / 1e12
+        row[f"{mode}_ring_tflops"] = flops[backward] / row[f"{mode}_ring_s"] / 1e12
     return row
+
+
+# ---------------------------------------------------------------------------------------- packed documents
+def estimate_documents_bytes(cfg: BenchConfig, device_type: str) -> tuple[int, str]:
+    """Estimated peak memory of a run with documents: the inputs, outputs and gradients at the largest S
+    and, for a math kernel, the scores of the longest document (the varlen default computes one document
+    segment at a time) on every virtual rank at once; with ``compare_dense``, the dense figure's too."""
+    quadratic = device_type == "cpu" or cfg.dtype == "float64"
+    problem = Problem(cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dtype)
+    spec = cfg.document_spec()
+    seq, world = max(cfg.seqs), max(cfg.worlds)
+    longest = min(seq, max(spec.lengths) if spec.lengths is not None else spec.high)
+    acc = 8 if cfg.dtype == "float64" else 4
+    scores = 4 * cfg.heads * longest**2 * acc * world if quadratic else 0
+    needed = attention_bytes(problem, seq, 1, False) + scores
+    what = f"fwd+bwd over documents of up to {longest} tokens at S={seq}, P={world}"
+    if cfg.compare_dense:
+        dense = attention_bytes(problem, seq, 1, quadratic)
+        if dense > needed:
+            needed, what = dense, f"the dense comparison: fwd+bwd on the whole sequence at S={seq}"
+    return needed, f"{what}, B={cfg.batch} H={cfg.heads}/{cfg.kv_heads} D={cfg.head_dim} {cfg.dtype}"
+
+
+def _run_documents(cfg: BenchConfig, backend, device, progress: bool, checkpoint: str | None) -> dict[str, Any]:
+    """The figures of ``--documents``: per (S, P, mask) the ring over packed documents against one
+    whole-sequence varlen call, each rank's share of the work, and (``compare_dense``) the dense ring."""
+    check_memory(backend, device, *estimate_documents_bytes(cfg, device.type))
+    clock = Clock(backend, device)
+    spec = cfg.document_spec()
+    report: dict[str, Any] = {"meta": _meta(cfg, backend, device), "timing": [], "documents": [], "memory": [],
+                              "graph": None}  # fmt: skip
+    work: list[tuple[str, Callable[[], None]]] = []
+    for seq in cfg.seqs:
+        for causal in cfg.causal:
+            for world in cfg.worlds:
+                mask = "causal" if causal else "full"
+                row = (cfg, backend, clock, device, seq, world, causal, spec)
+                work.append((f"documents S={seq} P={world} {mask}",
+                             lambda r=row: report["documents"].append(_time_documents(*r))))  # fmt: skip
+                if cfg.compare_dense:
+                    row = (cfg, backend, clock, device, seq, world, causal)
+                    work.append((f"dense S={seq} P={world} {mask}",
+                                 lambda r=row: report["timing"].append(_time_one(*r))))  # fmt: skip
+    for step, (label, measure) in enumerate(work):
+        if progress:
+            _progress(step, len(work), label)
+        measure()
+        if checkpoint:
+            write_json(report, checkpoint)
+    if progress:
+        _progress(len(work), len(work), "done")
+    return report
+
+
+def _time_documents(cfg, backend, clock, device, seq, world, causal, spec) -> dict[str, Any]:
+    lengths = spec.draw(seq)
+    cu = packing.boundaries(lengths)
+    full = random_inputs(cfg, seq, device)
+    ring = VirtualRing(backend, world, full, causal, cfg.balance, documents=cu)
+    pairs = packing.rank_pairs(cu, world, causal, cfg.balance)
+    total = sum(pairs)
+    row: dict[str, Any] = {
+        "seq": seq,
+        "world": world,
+        "causal": causal,
+        "documents": len(lengths),
+        "longest": max(lengths),
+        "shortest": min(lengths),
+        "ring_steps": len(document_plan(cu, world, 0, causal, cfg.balance).steps),
+        "work_pairs": pairs,
+        "work_share": [p / total for p in pairs],
+        "work_max_over_mean": packing.max_over_mean(pairs),
+    }
+    flops = {b: 4.0 * cfg.heads * cfg.head_dim * total * (3.5 if b else 1.0) for b in (False, True)}
+    return _measure(cfg, clock, ring, lambda b: whole_varlen(backend, full, cu, causal, b), flops, row)
 
 
 def _memory_one(cfg, backend, device, world, policy) -> dict[str, Any]:
@@ -294,28 +408,77 @@ def _graph_one(cfg, backend, clock, device) -> dict[str, Any] | None:
     }
 
 
-def format_report(report: dict[str, Any]) -> str:
-    """The human-readable tables of a report."""
+def _header(report: dict[str, Any]) -> list[str]:
     m = report["meta"]
     c = m["config"]
-    lines = [
+    return [
         f"xcp bench {m['date']} on {m.get('device_name', m['host'])}, torch {m['torch']}, cuda {m['cuda']}, "
         f"backend {m['backend']} ({m['kernel']})",
         f"B={c['batch']} H={c['heads']} Hkv={c['kv_heads']} D={c['head_dim']} {c['dtype']} balance {c['balance']}, "
         f"median of {c['reps']} after {c['warmup']} warm-up",
         *([f"sizes: {c['sizes_note']} (give the flags to change them)"] if c.get("sizes_note") else []),
+    ]
+
+
+def _check_text(r: dict[str, Any]) -> str:
+    ok = all(r.get(f"{m}_check_ok", True) for m in ("fwd", "fwd_bwd"))
+    worst = max([e for m in ("fwd", "fwd_bwd") for e in r.get(f"{m}_errors", {}).values()] or [float("nan")])
+    return f"{'ok' if ok else 'FAIL'} ({worst:.1e})"
+
+
+def _format_documents(report: dict[str, Any]) -> list[str]:
+    """The table of the ring over packed documents against one whole-sequence varlen call, then each row's
+    share of the work per rank."""
+    dense = {(r["seq"], r["world"], r["causal"]): r for r in report["timing"]}
+    c = report["meta"]["config"]
+    lines = [
+        f"packed documents ({packing.parse_documents(c['documents']).describe()}): ring of P virtual ranks vs one "
+        "whole-sequence varlen call",
+        "",
+        f"{'S':>8} {'P':>3} {'mask':>6} {'docs':>5} | {'fwd ref ms':>10} {'fwd ring ms':>11} {'ratio':>6} | "
+        f"{'f+b ref ms':>10} {'f+b ring ms':>11} {'ratio':>6} | {'work max/mean':>13}"
+        + (f" | {'dense f+b':>9}" if dense else "")
+        + " | check",
+    ]
+    for r in report["documents"]:
+        d = dense.get((r["seq"], r["world"], r["causal"]))
+        lines.append(
+            f"{r['seq']:>8} {r['world']:>3} {'causal' if r['causal'] else 'full':>6} {r['documents']:>5} | "
+            f"{r['fwd_ref_s'] * 1e3:>10.2f} {r['fwd_ring_s'] * 1e3:>11.2f} {r['fwd_ratio']:>6.3f} | "
+            f"{r['fwd_bwd_ref_s'] * 1e3:>10.2f} {r['fwd_bwd_ring_s'] * 1e3:>11.2f} {r['fwd_bwd_ratio']:>6.3f} | "
+            f"{r['work_max_over_mean']:>13.3f}"
+            + (f" | {d['fwd_bwd_ratio']:>9.3f}" if d else " | " + " " * 9 if dense else "")
+            + f" | {_check_text(r)}"
+        )
+    lines += ["", "share of the work per rank (pairs computed / all pairs; 1/P each is balanced):"]
+    for r in report["documents"]:
+        shares = " ".join(f"r{i} {x:.3f}" for i, x in enumerate(r["work_share"]))
+        steps = f", ring of {r['ring_steps']} steps" if r["ring_steps"] < r["world"] else ""
+        lines.append(
+            f"  S={r['seq']} P={r['world']} {'causal' if r['causal'] else 'full'}: {shares}; max/mean "
+            f"{r['work_max_over_mean']:.3f} ({r['documents']} documents of {r['shortest']}..{r['longest']}{steps})"
+        )
+    if dense:
+        lines += ["", "dense f+b: the f+b ratio of the same ring without documents (one sequence, same S, P, mask)"]
+    return lines
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable tables of a report."""
+    if report.get("documents") is not None:
+        return "\n".join(_header(report) + _format_documents(report))
+    lines = [
+        *_header(report),
         "",
         f"{'S':>8} {'P':>3} {'mask':>6} | {'fwd ref ms':>10} {'fwd ring ms':>11} {'ratio':>6} | "
         f"{'f+b ref ms':>10} {'f+b ring ms':>11} {'ratio':>6} {'TFLOP/s':>8} | check",
     ]
     for r in report["timing"]:
-        ok = all(r.get(f"{m}_check_ok", True) for m in ("fwd", "fwd_bwd"))
-        worst = max([e for m in ("fwd", "fwd_bwd") for e in r.get(f"{m}_errors", {}).values()] or [float("nan")])
         lines.append(
             f"{r['seq']:>8} {r['world']:>3} {'causal' if r['causal'] else 'full':>6} | "
             f"{r['fwd_ref_s'] * 1e3:>10.2f} {r['fwd_ring_s'] * 1e3:>11.2f} {r['fwd_ratio']:>6.3f} | "
             f"{r['fwd_bwd_ref_s'] * 1e3:>10.2f} {r['fwd_bwd_ring_s'] * 1e3:>11.2f} {r['fwd_bwd_ratio']:>6.3f} "
-            f"{r['fwd_bwd_ring_tflops']:>8.1f} | {'ok' if ok else 'FAIL'} ({worst:.1e})"
+            f"{r['fwd_bwd_ring_tflops']:>8.1f} | {_check_text(r)}"
         )
     if report["memory"]:
         lines += [
@@ -354,6 +517,13 @@ def plot_report(report: dict[str, Any], path: str) -> None:
                     ls="-" if causal else "--",
                     label=f"P={world} {'causal' if causal else 'full'}",
                 )
+    for world in sorted({r["world"] for r in report.get("documents") or []}):
+        for causal in (False, True):
+            pts = sorted((r["seq"], r["fwd_bwd_ratio"]) for r in report["documents"]
+                         if r["world"] == world and r["causal"] == causal)  # fmt: skip
+            if pts:
+                a.plot([p[0] for p in pts], [p[1] for p in pts], marker="s", ls=":",
+                       label=f"documents P={world} {'causal' if causal else 'full'}")  # fmt: skip
     a.axhline(1.10, color="red", lw=0.8, label="target 1.10")
     a.set_xscale("log", base=2)
     a.set_xlabel("sequence length S")
@@ -366,7 +536,10 @@ def plot_report(report: dict[str, Any], path: str) -> None:
             b.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
     b.set_xlabel("ranks P")
     b.set_ylabel("peak ring buffers per rank (MiB)")
-    b.legend()
+    if mem:
+        b.legend()
+    else:
+        b.text(0.5, 0.5, "no memory figure in this run", ha="center", va="center", transform=b.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -398,6 +571,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the graph-capture figure")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the correctness check")
+    p.add_argument(
+        "--documents", type=packing.parse_documents, metavar="L1,L2,...|longtail:MIN:MAX[:SEED]",
+        help="time the ring over packed documents against one whole-sequence varlen call instead of the dense "
+        "figures: document lengths summing to S (then --seqs may be left out), or lengths drawn log-uniformly "
+        "in [MIN, MAX] (seeded, default seed 0) to fill each of --seqs, the last one trimmed",
+    )  # fmt: skip
+    p.add_argument("--compare-dense", action="store_true",
+                   help="with --documents: also time the dense ring at the same S, P and masks")  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw ratio vs S and memory vs P")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -430,8 +611,34 @@ def positive_list(text: str) -> list[int]:
     return values
 
 
+def _document_sizes(args: argparse.Namespace) -> None:
+    """With --documents: --seqs defaults to the sum of explicit lengths (and must be it when given), and the
+    memory figure's length, which documents do not use, is left out of the size defaults."""
+    spec = args.documents
+    if args.compare_dense is True and spec is None:
+        raise ValueError("--compare-dense: expected together with --documents (the dense bench is the default)")
+    if spec is None:
+        return
+    if spec.lengths is not None:
+        if args.seqs is None:
+            args.seqs = [spec.total]
+        elif len(args.seqs) != 1:
+            raise ValueError(
+                f"--seqs: expected one length, the sum of the --documents lengths ({spec.total}), or none; got "
+                f"{','.join(map(str, args.seqs))}"
+            )
+        elif args.seqs[0] != spec.total:
+            raise ValueError(
+                f"{packing.FLAG}: expected lengths summing to --seqs {args.seqs[0]}; got {len(spec.lengths)} "
+                f"lengths summing to {spec.total}"
+            )
+    if args.memory_seq is None:
+        args.memory_seq = max(args.seqs or [1])
+
+
 def command(args: argparse.Namespace) -> int:
     backend, _ = tool_backend(args.device, 0)  # an unknown or unusable backend: the error and the table, first
+    _document_sizes(args)
     note = apply_size_defaults(args, backend, SIZE_FLAGS)
     cfg = BenchConfig(
         sizes_note=note,
@@ -440,6 +647,8 @@ def command(args: argparse.Namespace) -> int:
         memory_worlds=args.memory_worlds,
         graph=args.graph,
         check=args.check,
+        documents=None if args.documents is None else args.documents.text,
+        compare_dense=args.compare_dense,
         **measurement_args(args),
     )
     report = run_bench(cfg, progress=not args.quiet, checkpoint=args.json)
@@ -450,5 +659,6 @@ def command(args: argparse.Namespace) -> int:
     if args.plot:
         plot_report(report, args.plot)
         print(f"plot written to {args.plot}")
-    failed = [r for r in report["timing"] if not all(r.get(f"{m}_check_ok", True) for m in ("fwd", "fwd_bwd"))]
+    rows = report["timing"] + report.get("documents", [])
+    failed = [r for r in rows if not all(r.get(f"{m}_check_ok", True) for m in ("fwd", "fwd_bwd"))]
     return 1 if failed else 0

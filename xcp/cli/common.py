@@ -279,6 +279,17 @@ def whole_kernel(backend, full: Sequence[torch.Tensor], causal: bool, backward: 
     return out, grads
 
 
+def whole_varlen(backend, full: Sequence[torch.Tensor], cu: tuple[int, ...], causal: bool, backward: bool):
+    """The backend's varlen kernel on the whole packed sequence (documents ``cu``, batch 1), one call for
+    the forward and one for the backward: ``(out, (dq, dk, dv) or None)``, the yardstick of the benchmarks
+    with documents (a world of one with the same documents)."""
+    q, k, v, dout = full
+    scale = 1.0 / q.shape[-1] ** 0.5
+    out, lse = backend.forward_varlen(q, k, v, cu, cu, causal, scale)
+    grads = backend.backward_varlen(dout, q, k, v, out.to(q.dtype), lse, cu, cu, causal, scale) if backward else None
+    return out, grads
+
+
 class Error(NamedTuple):
     max_abs: float
     rel: float  # ||got - ref|| / ||ref|| in the 2-norm
