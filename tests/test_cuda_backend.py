@@ -321,10 +321,15 @@ class FakeAten:
             assert x.dim() == 4 and x.stride(-1) == 1, "aten attention ops take [B, H, S, D] with unit last stride"
 
     @staticmethod
-    def _mask(sq, sk, causal, bottom_right, device=None):
+    def _mask(sq, sk, causal, bottom_right, device=None, window=(None, None)):
         m = torch.ones(sq, sk, dtype=torch.bool)
         if causal:
             m = m.tril(sk - sq if bottom_right else 0)
+        left, right = window  # flash's window: sizes from the bottom-right corner, None (or -1) unbounded
+        if left is not None and left >= 0:
+            m &= torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq - left)
+        if right is not None and right >= 0:
+            m &= torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq + right)
         return m
 
     def _scaled_dot_product_flash_attention(self, q, k, v, dropout_p, is_causal, return_debug_mask, *, scale):
@@ -395,14 +400,16 @@ class FakeAten:
     ):  # fmt: skip
         self._packed(q, k, v)
         assert q.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0.0 and not return_debug_mask
-        assert q.shape[1] % k.shape[1] == 0 and window_size_left is None and seqused_k is None
+        assert q.shape[1] % k.shape[1] == 0 and seqused_k is None
+        window = (window_size_left, window_size_right)
         segs = self._segments(q, k, cq, ck, max_q, max_k)
         self.calls.append(("flash_varlen_fwd", q.shape[0], k.shape[0], k.shape[1], is_causal, len(segs)))
         out = torch.empty(q.shape, dtype=q.dtype)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
         for qs, ks in segs:
             seg = [x[s].transpose(0, 1).unsqueeze(0) for x, s in ((q, qs), (k, ks), (v, ks))]  # [1, H, S, D]
-            o, seg_lse = _bhsd_attention(*seg, self._mask(seg[0].shape[2], seg[1].shape[2], is_causal, True), scale)
+            mask = self._mask(seg[0].shape[2], seg[1].shape[2], is_causal, True, window=window)
+            o, seg_lse = _bhsd_attention(*seg, mask, scale)
             out[qs] = o[0].transpose(0, 1).to(q.dtype)
             lse[:, qs] = torch.where(seg_lse[0] == NEG_INF, math.inf, seg_lse[0]).float()
         return out, lse, torch.zeros(2, dtype=torch.uint64), torch.zeros((), dtype=torch.uint64), torch.empty(0)
@@ -412,7 +419,8 @@ class FakeAten:
         scale=None, window_size_left=None, window_size_right=None,
     ):  # fmt: skip
         self._packed(dout, q, k, v, out)
-        assert dropout_p == 0.0 and window_size_left is None and window_size_right is None
+        assert dropout_p == 0.0
+        window = (window_size_left, window_size_right)
         assert rng_state.dtype == torch.uint64 and rng_state.shape == (2,) and unused.dtype == torch.uint64
         assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous()
         assert out.dtype == q.dtype and dout.dtype == q.dtype
@@ -421,7 +429,7 @@ class FakeAten:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for qs, ks in segs:
             seg = [x[s].transpose(0, 1).unsqueeze(0) for x, s in ((dout, qs), (q, qs), (k, ks), (v, ks), (out, qs))]
-            m = self._mask(seg[1].shape[2], seg[2].shape[2], is_causal, True)
+            m = self._mask(seg[1].shape[2], seg[2].shape[2], is_causal, True, window=window)
             g = _bhsd_grads(*seg, lse[:, qs].unsqueeze(0).double(), m, scale)
             for acc, x, s in zip((dq, dk, dv), g, (qs, ks, ks)):
                 acc[s] = x[0].transpose(0, 1).to(acc.dtype)
@@ -600,7 +608,7 @@ def test_varlen_needs_keys_and_queries_in_every_segment(monkeypatch):
 
 
 def test_varlen_options_the_flash_path_does_not_serve_go_to_the_base_class(monkeypatch):
-    """A keyword option of the contract (a sliding window, say) given a value runs the base class's
+    """A keyword option of the contract that flash does not know, given a value, runs the base class's
     method with it; left at None it is not passed on, and flash serves the call."""
     seen = []
 
@@ -617,12 +625,30 @@ def test_varlen_options_the_flash_path_does_not_serve_go_to_the_base_class(monke
     backend, fake = _cpu_backend(monkeypatch)
     cu_q, cu_k, causal = VARLEN_LAYOUTS["full"]
     q, k, v = _varlen_block(cu_q, cu_k, 2, 2, 16, torch.float16, seed=4)
-    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, 0.3, window=(2, 0))
-    backend.backward_varlen(out, q, k, v, out, lse, cu_q, cu_k, causal, 0.3, window=(2, 0))
-    assert seen == [("forward", {"window": (2, 0)}), ("backward", {"window": (2, 0)})] and fake.calls == []
-    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, 0.3, window=None)
-    backend.backward_varlen(out, q, k, v, out, lse, cu_q, cu_k, causal, 0.3, window=None)
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, 0.3, alibi=(2, 0))
+    backend.backward_varlen(out, q, k, v, out, lse, cu_q, cu_k, causal, 0.3, alibi=(2, 0))
+    assert seen == [("forward", {"alibi": (2, 0)}), ("backward", {"alibi": (2, 0)})] and fake.calls == []
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, 0.3, alibi=None)
+    backend.backward_varlen(out, q, k, v, out, lse, cu_q, cu_k, causal, 0.3, alibi=None)
     assert len(seen) == 2 and [c[0] for c in fake.calls] == ["flash_varlen_fwd", "flash_varlen_bwd"]
+
+
+@pytest.mark.parametrize("window", [(0, 0), (2, 1), (1, 5), (40, 0)])
+def test_a_window_takes_the_flash_window_and_matches_the_banded_math_kernel(monkeypatch, window):
+    """Flash aligns its window to each segment's bottom-right corner, as xcp's bands are: the op's
+    window_size_left/right give what the math kernel gives with the band as a mask."""
+    backend, fake = _cpu_backend(monkeypatch)
+    cu_q, cu_k, _ = VARLEN_LAYOUTS["full"]
+    q, k, v = _varlen_block(cu_q, cu_k, 4, 2, 16, torch.bfloat16, seed=6)
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, False, 0.25, window=window)
+    dout = _rand(*out.shape, dtype=q.dtype, seed=7)
+    grads = backend.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, False, 0.25, window=window)
+    assert [c[0] for c in fake.calls] == ["flash_varlen_fwd", "flash_varlen_bwd"]
+    base = xcp.backend.Backend
+    want_fwd = base.forward_varlen(backend, q, k, v, cu_q, cu_k, False, 0.25, window=window)
+    want_bwd = base.backward_varlen(backend, dout, q, k, v, out, lse, cu_q, cu_k, False, 0.25, window=window)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (*want_fwd, *want_bwd)):
+        assert torch.allclose(got.double(), want.double(), atol=2e-2, rtol=2e-2), name
 
 
 def test_cu_seqlens_are_uploaded_once_and_evicted_oldest_first(monkeypatch):

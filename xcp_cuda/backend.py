@@ -160,22 +160,26 @@ class CUDABackend(FusedKernelBackend):
         (:func:`kernels.choose_kernel`), batch 1, and every segment has queries and keys."""
         return q.shape[0] == 1 and self.kernel_for(q) == kernels.FLASH and kernels.varlen_served(cu_q, cu_k)
 
-    def forward_varlen(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, **options: Any):
-        """One flash varlen call for all segments where it serves them, else one call per segment.
-        ``options`` the flash path does not serve (set to anything but None) go to the base class too."""
+    def forward_varlen(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=None, **options: Any):
+        """One flash varlen call for all segments where it serves them (a window too: the op's
+        window_size_left/right), else one call per segment. ``options`` the flash path does not serve
+        (set to anything but None) go to the base class too."""
         if any(x is not None for x in options.values()) or not self.varlen_kernel(q, cu_q, cu_k):
-            return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale, **_set(options))
+            return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale, **_set(dict(options, window=window)))
         op = kernels.flash_varlen_forward
         if self.kv_groups(q, k) > 1:
             op = kernels.with_repeated_kv(op)
-        return op(q, k, v, cu_q, cu_k, causal, scale)
+        return op(q, k, v, cu_q, cu_k, causal, scale, window)
 
-    def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, **options: Any):
+    def backward_varlen(
+        self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, window=None, **options: Any
+    ):
         """One flash varlen backward from the merged out/lse where it serves, else one call per segment
         (also for ``options``, as :meth:`forward_varlen`)."""
         if any(x is not None for x in options.values()) or not self.varlen_kernel(q, cu_q, cu_k):
-            return super().backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, **_set(options))
+            opts = _set(dict(options, window=window))
+            return super().backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, **opts)
         op = kernels.flash_varlen_backward
         if self.kv_groups(q, k) > 1:
             op = kernels.with_repeated_kv_backward(op)
-        return op(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+        return op(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)

@@ -245,9 +245,17 @@ def varlen_served(cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> bool:
     return all(b > a for a, b in zip(cu_q, cu_q[1:])) and all(b > a for a, b in zip(cu_k, cu_k[1:]))
 
 
-def flash_varlen_forward(q, k, v, cu_q, cu_k, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _window_sizes(window: tuple[int, int] | None) -> dict[str, int]:
+    """The op's keyword arguments for a sliding window (both sides measured, as xcp's bands are, from
+    each segment's bottom-right corner, which is where flash aligns its window)."""
+    return {} if window is None else {"window_size_left": int(window[0]), "window_size_right": int(window[1])}
+
+
+def flash_varlen_forward(
+    q, k, v, cu_q, cu_k, causal: bool, scale: float, window: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """aten flash varlen forward of packed segments (batch 1): out [1, Tq, H, D] in q's dtype and lse
-    float32 [1, H, Tq]. K/V may be GQA."""
+    float32 [1, H, Tq]. K/V may be GQA; ``window`` a band ``(left, right)`` per segment."""
     res = ATEN._flash_attention_forward(
         q[0].contiguous(),
         k[0].contiguous(),
@@ -260,6 +268,7 @@ def flash_varlen_forward(q, k, v, cu_q, cu_k, causal: bool, scale: float) -> tup
         causal,
         False,
         scale=scale,
+        **_window_sizes(window),
     )
     out, lse = res[0], res[1]
     if tuple(lse.shape) != (q.shape[2], q.shape[1]):  # older flash kernels padded it per segment
@@ -267,10 +276,12 @@ def flash_varlen_forward(q, k, v, cu_q, cu_k, causal: bool, scale: float) -> tup
             f"aten._flash_attention_forward: expected logsumexp [H, total_q] = {(q.shape[2], q.shape[1])}; "
             f"got {tuple(lse.shape)} (torch {torch.__version__})"
         )
+    if window is not None:  # a row the window leaves without keys comes back +inf (flash's empty row)
+        lse = torch.where(lse == float("inf"), float("-inf"), lse)
     return out.unsqueeze(0), lse.unsqueeze(0)
 
 
-def flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float):
+def flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, window=None):
     """aten flash varlen backward from the merged out/lse: dq [1, Tq, H, D], dk, dv [1, Tk, Hkv, D]."""
     seed, offset = _rng_placeholders(q.device, flash=True)
     dq, dk, dv = ATEN._flash_attention_backward(
@@ -289,6 +300,7 @@ def flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, sca
         seed,  # rng_state: read only when dropout_p > 0, as in flash_backward
         offset,  # unused
         scale=scale,
+        **_window_sizes(window),
     )
     return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
 
