@@ -299,7 +299,8 @@ def test_plan_documents_work_is_the_brute_force_count_of_allowed_pairs(capsys, w
                  "--documents", ",".join(map(str, lengths))]) == 0  # fmt: skip
     text = capsys.readouterr().out
     lines = text.splitlines()
-    assert lines[0].endswith(f"{len(lengths)} packed documents, S = {seq} ({local} per rank)")
+    assert lines[0].endswith(f"balance {balance}, {len(lengths)} packed documents")
+    assert lines[1].startswith(f"documents: S = {seq} tokens ({local} per rank), lengths ")
     total_line = next(line for line in lines if line.startswith("total")).split()[1:]
     assert total_line == [f"{t / local**2:.2f}" for t in totals]
     rows = [line.split() for line in lines if line[:1].isdigit()]
@@ -328,9 +329,9 @@ def test_plan_documents_zigzag_example(capsys):
     assert max(len(line) for line in text.splitlines()) <= 100
 
 
-@pytest.mark.parametrize("world", [8, 16])
-def test_plan_documents_fits_100_columns(capsys, world):
-    assert main(["plan", "--world", str(world), "--causal", "--documents", "longtail:8:200", "--seq", "2048"]) == 0
+@pytest.mark.parametrize(("world", "seq", "spec"), [(8, 2048, "longtail:8:200"), (16, 1 << 20, "longtail:1:2000000")])
+def test_plan_documents_fits_100_columns(capsys, world, seq, spec):
+    assert main(["plan", "--world", str(world), "--causal", "--documents", spec, "--seq", str(seq)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert max(len(line) for line in lines) <= 100
     heads = [line.split() for line in lines if line.startswith("step")]

@@ -182,8 +182,8 @@ def document_table(cu: tuple[int, ...], world_size: int, causal: bool, balance: 
     mean = sum(work) / world_size
     lines = [
         f"ring plan: world {world_size}, {'causal' if causal else 'full'} attention, balance {balance}, "
-        f"{len(lengths)} packed documents, S = {cu[-1]} ({cu[-1] // world_size} per rank)",
-        f"documents: lengths {packing.abbreviate(lengths)}",
+        f"{len(lengths)} packed documents",
+        f"documents: S = {cu[-1]} tokens ({cu[-1] // world_size} per rank), lengths {packing.abbreviate(lengths, 6)}",
         "cell: <source shard><block kind> <kernel calls>/<document segments> <share of a full block>",
         "block kinds: " + ", ".join(f"{DOCUMENT_KINDS[k]} {KIND_NOTES[k]}" for k in kinds),
         PEERS_NOTE,
