@@ -232,3 +232,80 @@ def test_which_waits_xcp_bounds(monkeypatch):
     assert comm.wait_bound(torch.device("cuda", 0)) is None  # a stream wait: the process group's timeout
     comm.timeout = 3.0
     assert comm.wait_bound(torch.device("cuda", 0)) == 3.0  # asked for: the host waits, bounded
+
+
+COMPILE_WORKER = textwrap.dedent(
+    """
+    import datetime, json, sys
+    import torch, torch.distributed as dist
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.distributed.device_mesh import init_device_mesh
+    import xcp
+
+    rank, world, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group(
+        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8 * world, 2, 4, dtype=torch.float64) for _ in range(3))
+    local = [xcp.shard(x, world, rank).requires_grad_() for x in (q, k, v)]
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "cp"))
+    groups = {"default": None, "new": dist.new_group(list(range(world))), "mesh": mesh, "mesh dim": mesh2["cp"]}
+    eager = xcp.attention(*local, causal=True)
+    eager_grads = torch.autograd.grad(eager.sum(), local)
+    results = {}
+    for name, group in groups.items():
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        fn = torch.compile(lambda q, k, v: xcp.attention(q, k, v, causal=True, group=group), fullgraph=True,
+                           backend=counter)
+        out = fn(*local)
+        grads = torch.autograd.grad(out.sum(), local)
+        plain = xcp.attention(*local, causal=True, group=group)  # eager with this group too
+        results[name] = {
+            "frames": counter.frame_count,
+            "out": (out - eager).abs().max().item(),
+            "plain": (plain - eager).abs().max().item(),
+            "grads": max((g - w).abs().max().item() for g, w in zip(grads, eager_grads)),
+        }
+    try:
+        xcp.attention(*local, causal=True, group=mesh2)
+        results["2-d mesh"] = None
+    except ValueError as exc:
+        results["2-d mesh"] = str(exc)
+    with open(f"{workdir}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_compiled_attention_and_device_mesh_groups_on_gloo(tmp_path):
+    """torch.compile(fullgraph=True) on real ranks: one graph, equal to eager for the default group, a new
+    group, a 1-D DeviceMesh and a named dim of a 2-D mesh; a 2-D mesh as group= is refused by name."""
+    script = tmp_path / "compile_worker.py"
+    script.write_text(COMPILE_WORKER)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), "2", str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    logs = [p.communicate(timeout=180)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    for r in range(2):
+        results = json.loads((tmp_path / f"rank{r}.json").read_text())
+        for name in ("default", "new", "mesh", "mesh dim"):
+            got = results[name]
+            assert got["frames"] == 1, (r, name, got)
+            assert got["out"] == 0.0 and got["grads"] == 0.0 and got["plain"] == 0.0, (r, name, got)
+        assert "expected a DeviceMesh of 1 dim" in results["2-d mesh"] and "('dp', 'cp')" in results["2-d mesh"]

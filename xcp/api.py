@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from . import schedule
-from .comm import resolve_group
+from .comm import check_timeout, resolve_group
 from .documents import check_cu_seqlens, check_window
 from .lifetime import check_handoff, check_slots
+from .ops import compiled_attention
 from .plugins import select_backend
 from .ring import RingAttention, RingConfig, ring_forward
 
@@ -104,6 +105,29 @@ def _check_documents(cu_seqlens: Any, q: torch.Tensor, world: int) -> tuple[int,
     return None if len(cu) == 2 else cu
 
 
+def check_backend_serves(backend: Any, q: torch.Tensor, comm: Any, causal: bool, balance: str) -> None:
+    """Raise when ``backend`` cannot run on q (device type, dtype) or zigzag cannot split q's shard."""
+    if backend.device_type != q.device.type:
+        raise ValueError(f"device: backend {backend.name!r} runs on {backend.device_type} tensors; q is on {q.device}")
+    if q.dtype not in backend.dtypes:
+        names = ", ".join(str(d) for d in backend.dtypes)
+        raise TypeError(f"q: backend {backend.name!r} serves dtypes {names}; got {q.dtype}")
+    if comm.size() > 1 and causal and balance == "zigzag" and q.shape[1] % 2:
+        raise ValueError(
+            f"q: balance 'zigzag' needs an even local sequence length (two chunks per rank); got {q.shape[1]}"
+        )
+
+
+def check_documents(cu_seqlens: Any, q: torch.Tensor, world: int, balance: str, window: Any) -> tuple[int, ...] | None:
+    """The documents a RingConfig takes: the checked boundaries, (0, S) with a window and no documents,
+    None for one sequence without a window (the dense path)."""
+    documents = _check_documents(cu_seqlens, q, world)
+    if window is not None and documents is None:  # the window's plan works on (0, S): one document
+        schedule.check_seq_len(q.shape[1] * world, world, balance, what="the global sequence length")
+        documents = (0, q.shape[1] * world)
+    return documents
+
+
 def _check_sinks(sinks: Any, q: torch.Tensor) -> torch.Tensor | None:
     if sinks is None:
         return None
@@ -182,21 +206,13 @@ def attention(
     scale = _check_scale(scale, q.shape[3])
     sinks = _check_sinks(sinks, q)
     window = check_window(window, causal)
+    if torch.compiler.is_compiling():  # one opaque custom op; the group by name (xcp/ops.py)
+        return compiled_attention(q, k, v, sinks, group, device, causal, scale, balance, slots, handoff,
+                                  cu_seqlens, window, check_timeout(timeout))  # fmt: skip
     comm = resolve_group(group, timeout)
-    documents = _check_documents(cu_seqlens, q, comm.size())
-    if window is not None and documents is None:  # the window's plan works on (0, S): one document
-        schedule.check_seq_len(q.shape[1] * comm.size(), comm.size(), balance, what="the global sequence length")
-        documents = (0, q.shape[1] * comm.size())
     backend = select_backend(None if device is None else str(device), q.device.type)
-    if backend.device_type != q.device.type:
-        raise ValueError(f"device: backend {backend.name!r} runs on {backend.device_type} tensors; q is on {q.device}")
-    if q.dtype not in backend.dtypes:
-        names = ", ".join(str(d) for d in backend.dtypes)
-        raise TypeError(f"q: backend {backend.name!r} serves dtypes {names}; got {q.dtype}")
-    if comm.size() > 1 and causal and balance == "zigzag" and q.shape[1] % 2:
-        raise ValueError(
-            f"q: balance 'zigzag' needs an even local sequence length (two chunks per rank); got {q.shape[1]}"
-        )
+    check_backend_serves(backend, q, comm, causal, balance)
+    documents = check_documents(cu_seqlens, q, comm.size(), balance, window)
     cfg = RingConfig(comm, backend, causal, scale, balance, slots, handoff, documents, window)
     needs_grad = any(x is not None and x.requires_grad for x in (q, k, v, sinks))
     if torch.is_grad_enabled() and needs_grad:

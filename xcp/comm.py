@@ -475,6 +475,26 @@ class _LocalWork:
                 waited.append(done)
 
 
+def process_group_of_mesh(group: Any) -> Any:
+    """The ProcessGroup of a 1-D ``torch.distributed.device_mesh.DeviceMesh`` (a mesh of one dim, or one
+    named dim of a larger mesh: ``mesh["cp"]``), as FSDP2 and torch's context parallel take it; None when
+    ``group`` is no DeviceMesh; a ValueError naming the dims for a mesh of several."""
+    mesh_type = None
+    try:
+        from torch.distributed.device_mesh import DeviceMesh as mesh_type
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    if not isinstance(group, mesh_type):
+        return None
+    if group.ndim != 1:
+        names = getattr(group, "mesh_dim_names", None)
+        raise ValueError(
+            f"group: expected a DeviceMesh of 1 dim (or one named dim of it, e.g. mesh['cp']); got {group.ndim} "
+            f"dims{f' named {tuple(names)}' if names else ''}"
+        )
+    return group.get_group()
+
+
 def resolve_group(group: Any, timeout: float | None = None) -> Communicator:
     """The communicator for ``group``: a LocalGroup or communicator as is, a ProcessGroup wrapped, None
     the default process group when torch.distributed is initialised, else a world of one.
@@ -489,6 +509,9 @@ def resolve_group(group: Any, timeout: float | None = None) -> Communicator:
         if dist.is_available() and dist.is_initialized():
             return DistCommunicator(None, timeout)
         return SingleRank()
+    mesh_group = process_group_of_mesh(group)
+    if mesh_group is not None:
+        return DistCommunicator(mesh_group, timeout)
     if isinstance(group, Communicator):
         if timeout is not None:
             raise ValueError(
@@ -504,6 +527,6 @@ def resolve_group(group: Any, timeout: float | None = None) -> Communicator:
     except (ImportError, AttributeError):  # pragma: no cover - torch built without distributed
         pass
     raise TypeError(
-        f"group: expected a torch.distributed ProcessGroup, a group from xcp.LocalWorld, or None; "
-        f"got {type(group).__name__}"
+        f"group: expected a torch.distributed ProcessGroup, a 1-D DeviceMesh, a group from xcp.LocalWorld, or "
+        f"None; got {type(group).__name__}"
     )

@@ -1,0 +1,88 @@
+"""torch.compile(fullgraph=True) over xcp.attention: one opaque custom op (xcp/ops.py), no graph break,
+the same numbers as eager, forward and backward. The torch.distributed path is compiled in
+tests/test_gloo.py (2 processes, the default group, a new group and a DeviceMesh)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import xcp
+
+
+def inputs(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 64, 4, 16, generator=gen).requires_grad_()
+    k, v = (torch.randn(1, 64, 2, 16, generator=gen).requires_grad_() for _ in range(2))
+    sinks = torch.randn(4, generator=gen).requires_grad_()
+    return q, k, v, sinks
+
+
+CALLS = {
+    "causal": lambda q, k, v, s: xcp.attention(q, k, v, causal=True),
+    "full, scale": lambda q, k, v, s: xcp.attention(q, k, v, scale=0.3),
+    "documents, window, sinks": lambda q, k, v, s: xcp.attention(
+        q, k, v, causal=True, sinks=s, window=(10, 0), cu_seqlens=[0, 5, 40, 64]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_compiled_attention_is_one_graph_and_equals_eager(name, backend):
+    torch._dynamo.reset()
+    fn = CALLS[name]
+    q, k, v, s = inputs()
+    want = fn(q, k, v, s)
+    want_grads = torch.autograd.grad(want.sum(), (q, k, v, s), allow_unused=True)
+    counter = CompileCounterWithBackend(backend)
+    got = torch.compile(fn, fullgraph=True, backend=counter)(q, k, v, s)
+    grads = torch.autograd.grad(got.sum(), (q, k, v, s), allow_unused=True)
+    assert counter.frame_count == 1, "one graph, no break"
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    for g, w in zip(grads, want_grads):
+        if w is None:
+            assert g is None or not g.abs().any()
+        else:
+            torch.testing.assert_close(g, w, atol=2e-6, rtol=2e-6)
+
+
+def test_the_compiled_graph_holds_the_ring_op():
+    torch._dynamo.reset()
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    q, k, v, _ = inputs()
+    torch.compile(lambda q, k, v: xcp.attention(q, k, v, causal=True), fullgraph=True, backend=keep)(q, k, v)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert any("xcp.ring_forward" in t for t in targets), targets
+
+
+def test_a_local_world_group_is_refused_under_compile_with_the_reason():
+    torch._dynamo.reset()
+    q, k, v, _ = inputs()
+    group = xcp.LocalWorld(1).group(0)
+    fn = torch.compile(lambda q, k, v: xcp.attention(q, k, v, group=group), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="LocalWorld ranks are threads of one process"):
+        fn(q, k, v)
+
+
+def test_documents_as_a_tensor_are_refused_under_compile():
+    torch._dynamo.reset()
+    q, k, v, _ = inputs()
+    cu = torch.tensor([0, 5, 64])
+    fn = torch.compile(lambda q, k, v: xcp.attention(q, k, v, cu_seqlens=cu), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="cu_seqlens: under torch.compile pass the boundaries as a list of ints"):
+        fn(q, k, v)
+
+
+def test_bad_documents_under_compile_are_named_by_the_op():
+    torch._dynamo.reset()
+    q, k, v, _ = inputs()
+    fn = torch.compile(lambda q, k, v: xcp.attention(q, k, v, cu_seqlens=[0, 5, 63]), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=r"expected cu_seqlens\[-1\] == 64"):
+        fn(q, k, v)
