@@ -2,6 +2,8 @@
 # Everything xcp checks and times on one NVIDIA GPU, in one call of the device tool (see docs/benchmarks.md).
 #   benchmarks/h200.sh checks   # device tests, conformance suite, fused merge, xcp run, CSAN, quick bench
 #   benchmarks/h200.sh bench    # the full xcp bench grid (issue 5) with JSON and plot
+#   benchmarks/h200.sh masks    # documents, windows, sinks, compile: checks and the 128K documents bench
+#   benchmarks/h200.sh window   # the 128K sliding-window bench
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -33,6 +35,24 @@ bench)
   section "xcp bench (issue 5 grid)"
   timeout 330 xcp bench --reps 2 --memory-seq 131072 --seqs 65536,131072,16384 --json "$out/bench.json" --plot "$out/bench.png" --quiet 2>&1 | tee "$out/bench.txt"
   ;;
-*) echo "usage: $0 checks|bench" >&2; exit 2 ;;
+masks)
+  section "cuda backend tests (varlen, window, stand-in and device)"
+  timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_backend.py 2>&1 | tail -4 | tee "$out/cuda_backend.txt"
+  section "conformance suite on cuda: varlen cases"
+  timeout 120 python3 -m xcp.testing --xcp-backend cuda -q -p no:cacheprovider -k varlen 2>&1 | tail -4 | tee "$out/conformance_varlen.txt"
+  section "varlen kernel check"
+  timeout 90 python3 benchmarks/device_varlen_check.py 2>&1 | tee "$out/varlen_check.txt"
+  section "ring with documents, windows, sinks; compile"
+  timeout 150 python3 benchmarks/device_masks_check.py 2>&1 | tee "$out/masks_check.txt"
+  section "xcp bench --documents (S = 128K, P = 8, causal)"
+  timeout 200 xcp bench --documents longtail:512:32768 --seqs 131072 --worlds 8 --mask causal --compare-dense \
+    --reps 3 --quiet --json "$out/documents.json" 2>&1 | tee "$out/documents.txt"
+  ;;
+window)
+  section "xcp bench --window (S = 128K, P = 8, causal, window 4K)"
+  timeout 240 xcp bench --window 4096,0 --balance contiguous --seqs 131072 --worlds 8 --mask causal --compare-dense \
+    --reps 3 --quiet --json "$out/window.json" 2>&1 | tee "$out/window.txt"
+  ;;
+*) echo "usage: $0 checks|bench|masks|window" >&2; exit 2 ;;
 esac
 section done
