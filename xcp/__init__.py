@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from .api import attention, shard, unshard
     from .backend import Backend, SynchronousBackend
     from .comm import CommTimeout, Communicator, LocalGroup, LocalWorld
+    from .context import context
     from .documents import choose_balance
     from .hookspecs import hookimpl
     from .lifetime import BufferLedger, track_buffers
@@ -36,6 +37,7 @@ _EXPORTS = {
     "attention": "api",
     "backend_table": "plugins",
     "choose_balance": "documents",
+    "context": "context",
     "get_backend": "plugins",
     "hookimpl": "hookspecs",
     "list_backends": "plugins",
@@ -65,6 +67,7 @@ __all__ = [
     "attention",
     "backend_table",
     "choose_balance",
+    "context",
     "get_backend",
     "hookimpl",
     "list_backends",

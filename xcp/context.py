@@ -1,0 +1,158 @@
+"""One object that holds a rank's group and balance: ``xcp.context(group, balance)``.
+
+``shard``, ``unshard`` and ``attention`` must agree on how the sequence is placed on the ranks; a context
+holds the group and the balance once, and its methods pass both::
+
+    with xcp.context(group, balance="zigzag") as ctx:
+        q_l = ctx.shard(q)
+        out_l = ctx.attention(q_l, k_l, v_l, causal=True)
+
+Entering a context makes it the current one *of this thread* (each virtual rank of a
+:class:`xcp.LocalWorld` is a thread and enters its own); :func:`current` returns the innermost context
+entered, or a default one (group None: the default process group when torch.distributed is initialised,
+else a world of one rank; balance ``zigzag``). Integrations (e.g. :mod:`xcp.integrations.transformers`)
+read the current context, so model code needs no group argument.
+
+``xcp.context`` is both the class and this module: ``xcp.context(group)`` builds a context and
+``xcp.context.current()`` returns the current one, whichever of the two ``xcp.context`` names.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import schedule
+from .api import attention as _attention
+from .api import shard as _shard
+from .api import unshard as _unshard
+from .comm import resolve_group
+
+_local = threading.local()
+
+
+def _stack() -> list[Context]:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+class Context:
+    """A rank's group and balance, held once; a context manager (see the module's documentation).
+
+    :param group: a torch.distributed ProcessGroup, a group from :class:`xcp.LocalWorld`, or None (the
+        default process group when one is initialised at the time of use, else a world of one rank).
+    :param balance: how the sequence is placed on the ranks (``zigzag``, ``contiguous`` or ``stripe``).
+    """
+
+    __slots__ = ("_group", "_balance")
+
+    def __init__(self, group: Any = None, balance: str = schedule.DEFAULT_BALANCE) -> None:
+        schedule.check_balance(balance)
+        if group is not None:
+            resolve_group(group)  # a TypeError naming group now, not at the first call
+        self._group = group
+        self._balance = balance
+
+    # -- what it holds
+    @property
+    def group(self) -> Any:
+        """The group as given (None: the default process group if initialised, else a world of one)."""
+        return self._group
+
+    @property
+    def balance(self) -> str:
+        """How the sequence is placed on the ranks."""
+        return self._balance
+
+    def _comm(self) -> Any:
+        return resolve_group(self._group)
+
+    @property
+    def rank(self) -> int:
+        """This rank in the group."""
+        return self._comm().rank()
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks the sequence is split over."""
+        return self._comm().size()
+
+    def __repr__(self) -> str:
+        comm = self._comm()
+        return f"xcp.context(group={self._group!r}, balance={self._balance!r}: rank {comm.rank()} of {comm.size()})"
+
+    # -- the three operations, with this context's group and balance
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's part of the whole sequence ``x`` along ``dim`` (see :func:`xcp.shard`)."""
+        comm = self._comm()
+        return _shard(x, comm.size(), comm.rank(), dim=dim, balance=self._balance)
+
+    def unshard(self, shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
+        """The whole sequence from the shards of ranks 0..P-1 (see :func:`xcp.unshard`)."""
+        return _unshard(shards, dim=dim, balance=self._balance)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """:func:`xcp.attention` on this rank's shards with this context's group and balance.
+
+        ``kwargs`` are those of :func:`xcp.attention` (``causal`` is required there too); a ``balance`` or
+        ``group`` that disagrees with the context's raises a ValueError naming both.
+        """
+        if "balance" in kwargs and kwargs["balance"] != self._balance:
+            raise ValueError(
+                f"balance: this xcp.context places the sequence with balance {self._balance!r}; "
+                f"attention(balance={kwargs['balance']!r}) disagrees (leave balance= out inside a context)"
+            )
+        if "group" in kwargs and kwargs["group"] is not self._group:
+            raise ValueError(
+                f"group: this xcp.context holds group {self._group!r}; attention(group={kwargs['group']!r}) "
+                "disagrees (leave group= out inside a context)"
+            )
+        kwargs["balance"], kwargs["group"] = self._balance, self._group
+        return _attention(q, k, v, **kwargs)
+
+    # -- the current context of this thread
+    def __enter__(self) -> Context:
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        stack = _stack()
+        if not stack or stack[-1] is not self:
+            raise RuntimeError("xcp.context: contexts must be left in the reverse order they were entered")
+        stack.pop()
+
+    @staticmethod
+    def current() -> Context:
+        """The innermost context this thread entered, else a default one (group None, balance ``zigzag``)."""
+        return current()
+
+
+context = Context
+"""``xcp.context``: the spelling of the public API (a context is built like a function is called)."""
+
+
+def current() -> Context:
+    """The innermost context this thread entered, else a default one (group None, balance ``zigzag``)."""
+    stack = _stack()
+    return stack[-1] if stack else Context()
+
+
+current_context = current
+
+
+class _ContextModule(types.ModuleType):
+    """This module, callable: where ``import xcp.context`` made ``xcp.context`` the module rather than the
+    class, ``xcp.context(group, balance)`` still builds a context."""
+
+    def __call__(self, group: Any = None, balance: str = schedule.DEFAULT_BALANCE) -> Context:
+        return Context(group, balance)
+
+
+sys.modules[__name__].__class__ = _ContextModule
