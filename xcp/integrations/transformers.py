@@ -1,0 +1,480 @@
+"""Hugging Face transformers, context parallel: ``attn_implementation="xcp"``.
+
+::
+
+    from xcp.integrations.transformers import register, shard_batch
+    register()                                        # once per process: the name "xcp"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="xcp")
+    with xcp.context(group):                          # this rank's group and balance
+        batch = shard_batch(input_ids, labels=input_ids)
+        loss = model(**batch.model_kwargs()).loss     # this rank's share of the global mean loss
+        loss.backward()
+    reduce_gradients(model.parameters())              # SUM over the ranks of the sequence
+
+Every rank runs the whole model on its shard of the sequence; only attention talks to the other ranks
+(:func:`xcp.attention` with the current :func:`xcp.context`). What else must be done on the whole sequence
+is done by :func:`shard_batch`: the labels shifted before sharding, the global positions, the global
+count of the tokens in the loss. The ranks' gradients are partial sums: add them up (``reduce_gradients``,
+or the note there for DDP).
+
+What xcp cannot do raises an error naming the model's attention class and the option: padding masks and
+other 4-D masks, attention dropout in training, logit soft-capping, output_attentions, attention chunks
+and custom mask functions, a KV cache that makes keys longer than queries (generation).
+
+transformers is imported when first needed, never by the core of xcp.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..context import Context, current
+
+DEFAULT_NAME = "xcp"
+IGNORE_INDEX = -100
+
+_INSTALL = "pip install 'xcp[transformers]'"
+
+
+def _transformers() -> Any:
+    """The transformers package, or an ImportError that says how to get it."""
+    try:
+        import transformers
+        from transformers.masking_utils import AttentionMaskInterface  # noqa: F401 - needed by register()
+    except Exception as exc:  # ImportError, or a broken install failing inside its own imports
+        raise ImportError(
+            f"xcp.integrations.transformers needs transformers, which is not importable: {exc} ({_INSTALL})"
+        ) from exc
+    return transformers
+
+
+def register(name: str = DEFAULT_NAME) -> str:
+    """Register xcp's attention function and its mask function under ``name``; return ``name``.
+
+    Afterwards ``AutoModelForCausalLM.from_config(cfg, attn_implementation=name)`` (or
+    ``model.set_attn_implementation(name)``) runs attention across the ranks of the current
+    :func:`xcp.context`. The mask function is needed too: without an entry of the same name in
+    ``AttentionMaskInterface`` transformers drops a padding ``attention_mask`` silently; with it, a padding
+    mask raises here instead.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name: expected a non-empty string; got {name!r}")
+    transformers = _transformers()
+    from transformers.masking_utils import AttentionMaskInterface
+
+    transformers.AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, mask_forward)
+    return name
+
+
+# --------------------------------------------------------------------------------------------------------
+# The attention function
+
+
+def _who(module: Any) -> str:
+    config = getattr(module, "config", None)
+    owner = f" of a {type(config).__name__} model" if config is not None else ""
+    return f"xcp attention ({type(module).__name__}{owner})"
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface over xcp: q, k, v ``[B, H, S_local, D]`` of this rank's tokens;
+    returns ``([B, S_local, H, D], None)``.
+
+    - causal from ``is_causal=`` when given, else ``module.is_causal`` (and ``config.is_causal``);
+    - ``scaling`` is xcp's ``scale``;
+    - ``sliding_window=W``: transformers lets query i see keys ``i - W < j <= i`` (its mask
+      ``kv_idx > q_idx - sliding_window``, and flash's ``window_size=(W - 1, W - 1)``): W keys *counting
+      the query itself*, which is xcp's ``window=(W - 1, 0)``;
+    - packed documents: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (the GLOBAL boundaries, as
+      :func:`shard_batch` gives them) are xcp's ``cu_seqlens``; on one rank, position_ids that restart
+      (transformers' own rule: a step other than +1 starts a document) are turned into them too;
+    - attention sinks: ``module.sinks`` (GPT-OSS), else ``s_aux=``.
+    """
+    who = _who(module)
+    if attention_mask is not None:
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+        raise ValueError(
+            f"{who}: got an attention_mask ({shape}); xcp computes causal/full attention over the sharded "
+            "sequence and takes no mask tensor. Padding inside a context-parallel sequence is not supported: "
+            "pack the documents into one sequence instead (shard_batch(..., cu_seqlens=...) or position_ids that "
+            "restart at 0) and leave attention_mask out"
+        )
+    if dropout and module.training:
+        raise ValueError(
+            f"{who}: attention dropout {dropout} in training is not supported; set config.attention_dropout = 0.0"
+        )
+    for option in ("softcap", "position_bias"):
+        if kwargs.get(option) is not None:
+            raise ValueError(f"{who}: {option} is not supported by xcp (the config or caller sets {option}=)")
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"{who}: output_attentions=True is not supported (xcp never forms the attention weights)")
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"{who}: keys ({key.shape[2]}) longer than queries ({query.shape[2]}): a KV cache (generation) is not "
+            "supported; run the whole sequence with use_cache=False"
+        )
+
+    ctx = current()
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        config = getattr(module, "config", None)
+        is_causal = bool(getattr(module, "is_causal", True)) and bool(getattr(config, "is_causal", True))
+    window = None
+    if sliding_window is not None:
+        if not is_causal:
+            raise ValueError(
+                f"{who}: a bidirectional sliding window (sliding_window={sliding_window}) is not supported "
+                "(transformers' masks and flash disagree on its width)"
+            )
+        window = (int(sliding_window) - 1, 0)  # W keys, the query's own included: i - W < j <= i
+    sinks = getattr(module, "sinks", None)
+    if sinks is None:
+        sinks = kwargs.get("s_aux")
+    cu_seqlens = _documents(ctx, query, kwargs, who)
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    out = ctx.attention(q, k, v, causal=is_causal, scale=scaling, window=window, sinks=sinks, cu_seqlens=cu_seqlens)
+    return out, None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Documents and positions
+
+
+_checked = threading.local()
+"""Per thread, the last position_ids (and cu_seq_lens) checked: every layer of a forward passes the same
+tensors, so the check (a host read) runs once per forward, not once per layer."""
+
+
+def _global_index(ctx: Context, local_len: int, device: torch.device) -> torch.Tensor:
+    """The global positions of this rank's tokens, in local order (the shard of arange(S))."""
+    world = ctx.world_size
+    return ctx.shard(torch.arange(local_len * world, device=device).unsqueeze(0))[0]
+
+
+def _as_cu(x: Any, name: str, who: str) -> tuple[int, ...]:
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1 or x.is_floating_point():
+            raise ValueError(f"{who}: {name}: expected a 1-D integer tensor; got {x.dtype} {tuple(x.shape)}")
+        return tuple(int(i) for i in x.tolist())
+    return tuple(int(i) for i in x)
+
+
+def _restarting(cu: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Positions that restart at 0 at every boundary of ``cu`` (the whole sequence)."""
+    lengths = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:])], device=device)
+    starts = torch.tensor(cu[:-1], device=device).repeat_interleave(lengths)
+    return torch.arange(cu[-1], device=device) - starts
+
+
+def _documents(ctx: Context, query: torch.Tensor, kwargs: dict, who: str) -> tuple[int, ...] | None:
+    """The global document boundaries for xcp (None: one document per row), after checking that the
+    position_ids passed to the model are the global ones of this rank's tokens."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    pos = kwargs.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.dim() != 2:
+        pos = None  # multi-axis positions (mrope): nothing to check here
+    key = (
+        ctx.world_size,
+        ctx.rank,
+        ctx.balance,
+        query.shape[2],
+        None if pos is None else (id(pos), pos._version),
+        None if cu_q is None else id(cu_q),
+        None if cu_k is None else id(cu_k),
+    )
+    last = getattr(_checked, "last", None)
+    if last is not None and last[0] == key and all(r() is not None for r in last[1]):
+        return last[2]
+    cu = _documents_uncached(ctx, query, pos, cu_q, cu_k, who)
+    refs = tuple(weakref.ref(t) for t in (pos, cu_q, cu_k) if isinstance(t, torch.Tensor))
+    _checked.last = (key, refs, cu)
+    return cu
+
+
+def _documents_uncached(
+    ctx: Context, query: torch.Tensor, pos: torch.Tensor | None, cu_q: Any, cu_k: Any, who: str
+) -> tuple[int, ...] | None:
+    local, world = query.shape[2], ctx.world_size
+    seq_len = local * world
+    cu = None
+    if cu_q is not None or cu_k is not None:
+        if cu_q is None or cu_k is None:
+            raise ValueError(f"{who}: pass both cu_seq_lens_q and cu_seq_lens_k (equal, for self-attention)")
+        cu = _as_cu(cu_q, "cu_seq_lens_q", who)
+        if _as_cu(cu_k, "cu_seq_lens_k", who) != cu:
+            raise ValueError(f"{who}: cu_seq_lens_k must equal cu_seq_lens_q (self-attention over one sequence)")
+        if cu[-1] != seq_len:
+            raise ValueError(
+                f"{who}: cu_seq_lens_q ends at {cu[-1]}, but the global sequence is {local} local tokens x "
+                f"{world} ranks = {seq_len}: pass the GLOBAL document boundaries (shard_batch gives them)"
+            )
+    if pos is None:
+        return None if cu is None or len(cu) <= 2 else cu
+    index = _global_index(ctx, local, pos.device)
+    if cu is not None:
+        expect = _restarting(cu, pos.device)[index]
+        if not (bool((pos == expect).all()) or bool((pos == index).all())):
+            raise ValueError(
+                f"{who}: position_ids do not match the documents of cu_seq_lens_q on rank {ctx.rank}: expected the "
+                "positions restarting at 0 in each document (or the global positions), sharded like the tokens "
+                f"with balance {ctx.balance!r}; shard_batch gives both"
+            )
+        return None if len(cu) <= 2 else cu
+    if bool((pos == index).all()):
+        return None
+    if world == 1 and pos.shape[0] == 1:  # the whole sequence is here: transformers' own packing rule
+        step = torch.diff(pos[0], prepend=pos[0, :1] - 1)
+        starts = torch.nonzero(step != 1).flatten().tolist()
+        return tuple([0, *(s for s in starts if s), seq_len])
+    raise ValueError(
+        f"{who}: position_ids on rank {ctx.rank} of {world} are not the global positions of this rank's tokens "
+        f"(the shard of arange({seq_len}) with balance {ctx.balance!r}); a model given no position_ids numbers "
+        "each shard from 0, which is wrong under context parallelism. Pass the position_ids of shard_batch; for "
+        "packed documents (positions restarting at 0) also pass cu_seq_lens_q/cu_seq_lens_k with the global "
+        "boundaries (shard_batch(..., cu_seqlens=...) gives them)"
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# The mask function
+
+
+_MASK_PARTS = frozenset(
+    {
+        "causal_mask_function",
+        "bidirectional_mask_function",
+        "and_masks.<locals>.and_mask",
+        "sliding_window_overlay.<locals>.inner_mask",
+        "sliding_window_bidirectional_overlay.<locals>.inner_mask",
+        "packed_sequence_mask_function.<locals>.inner_mask",
+        "remap_positions_for_packed_sequence.<locals>.inner_mask",
+    }
+)
+"""The pieces of transformers' mask functions that the attention function serves by itself: causal or
+not (module.is_causal), the sliding window (sliding_window=) and packed documents (the documents of the
+position_ids, which transformers also sees in the sharded positions)."""
+
+
+def _mask_parts(fn: Any, seen: set[int] | None = None) -> list[Any]:
+    """``fn`` and the mask functions its closure holds (and_masks keeps them in a tuple)."""
+    seen = set() if seen is None else seen
+    if id(fn) in seen:
+        return []
+    seen.add(id(fn))
+    parts = [fn]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if callable(item) and hasattr(item, "__code__"):
+                parts += _mask_parts(item, seen)
+    return parts
+
+
+def mask_forward(
+    *args: Any, mask_function: Any = None, attention_mask: torch.Tensor | None = None, **kwargs: Any
+) -> None:
+    """transformers' mask interface for xcp: no mask tensor (the attention function knows the pattern),
+    and an error for what it cannot serve: a padding ``attention_mask`` or a mask function with other
+    pieces (attention chunks, bidirectional blocks of image tokens, a caller's or_mask/and_mask).
+
+    The sizes and offsets (``batch_size``, ``q_length`` or ``cache_position``, ``kv_length``, ...; their
+    names differ between transformers versions) are not needed."""
+    config = kwargs.get("config")
+    who = f"xcp attention mask{f' of a {type(config).__name__} model' if config is not None else ''}"
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            f"{who}: the attention_mask pads {int((~attention_mask.bool()).sum())} token(s); padding inside a "
+            "context-parallel sequence is not supported: pack the documents into one sequence instead "
+            "(shard_batch(..., cu_seqlens=...) or position_ids that restart at 0) and leave attention_mask out"
+        )
+    if mask_function is not None:
+        for part in _mask_parts(mask_function):
+            name = getattr(part, "__qualname__", repr(part))
+            if getattr(part, "__module__", None) != "transformers.masking_utils" or name not in _MASK_PARTS:
+                raise ValueError(
+                    f"{who}: the mask function has a part xcp does not serve: {getattr(part, '__module__', '?')}."
+                    f"{name} (xcp serves causal or full attention, sliding windows and packed documents; not "
+                    "attention chunks, bidirectional token blocks or custom or_mask/and_mask functions)"
+                )
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------
+# The batch
+
+
+@dataclass(frozen=True)
+class ShardedBatch:
+    """This rank's part of a batch, with what must be computed on the whole sequence first.
+
+    :ivar input_ids: ``[B, S/P]`` this rank's tokens.
+    :ivar position_ids: ``[B, S/P]`` their GLOBAL positions (restarting at 0 in each packed document),
+        sharded like the tokens.
+    :ivar shift_labels: ``[B, S/P]`` the labels shifted on the whole sequence (token t is labelled with
+        token t + 1; the last with -100), then sharded; None without labels.
+    :ivar num_items_in_batch: the number of labels other than -100 in the WHOLE batch (all ranks), by which
+        each rank divides its sum of losses; None without labels.
+    :ivar cu_seqlens: the global document boundaries (int32, on the CPU), None for one document per row.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    shift_labels: torch.Tensor | None = None
+    num_items_in_batch: int | None = None
+    cu_seqlens: torch.Tensor | None = None
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments for ``model(**...)``: input_ids, position_ids, use_cache=False; with labels
+        ``labels`` and ``shift_labels`` (transformers' causal-LM loss uses shift_labels and computes a loss
+        only when labels is given) and ``num_items_in_batch``; with documents ``cu_seq_lens_q/k`` and
+        ``max_length_q/k``."""
+        kw: dict[str, Any] = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+        if self.shift_labels is not None:
+            kw.update(labels=self.shift_labels, shift_labels=self.shift_labels)
+            kw["num_items_in_batch"] = self.num_items_in_batch
+        if self.cu_seqlens is not None:
+            longest = int(self.cu_seqlens.diff().max())
+            kw.update(cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens)
+            kw.update(max_length_q=longest, max_length_k=longest)
+        return kw
+
+
+def _check_2d(name: str, x: Any, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor; got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{name}: expected 2 dims [batch, seq] (the whole sequence); got shape {tuple(x.shape)}")
+    if shape is not None and (x.shape[1] != shape[1] or x.shape[0] not in (1, shape[0])):
+        raise ValueError(f"{name}: expected shape {shape} (that of input_ids); got {tuple(x.shape)}")
+    return x
+
+
+def shard_batch(
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    ctx: Context | None = None,
+    *,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> ShardedBatch:
+    """This rank's part of a batch of WHOLE sequences (equal on every rank of the context).
+
+    :param input_ids: ``[B, S]`` the tokens; S a multiple of what the context's balance needs (2P for zigzag).
+    :param labels: ``[B, S]`` unshifted labels as transformers takes them (often ``input_ids``), -100 where no
+        loss is wanted; shifted here on the whole sequence, then sharded.
+    :param attention_mask: accepted only without padding (all ones); padding inside a context-parallel
+        sequence is not supported: pack documents instead (``cu_seqlens`` or ``position_ids``).
+    :param ctx: the context (default: the current one, :func:`xcp.context.current`).
+    :param position_ids: ``[B, S]`` the model's positions; packed documents restart at 0 (a step other than
+        +1 starts a document, as in transformers; batch 1). Default ``arange(S)``, or restarting in each
+        document of ``cu_seqlens``.
+    :param cu_seqlens: the global boundaries ``[0, ..., S]`` of packed documents (batch 1). A label that
+        crosses into the next document is kept, as transformers does on one device: make the first label
+        of each document -100 (as ``DataCollatorWithFlattening`` does) to leave it out.
+    :param ignore_index: the label that is left out of the loss.
+    """
+    ctx = current() if ctx is None else ctx
+    if not isinstance(ctx, Context):
+        raise TypeError(f"ctx: expected an xcp.context or None; got {type(ctx).__name__}")
+    input_ids = _check_2d("input_ids", input_ids)
+    batch, seq_len = input_ids.shape
+    if attention_mask is not None:
+        _check_2d("attention_mask", attention_mask, (batch, seq_len))
+        if not bool(attention_mask.all()):
+            raise ValueError(
+                f"attention_mask: pads {int((attention_mask == 0).sum())} token(s); padding inside a "
+                "context-parallel sequence is not supported: pack the documents into one sequence instead "
+                "(cu_seqlens= or position_ids= restarting at 0)"
+            )
+    device = input_ids.device
+    if cu_seqlens is not None:
+        if batch != 1:
+            raise ValueError(f"cu_seqlens: packed documents need batch 1; input_ids has batch {batch}")
+        cu = _as_cu(cu_seqlens, "cu_seqlens", "cu_seqlens")
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq_len or any(b <= a for a, b in zip(cu[:-1], cu[1:])):
+            raise ValueError(f"cu_seqlens: expected increasing boundaries from 0 to {seq_len}; got {list(cu)}")
+        if position_ids is None:
+            position_ids = _restarting(cu, device).unsqueeze(0)
+    elif position_ids is not None:
+        _check_2d("position_ids", position_ids, (batch, seq_len))
+        step = torch.diff(position_ids, dim=1)
+        if bool((step != 1).any()):
+            if position_ids.shape[0] != 1:
+                shape = tuple(position_ids.shape)
+                raise ValueError(f"position_ids: restart (packed documents), which needs batch 1; got shape {shape}")
+            starts = (torch.nonzero(step[0] != 1).flatten() + 1).tolist()
+            cu = (0, *starts, seq_len)
+        else:
+            cu = None
+    else:
+        cu = None
+    if position_ids is None:
+        position_ids = torch.arange(seq_len, device=device).unsqueeze(0)
+    _check_2d("position_ids", position_ids, (batch, seq_len))
+    position_ids = position_ids.to(device).expand(batch, seq_len)
+    shift_labels = count = None
+    if labels is not None:
+        labels = _check_2d("labels", labels, (batch, seq_len)).expand(batch, seq_len)
+        shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch, 1), ignore_index)], dim=1)
+        count = int((shift_labels != ignore_index).sum())
+        shift_labels = ctx.shard(shift_labels)
+    return ShardedBatch(
+        input_ids=ctx.shard(input_ids),
+        position_ids=ctx.shard(position_ids),
+        shift_labels=shift_labels,
+        num_items_in_batch=count,
+        cu_seqlens=None if cu is None or len(cu) <= 2 else torch.tensor(cu, dtype=torch.int32),
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Gradients
+
+
+def reduce_gradients(parameters: Iterable[torch.nn.Parameter], ctx: Context | None = None) -> None:
+    """SUM each parameter's gradient over the ranks of the context (torch.distributed all-reduce).
+
+    Every rank's gradient is its tokens' share of the gradient of the global loss (the loss being divided
+    by the global ``num_items_in_batch``), so the ranks' gradients add up; an average would be P times too
+    small. Plain DDP over the ranks of the sequence averages: scale the loss by P there instead (or sum
+    with this function and leave DDP out of the context-parallel group).
+
+    Virtual ranks of a :class:`xcp.LocalWorld` that share one model need nothing: autograd adds every
+    rank's backward into the same ``.grad``. Giving this function a LocalWorld group raises a TypeError.
+    """
+    ctx = current() if ctx is None else ctx
+    if ctx.world_size == 1:
+        return
+    import torch.distributed as dist
+
+    group = ctx.group
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"reduce_gradients: group {group!r} is not a torch.distributed ProcessGroup; virtual ranks sharing one "
+            "model already sum into .grad (with a model per rank, add their .grad yourself)"
+        )
+    for p in parameters:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
