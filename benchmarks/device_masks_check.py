@@ -125,11 +125,13 @@ def main() -> int:
     want_g = torch.autograd.grad(want.float().sum(), (q, k, v))
     got = torch.compile(fn, fullgraph=True)(q, k, v)
     got_g = torch.autograd.grad(got.float().sum(), (q, k, v))
-    diff = max([(got - want).abs().max().item()] + [(a - b).abs().max().item() for a, b in zip(got_g, want_g)])
-    ok = diff == 0.0
+    # the forward is the same eager op: equal; flash's backward adds dq in a nondeterministic order
+    fwd = (got - want).abs().max().item()
+    bwd = max(err(a, b.double()) for a, b in zip(got_g, want_g))
+    ok = fwd == 0.0 and bwd <= TOL[torch.bfloat16][1]
     failed += not ok
-    print(f"torch.compile(fullgraph=True, inductor) vs eager, docs + window, bf16: max diff {diff:.1e}  "
-          f"{'ok' if ok else 'FAIL'}")  # fmt: skip
+    print(f"torch.compile(fullgraph=True, inductor) vs eager, docs + window, bf16: out diff {fwd:.1e}, grads "
+          f"{bwd:.1e}  {'ok' if ok else 'FAIL'}")  # fmt: skip
     return 1 if failed else 0
 
 

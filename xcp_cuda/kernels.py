@@ -251,6 +251,16 @@ def _window_sizes(window: tuple[int, int] | None) -> dict[str, int]:
     return {} if window is None else {"window_size_left": int(window[0]), "window_size_right": int(window[1])}
 
 
+def _max_keys(cu_q: tuple[int, ...], cu_k: tuple[int, ...], window: tuple[int, int] | None) -> int:
+    """``max_seqlen_k`` for the op. Flash turns a window side >= max_seqlen_k into unbounded and then
+    into max_seqlen_k itself, measured from the bottom-right corner: for a segment with more queries than
+    keys that bound cuts keys off its first rows (seen on the H200: the rows of a 300 x 81 band lost their
+    last keys). An upper bound of at least every segment's query count keeps such a side unbounded in
+    effect; the op reads the true lengths from the cumulative ones."""
+    longest = max_seqlen(cu_k)
+    return longest if window is None else max(longest, max_seqlen(cu_q))
+
+
 def flash_varlen_forward(
     q, k, v, cu_q, cu_k, causal: bool, scale: float, window: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,7 +273,7 @@ def flash_varlen_forward(
         cu_seqlens(cu_q, q.device),
         cu_seqlens(cu_k, q.device),
         max_seqlen(cu_q),
-        max_seqlen(cu_k),
+        _max_keys(cu_q, cu_k, window),
         0.0,
         causal,
         False,
@@ -294,7 +304,7 @@ def flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, sca
         cu_seqlens(cu_q, q.device),
         cu_seqlens(cu_k, q.device),
         max_seqlen(cu_q),
-        max_seqlen(cu_k),
+        _max_keys(cu_q, cu_k, window),
         0.0,
         causal,
         seed,  # rng_state: read only when dropout_p > 0, as in flash_backward
