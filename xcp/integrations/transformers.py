@@ -2,7 +2,7 @@
 
 ::
 
-    from xcp.integrations.transformers import register, shard_batch
+    from xcp.integrations.transformers import reduce_gradients, register, shard_batch
     register()                                        # once per process: the name "xcp"
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="xcp")
     with xcp.context(group):                          # this rank's group and balance
