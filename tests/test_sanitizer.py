@@ -341,3 +341,70 @@ def test_random_document_lengths():
 def test_default_length_makes_room_for_every_document():
     report = sanitize_ring(world=2, documents=13)  # 4 tokens per rank would hold 8
     assert report.ok and report.config["seq"] == 16 and len(report.document_lengths) == 13
+
+
+# ----------------------------------------------------------------------------------------------------
+# sliding windows (issue 12): a ring of fewer steps, within the same bounds, against the banded mask
+
+
+def window_steps(seq, world, balance, causal, window):
+    """Brute force: one more than the last step at which some rank's queries see a key of the shard held."""
+    from xcp.schedule import shard_indices
+
+    left, right = (seq if x is None else x for x in window)
+    last = 0
+    for r in range(world):
+        for step in range(world):
+            keys = shard_indices(seq, world, (r - step) % world, balance)
+            if any(i - left <= j <= i + right and (not causal or j <= i)
+                   for i in shard_indices(seq, world, r, balance) for j in keys):  # fmt: skip
+                last = max(last, step)
+    return last + 1
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(world=4, balance="contiguous", window=(3, 0), backward=True),  # 2 of 4 steps
+        dict(world=4, balance="contiguous", window=(0, 0), backward=True),  # the own shard: nothing moves
+        dict(world=4, balance="zigzag", window=(3, 0), backward=True, handoff="clone"),  # all 4
+        dict(world=5, balance="stripe", causal=False, window=(2, 6), backward=True, dtype=torch.float32),
+        dict(world=4, balance="contiguous", causal=False, window=(None, 1), seq=32, backward=True, handoff="event"),
+        dict(world=4, balance="contiguous", window=(6, None), documents=5, seq=32, backward=True),
+        dict(world=3, balance="contiguous", window=(1, 0), calls=2),
+    ],
+)
+def test_ring_with_a_window_is_clean_and_bounded_on_the_sim_device(cfg):
+    report = sanitize_ring(**cfg)
+    assert report.ok, report.format()
+    seq, world, causal = report.config["seq"], cfg["world"], cfg.get("causal", True)
+    if "documents" not in cfg:
+        assert report.ring_steps == window_steps(seq, world, cfg["balance"], causal, cfg["window"])
+    bound = BOUND[cfg.get("backward", False)]
+    assert max(report.peak_kv_shards.values()) <= bound
+    assert max(report.peak_comm_bytes.values(), default=0) <= report.bound_comm_bytes
+    if report.ring_steps == 1:
+        assert set(report.peak_kv_shards.values()) == {0}  # nothing received at all
+    text = report.format()
+    assert f"the ring ran {report.ring_steps} of {world} steps" in text
+    assert ("with the banded document mask" if "documents" in cfg else "with the banded mask") in text
+    assert all(err <= TOLERANCE[cfg.get("dtype", torch.float64)] for err in report.max_error.values())
+
+
+def test_window_numerics_are_checked_against_the_banded_mask(monkeypatch):
+    """The reference really is banded: with the window's mask replaced by no mask, the ring's output (which
+    honours the window) is a numerics finding."""
+    from xcp.testing import sanitizer
+
+    monkeypatch.setattr(sanitizer, "window_mask", lambda seq, window: torch.ones(seq, seq, dtype=torch.bool))
+    report = sanitize_ring(world=2, balance="contiguous", window=(2, 0))
+    assert report.kinds() == {"numerics"}, report.format()
+    assert "against float64 SDPA with the banded mask exceeds" in report.format()
+
+
+def test_sanitize_ring_rejects_bad_windows():
+    with pytest.raises(ValueError, match="window: with causal=True the right side must be 0 or None; got right=2"):
+        sanitize_ring(world=2, window=(3, 2))
+    with pytest.raises(ValueError, match="batch: expected 1 with a window"):
+        sanitize_ring(world=2, window=(3, 0), batch=2)
+    assert sanitize_ring(world=2, window=(None, 0)).window is None  # bounds nothing: the dense ring

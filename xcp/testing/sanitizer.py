@@ -26,7 +26,7 @@ import torch
 from .. import plugins, schedule
 from ..api import shard, unshard
 from ..comm import LocalWorld
-from ..documents import document_plan
+from ..documents import check_window, document_plan
 from ..kernels.merge import accumulator_dtype
 from ..lifetime import check_handoff, check_slots, track_buffers
 from ..ring import RingConfig, ring_backward, ring_forward
@@ -97,7 +97,9 @@ class SanitizerReport:
     document_lengths: tuple[int, ...] | None = None
     """The packed documents' lengths (None: one sequence)."""
     ring_steps: int | None = None
-    """Steps the ring ran (P, or fewer where documents leave every later block empty)."""
+    """Steps the ring ran (P, or fewer where documents or a window leave every later block empty)."""
+    window: tuple[int, int | None] | None = None
+    """The sliding window ``(left, right)`` (None: none)."""
 
     @property
     def ok(self) -> bool:
@@ -117,6 +119,14 @@ class SanitizerReport:
                 f"  documents: {len(self.document_lengths)} packed, lengths {shown}; the ring ran {self.ring_steps} of "
                 f"{self.config['world']} steps"
             )
+        if self.window is not None:
+            left, right = self.window
+            lo = "the start" if left is None else f"i-{left}" if left else "i"
+            hi = "the end" if right is None else f"i+{right}" if right else "i"
+            lines.append(
+                f"  window {self.config['window']}: query i sees keys {lo}..{hi}; the ring ran {self.ring_steps} "
+                f"of {self.config['world']} steps"
+            )
         for r in sorted(self.peak_kv_shards):
             lines.append(
                 f"  rank {r}: peak {self.peak_kv_shards[r]} received shards (bound {self.bound_shards}), "
@@ -125,14 +135,19 @@ class SanitizerReport:
             )
         if self.max_error:
             errs = ", ".join(f"{k} {v:.2e}" for k, v in self.max_error.items())
-            masked = " with the document mask" if self.document_lengths is not None else ""
-            lines.append(f"  largest error against float64 SDPA{masked}: {errs}")
+            lines.append(f"  largest error against float64 SDPA{_masked(self.document_lengths, self.window)}: {errs}")
         if self.ok:
             lines.append("  no finding: every access ordered, no reuse hazard, nothing leaked, peaks within bounds")
         else:
             lines.append(f"  {len(self.findings)} finding(s):")
             lines.extend("  " + f.format().replace("\n", "\n  ") for f in self.findings)
         return "\n".join(lines)
+
+
+def _masked(documents: object, window: object) -> str:
+    """`` with the banded document mask`` and the like: which mask the reference had."""
+    kinds = [name for name, on in (("banded", window is not None), ("document", documents is not None)) if on]
+    return f" with the {' '.join(kinds)} mask" if kinds else ""
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -169,6 +184,18 @@ def document_mask(cu: tuple[int, ...], causal: bool) -> torch.Tensor:
     return allowed
 
 
+def window_mask(seq: int, window: tuple[int | None, int | None]) -> torch.Tensor:
+    """Boolean [S, S]: query i may see key j iff ``i - left <= j <= i + right`` (None: unbounded)."""
+    left, right = window
+    i, j = torch.arange(seq).unsqueeze(1), torch.arange(seq).unsqueeze(0)
+    allowed = torch.ones(seq, seq, dtype=torch.bool)
+    if left is not None:
+        allowed &= j >= i - left
+    if right is not None:
+        allowed &= j <= i + right
+    return allowed
+
+
 def _masked_reference(q, k, v, allowed: torch.Tensor, scale: float) -> torch.Tensor:
     """float64 SDPA of [B, S, H, D] inputs under a boolean [S, S] mask (every row sees a key), K/V heads
     repeated for GQA."""
@@ -196,6 +223,7 @@ def sanitize_ring(
     calls: int = 1,
     seed: int = 0,
     documents: int | None = None,
+    window: tuple[int | None, int | None] | None = None,
 ) -> SanitizerReport:
     """Run the ring on ``world`` virtual ranks of the sim device and check every lifetime rule.
 
@@ -211,6 +239,9 @@ def sanitize_ring(
         of a single token where there are two or more): the ring runs with ``RingConfig.documents`` and is
         checked against float64 SDPA under the document mask; the bounds stay the same, since blocks
         with nothing to compute must not change what is alive.
+    :param window: a sliding window ``(left, right)`` (see :func:`xcp.documents.check_window`), alone or with
+        ``documents``: the ring runs only the steps the window needs and is checked against float64 SDPA
+        under the banded (and document) mask, within the same bounds.
     :returns: a :class:`SanitizerReport`; findings of kind race, reuse, leak, bound, capture or numerics.
     """
     _check_int("world", world, 1)
@@ -233,6 +264,9 @@ def sanitize_ring(
         _check_int("documents", documents, 1)
         if batch != 1:
             raise ValueError(f"batch: expected 1 with documents (the packed layout); got {batch}")
+    window = check_window(window, causal)
+    if window is not None and batch != 1:
+        raise ValueError(f"batch: expected 1 with a window (the ring plans it as one packed sequence); got {batch}")
     if seq is None:
         seq = 4 * world
         if documents is not None and documents > seq:  # room for every document, split evenly by the balance
@@ -254,12 +288,17 @@ def sanitize_ring(
     if documents is not None:
         lengths = random_document_lengths(seq, documents, seed)
         cu = tuple(int(x) for x in torch.tensor((0, *lengths)).cumsum(0).tolist())
-        steps = len(document_plan(cu, world, 0, causal, balance).steps)
+    ring_cu = (0, seq) if cu is None and window is not None else cu  # a window is planned over (0, S)
+    if ring_cu is not None:
+        steps = len(document_plan(ring_cu, world, 0, causal, balance, window).steps)
     leaves = [x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v)]
-    if cu is None:
+    if ring_cu is None:
         ref = sdpa_reference(*leaves, causal, scale)
     else:
-        ref = _masked_reference(*leaves, document_mask(cu, causal), scale)
+        allowed = document_mask(ring_cu, causal)
+        if window is not None:
+            allowed &= window_mask(seq, window)
+        ref = _masked_reference(*leaves, allowed, scale)
     refs = {"out": ref.detach()}
     if backward:
         refs.update(zip(("dq", "dk", "dv"), torch.autograd.grad(ref, leaves, dout.double())))
@@ -274,6 +313,8 @@ def sanitize_ring(
         "backward": backward, "dtype": str(dtype).replace("torch.", ""), "heads": heads, "kv_heads": kv_heads,
         "seq": seq, "slots": slots, "calls": calls, "documents": documents,
     }  # fmt: skip
+    if window is not None:
+        config["window"] = ",".join("none" if x is None else str(x) for x in window)
 
     findings: list[Finding] = []
     with Sanitizer() as san:
@@ -282,7 +323,7 @@ def sanitize_ring(
         def rank(group: Any) -> tuple:
             with san.thread(f"rank{group.rank()}"), track_buffers() as ledger:
                 ql, kl, vl, dl = (shard(x, world, group.rank(), balance=balance) for x in (q, k, v, dout))
-                cfg = RingConfig(group, san.backend, causal, scale, balance, slots, handoff, documents=cu)
+                cfg = RingConfig(group, san.backend, causal, scale, balance, slots, handoff, ring_cu, window)
                 for _ in range(calls):
                     out, lse = ring_forward(ql, kl, vl, cfg)
                     grads = ring_backward(dl, ql, kl, vl, out, lse, cfg) if backward else ()
@@ -322,10 +363,8 @@ def sanitize_ring(
     tol = TOLERANCE[dtype]
     for name, err in errors.items():
         if not err <= tol:
-            masked = " with the document mask" if cu is not None else ""
-            findings.append(
-                Finding("numerics", f"{name}: error {err:.3e} against float64 SDPA{masked} exceeds {tol:g}")
-            )
+            against = f"float64 SDPA{_masked(cu, window)}"
+            findings.append(Finding("numerics", f"{name}: error {err:.3e} against {against} exceeds {tol:g}"))
     return SanitizerReport(
         config=config,
         findings=findings,
@@ -337,4 +376,5 @@ def sanitize_ring(
         max_error=errors,
         document_lengths=lengths,
         ring_steps=steps if steps is not None else world,
+        window=window,
     )
