@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import xcp
 from xcp.cli import main
 from xcp.cli.bench import BenchConfig, format_report, ratio, run_bench
 from xcp.cli.common import attention_flops, median
@@ -301,3 +302,70 @@ def test_bench_unparsable_documents_is_a_usage_error(capsys):
     err = capsys.readouterr().err
     assert "--documents: expected longtail:MIN:MAX[:SEED] with integers 1 <= MIN <= MAX" in err
     assert "got 'longtail:512'" in err
+
+
+# --- sliding windows (issue 12): the ring under a window against one whole-sequence windowed call ---
+
+WINDOW_FLAGS = [*DOC_FLAGS, "--seqs", "64", "--worlds", "4"]
+
+
+def test_cli_bench_window_prints_ratio_steps_and_bytes_beside_the_dense_rings(tmp_path, capsys):
+    path = tmp_path / "w.json"
+    code = main([*WINDOW_FLAGS, "--window", "8,0", "--balance", "contiguous", "--compare-dense", "--json", str(path)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "sliding window 8,0 (query i sees keys i-8..i):" in text
+    data = json.loads(path.read_text())
+    (row,) = data["documents"]
+    assert [row[k] for k in ("seq", "world", "causal", "balance", "window")] == [64, 4, True, "contiguous", "8,0"]
+    for mode in ("fwd", "fwd_bwd"):
+        assert row[f"{mode}_check_ok"] and max(row[f"{mode}_errors"].values()) < 1e-12, row[f"{mode}_errors"]
+        assert math.isfinite(row[f"{mode}_ratio"]) and row[f"{mode}_ratio"] > 0
+    # a window of 8 < S/P = 16 under contiguous: 2 of 4 steps; every rank sent what the formula says, measured
+    shard = 2 * 16 * 1 * 4 * 8  # 2·(S/P)·Hkv·D·itemsize, float64
+    assert row["ring_steps"] == 2 and row["sent_ok"]
+    assert row["ring_sent_formula"]["fwd"] == shard and row["ring_sent_formula"]["fwd_bwd"] == shard + shard + 2 * shard
+    assert row["fwd_sent_bytes"] == [{"kv": shard}] * 4
+    assert row["fwd_bwd_sent_bytes"] == [{"kv": 2 * shard, "dkv": 2 * shard}] * 4
+    assert row["dense_sent_formula"] == {"steps": 4, "fwd": 3 * shard, "fwd_bwd": 6 * shard + 4 * shard,
+                                         "kv_shard": shard, "dkv_message": shard}  # fmt: skip
+    (dense,) = data["timing"]  # --compare-dense: the dense ring measured beside, with all P steps
+    assert dense["fwd_bwd_check_ok"] and dense["fwd_bwd_sent_bytes"] == [{"kv": 6 * shard, "dkv": 4 * shard}] * 4
+    line = next(x.split() for x in text.splitlines() if x.strip().startswith("64 "))
+    assert line[:4] == ["64", "4", "causal", "contiguous"] and line[13] == "2/4"
+    assert line[11] == f"{row['fwd_bwd_ratio']:.3f}" and line[15] == f"{dense['fwd_bwd_ratio']:.3f}"
+    assert "  S=64 P=4 causal contiguous: 2 of 4 steps, fwd 1.0 KiB, f+b 4.0 KiB (as measured)" in text
+    assert "dense ring: 4 of 4 steps, fwd 3.0 KiB, f+b 10.0 KiB" in text
+
+
+def test_bench_window_with_documents_and_balance_auto(capsys, tmp_path):
+    path = tmp_path / "wd.json"
+    code = main([*DOC_FLAGS, "--worlds", "4", "--window", "3,none", "--documents", "20,1,30,13", "--balance", "auto",
+                 "--dtype", "float32", "--json", str(path)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    (row,) = json.loads(path.read_text())["documents"]
+    assert row["causal"] and row["window"] == "3,0" and row["documents"] == 4  # R none with a causal mask is 0
+    assert row["balance"] == xcp.choose_balance(4, causal=True, window=(3, 0), cu_seqlens=[0, 20, 21, 51, 64])
+    assert row["fwd_bwd_check_ok"] and row["sent_ok"]
+    assert "over packed documents (4 documents, lengths 20,1,30,13)" in text
+
+
+def test_bench_window_check_is_against_the_windowed_call(monkeypatch, capsys):
+    """The yardstick is the windowed call: given the call without the window instead, the ring (which
+    honours the window) fails its check and the command exits 1."""
+    from xcp.cli import bench
+    from xcp.cli.common import whole_varlen
+
+    monkeypatch.setattr(bench, "whole_window", lambda be, full, cu, causal, w, b: whole_varlen(be, full, cu, causal, b))
+    assert main([*WINDOW_FLAGS, "--window", "5,0"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_bench_window_bytes_are_measured_not_assumed(monkeypatch, capsys):
+    """Were the formula wrong (here: one dK/dV message fewer), the measured bytes would disagree."""
+    from xcp.cli import windows
+
+    monkeypatch.setattr(windows.Traffic, "backward_dkv", property(lambda t: (t.steps - 1) * t.dkv_message))
+    assert main([*WINDOW_FLAGS, "--window", "5,0", "--balance", "contiguous"]) == 1
+    assert "MEASURED OTHERWISE" in capsys.readouterr().out

@@ -350,7 +350,7 @@ def test_plan_documents_fits_100_columns(capsys, world, seq, spec):
          "expected --seq too"),
         (["--documents", "longtail:16:64", "--seq", "100"],
          "--seq: balance 'zigzag' over 4 ranks needs a positive multiple of 8; got 100"),
-        (["--seq", "64"], "--seq: expected only with --documents"),
+        (["--seq", "60"], "--seq: balance 'zigzag' over 4 ranks needs a positive multiple of 8; got 60"),
     ],
 )  # fmt: skip
 def test_plan_bad_documents_name_the_flag_the_expected_and_the_actual(capsys, args, message):
@@ -410,3 +410,175 @@ def test_sanitize_documents_runs_the_ring_over_packed_documents(capsys):
 def test_sanitize_too_many_documents_is_a_clear_error(capsys):
     assert main(["sanitize", "--world", "2", "--seq", "8", "--documents", "9"]) == 2
     assert "documents: expected at most seq=8 documents (each at least 1 token); got 9" in capsys.readouterr().err
+
+
+# --- sliding windows (issue 12): steps and bytes in xcp plan, the sanitizer, clear errors ---
+
+
+def brute_force_steps(seq, world, balance, causal, window, lengths=None):
+    """The fewest steps a ring needs: one more than the last step at which some rank has a (query, key)
+    pair its mask allows, the window, documents and causality all checked pair by pair."""
+    from xcp.schedule import shard_indices
+
+    doc = [d for d, n in enumerate(lengths or [seq]) for _ in range(n)]
+    left, right = (seq if x is None else x for x in window)
+
+    def allowed(i, j):
+        return doc[i] == doc[j] and i - left <= j <= i + right and (not causal or j <= i)
+
+    last = 0
+    for r in range(world):
+        queries = shard_indices(seq, world, r, balance)
+        for step in range(world):
+            keys = shard_indices(seq, world, (r - step) % world, balance)
+            if any(allowed(i, j) for i in queries for j in keys):
+                last = max(last, step)
+    return last + 1
+
+
+def cost_rows(text):
+    """The ring-cost table of xcp plan: {row name: (this ring, dense ring)} with bytes as ints."""
+    import re
+
+    rows = {}
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("ring cost:"))
+    for line in lines[start:]:
+        for name in ("steps", "forward K/V", "backward K/V", "backward dK/dV", "fwd+bwd total"):
+            if line.startswith(f"  {name}  "):
+                cells = line[2 + len(name) :].strip()
+                if name == "steps":
+                    rows[name] = tuple(re.findall(r"(\d+) of \d+", cells))
+                    rows[name] = tuple(map(int, rows[name]))
+                else:  # "448.0 MiB (469762048 B)" or "512 B"
+                    rows[name] = tuple(int(a or b) for a, b in re.findall(r"\((\d+) B\)|(?<![(\d.])(\d+) B", cells))
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("world", "seq", "balance", "causal", "window", "lengths", "dtype"),
+    [
+        (4, 64, "contiguous", True, (8, 0), None, "float32"),  # 2 of 4 steps
+        (4, 64, "zigzag", True, (8, 0), None, "bfloat16"),  # zigzag reaches the far end: all 4
+        (4, 64, "contiguous", True, (0, 0), None, "float64"),  # the own shard only: nothing moves
+        (4, 64, "contiguous", False, (3, 20), None, "float16"),  # two-sided: 3 of 4 steps
+        (8, 64, "stripe", False, (None, 2), None, "float32"),
+        (4, 64, "contiguous", True, (40, None), [5, 1, 30, 28], "float32"),  # documents and a window
+        (3, 48, "contiguous", True, (2, 0), [10, 38], "bfloat16"),
+    ],
+)
+def test_plan_window_steps_are_the_brute_force_minimum_and_bytes_the_formula(
+    capsys, world, seq, balance, causal, window, lengths, dtype
+):
+    from xcp.cli.windows import text_of
+
+    kv_heads, head_dim = 2, 8
+    args = ["plan", "--world", str(world), "--seq", str(seq), "--balance", balance, "--window", text_of(window),
+            "--heads", "4", "--kv-heads", str(kv_heads), "--head-dim", str(head_dim), "--dtype", dtype]  # fmt: skip
+    if causal:
+        args.append("--causal")
+    if lengths:
+        args += ["--documents", ",".join(map(str, lengths))]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    m = brute_force_steps(seq, world, balance, causal, window, lengths)
+    rows = [line.split()[0] for line in text.splitlines() if line[:1].isdigit()]
+    assert rows == [str(i) for i in range(m)] * (len(rows) // m)  # the ring's m steps, no more, in every block
+    cost = cost_rows(text)
+    assert cost["steps"] == (m, world)
+    item = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    acc = 8 if dtype == "float64" else 4
+    shard, message = 2 * (seq // world) * kv_heads * head_dim * item, 2 * (seq // world) * kv_heads * head_dim * acc
+    for col, steps in enumerate((m, world)):  # this ring, then the dense ring
+        assert cost["forward K/V"][col] == (steps - 1) * shard
+        assert cost["backward K/V"][col] == (steps - 1) * shard
+        assert cost["backward dK/dV"][col] == (steps * message if steps > 1 else 0)
+        parts = ("forward K/V", "backward K/V", "backward dK/dV")
+        assert cost["fwd+bwd total"][col] == sum(cost[k][col] for k in parts)
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert f"sliding {text_of(window if not causal else (window[0], 0))}" in text.splitlines()[0]
+    assert "recommends" in text and "<- " in text
+    if m < world:
+        assert f"the ring stops after {m} of {world} steps" in text or m == 1
+
+
+def test_plan_window_the_issues_configuration(capsys):
+    """S = 128K, window 4K, causal, P = 8: contiguous runs 2 of 8 steps and sends a seventh of the dense
+    ring's K/V; zigzag runs all 8; xcp.choose_balance recommends contiguous, and --balance auto takes it."""
+    base = ["plan", "--world", "8", "--causal", "--seq", "131072", "--window", "4096,0"]
+    assert main([*base, "--balance", "auto"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("--balance auto: xcp.choose_balance recommends contiguous\n")
+    assert "ring plan: world 8, causal attention, balance contiguous, sliding 4096,0" in text
+    assert "B banded (sliding-window segments)" in text
+    assert "a K/V shard is 2·(S/P)·Hkv·D·itemsize = 2·16384·8·128·2 (bfloat16) = 64.0 MiB" in text
+    cost = cost_rows(text)
+    assert cost["steps"] == (2, 8)
+    assert cost["forward K/V"] == (64 << 20, 7 * (64 << 20))
+    assert cost["backward dK/dV"] == (2 * (128 << 20), 8 * (128 << 20))
+    assert "  contiguous busiest rank 1.02x the even share, 2 of 8 steps  <- recommended, this plan" in text
+    assert "  zigzag     busiest rank 1.02x the even share, 8 of 8 steps" in text
+    assert main(base) == 0  # zigzag, the default
+    assert cost_rows(capsys.readouterr().out)["steps"] == (8, 8)
+
+
+def test_plan_seq_alone_prints_the_dense_rings_cost(capsys):
+    assert main(["plan", "--world", "4", "--causal", "--seq", "64", "--kv-heads", "1", "--head-dim", "4",
+                 "--dtype", "float32"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "D diagonal" in text and "balance: xcp.choose_balance" not in text
+    cost = cost_rows(text)
+    assert cost["steps"] == (4, 4) and cost["forward K/V"] == (3 * 512, 3 * 512)
+    assert cost["backward dK/dV"] == (4 * 512, 4 * 512)
+
+
+def test_sanitize_window_runs_the_short_ring_and_says_so(capsys):
+    assert main(["sanitize", "--world", "4", "--backward", "--balance", "contiguous", "--window", "3,0"]) == 0
+    text = capsys.readouterr().out
+    assert "window=3,0" in text and "window 3,0: query i sees keys i-3..i; the ring ran 2 of 4 steps" in text
+    assert "with the banded mask: out" in text and "no finding" in text and "bound 4" in text
+    assert main(["sanitize", "--world", "4", "--no-causal", "--documents", "5", "--window", "2,none"]) == 0
+    text = capsys.readouterr().out
+    assert "the ring ran 4 of 4 steps" in text and "with the banded document mask" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["plan", "--world", "4", "--causal", "--seq", "64", "--window", "4,2"],
+         "--window: with a causal mask R must be 0 or none (no query sees a later key); got 4,2"),
+        (["plan", "--world", "4", "--causal", "--seq", "64", "--window", "none,0"],
+         "--window: none,0 with a causal mask bounds nothing: it is the dense ring; leave --window out"),
+        (["plan", "--world", "4", "--seq", "64", "--window", "none,none"],
+         "--window: none,none with no mask bounds nothing"),
+        (["plan", "--world", "4", "--window", "4,0"],
+         "--window: expected --seq (or --documents) too: a window's plan depends on S"),
+        (["plan", "--world", "4", "--window", "4,0", "--seq", "64", "--kv-heads", "3"],
+         "--kv-heads: expected a divisor of --heads 32; got 3"),
+        (["sanitize", "--window", "4,1"], "--window: with a causal mask R must be 0 or none"),
+        (["bench", "--device", "cpu", "--window", "4,1", "--mask", "causal", "--seqs", "16"],
+         "--window: with a causal mask R must be 0 or none"),
+        (["bench", "--device", "cpu", "--window", "4,0", "--batch", "2", "--seqs", "16"],
+         "--batch: expected 1 with --window"),
+        (["bench", "--device", "cpu", "--window", "4,0", "--distributed"],
+         "--window: not measured with --distributed yet; got '4,0'"),
+        (["bench", "--device", "cpu", "--balance", "auto", "--distributed"],
+         "--balance: --distributed measures zigzag only yet; got 'auto'"),
+    ],
+)  # fmt: skip
+def test_bad_window_values_name_the_flag(capsys, args, message):
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"xcp {args[0]}: error: {message}")
+
+
+@pytest.mark.parametrize("tool", ["plan", "sanitize", "bench"])
+@pytest.mark.parametrize("value", ["4", "4,x", "-1,0", "1,2,3", ""])
+def test_unparsable_window_is_a_usage_error(capsys, tool, value):
+    with pytest.raises(SystemExit) as exit_:
+        main([tool, f"--window={value}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: xcp {tool} ")
+    assert "argument --window: expected L,R: keys i-L..i+R for query i, each an integer >= 0 or none" in err
+    assert f"got {value!r}" in err

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from . import bench, bench_dist, plan, run
+from . import bench, bench_dist, plan, run, windows
 from .common import DTYPES, HelpFormatter, Problem, add_problem_flags, positive, quiet_rank
 
 __all__ = ["build_parser", "main"]
@@ -69,11 +69,16 @@ def _add_sanitize(sub) -> None:
                    help="pack the sequence with N documents of random lengths (some of 1 token, drawn from --seed); "
                    "checked against float64 attention under the document mask, within the same bounds")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs and of the document lengths")
+    p.add_argument(windows.FLAG, type=windows.parse_window, metavar="L,R",
+                   help="sliding window: query i sees keys i-L..i+R (none: unbounded; with --causal, the default, R "
+                   "is 0 or none); with --documents too if given. The ring runs only the steps the window needs and "
+                   "is checked against float64 attention under the banded mask, within the same bounds")  # fmt: skip
 
 
 def _cmd_sanitize(args) -> int:
     from ..testing.sanitizer import sanitize_ring
 
+    window = windows.check(args.window, args.causal)
     report = sanitize_ring(
         world=args.world,
         causal=args.causal,
@@ -89,6 +94,7 @@ def _cmd_sanitize(args) -> int:
         calls=args.calls,
         seed=args.seed,
         documents=args.documents,
+        window=window,
     )
     print(report.format())
     return 0 if report.ok else 1
@@ -101,6 +107,10 @@ def _add_bench(sub) -> None:
 def _cmd_bench(args) -> int:
     if args.distributed and args.documents is not None:
         raise ValueError(f"--documents: not measured with --distributed yet; got {args.documents.text!r}")
+    if args.distributed and args.window is not None:
+        raise ValueError(f"--window: not measured with --distributed yet; got {windows.text_of(args.window)!r}")
+    if args.distributed and args.balance != "zigzag":
+        raise ValueError(f"--balance: --distributed measures zigzag only yet; got {args.balance!r}")
     return (bench_dist if args.distributed else bench).command(args)
 
 

@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
+from .. import schedule
 from ..comm import LocalWorld, SingleRank
 from ..documents import document_plan
 from ..lifetime import track_buffers
 from ..ring import RingConfig, ring_backward, ring_forward
-from . import packing
+from . import packing, windows
 from .common import (
     DTYPES,
     MEASUREMENT_FLAGS,
@@ -40,6 +41,7 @@ from .common import (
     check_memory,
     device_peak,
     error,
+    human_bytes,
     measurement_args,
     median,
     positive,
@@ -49,6 +51,7 @@ from .common import (
     tool_backend,
     whole_kernel,
     whole_varlen,
+    whole_window,
     write_json,
 )
 
@@ -67,7 +70,25 @@ class BenchConfig(Measurement):
     """``--documents`` as given (lengths, or ``longtail:MIN:MAX[:SEED]``): time the ring over packed documents
     against one whole-sequence varlen call instead of the dense figures; None: the dense bench."""
     compare_dense: bool = False
-    """With ``documents``: also time the dense ring at the same S, P and masks (its ratio is printed beside)."""
+    """With ``documents`` or ``window``: also time the dense ring at the same S, P and masks (its ratio is
+    printed beside)."""
+    window: str | None = None
+    """``--window`` as given (``L,R``): time the ring under the sliding window (over ``documents`` if given)
+    against one whole-sequence windowed varlen call, with the steps and bytes sent per rank; None: no window."""
+
+    def window_sides(self) -> tuple[int | None, int | None] | None:
+        if self.window is None:
+            return None
+        try:
+            return windows.parse_window(self.window)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"{windows.FLAG}: {exc}") from None
+
+    def balance_for(self, world: int, causal: bool, cu: tuple[int, ...] | None = None, seq: int | None = None) -> str:
+        """The balance of one figure: ``balance``, or with ``auto`` what xcp.choose_balance recommends for it
+        (``cu``: the documents, if any; ``seq``: S, with a window)."""
+        window = windows.check(self.window_sides(), causal)
+        return windows.resolve_balance(self.balance, world, causal, window, cu, seq)
 
     def document_spec(self) -> packing.DocumentSpec | None:
         if self.documents is None:
@@ -79,13 +100,23 @@ class BenchConfig(Measurement):
 
     def validate(self) -> None:
         """Raise a ValueError naming the first field that cannot be measured."""
+        if self.balance not in windows.BALANCE_CHOICES:
+            raise ValueError(f"--balance: expected one of {', '.join(windows.BALANCE_CHOICES)}; got {self.balance!r}")
+        split_by = windows.check_balance(self.balance)  # auto: at least a multiple of P
+        window = self.window_sides()
+        if window is not None:
+            for causal in self.causal:
+                windows.check(window, causal)
+            if self.batch != 1:
+                raise ValueError(f"--batch: expected 1 with --window (the ring plans it as one packed sequence); "
+                                 f"got {self.batch}")  # fmt: skip
         spec = self.document_spec()
         if spec is not None:  # first, so that a sum the balance cannot split is named by --documents
             if self.batch != 1:
                 raise ValueError(f"--batch: expected 1 with --documents (the packed layout); got {self.batch}")
             for s in self.seqs:
                 for p in self.worlds:
-                    packing.resolve_lengths(spec, s, p, self.balance, "--seqs")
+                    packing.resolve_lengths(spec, s, p, split_by, "--seqs")
         for name in ("seqs", "worlds", "memory_worlds"):
             values = getattr(self, name)
             if not values or any(not isinstance(v, int) or v < 1 for v in values):
@@ -101,8 +132,12 @@ class BenchConfig(Measurement):
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}; got {self.dtype!r}")
         for s in self.seqs:
             for p in self.worlds:
-                if s % (2 * p):
+                if split_by == "zigzag" and s % (2 * p):
                     raise ValueError(f"seqs: {s} is not a multiple of 2 x world {p} (zigzag needs it)")
+                if s % schedule.required_multiple(p, split_by):
+                    multiple = schedule.required_multiple(p, split_by)
+                    raise ValueError(f"seqs: {s} is not a multiple of {multiple} (balance {self.balance!r} over {p} "
+                                     "ranks needs it)")  # fmt: skip
 
 
 def ratio(ring_seconds: float, reference_seconds: float) -> float:
@@ -124,11 +159,16 @@ class VirtualRing:
         balance: str,
         slots="bounded",
         documents: tuple[int, ...] | None = None,
+        window: tuple[int, int | None] | None = None,
     ):
         from ..api import shard
 
         self.backend, self.world_size, self.causal, self.balance, self.slots = backend, world, causal, balance, slots
-        self.documents = documents
+        self.window = window
+        seq = full[0].shape[1]
+        self.documents = (0, seq) if documents is None and window is not None else documents  # a window needs them
+        self.sent: list[dict[str, int]] = [{} for _ in range(world)]
+        """Bytes each rank sent in the last run, per tag (``kv``, ``dkv``)."""
         self.device = full[0].device
         self.world = LocalWorld(world, device=self.device)
         self.shards = [tuple(shard(x, world, r, balance=balance) for x in full) for r in range(world)]
@@ -141,7 +181,9 @@ class VirtualRing:
         stream = self.streams[group.rank()]
         be.wait_stream(stream, main_stream)
         q, k, v, dout = self.shards[group.rank()]
-        cfg = RingConfig(group, be, self.causal, self.scale, self.balance, self.slots, documents=self.documents)
+        comm = _Counted(group, self.sent[group.rank()])
+        cfg = RingConfig(comm, be, self.causal, self.scale, self.balance, self.slots, documents=self.documents,
+                         window=self.window)  # fmt: skip
         with be.stream_context(stream), track_buffers() as ledger:
             out, lse = ring_forward(q, k, v, cfg)
             grads = ring_backward(dout, q, k, v, out, lse, cfg) if backward else None
@@ -151,10 +193,35 @@ class VirtualRing:
     def run(self, backward: bool) -> list[Any]:
         """One forward (and backward) of every rank; the caller's stream waits for all of them."""
         main = self.backend.current_stream(self.device)
+        for sent in self.sent:
+            sent.clear()
         results = self.world.run(self._rank, backward, main)
         for stream, _, _ in results:
             self.backend.wait_stream(main, stream)
         return results
+
+
+class _Counted:
+    """A rank's communicator that adds up the bytes it sends, per tag, into ``sent``; the rest is the
+    wrapped communicator's (the ring needs rank, size, rank_store and exchange)."""
+
+    def __init__(self, comm, sent: dict[str, int]) -> None:
+        self._comm, self.sent = comm, sent
+        self.ranks_are_threads = comm.ranks_are_threads
+
+    def rank(self) -> int:
+        return self._comm.rank()
+
+    def size(self) -> int:
+        return self._comm.size()
+
+    def rank_store(self) -> dict:
+        return self._comm.rank_store()
+
+    def exchange(self, sends, recvs, tag, backend, step=None):
+        for tensor, _peer in sends:
+            self.sent[tag] = self.sent.get(tag, 0) + tensor.numel() * tensor.element_size()
+        return self._comm.exchange(sends, recvs, tag, backend, step)
 
 
 def check_againstwhole_kernel(ring: VirtualRing, results, whole_out, whole_grads) -> dict[str, float]:
@@ -204,7 +271,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, checkpoint: str | None = 
     """
     cfg.validate()
     backend, device = tool_backend(cfg.device, 0)
-    if cfg.documents is not None:
+    if cfg.documents is not None or cfg.window is not None:
         return _run_documents(cfg, backend, device, progress, checkpoint)
     check_memory(backend, device, *estimate_bytes(cfg, device.type))
     clock = Clock(backend, device)
@@ -251,8 +318,9 @@ def _meta(cfg: BenchConfig, backend, device: torch.device) -> dict[str, Any]:
 
 def _time_one(cfg, backend, clock, device, seq, world, causal) -> dict[str, Any]:
     full = random_inputs(cfg, seq, device)
-    ring = VirtualRing(backend, world, full, causal, cfg.balance)
-    row: dict[str, Any] = {"seq": seq, "world": world, "causal": causal}
+    balance = windows.resolve_balance(cfg.balance, world, causal, None, None)  # dense: auto is zigzag
+    ring = VirtualRing(backend, world, full, causal, balance)
+    row: dict[str, Any] = {"seq": seq, "world": world, "causal": causal, "balance": balance}
     flops = {b: attention_flops(cfg.batch, seq, cfg.heads, cfg.head_dim, causal, b) for b in (False, True)}
     return _measure(cfg, clock, ring, lambda b: whole_kernel(backend, full, causal, b), flops, row)
 
@@ -279,6 +347,7 @@ def _measure(cfg, clock, ring: VirtualRing, whole: Callable[[bool], Any], flops:
         row[f"{mode}_ring_s"] = median(ring_t)
         row[f"{mode}_ratio"] = ratio(row[f"{mode}_ring_s"], row[f"{mode}_ref_s"])
         row[f"{mode}_ring_tflops"] = flops[backward] / row[f"{mode}_ring_s"] / 1e12
+        row[f"{mode}_sent_bytes"] = [dict(sent) for sent in ring.sent]  # per rank and tag, in the last run
     return row
 
 
@@ -291,11 +360,14 @@ def estimate_documents_bytes(cfg: BenchConfig, device_type: str) -> tuple[int, s
     problem = Problem(cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dtype)
     spec = cfg.document_spec()
     seq, world = max(cfg.seqs), max(cfg.worlds)
-    longest = min(seq, max(spec.lengths) if spec.lengths is not None else spec.high)
+    if spec is None:  # a window over one sequence: the whole-sequence call is one segment of S
+        longest = seq
+    else:
+        longest = min(seq, max(spec.lengths) if spec.lengths is not None else spec.high)
     acc = 8 if cfg.dtype == "float64" else 4
-    scores = 4 * cfg.heads * longest**2 * acc * world if quadratic else 0
+    scores = 4 * cfg.heads * longest**2 * acc * max(world, 2) if quadratic else 0
     needed = attention_bytes(problem, seq, 1, False) + scores
-    what = f"fwd+bwd over documents of up to {longest} tokens at S={seq}, P={world}"
+    what = f"fwd+bwd over {'documents' if spec else 'segments'} of up to {longest} tokens at S={seq}, P={world}"
     if cfg.compare_dense:
         dense = attention_bytes(problem, seq, 1, quadratic)
         if dense > needed:
@@ -304,8 +376,9 @@ def estimate_documents_bytes(cfg: BenchConfig, device_type: str) -> tuple[int, s
 
 
 def _run_documents(cfg: BenchConfig, backend, device, progress: bool, checkpoint: str | None) -> dict[str, Any]:
-    """The figures of ``--documents``: per (S, P, mask) the ring over packed documents against one
-    whole-sequence varlen call, each rank's share of the work, and (``compare_dense``) the dense ring."""
+    """The figures of ``--documents`` and/or ``--window``: per (S, P, mask) the ring over packed documents
+    (under the window) against one whole-sequence varlen call, each rank's share of the work, the steps and
+    bytes sent per rank, and (``compare_dense``) the dense ring."""
     check_memory(backend, device, *estimate_documents_bytes(cfg, device.type))
     clock = Clock(backend, device)
     spec = cfg.document_spec()
@@ -317,7 +390,8 @@ def _run_documents(cfg: BenchConfig, backend, device, progress: bool, checkpoint
             for world in cfg.worlds:
                 mask = "causal" if causal else "full"
                 row = (cfg, backend, clock, device, seq, world, causal, spec)
-                work.append((f"documents S={seq} P={world} {mask}",
+                what = "window" if cfg.window is not None else "documents"
+                work.append((f"{what} S={seq} P={world} {mask}",
                              lambda r=row: report["documents"].append(_time_documents(*r))))  # fmt: skip
                 if cfg.compare_dense:
                     row = (cfg, backend, clock, device, seq, world, causal)
@@ -335,32 +409,52 @@ def _run_documents(cfg: BenchConfig, backend, device, progress: bool, checkpoint
 
 
 def _time_documents(cfg, backend, clock, device, seq, world, causal, spec) -> dict[str, Any]:
-    lengths = spec.draw(seq)
+    lengths = (seq,) if spec is None else spec.draw(seq)
     cu = packing.boundaries(lengths)
+    window = windows.check(cfg.window_sides(), causal)
+    balance = cfg.balance_for(world, causal, None if spec is None else cu, seq)
     full = random_inputs(cfg, seq, device)
-    ring = VirtualRing(backend, world, full, causal, cfg.balance, documents=cu)
-    pairs = packing.rank_pairs(cu, world, causal, cfg.balance)
+    ring = VirtualRing(backend, world, full, causal, balance, documents=None if spec is None else cu, window=window)
+    pairs = windows.rank_pairs(cu, world, causal, balance, window)
     total = sum(pairs)
+    steps = len(document_plan(cu, world, 0, causal, balance, window).steps)
     row: dict[str, Any] = {
         "seq": seq,
         "world": world,
         "causal": causal,
-        "documents": len(lengths),
+        "balance": balance,
+        "documents": len(lengths) if spec is not None else None,
         "longest": max(lengths),
         "shortest": min(lengths),
-        "ring_steps": len(document_plan(cu, world, 0, causal, cfg.balance).steps),
+        "ring_steps": steps,
         "work_pairs": pairs,
         "work_share": [p / total for p in pairs],
         "work_max_over_mean": packing.max_over_mean(pairs),
     }
+    dtype = full[0].dtype
+    for name, m in (("ring", steps), ("dense", world)):  # what each rank sends, by the formula
+        t = windows.traffic(seq, world, m, cfg.kv_heads, cfg.head_dim, dtype, cfg.batch)
+        row[f"{name}_sent_formula"] = {"steps": m, "fwd": t.forward, "fwd_bwd": t.total, "kv_shard": t.kv_shard,
+                                       "dkv_message": t.dkv_message}  # fmt: skip
     flops = {b: 4.0 * cfg.heads * cfg.head_dim * total * (3.5 if b else 1.0) for b in (False, True)}
-    return _measure(cfg, clock, ring, lambda b: whole_varlen(backend, full, cu, causal, b), flops, row)
+    if window is None:
+        return _measure(cfg, clock, ring, lambda b: whole_varlen(backend, full, cu, causal, b), flops, row)
+    row["window"] = windows.text_of(window)
+    row["recommended"] = windows.resolve_balance(windows.AUTO, world, causal, window, None if spec is None else cu, seq)
+    row["recommended_steps"] = windows.ring_steps(cu, world, causal, row["recommended"], window)
+    row = _measure(cfg, clock, ring, lambda b: whole_window(backend, full, cu, causal, window, b), flops, row)
+    formula = row["ring_sent_formula"]
+    row["sent_ok"] = all(  # every rank sent what the formula says, in the last forward and fwd+bwd runs
+        sum(sent.values()) == formula[mode] for mode in ("fwd", "fwd_bwd") for sent in row[f"{mode}_sent_bytes"]
+    )
+    return row
 
 
 def _memory_one(cfg, backend, device, world, policy) -> dict[str, Any]:
     seq = cfg.memory_seq - cfg.memory_seq % (2 * world)
     full = random_inputs(cfg, seq, device)
-    ring = VirtualRing(backend, world, full, True, cfg.balance, policy)
+    balance = windows.resolve_balance(cfg.balance, world, True, None, None)
+    ring = VirtualRing(backend, world, full, True, balance, policy)
     device_bytes = device_peak(backend, device, lambda: ring.run(backward=True))
     shard_bytes = 2 * full[1].numel() * full[1].element_size() // world
     row = {
@@ -384,7 +478,8 @@ def _graph_one(cfg, backend, clock, device) -> dict[str, Any] | None:
         return None
     seq = min(cfg.seqs)
     q, k, v, _ = random_inputs(cfg, seq, device)
-    rcfg = RingConfig(SingleRank(), backend, True, 1.0 / math.sqrt(cfg.head_dim), cfg.balance)
+    balance = windows.resolve_balance(cfg.balance, 1, True, None, None)
+    rcfg = RingConfig(SingleRank(), backend, True, 1.0 / math.sqrt(cfg.head_dim), balance)
     side, main = backend.new_stream(device), backend.current_stream(device)
     backend.wait_stream(side, main)
     with backend.stream_context(side):  # warm up off the capture stream
@@ -420,8 +515,14 @@ def _header(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def _row_ok(r: dict[str, Any]) -> bool:
+    """The row's checks passed: out and grads against the yardstick, and (with a window) the bytes each rank
+    sent against the formula."""
+    return all(r.get(f"{m}_check_ok", True) for m in ("fwd", "fwd_bwd")) and r.get("sent_ok", True)
+
+
 def _check_text(r: dict[str, Any]) -> str:
-    ok = all(r.get(f"{m}_check_ok", True) for m in ("fwd", "fwd_bwd"))
+    ok = _row_ok(r)
     worst = max([e for m in ("fwd", "fwd_bwd") for e in r.get(f"{m}_errors", {}).values()] or [float("nan")])
     return f"{'ok' if ok else 'FAIL'} ({worst:.1e})"
 
@@ -463,8 +564,78 @@ def _format_documents(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _format_windows(report: dict[str, Any]) -> list[str]:
+    """The table of the ring under a sliding window (over documents, if any) against one whole-sequence
+    windowed call, then the steps and bytes each rank sends, next to the dense ring's."""
+    dense = {(r["seq"], r["world"], r["causal"]): r for r in report["timing"]}
+    c = report["meta"]["config"]
+    window = windows.parse_window(c["window"])
+    over = f" over packed documents ({packing.parse_documents(c['documents']).describe()})" if c["documents"] else ""
+    lines = [
+        f"sliding {windows.describe(window)}{over}:",
+        "ring of P virtual ranks vs one whole-sequence windowed varlen call (forward_varlen/backward_varlen)",
+        "",
+        f"{'S':>8} {'P':>3} {'mask':>6} {'balance':>10} | {'fwd ref ms':>10} {'fwd ring ms':>11} {'ratio':>6} | "
+        f"{'f+b ref ms':>10} {'f+b ring ms':>11} {'ratio':>6} | {'steps':>5}"
+        + (f" | {'dense f+b':>9}" if dense else "")
+        + " | check",
+    ]
+    for r in report["documents"]:
+        d = dense.get((r["seq"], r["world"], r["causal"]))
+        lines.append(
+            f"{r['seq']:>8} {r['world']:>3} {'causal' if r['causal'] else 'full':>6} {r['balance']:>10} | "
+            f"{r['fwd_ref_s'] * 1e3:>10.2f} {r['fwd_ring_s'] * 1e3:>11.2f} {r['fwd_ratio']:>6.3f} | "
+            f"{r['fwd_bwd_ref_s'] * 1e3:>10.2f} {r['fwd_bwd_ring_s'] * 1e3:>11.2f} {r['fwd_bwd_ratio']:>6.3f} | "
+            f"{str(r['ring_steps']) + '/' + str(r['world']):>5}"
+            + (f" | {d['fwd_bwd_ratio']:>9.3f}" if d else " | " + " " * 9 if dense else "")
+            + f" | {_check_text(r)}"
+        )
+    first = report["documents"][0]["ring_sent_formula"] if report["documents"] else None
+    lines += [
+        "",
+        "steps and bytes sent per rank, this ring and the dense ring (all P steps, no window): a K/V shard is",
+        "2·(S/P)·Hkv·D·itemsize; forward m-1 K/V shards; backward m-1 K/V shards and m dK/dV messages",
+        f"(2·(S/P)·Hkv·D in the accumulator dtype{'' if c['dtype'] == 'float64' else ', float32'})"
+        + (f"; at the first row a K/V shard is {human_bytes(first['kv_shard'])}" if first else ""),
+    ]
+    for r in report["documents"]:
+        ring, dense_f = r["ring_sent_formula"], r["dense_sent_formula"]
+        measured = (
+            "as measured"
+            if r.get("sent_ok")
+            else "MEASURED OTHERWISE: "
+            + ", ".join(
+                human_bytes(max(sum(s.values()) for s in r[f"{mode}_sent_bytes"])) for mode in ("fwd", "fwd_bwd")
+            )
+        )
+        lines.append(
+            f"  S={r['seq']} P={r['world']} {'causal' if r['causal'] else 'full'} {r['balance']}: {ring['steps']} of "
+            f"{r['world']} steps, fwd {human_bytes(ring['fwd'])}, f+b {human_bytes(ring['fwd_bwd'])} ({measured})"
+        )
+        lines.append(
+            f"  {'':<{len(str(r['seq'])) + len(str(r['world'])) + 5}}dense ring: {dense_f['steps']} of {r['world']} "
+            f"steps, fwd {human_bytes(dense_f['fwd'])}, f+b {human_bytes(dense_f['fwd_bwd'])}"
+        )
+        if r.get("recommended", r["balance"]) != r["balance"]:
+            lines.append(
+                f"  {'':<{len(str(r['seq'])) + len(str(r['world'])) + 5}}xcp.choose_balance recommends "
+                f"{r['recommended']} ({r['recommended_steps']} of {r['world']} steps): --balance auto"
+            )
+    lines += ["", "work per rank (pairs computed; max/mean, 1 = balanced):"]
+    for r in report["documents"]:
+        docs = f", {r['documents']} documents of {r['shortest']}..{r['longest']}" if r["documents"] else ""
+        lines.append(f"  S={r['seq']} P={r['world']} {'causal' if r['causal'] else 'full'}: max/mean "
+                     f"{r['work_max_over_mean']:.3f}{docs}")  # fmt: skip
+    if dense:
+        lines += ["", "dense f+b: the f+b ratio of the ring without window or documents (same S, P, mask; the balance "
+                  "given, zigzag for auto)"]  # fmt: skip
+    return lines
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The human-readable tables of a report."""
+    if report.get("documents") is not None and report["meta"]["config"].get("window") is not None:
+        return "\n".join(_header(report) + _format_windows(report))
     if report.get("documents") is not None:
         return "\n".join(_header(report) + _format_documents(report))
     lines = [
@@ -557,8 +728,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--seqs", type=positive_list, default=None, help=size_help("seqs", "comma-separated sequence lengths")
     )
     p.add_argument("--worlds", type=positive_list, default=d.worlds, help="comma-separated virtual rank counts")
-    p.add_argument("--mask", choices=tuple(MASKS), default="both", help="which masks to time")
+    p.add_argument(
+        "--mask",
+        choices=tuple(MASKS),
+        default=None,
+        help="which masks to time (default: both; with --window, causal when R is 0 or none, else full)",
+    )
     add_problem_flags(p, d, [n for n in MEASUREMENT_FLAGS if n not in SIZE_FLAGS])
+    p.add_argument("--balance", choices=windows.BALANCE_CHOICES, default=d.balance, help=windows.BALANCE_HELP)
     for name in ("heads", "kv_heads", "head_dim", "dtype"):
         p.add_argument("--" + name.replace("_", "-"), default=None, **_size_flag(name))
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed runs before the timed ones")
@@ -577,8 +754,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "figures: document lengths summing to S (then --seqs may be left out), or lengths drawn log-uniformly "
         "in [MIN, MAX] (seeded, default seed 0) to fill each of --seqs, the last one trimmed",
     )  # fmt: skip
+    p.add_argument(
+        windows.FLAG, type=windows.parse_window, metavar="L,R",
+        help="time the ring under a sliding window (query i sees keys i-L..i+R; none: unbounded; with a causal "
+        "mask R is 0 or none), over --documents if given, against one whole-sequence windowed varlen call, with "
+        "the steps the ring runs and the K/V and dK/dV bytes each rank sends beside the dense ring's",
+    )  # fmt: skip
     p.add_argument("--compare-dense", action="store_true",
-                   help="with --documents: also time the dense ring at the same S, P and masks")  # fmt: skip
+                   help="with --documents or --window: also time the dense ring at the same S, P, masks")  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw ratio vs S and memory vs P")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -613,11 +796,19 @@ def positive_list(text: str) -> list[int]:
 
 def _document_sizes(args: argparse.Namespace) -> None:
     """With --documents: --seqs defaults to the sum of explicit lengths (and must be it when given), and the
-    memory figure's length, which documents do not use, is left out of the size defaults."""
+    memory figure's length, which documents and windows do not use, is left out of the size defaults. With
+    --window, --mask defaults to causal where R is 0 or none, else to full."""
     spec = args.documents
-    if args.compare_dense is True and spec is None:
-        raise ValueError("--compare-dense: expected together with --documents (the dense bench is the default)")
+    if args.mask is None:
+        right = None if args.window is None else args.window[1]
+        args.mask = "both" if args.window is None else "causal" if right in (0, None) else "full"
+    if args.compare_dense is True and spec is None and args.window is None:
+        raise ValueError(
+            "--compare-dense: expected together with --documents or --window (the dense bench is the default)"
+        )
     if spec is None:
+        if args.window is not None and args.memory_seq is None:
+            args.memory_seq = max(args.seqs or [1])
         return
     if spec.lengths is not None:
         if args.seqs is None:
@@ -649,6 +840,8 @@ def command(args: argparse.Namespace) -> int:
         check=args.check,
         documents=None if args.documents is None else args.documents.text,
         compare_dense=args.compare_dense,
+        window=None if args.window is None else windows.text_of(args.window),
+        balance=args.balance,
         **measurement_args(args),
     )
     report = run_bench(cfg, progress=not args.quiet, checkpoint=args.json)
@@ -660,5 +853,5 @@ def command(args: argparse.Namespace) -> int:
         plot_report(report, args.plot)
         print(f"plot written to {args.plot}")
     rows = report["timing"] + report.get("documents", [])
-    failed = [r for r in rows if not all(r.get(f"{m}_check_ok", True) for m in ("fwd", "fwd_bwd"))]
+    failed = [r for r in rows if not _row_ok(r)]
     return 1 if failed else 0

@@ -290,6 +290,23 @@ def whole_varlen(backend, full: Sequence[torch.Tensor], cu: tuple[int, ...], cau
     return out, grads
 
 
+def whole_window(backend, full: Sequence[torch.Tensor], cu: tuple[int, ...], causal: bool, window, backward: bool):
+    """The backend's varlen kernel on the whole sequence under a sliding ``window`` ``(left, right)`` (None:
+    unbounded), one call for the forward and one for the backward over documents ``cu`` (``(0, S)``: one
+    sequence): ``(out, (dq, dk, dv) or None)``, the yardstick of the benchmarks with a window. Each document
+    is one square segment, so the bottom-right aligned band ``(left, 0)`` without a causal mask is the causal
+    window, and an unbounded side is the sequence's length."""
+    q, k, v, dout = full
+    seq = q.shape[1]
+    scale = 1.0 / q.shape[-1] ** 0.5
+    left, right = window
+    band = (seq if left is None else min(left, seq), 0 if causal else seq if right is None else min(right, seq))
+    out, lse = backend.forward_varlen(q, k, v, cu, cu, False, scale, window=band)
+    if not backward:
+        return out, None
+    return out, backend.backward_varlen(dout, q, k, v, out.to(q.dtype), lse, cu, cu, False, scale, window=band)
+
+
 class Error(NamedTuple):
     max_abs: float
     rel: float  # ||got - ref|| / ||ref|| in the 2-norm

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from .. import schedule
 from ..documents import document_plan
-from . import packing
-from .common import Problem, add_problem_flags, positive, pyplot
+from . import packing, windows
+from .common import DTYPES, Problem, add_problem_flags, human_bytes, positive, pyplot
 
 WIDTH = 100
 """Columns the table keeps within; wider worlds are printed in blocks of ranks."""
@@ -94,11 +94,12 @@ def plan_table(world_size: int, causal: bool, balance: str, width: int = WIDTH) 
 
 
 # ---------------------------------------------------------------------------------------- packed documents
-EMPTY, CAUSAL, MIXED = "empty", "causal", "mixed"
-DOCUMENT_KINDS = {EMPTY: "x", schedule.FULL: "F", CAUSAL: "C", MIXED: "M"}
-"""Block kinds with documents: nothing to compute, only unmasked segments, only square-causal ones, both."""
+EMPTY, CAUSAL, BAND, MIXED = "empty", "causal", "band", "mixed"
+DOCUMENT_KINDS = {EMPTY: "x", schedule.FULL: "F", CAUSAL: "C", BAND: "B", MIXED: "M"}
+"""Block kinds with documents or a window: nothing to compute, only unmasked segments, only square-causal
+ones, only banded ones (a sliding window), more than one of these."""
 KIND_NOTES = {EMPTY: "empty", schedule.FULL: "full (unmasked segments)", CAUSAL: "causal (square-causal segments)",
-              MIXED: "mixed (both)"}  # fmt: skip
+              BAND: "banded (sliding-window segments)", MIXED: "mixed (several kinds)"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -118,17 +119,20 @@ class DocumentBlock:
 
 
 def _block_kind(runs) -> str:
-    masks = {r.causal for r in runs}
-    if not masks:
+    kinds = {BAND if r.band is not None else CAUSAL if r.causal else schedule.FULL for r in runs}
+    if not kinds:
         return EMPTY
-    return MIXED if len(masks) > 1 else CAUSAL if True in masks else schedule.FULL
+    return MIXED if len(kinds) > 1 else kinds.pop()
 
 
-def document_blocks(cu: tuple[int, ...], world_size: int, causal: bool, balance: str) -> list[list[DocumentBlock]]:
-    """``[step][rank]``: the :class:`DocumentBlock` of every cell of the ring over documents ``cu``, for the
-    steps the ring runs (all P, or fewer where every rank's later blocks are empty)."""
+def document_blocks(
+    cu: tuple[int, ...], world_size: int, causal: bool, balance: str, window: tuple | None = None
+) -> list[list[DocumentBlock]]:
+    """``[step][rank]``: the :class:`DocumentBlock` of every cell of the ring over documents ``cu`` (``(0, S)``
+    for one sequence) under an optional sliding ``window``, for the steps the ring runs (all P, or fewer
+    where every rank's later blocks are empty)."""
     local = cu[-1] // world_size
-    plans = [document_plan(cu, world_size, r, causal, balance) for r in range(world_size)]
+    plans = [document_plan(cu, world_size, r, causal, balance, window) for r in range(world_size)]
     steps = len(plans[0].steps)
     return [
         [
@@ -159,11 +163,26 @@ def _ring_end(m: int, world_size: int) -> list[str]:
     ]
 
 
-def document_table(cu: tuple[int, ...], world_size: int, causal: bool, balance: str, width: int = WIDTH) -> str:
-    """The step x rank table of a ring over packed documents ``cu`` (global boundaries): per cell the source
-    shard, the block kind, kernel calls / document segments and the share of a full block; per rank the
-    total work and calls; then the balance of the work over ranks (max / mean)."""
-    blocks = document_blocks(cu, world_size, causal, balance)
+def _wrap(head: str, items: list[str], width: int) -> list[str]:
+    """``head`` and the comma-separated ``items``, over as many lines as ``width`` needs."""
+    lines, line = [], head
+    for i, item in enumerate(items):
+        text = item + ("," if i < len(items) - 1 else "")
+        if len(line) + len(text) + 1 > width and line.strip():
+            lines.append(line.rstrip())
+            line = " " * len(head)
+        line += text + " "
+    return [*lines, line.rstrip()]
+
+
+def document_table(
+    cu: tuple[int, ...], world_size: int, causal: bool, balance: str, width: int = WIDTH, window: tuple | None = None
+) -> str:
+    """The step x rank table of a ring over packed documents ``cu`` (global boundaries; ``(0, S)``: one
+    sequence, with a ``window``): per cell the source shard, the block kind, kernel calls / segments and the
+    share of a full block; per rank the total work and calls; then the balance of the work over ranks
+    (max / mean)."""
+    blocks = document_blocks(cu, world_size, causal, balance, window)
     m = len(blocks)
     ring = _plans(world_size, causal, balance, m)  # who sends to whom: the ring's m steps
     peers = [_ring_peers([p.steps[i] for p in ring], world_size) for i in range(m)]
@@ -178,22 +197,58 @@ def document_table(cu: tuple[int, ...], world_size: int, causal: bool, balance: 
              for r in range(world_size)]  # fmt: skip
     dense_work = [sum(s.work for s in p.steps) for p in _plans(world_size, causal, balance)]
     lengths = packing.lengths_of(cu)
+    packed = window is None or len(lengths) > 1
     kinds = [k for k in DOCUMENT_KINDS if any(b.kind == k for row in blocks for b in row)]
     mean = sum(work) / world_size
+    without = " or ".join(name for name, on in (("documents", packed), ("window", window is not None)) if on)
+    per_rank = f"S = {cu[-1]} tokens ({cu[-1] // world_size} per rank)"
     lines = [
-        f"ring plan: world {world_size}, {'causal' if causal else 'full'} attention, balance {balance}, "
-        f"{len(lengths)} packed documents",
-        f"documents: S = {cu[-1]} tokens ({cu[-1] // world_size} per rank), lengths {packing.abbreviate(lengths, 6)}",
-        "cell: <source shard><block kind> <kernel calls>/<document segments> <share of a full block>",
-        "block kinds: " + ", ".join(f"{DOCUMENT_KINDS[k]} {KIND_NOTES[k]}" for k in kinds),
+        f"ring plan: world {world_size}, {'causal' if causal else 'full'} attention, balance {balance}"
+        + (f", {len(lengths)} packed documents" if packed else "")
+        + (f", sliding {windows.text_of(window)}" if window is not None else ""),
+        *([f"documents: {per_rank}, lengths {packing.abbreviate(lengths, 6)}"] if packed else []),
+        *([f"{windows.describe(window)}" + ("" if packed else f", {per_rank}")] if window is not None else []),
+        f"cell: <source shard><block kind> <kernel calls>/<{'document ' if packed else ''}segments> "
+        "<share of a full block>",
+        *_wrap("block kinds: ", [f"{DOCUMENT_KINDS[k]} {KIND_NOTES[k]}" for k in kinds], width),
         PEERS_NOTE,
         *_grid(cells, peers, [("total", [f"{w:.2f}" for w in work]), ("calls", calls)], width),
         "",
         f"work per rank: max {max(work):.3f}, mean {mean:.3f}, max/mean {packing.max_over_mean(work):.3f} "
-        f"(1 = balanced; {packing.max_over_mean(dense_work):.3f} without documents)",
+        f"(1 = balanced; {packing.max_over_mean(dense_work):.3f} without {without})"
+        if window is None or not packed
+        else f"work per rank: max {max(work):.3f}, mean {mean:.3f}, max/mean {packing.max_over_mean(work):.3f} "
+        f"(1 = balanced; dense {packing.max_over_mean(dense_work):.3f})",
         *_ring_end(m, world_size),
     ]
     return "\n".join(line.rstrip() for line in lines)
+
+
+# ---------------------------------------------------------------------------------------- steps and bytes
+def cost_lines(seq: int, world_size: int, steps: int, kv_heads: int, head_dim: int, dtype: str) -> list[str]:
+    """What a ring of ``steps`` of ``world_size`` steps over ``seq`` tokens costs each rank in bytes sent,
+    next to the dense ring's (all P steps), and how they are counted (see :mod:`xcp.cli.windows`)."""
+    torch_dtype = DTYPES[dtype]
+    ring = windows.traffic(seq, world_size, steps, kv_heads, head_dim, torch_dtype)
+    dense = windows.traffic(seq, world_size, world_size, kv_heads, head_dim, torch_dtype)
+
+    def cell(n: int) -> str:
+        return human_bytes(n) + (f" ({n} B)" if n >= 1024 else "")
+
+    rows = [
+        ("steps", f"{steps} of {world_size}", f"{world_size} of {world_size}"),
+        ("forward K/V", cell(ring.forward), cell(dense.forward)),
+        ("backward K/V", cell(ring.backward_kv), cell(dense.backward_kv)),
+        ("backward dK/dV", cell(ring.backward_dkv), cell(dense.backward_dkv)),
+        ("fwd+bwd total", cell(ring.total), cell(dense.total)),
+    ]
+    width = max(len("this ring"), *(len(r[1]) for r in rows)) + 2
+    return [
+        f"ring cost: steps run and bytes sent per rank (S = {seq}, Hkv {kv_heads}, D {head_dim}, {dtype}, batch 1):",
+        *("  " + line for line in windows.formula_lines(ring, seq // world_size, kv_heads, head_dim, torch_dtype)),
+        f"  {'':<16}{'this ring':<{width}}dense ring (all P steps)",
+        *(f"  {name:<16}{a:<{width}}{b}" for name, a, b in rows),
+    ]
 
 
 # ---------------------------------------------------------------------------------------- plots
@@ -245,10 +300,12 @@ def plot_plan(world_size: int, causal: bool, balance: str, path: str) -> None:
     )
 
 
-def plot_documents(cu: tuple[int, ...], world_size: int, causal: bool, balance: str, path: str) -> None:
-    """Draw the plan over packed documents like :func:`plot_plan`; each cell also shows its kernel calls
-    and document segments."""
-    blocks = document_blocks(cu, world_size, causal, balance)
+def plot_documents(
+    cu: tuple[int, ...], world_size: int, causal: bool, balance: str, path: str, window: tuple | None = None
+) -> None:
+    """Draw the plan over packed documents (or under a window) like :func:`plot_plan`; each cell also shows
+    its kernel calls and segments."""
+    blocks = document_blocks(cu, world_size, causal, balance, window)
     work = [sum(row[r].work for row in blocks) for r in range(world_size)]
     _plot_grid(
         [[b.work for b in row] for row in blocks],
@@ -256,7 +313,8 @@ def plot_documents(cu: tuple[int, ...], world_size: int, causal: bool, balance: 
         [[f"src {b.src}\n{b.kind}\n{b.calls}/{b.segments}\n{b.work:.2f}" for b in row] for row in blocks],
         work,
         f"xcp ring plan: P={world_size}, {'causal' if causal else 'full'}, {balance}, {len(cu) - 1} documents, "
-        f"S={cu[-1]}, work max/mean {packing.max_over_mean(work):.2f}"
+        + (f"window {windows.text_of(window)}, " if window is not None else "")
+        + f"S={cu[-1]}, work max/mean {packing.max_over_mean(work):.2f}"
         + (f", {len(blocks)} of {world_size} steps" if len(blocks) < world_size else "")
         + "\n"
         "colour: share of work per cell; text: source shard, kind, kernel calls/segments, share",
@@ -274,32 +332,61 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--world", type=positive, required=True, help="ranks in the ring")
     p.add_argument("--causal", action="store_true", help="causal mask (default: full attention)")
-    add_problem_flags(p, Problem(), ["balance"])
+    p.add_argument("--balance", choices=windows.BALANCE_CHOICES, default=schedule.DEFAULT_BALANCE,
+                   help=windows.BALANCE_HELP)  # fmt: skip
     p.add_argument(
         "--documents", type=packing.parse_documents, metavar="L1,L2,...|longtail:MIN:MAX[:SEED]",
         help="packed documents: their lengths in sequence order (summing to S), or lengths drawn log-uniformly "
         "in [MIN, MAX] (seeded) to fill --seq",
     )  # fmt: skip
+    p.add_argument(
+        windows.FLAG, type=windows.parse_window, metavar="L,R",
+        help="sliding window: query i sees keys i-L..i+R (none: unbounded; with --causal R is 0 or none); needs "
+        "--seq or --documents. The table shows banded blocks (B) and the steps the ring runs",
+    )  # fmt: skip
     p.add_argument("--seq", type=positive, default=None,
-                   help="global length S with --documents (default: the sum of the lengths)")  # fmt: skip
+                   help="global length S: with --documents (default: the sum of the lengths), with --window, or "
+                   "alone to print the steps and bytes of the dense ring")  # fmt: skip
+    add_problem_flags(p, Problem(), ["kv_heads", "head_dim", "dtype", "heads"])
     p.add_argument("--plot", metavar="FILE.png", help="also draw the plan into this file (needs matplotlib)")
 
 
 def command(args) -> int:
-    if args.documents is None:
-        if args.seq is not None:
-            raise ValueError(
-                f"--seq: expected only with --documents (a plan without documents does not depend on S); got {args.seq}"
-            )
-        print(plan_table(args.world, args.causal, args.balance))
+    world, causal = args.world, args.causal
+    window = windows.check(args.window, causal)
+    if args.heads % args.kv_heads:
+        raise ValueError(f"--kv-heads: expected a divisor of --heads {args.heads}; got {args.kv_heads}")
+    cu = documents = None
+    if args.documents is not None:
+        lengths, _ = packing.resolve_lengths(args.documents, args.seq, world, windows.check_balance(args.balance))
+        cu = documents = packing.boundaries(lengths)
+    elif args.seq is not None:
+        schedule.check_seq_len(args.seq, world, windows.check_balance(args.balance), what="--seq")
+        cu = (0, args.seq)
+    elif window is not None:
+        raise ValueError(f"{windows.FLAG}: expected --seq (or --documents) too: a window's plan depends on S")
+    balance = windows.resolve_balance(args.balance, world, causal, window, documents, None if cu is None else cu[-1])
+    if args.balance == windows.AUTO:
+        print(f"--balance auto: xcp.choose_balance recommends {balance}")
+    if cu is not None and documents is None:
+        schedule.check_seq_len(cu[-1], world, balance, what="--seq")
+    elif documents is not None:
+        packing.check_total(documents[-1], world, balance)
+    if documents is None and window is None:
+        print(plan_table(world, causal, balance))
         if args.plot:
-            plot_plan(args.world, args.causal, args.balance, args.plot)
-            print(f"plot written to {args.plot}")
-        return 0
-    lengths, _ = packing.resolve_lengths(args.documents, args.seq, args.world, args.balance)
-    cu = packing.boundaries(lengths)
-    print(document_table(cu, args.world, args.causal, args.balance))
+            plot_plan(world, causal, balance, args.plot)
+    else:
+        print(document_table(cu, world, causal, balance, window=window))
+        if args.plot:
+            plot_documents(cu, world, causal, balance, args.plot, window)
+    if cu is not None:
+        steps = windows.ring_steps(cu, world, causal, balance, window)
+        print()
+        print("\n".join(cost_lines(cu[-1], world, steps, args.kv_heads, args.head_dim, args.dtype)))
+        if documents is not None or window is not None:
+            print()
+            print("\n".join(windows.balance_lines(cu, world, causal, window, balance)))
     if args.plot:
-        plot_documents(cu, args.world, args.causal, args.balance, args.plot)
         print(f"plot written to {args.plot}")
     return 0

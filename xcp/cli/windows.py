@@ -1,0 +1,223 @@
+"""What the tools share about sliding windows: the ``--window`` flag, the steps a ring runs, the bytes each
+rank sends, and which balance :func:`xcp.choose_balance` recommends and why.
+
+``--window L,R``: query i sees key j iff ``i - L <= j <= i + R`` (global positions); ``none`` leaves a side
+unbounded; with a causal mask R must be 0 or none. A window needs batch 1 (the ring plans it as one packed
+sequence, ``(0, S)``, or over ``--documents``).
+
+Bytes a rank sends (batch 1), for a ring that runs m of P steps (:func:`traffic`):
+
+- a K/V shard is ``2·(S/P)·Hkv·D·itemsize`` bytes (K and V);
+- the forward forwards the shard it holds m - 1 times: ``(m - 1)`` K/V shards;
+- the backward forwards K/V the same m - 1 times, and sends the dK/dV it accumulated once per step (one
+  step behind the K/V, the last hop going home): ``m`` dK/dV messages of ``2·(S/P)·Hkv·D`` elements in the
+  accumulator dtype (float32 for bf16/fp16/fp32, float64 for float64). A ring of one step sends nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .. import schedule
+from ..documents import check_window, choose_balance, document_plan, ring_segments
+from ..kernels.merge import accumulator_dtype
+from .common import human_bytes
+
+FLAG = "--window"
+AUTO = "auto"
+BALANCE_CHOICES = (*schedule.BALANCES, AUTO)
+BALANCE_HELP = (
+    "how the sequence is cut into shards; auto: what xcp.choose_balance recommends for the configuration "
+    "(the busiest rank's work first, then the fewest ring steps)"
+)
+
+Window = tuple  # (left, right): ints >= 0 or None
+
+
+def parse_window(text: str) -> tuple[int | None, int | None]:
+    """argparse type of ``--window``: ``L,R``, each an integer >= 0 or ``none`` (argparse prefixes the flag)."""
+    parts = text.split(",")
+    sides: list[int | None] = []
+    for part in parts:
+        part = part.strip().lower()
+        if part == "none":
+            sides.append(None)
+            continue
+        try:
+            sides.append(int(part))
+        except ValueError:
+            sides = []
+            break
+        if sides[-1] < 0:
+            sides = []
+            break
+    if len(parts) != 2 or len(sides) != 2:
+        raise argparse.ArgumentTypeError(
+            f"expected L,R: keys i-L..i+R for query i, each an integer >= 0 or none (unbounded); got {text!r}"
+        )
+    return sides[0], sides[1]
+
+
+def check(window: tuple | None, causal: bool) -> tuple[int, int | None] | None:
+    """A parsed ``--window`` checked against the mask: None stays None; a window that bounds nothing (the
+    dense ring) or a right side with a causal mask is a ValueError naming ``--window``."""
+    if window is None:
+        return None
+    if causal and window[1] not in (0, None):
+        raise ValueError(
+            f"{FLAG}: with a causal mask R must be 0 or none (no query sees a later key); got {text_of(window)}"
+        )
+    try:
+        checked = check_window(window, causal)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{FLAG}: {str(exc).replace('window: ', '', 1)}") from None
+    if checked is None:
+        raise ValueError(
+            f"{FLAG}: {text_of(window)} with {'a causal' if causal else 'no'} mask bounds nothing: it is the dense "
+            "ring; leave --window out, or give L a number"
+        )
+    return checked
+
+
+def text_of(window: Sequence[int | None]) -> str:
+    """``4096,0`` / ``none,8``: the flag's syntax."""
+    return ",".join("none" if x is None else str(x) for x in window)
+
+
+def describe(window: Sequence[int | None]) -> str:
+    """``window 4096,0 (query i sees keys i-4096..i)``."""
+    left, right = window
+    lo = "the start" if left is None else ("i" if left == 0 else f"i-{left}")
+    hi = "the end" if right is None else ("i" if right == 0 else f"i+{right}")
+    return f"window {text_of(window)} (query i sees keys {lo}..{hi})"
+
+
+def ring_steps(cu: tuple[int, ...], world: int, causal: bool, balance: str, window: tuple | None) -> int:
+    """The steps m the ring runs: P, or fewer where the window (or short documents) leave every later block
+    empty (:func:`xcp.documents.ring_segments`)."""
+    if window is None and cu == (0, cu[-1]):
+        return world
+    return ring_segments(cu, world, causal, balance, window)[0]
+
+
+def rank_pairs(cu: tuple[int, ...], world: int, causal: bool, balance: str, window: tuple | None) -> list[int]:
+    """The (query, key) pairs each rank computes over the whole ring."""
+    return [sum(document_plan(cu, world, r, causal, balance, window).pairs) for r in range(world)]
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The bytes one rank sends in a ring of ``steps`` of ``world`` steps (see the module docstring)."""
+
+    world: int
+    steps: int
+    kv_shard: int
+    """Bytes of one K/V shard: 2·(S/P)·Hkv·D·itemsize (K and V)."""
+    dkv_message: int
+    """Bytes of one dK/dV message: 2·(S/P)·Hkv·D·(accumulator itemsize)."""
+
+    @property
+    def forward(self) -> int:
+        return (self.steps - 1) * self.kv_shard
+
+    @property
+    def backward_kv(self) -> int:
+        return (self.steps - 1) * self.kv_shard
+
+    @property
+    def backward_dkv(self) -> int:
+        return self.steps * self.dkv_message if self.steps > 1 else 0
+
+    @property
+    def backward(self) -> int:
+        return self.backward_kv + self.backward_dkv
+
+    @property
+    def total(self) -> int:
+        """Forward and backward together."""
+        return self.forward + self.backward
+
+
+def traffic(seq: int, world: int, steps: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+            batch: int = 1) -> Traffic:  # fmt: skip
+    """The :class:`Traffic` of a ring of ``steps`` of ``world`` steps over ``seq`` tokens."""
+    elements = 2 * batch * (seq // world) * kv_heads * head_dim
+    item = torch.empty((), dtype=dtype).element_size()
+    acc = torch.empty((), dtype=accumulator_dtype(dtype)).element_size()
+    return Traffic(world, steps, elements * item, elements * acc)
+
+
+def formula_lines(t: Traffic, local: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> list[str]:
+    """How the bytes are counted, with the problem's numbers in (``local``: S/P)."""
+    name, acc = (str(x).replace("torch.", "") for x in (dtype, accumulator_dtype(dtype)))
+    item = torch.empty((), dtype=dtype).element_size()
+    acc_item = torch.empty((), dtype=accumulator_dtype(dtype)).element_size()
+    return [
+        f"a K/V shard is 2·(S/P)·Hkv·D·itemsize = 2·{local}·{kv_heads}·{head_dim}·{item} ({name}) = "
+        f"{human_bytes(t.kv_shard)}",
+        f"a dK/dV message is 2·(S/P)·Hkv·D·{acc_item} ({acc} accumulators) = {human_bytes(t.dkv_message)}",
+        "a ring of m steps sends, per rank: forward m-1 K/V shards; backward m-1 K/V shards and m dK/dV",
+        "messages (a ring of 1 step sends nothing)",
+    ]
+
+
+@dataclass(frozen=True)
+class BalanceRow:
+    """One balance as :func:`xcp.choose_balance` weighs it."""
+
+    balance: str
+    busiest: float  # the busiest rank's pairs over the even share (1.0: balanced)
+    steps: int
+    splits: bool = True  # False: S is not a multiple the balance needs (then busiest and steps are 0)
+
+
+def weigh_balances(cu: tuple[int, ...], world: int, causal: bool, window: tuple | None) -> tuple[str, list[BalanceRow]]:
+    """The balance :func:`xcp.choose_balance` recommends for this configuration, and each balance's busiest
+    rank and steps (what it compares: the busiest rank's work in 10% steps, then the fewest steps)."""
+    documents = None if cu == (0, cu[-1]) else cu
+    chosen = choose_balance(world, causal=causal, window=window, cu_seqlens=documents, seq_len=cu[-1])
+    rows = []
+    for balance in schedule.BALANCES:
+        if cu[-1] % schedule.required_multiple(world, balance):
+            rows.append(BalanceRow(balance, 0.0, 0, splits=False))
+            continue
+        pairs = rank_pairs(cu, world, causal, balance, window)
+        even = max(sum(pairs) / world, 1)
+        rows.append(BalanceRow(balance, max(pairs) / even, ring_steps(cu, world, causal, balance, window)))
+    return chosen, rows
+
+
+def balance_lines(cu: tuple[int, ...], world: int, causal: bool, window: tuple | None, current: str) -> list[str]:
+    """Which balance xcp.choose_balance recommends, and each balance's busiest rank and steps."""
+    chosen, rows = weigh_balances(cu, world, causal, window)
+    lines = [
+        f"balance: xcp.choose_balance recommends {chosen}",
+        "  (it weighs the busiest rank's work first, in 10% steps of the even share; then the fewest ring",
+        "  steps; then zigzag, contiguous, stripe in that order):",
+    ]
+    for r in rows:
+        if not r.splits:
+            text = f"cannot split S = {cu[-1]} (needs a multiple of {schedule.required_multiple(world, r.balance)})"
+        else:
+            text = f"busiest rank {r.busiest:.2f}x the even share, {r.steps} of {world} steps"
+        marks = [m for m, on in (("recommended", r.balance == chosen), ("this plan", r.balance == current)) if on]
+        lines.append(f"  {r.balance:<10} {text}" + (f"  <- {', '.join(marks)}" if marks else ""))
+    return lines
+
+
+def resolve_balance(balance: str, world: int, causal: bool, window: tuple | None, cu: tuple[int, ...] | None,
+                    seq: int | None = None) -> str:  # fmt: skip
+    """``balance`` itself, or for ``auto`` what :func:`xcp.choose_balance` recommends (``cu``: documents;
+    ``seq``: S when there are none)."""
+    if balance != AUTO:
+        return balance
+    return choose_balance(world, causal=causal, window=window, cu_seqlens=cu, seq_len=None if cu else seq)
+
+
+def check_balance(balance: str) -> str:
+    """The balance whose split rule an ``auto`` configuration must meet at least (a multiple of P)."""
+    return "contiguous" if balance == AUTO else balance
