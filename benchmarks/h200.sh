@@ -52,6 +52,9 @@ window)
   section "xcp bench --window (S = 128K, P = 8, causal, window 4K)"
   timeout 240 xcp bench --window 4096,0 --balance contiguous --seqs 131072 --worlds 8 --mask causal --compare-dense \
     --reps 3 --quiet --json "$out/window.json" 2>&1 | tee "$out/window.txt"
+  section "xcp bench --documents, balance stripe (the balance xcp.choose_balance picks for these documents)"
+  timeout 200 xcp bench --documents longtail:512:32768 --balance stripe --seqs 131072 --worlds 8 --mask causal \
+    --reps 3 --quiet --json "$out/documents_stripe.json" 2>&1 | tee "$out/documents_stripe.txt"
   ;;
 *) echo "usage: $0 checks|bench|masks|window" >&2; exit 2 ;;
 esac
