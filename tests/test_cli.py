@@ -516,8 +516,8 @@ def test_plan_window_the_issues_configuration(capsys):
     assert cost["steps"] == (2, 8)
     assert cost["forward K/V"] == (64 << 20, 7 * (64 << 20))
     assert cost["backward dK/dV"] == (2 * (128 << 20), 8 * (128 << 20))
-    assert "  contiguous busiest rank 1.02x the even share, 2 of 8 steps  <- recommended, this plan" in text
-    assert "  zigzag     busiest rank 1.02x the even share, 8 of 8 steps" in text
+    assert "  contiguous busiest 1.02x even, 2 calls, cost 1.52, 2/8 steps  <- recommended, this plan" in text
+    assert "  zigzag     busiest 1.02x even, 4 calls, cost 2.03, 8/8 steps" in text
     assert main(base) == 0  # zigzag, the default
     assert cost_rows(capsys.readouterr().out)["steps"] == (8, 8)
 

@@ -391,6 +391,41 @@ def document_plan(
     return DocumentPlan(world_size, rank, causal, balance, steps, pairs, window)
 
 
+CALL_COST_PAIRS = 1 << 24
+"""What one kernel call costs beyond its pairs, counted in (query, key) pairs: launch, merge and host work,
+about 20 us on an H200, where flash computes some 8e11 pairs/s in bf16 at head_dim 128. It keeps a balance
+that cuts documents into many small calls from winning on evenness alone: on the H200, 17 long-tailed
+documents in 128K tokens over 8 ranks took 4.3x one varlen call under stripe (up to 84 calls per rank,
+work even) and 1.15x under zigzag (4 calls, the busiest rank 1.47x the even share)."""
+
+
+@dataclass(frozen=True)
+class BalanceCost:
+    """How :func:`choose_balance` weighs one balance: the busiest rank's pairs and calls, and the steps."""
+
+    balance: str
+    busiest: float  # the busiest rank's pairs over the even share (1.0: balanced)
+    calls: int  # kernel calls of the rank with the most
+    steps: int
+    cost: float  # max over ranks of (pairs + CALL_COST_PAIRS x calls), over the even share
+
+
+def balance_costs(cu: tuple[int, ...], world_size: int, causal: bool, window: tuple | None) -> list[BalanceCost]:
+    """Each balance that can split ``cu[-1]`` tokens over ``world_size`` ranks, weighed (see
+    :func:`choose_balance`)."""
+    out = []
+    for balance in schedule.BALANCES:
+        if cu[-1] % schedule.required_multiple(world_size, balance):
+            continue
+        m, per_rank = ring_segments(cu, world_size, bool(causal), balance, window)
+        work = [sum(s.pairs for step in blocks for s in step) for blocks in per_rank]
+        calls = [sum(len(runs(step)) for step in blocks) for blocks in per_rank]
+        even = max(sum(work) / world_size, 1)
+        cost = max(w + CALL_COST_PAIRS * c for w, c in zip(work, calls)) / even
+        out.append(BalanceCost(balance, max(work) / even, max(calls), m, cost))
+    return out
+
+
 def choose_balance(
     world_size: int,
     *,
@@ -402,10 +437,11 @@ def choose_balance(
     """The balance to shard with (pass it to :func:`xcp.shard`, :func:`xcp.attention` and
     :func:`xcp.unshard` alike) for this configuration.
 
-    Ranks compute at the pace of the busiest, so the busiest rank's (query, key) pairs decide first (in
-    steps of 10% of the even share); then the fewest ring steps (a window, or short documents, end the ring
-    early under ``contiguous``, where each shard's neighbours hold the nearby tokens); then zigzag,
-    contiguous, stripe in that order. Without a window or documents this is ``zigzag``.
+    Ranks compute at the pace of the busiest, so what decides first is the busiest rank's (query, key)
+    pairs plus :data:`CALL_COST_PAIRS` per kernel call (in steps of 10% of the even share); then the
+    fewest ring steps (a window, or short documents, end the ring early under ``contiguous``, where each
+    shard's neighbours hold the nearby tokens); then zigzag, contiguous, stripe in that order. Without a
+    window or documents this is ``zigzag``. :func:`balance_costs` shows the figures.
 
     :param seq_len: the global sequence length, needed with a window when ``cu_seqlens`` is not given.
     """
@@ -421,19 +457,11 @@ def choose_balance(
         )
     else:
         cu = (0, int(seq_len))
-    best = None
-    for order, balance in enumerate(("zigzag", "contiguous", "stripe")):
-        if cu[-1] % schedule.required_multiple(world_size, balance):
-            continue
-        m, per_rank = ring_segments(cu, world_size, bool(causal), balance, window)
-        work = [sum(s.pairs for step in blocks for s in step) for blocks in per_rank]
-        even = max(sum(work) / world_size, 1)
-        key = (int(10 * max(work) / even + 1e-9), m, order)
-        if best is None or key < best[0]:
-            best = (key, balance)
-    if best is None:
+    order = {b: i for i, b in enumerate(("zigzag", "contiguous", "stripe"))}
+    costs = balance_costs(cu, world_size, bool(causal), window)
+    if not costs:
         raise ValueError(
             f"seq_len: no balance can split {cu[-1]} tokens over {world_size} ranks "
             f"(a multiple of {world_size} is needed)"
         )
-    return best[1]
+    return min(costs, key=lambda c: (int(10 * c.cost + 1e-9), c.steps, order[c.balance])).balance

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import schedule
-from ..documents import check_window, choose_balance, document_plan, ring_segments
+from ..documents import balance_costs, check_window, choose_balance, document_plan, ring_segments
 from ..kernels.merge import accumulator_dtype
 from .common import human_bytes
 
@@ -165,47 +165,24 @@ def formula_lines(t: Traffic, local: int, kv_heads: int, head_dim: int, dtype: t
     ]
 
 
-@dataclass(frozen=True)
-class BalanceRow:
-    """One balance as :func:`xcp.choose_balance` weighs it."""
-
-    balance: str
-    busiest: float  # the busiest rank's pairs over the even share (1.0: balanced)
-    steps: int
-    splits: bool = True  # False: S is not a multiple the balance needs (then busiest and steps are 0)
-
-
-def weigh_balances(cu: tuple[int, ...], world: int, causal: bool, window: tuple | None) -> tuple[str, list[BalanceRow]]:
-    """The balance :func:`xcp.choose_balance` recommends for this configuration, and each balance's busiest
-    rank and steps (what it compares: the busiest rank's work in 10% steps, then the fewest steps)."""
+def balance_lines(cu: tuple[int, ...], world: int, causal: bool, window: tuple | None, current: str) -> list[str]:
+    """Which balance xcp.choose_balance recommends, and how it weighs each (xcp.documents.balance_costs)."""
     documents = None if cu == (0, cu[-1]) else cu
     chosen = choose_balance(world, causal=causal, window=window, cu_seqlens=documents, seq_len=cu[-1])
-    rows = []
-    for balance in schedule.BALANCES:
-        if cu[-1] % schedule.required_multiple(world, balance):
-            rows.append(BalanceRow(balance, 0.0, 0, splits=False))
-            continue
-        pairs = rank_pairs(cu, world, causal, balance, window)
-        even = max(sum(pairs) / world, 1)
-        rows.append(BalanceRow(balance, max(pairs) / even, ring_steps(cu, world, causal, balance, window)))
-    return chosen, rows
-
-
-def balance_lines(cu: tuple[int, ...], world: int, causal: bool, window: tuple | None, current: str) -> list[str]:
-    """Which balance xcp.choose_balance recommends, and each balance's busiest rank and steps."""
-    chosen, rows = weigh_balances(cu, world, causal, window)
+    costs = {c.balance: c for c in balance_costs(cu, world, causal, window)}
     lines = [
         f"balance: xcp.choose_balance recommends {chosen}",
-        "  (it weighs the busiest rank's work first, in 10% steps of the even share; then the fewest ring",
-        "  steps; then zigzag, contiguous, stripe in that order):",
+        "  (it weighs the busiest rank's pairs plus a per-call cost of 2^24 pairs, in 10% steps of the even",
+        "  share; then the fewest ring steps; then zigzag, contiguous, stripe in that order):",
     ]
-    for r in rows:
-        if not r.splits:
-            text = f"cannot split S = {cu[-1]} (needs a multiple of {schedule.required_multiple(world, r.balance)})"
+    for balance in schedule.BALANCES:
+        c = costs.get(balance)
+        if c is None:
+            text = f"cannot split S = {cu[-1]} (needs a multiple of {schedule.required_multiple(world, balance)})"
         else:
-            text = f"busiest rank {r.busiest:.2f}x the even share, {r.steps} of {world} steps"
-        marks = [m for m, on in (("recommended", r.balance == chosen), ("this plan", r.balance == current)) if on]
-        lines.append(f"  {r.balance:<10} {text}" + (f"  <- {', '.join(marks)}" if marks else ""))
+            text = f"busiest {c.busiest:.2f}x even, {c.calls} calls, cost {c.cost:.2f}, {c.steps}/{world} steps"
+        marks = [m for m, on in (("recommended", balance == chosen), ("this plan", balance == current)) if on]
+        lines.append(f"  {balance:<10} {text}" + (f"  <- {', '.join(marks)}" if marks else ""))
     return lines
 
 
