@@ -27,6 +27,7 @@ DOCUMENTS = [
     "docs/lifetime.md",
     "docs/benchmarks.md",
     "docs/design.md",
+    "docs/integrations.md",
     "examples/xcp-tiled-backend/README.md",
 ]
 FRAGMENT = "<!-- fragment -->"
