@@ -171,6 +171,8 @@ def ring_forward(
     of two slots (docs/design.md, buffer lifetime rules; xcp/lifetime.py).
     """
     comm, backend = cfg.comm, cfg.backend
+    if comm.size() == 1 and cfg.documents is None:  # one dense block: the kernel's own output, nothing to merge
+        return _local_forward(q, k, v, cfg, sinks)
     check_agreement(comm, backend, q, k, v, cfg, sinks)
     n = q.shape[1]
     out, lse = new_accumulators(q)
@@ -252,6 +254,19 @@ def ring_backward(
         # fresh tensors: results never alias the slots, which the workspace keeps for the next call
         dk, dv = dk_acc.to(k.dtype, copy=True), dv_acc.to(v.dtype, copy=True)
     return dq.to(q.dtype), dk, dv
+
+
+def _local_forward(q, k, v, cfg: RingConfig, sinks: torch.Tensor | None):
+    """The forward of a world of one without documents: one kernel call on the whole shard, its output
+    cast to q's dtype (the kernel accumulates in float32 itself), and the sinks folded in, if any."""
+    out, lse = cfg.backend.forward(q, k, v, "causal" if cfg.causal else "none", cfg.scale)
+    acc = accumulator_dtype(q.dtype)
+    if sinks is not None:
+        out, lse = out.to(acc), lse.to(acc)  # fresh or the kernel's own: ours to change in place
+        apply_sinks_(out, lse, sinks)
+    elif lse.dtype != acc:
+        lse = lse.to(acc)
+    return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
 def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig, blocks: list[BlockCall]):

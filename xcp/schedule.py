@@ -13,6 +13,7 @@ serves any shard length: ``(0, 2)`` is the whole shard, ``(1, 2)`` its second ha
 
 from __future__ import annotations
 
+import functools
 import numbers
 from dataclasses import dataclass
 
@@ -190,6 +191,12 @@ def plan(
     m = world_size if steps is None else steps
     if not is_integer(m) or not 1 <= m <= world_size:
         raise ValueError(f"steps: expected an integer in [1, {world_size}]; got {steps!r}")
+    return _plan(int(world_size), int(rank), bool(causal), balance, int(m))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(world_size: int, rank: int, causal: bool, balance: str, m: int) -> Plan:
+    """The plan of checked arguments, made once (plans are frozen: every call may share one)."""
     nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
     out = []
     for i in range(m):
