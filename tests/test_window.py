@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import assert_close_to
-from test_documents import NAMES, masked_reference
+from test_documents import NAMES, masked_reference, ring_with_documents
 
 import xcp
 from xcp import documents, schedule
@@ -117,22 +117,9 @@ def test_choose_balance_picks_the_fewest_steps():
 
 
 def ring(q, k, v, dout, world, balance, causal, cu, window, sinks=None):
-    def rank_fn(group):
-        r = group.rank()
-        local = [xcp.shard(t, world, r, balance=balance).requires_grad_() for t in (q, k, v)]
-        sk = None if sinks is None else sinks.detach().clone().requires_grad_()
-        docs = None if cu is None else torch.tensor(cu)
-        out = xcp.attention(
-            *local, causal=causal, group=group, balance=balance, cu_seqlens=docs, sinks=sk, window=window
-        )
-        out.backward(xcp.shard(dout, world, r, balance=balance))
-        return [out.detach(), *(t.grad for t in local), None if sk is None else sk.grad]
-
-    per_rank = xcp.LocalWorld(world, timeout=60).run(rank_fn)
-    got = [xcp.unshard([res[i] for res in per_rank], balance=balance) for i in range(4)]
-    if sinks is not None:
-        got.append(sum(res[4] for res in per_rank))
-    return got
+    """tests/test_documents.py's ring with a window; ``cu`` None is one document."""
+    cu = (0, q.shape[1]) if cu is None else cu
+    return ring_with_documents(q, k, v, dout, world, balance, causal, cu, sinks, window=window)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
