@@ -16,6 +16,7 @@ import torch
 from . import schedule
 from .comm import check_timeout, resolve_group
 from .documents import check_cu_seqlens, check_window
+from .hybrid import check_ulysses, check_ulysses_divides, hybrid_attention
 from .lifetime import check_handoff, check_slots
 from .ops import compiled_attention
 from .plugins import select_backend
@@ -159,6 +160,7 @@ def attention(
     handoff: str | None = None,
     timeout: float | None = None,
     policy: str | None = None,
+    ulysses: int = 1,
 ) -> torch.Tensor:
     """Ring attention over the ranks of ``group``; differentiable in q, k and v.
 
@@ -190,6 +192,11 @@ def attention(
         else 600 s where the wait blocks the host (gloo) and the process group's own timeout for device
         waits (NCCL, HCCL). A LocalWorld bounds its waits by its own ``timeout``.
     :param policy: the former name of ``slots`` (deprecated).
+    :param ulysses: U, the ranks of a head group (hybrid all-to-all + ring; xcp/hybrid.py): the P ranks of
+        ``group`` form P / U rings of R = P / U ranks; an all-to-all inside each group of U consecutive ranks
+        gives every rank H / U heads of its ring shard, the ring runs over R ranks, and a second all-to-all
+        returns the output. U divides P and the heads; the shards come from :func:`shard` with the same
+        ``ulysses``. 1 (default) is the ring alone, U = P all-to-all alone (Ulysses).
     :returns: this rank's output, shaped and typed like q.
     """
     check_inputs(q, k, v)
@@ -206,6 +213,18 @@ def attention(
     scale = _check_scale(scale, q.shape[3])
     sinks = _check_sinks(sinks, q)
     window = check_window(window, causal)
+    ulysses = check_ulysses(ulysses)
+    if ulysses != 1:
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                f"ulysses: the hybrid all-to-all + ring does not run under torch.compile yet; got ulysses={ulysses} "
+                "(call xcp.attention outside the compiled region, or ulysses=1)"
+            )
+        comm = resolve_group(group, timeout)
+        backend = select_backend(None if device is None else str(device), q.device.type)
+        options = dict(causal=causal, scale=scale, balance=balance, slots=slots, handoff=handoff)
+        return hybrid_attention(q, k, v, comm, backend, ulysses, cu_seqlens=cu_seqlens, window=window, sinks=sinks,
+                                **options)  # fmt: skip
     if torch.compiler.is_compiling():  # one opaque custom op; the group by name (xcp/ops.py)
         return compiled_attention(q, k, v, sinks, group, device, causal, scale, balance, slots, handoff,
                                   cu_seqlens, window, check_timeout(timeout))  # fmt: skip
@@ -236,17 +255,39 @@ def _slice(x: torch.Tensor, dim: int, start: int, stop: int, step: int) -> torch
 
 
 def shard(
-    x: torch.Tensor, world_size: int, rank: int, dim: int = 1, balance: str = schedule.DEFAULT_BALANCE
+    x: torch.Tensor,
+    world_size: int,
+    rank: int,
+    dim: int = 1,
+    balance: str = schedule.DEFAULT_BALANCE,
+    ulysses: int = 1,
 ) -> torch.Tensor:
     """Rank ``rank``'s part of the sequence ``x`` along ``dim`` (a new contiguous tensor).
 
-    :raises ValueError: when the length along ``dim`` is not a multiple of what ``balance`` needs.
+    With ``ulysses`` = U > 1 (see :func:`attention`): the sequence is sharded over the R = P / U ring
+    positions by ``balance``, and each ring shard is cut into U contiguous pieces; rank r gets piece
+    ``r % U`` of ring shard ``r // U``.
+
+    :raises ValueError: when the length along ``dim`` is not a multiple of what ``balance`` needs (and,
+        with ``ulysses``, of P), or when ``ulysses`` does not divide ``world_size``.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor; got {type(x).__name__}")
     dim = _check_dim(x, dim)
     schedule.check_world(world_size, rank)
     world_size, rank = int(world_size), int(rank)
+    ulysses = check_ulysses(ulysses)
+    if ulysses != 1:
+        rings = check_ulysses_divides(ulysses, world_size, "world_size")
+        schedule.check_seq_len(x.shape[dim], rings, balance, what=f"x.shape[{dim}]")
+        if x.shape[dim] % world_size:
+            raise ValueError(
+                f"x.shape[{dim}]: expected a multiple of world_size {world_size} with ulysses={ulysses} (each of "
+                f"{rings} ring shards splits into {ulysses} pieces); got {x.shape[dim]}"
+            )
+        ring_shard = shard(x, rings, rank // ulysses, dim, balance)
+        piece = ring_shard.shape[dim] // ulysses
+        return ring_shard.narrow(dim, (rank % ulysses) * piece, piece).clone(memory_format=torch.contiguous_format)
     schedule.check_seq_len(x.shape[dim], world_size, balance, what=f"x.shape[{dim}]")
     parts = [_slice(x, dim, a, b, c) for a, b, c in schedule.chunk_slices(x.shape[dim], world_size, rank, balance)]
     if len(parts) > 1:
@@ -254,8 +295,11 @@ def shard(
     return parts[0].clone(memory_format=torch.contiguous_format)  # never a view of the caller's tensor
 
 
-def unshard(shards: Sequence[torch.Tensor], dim: int = 1, balance: str = schedule.DEFAULT_BALANCE) -> torch.Tensor:
-    """The whole sequence from the shards of ranks 0..P-1 (the inverse of :func:`shard`)."""
+def unshard(
+    shards: Sequence[torch.Tensor], dim: int = 1, balance: str = schedule.DEFAULT_BALANCE, ulysses: int = 1
+) -> torch.Tensor:
+    """The whole sequence from the shards of ranks 0..P-1 (the inverse of :func:`shard`, with the same
+    ``balance`` and ``ulysses``)."""
     if isinstance(shards, torch.Tensor) or not isinstance(shards, Sequence) or not shards:
         raise TypeError(f"shards: expected a non-empty list of tensors, one per rank; got {type(shards).__name__}")
     for r, s in enumerate(shards):
@@ -272,6 +316,11 @@ def unshard(shards: Sequence[torch.Tensor], dim: int = 1, balance: str = schedul
     schedule.check_balance(balance)
     world = len(shards)
     dim = _check_dim(shards[0], dim)
+    ulysses = check_ulysses(ulysses)
+    if ulysses != 1:  # the ranks of a head group hold consecutive pieces of one ring shard
+        rings = check_ulysses_divides(ulysses, world, f"the {world} shards")
+        ring_shards = [torch.cat(list(shards[g * ulysses : (g + 1) * ulysses]), dim=dim) for g in range(rings)]
+        return unshard(ring_shards, dim, balance)
     n = shards[0].shape[dim]
     seq_len = n * world
     schedule.check_seq_len(seq_len, world, balance, what=f"{world} shards of length {n} along dim {dim}")

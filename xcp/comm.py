@@ -9,6 +9,12 @@ tag, backend) -> work``, ``work.wait()``, ``rank_store()``):
   an in-process exchange that keeps device stream semantics (the sender's stream copies into the buffer
   the receiver posted, after the receiver's "free" event; the receiver's wait waits on the copy's event);
 - :class:`SingleRank`: a world of one, for calls without a group.
+
+The hybrid (``ulysses=U``) path also needs an all-to-all, ``all_to_all(send, recv, tag, backend)`` (an
+optional method: a third-party communicator without it serves the ring only), and the two sub-groups of a
+rank, :func:`hybrid_groups`: its head group of U consecutive ranks and its ring of the ranks with the same
+``rank % U`` (torch.distributed groups made by ``new_group`` and cached; LocalWorld sub-groups that share
+the parent's threads and mailbox).
 """
 
 from __future__ import annotations
@@ -26,12 +32,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .lifetime import thread_store
+from .lifetime import Workspace, thread_store
 
 Sends = Sequence[tuple[torch.Tensor, int]]
 Recvs = Sequence[tuple[torch.Tensor, int]]
 
-_TAGS = {"kv": 1, "dkv": 2, "agree": 3}
+_TAGS = {"kv": 1, "dkv": 2, "agree": 3, "a2a": 4}
 
 TIMEOUT_ENV = "XCP_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
@@ -193,6 +199,19 @@ class DistCommunicator:
         bound = self.wait_bound((sends[0][0] if sends else recvs[0][0]).device)
         return _DistWork(dist.batch_isend_irecv(ops), list(zip(what, peers)), self._who(), step, bound)
 
+    def all_to_all(
+        self, send: torch.Tensor, recv: torch.Tensor, tag: str, backend: Any, step: int | None = None
+    ) -> Work:
+        """``send[j]`` to group rank j and ``recv[j]`` from group rank j (dim 0 indexes the ranks), through
+        ``all_to_all_single`` issued on the current stream; ``wait()`` as for :meth:`exchange`."""
+        _check_all_to_all(send, recv, self._size)
+        send = send.contiguous()  # a copy made here lives on the current stream, which the group orders
+        if self._size == 1:
+            recv.copy_(send)
+            return _DoneWork()
+        work = self._dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        return _DistWork([work], [(f"in all-to-all {tag}", None)], self._who(), step, self.wait_bound(send.device))
+
     def _who(self) -> str:
         me = self._global[self._rank]
         return f"rank {self._rank}" + ("" if me == self._rank else f" (global rank {me})")
@@ -201,7 +220,9 @@ class DistCommunicator:
 class _DistWork:
     """Requests in flight; ``wait`` bounds them together by one deadline when a bound is set."""
 
-    def __init__(self, requests: list, what: list[tuple[str, int]], who: str, step: int | None, bound: float | None):
+    def __init__(
+        self, requests: list, what: list[tuple[str, int | None]], who: str, step: int | None, bound: float | None
+    ):
         self._requests, self._what, self._who, self._step, self._bound = requests, what, who, step, bound
 
     def wait(self) -> None:
@@ -218,8 +239,9 @@ class _DistWork:
             except RuntimeError as exc:
                 where = f"xcp: {self._who} {what}{_at_step(self._step)}"
                 if time.monotonic() >= deadline - 0.05 * self._bound or "timed out" in str(exc).lower():
+                    whom = "a rank of the group" if peer is None else f"rank {peer}"
                     raise CommTimeout(
-                        f"{where}: no progress within {self._bound:g} s; is rank {peer} stuck or gone? "
+                        f"{where}: no progress within {self._bound:g} s; is {whom} stuck or gone? "
                         f"(the bound is xcp.attention(timeout=...) or {TIMEOUT_ENV})"
                     ) from exc
                 raise RuntimeError(f"{where} failed: {exc}") from exc
@@ -397,22 +419,55 @@ class LocalGroup:
 
     ranks_are_threads = True
 
-    def __init__(self, world: LocalWorld, rank: int) -> None:
+    def __init__(self, world: LocalWorld, rank: int, members: Sequence[int] | None = None) -> None:
+        """Rank ``rank`` of the whole world, or with ``members`` (world ranks, in group order) rank ``rank``
+        of that sub-group (see :meth:`subgroup`)."""
         self.world = world
         self._rank = rank
+        self._members = None if members is None else tuple(members)
+        self._me = rank if members is None else self._members[rank]  # this rank in the world
 
     def rank(self) -> int:
         return self._rank
 
     def size(self) -> int:
-        return self.world.world_size
+        return self.world.world_size if self._members is None else len(self._members)
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The world ranks of the group, in group order."""
+        return tuple(range(self.world.world_size)) if self._members is None else self._members
 
     def __repr__(self) -> str:
-        return f"<LocalGroup rank {self._rank} of {self.size()}>"
+        if self._members is None:
+            return f"<LocalGroup rank {self._rank} of {self.size()}>"
+        return f"<LocalGroup rank {self._rank} of {self.size()}: world ranks {list(self._members)}>"
+
+    def subgroup(self, ranks: Sequence[int]) -> LocalGroup:
+        """The sub-group of this group's ranks ``ranks`` (in that order), which must include this rank.
+
+        It shares the world's threads and mailbox: its exchanges are the parent's, peers translated to world
+        ranks. Its rank store shares the comm streams and the workspace of the rank (one thread, one
+        device), but keeps its own agreed fingerprints (xcp.agreement), which are per group.
+        """
+        ranks = [int(r) for r in ranks]
+        if self._rank not in ranks:
+            raise ValueError(f"ranks: expected a list that includes this rank {self._rank}; got {ranks}")
+        if len(set(ranks)) != len(ranks) or not all(0 <= r < self.size() for r in ranks):
+            raise ValueError(f"ranks: expected distinct ranks in [0, {self.size()}); got {ranks}")
+        parent = self.members
+        return LocalGroup(self.world, ranks.index(self._rank), [parent[r] for r in ranks])
 
     def rank_store(self) -> dict:
         """A dict kept per rank for the life of the world (xcp.lifetime keeps streams and buffers there)."""
-        return self.world._rank_store(self._rank)
+        store = self.world._rank_store(self._me)
+        if self._members is None:
+            return store
+        sub = store.setdefault(("group", self._members), {})
+        if not sub:  # one thread, one device: the rank's streams and workspace serve every group
+            sub["streams"] = store.setdefault("streams", {})
+            sub["workspace"] = store.setdefault("workspace", Workspace())
+        return sub
 
     def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any, step: int | None = None) -> _LocalWork:
         """Post ``recvs``, then copy each send into its peer's posted buffer on the current stream.
@@ -421,7 +476,10 @@ class LocalGroup:
         """
         if tag not in _TAGS:
             raise ValueError(f"tag: expected one of {', '.join(_TAGS)}; got {tag!r}")
-        world, me = self.world, self._rank
+        world, me = self.world, self._me
+        # peers as world ranks; the i-th tensor to (or from) one peer is channel i of that pair
+        sends = [(t, self._world_rank(p)) for t, p in sends]
+        recvs = [(b, self._world_rank(p)) for b, p in recvs]
         if not sends and not recvs:
             return _LocalWork(self, backend, [], tag, step)
         device = (sends[0][0] if sends else recvs[0][0]).device
@@ -429,11 +487,11 @@ class LocalGroup:
         if recvs:
             free = backend.new_event()
             backend.record_event(free, stream)
-            for i, (buf, peer) in enumerate(recvs):
+            for (buf, peer), i in zip(recvs, _channels(recvs)):
                 world._box(("post", peer, me, tag, i)).put(_Post(buf, free))
         if sends:
             waited: list[Any] = []
-            for i, (tensor, peer) in enumerate(sends):
+            for (tensor, peer), i in zip(sends, _channels(sends)):
                 post = world._take(
                     me, ("post", me, peer, tag, i), f"rank {peer} to post receive {tag}{i}{_at_step(step)}"
                 )
@@ -450,9 +508,25 @@ class LocalGroup:
                 del post
             done = backend.new_event()
             backend.record_event(done, stream)
-            for i, (_, peer) in enumerate(sends):
+            for (_, peer), i in zip(sends, _channels(sends)):
                 world._box(("done", me, peer, tag, i)).put(done)
-        return _LocalWork(self, backend, [(buf.device, peer, i) for i, (buf, peer) in enumerate(recvs)], tag, step)
+        works = [(buf.device, peer, i) for (buf, peer), i in zip(recvs, _channels(recvs))]
+        return _LocalWork(self, backend, works, tag, step)
+
+    def all_to_all(
+        self, send: torch.Tensor, recv: torch.Tensor, tag: str, backend: Any, step: int | None = None
+    ) -> _LocalWork:
+        """``send[j]`` to group rank j and ``recv[j]`` from group rank j (dim 0 indexes the ranks): one
+        :meth:`exchange` with every peer, and this rank's own piece copied on the current stream."""
+        n, me = self.size(), self._rank
+        _check_all_to_all(send, recv, n)
+        peers = [j for j in range(n) if j != me]
+        work = self.exchange([(send[j], j) for j in peers], [(recv[j], j) for j in peers], tag, backend, step)
+        recv[me].copy_(send[me])
+        return work
+
+    def _world_rank(self, peer: int) -> int:
+        return peer if self._members is None else self._members[peer]
 
 
 class _LocalWork:
@@ -468,11 +542,31 @@ class _LocalWork:
         g, be = self._group, self._backend
         waited: list[Any] = []
         for device, peer, i in self._recvs:
-            key = ("done", peer, g._rank, self._tag, i)
-            done = g.world._take(g._rank, key, f"{self._tag}{i} from rank {peer}{_at_step(self._step)}")
+            key = ("done", peer, g._me, self._tag, i)
+            done = g.world._take(g._me, key, f"{self._tag}{i} from rank {peer}{_at_step(self._step)}")
             if not any(done is e for e in waited):
                 be.wait_event(be.current_stream(device), done)
                 waited.append(done)
+
+
+def _channels(items: Sequence[tuple[torch.Tensor, int]]) -> list[int]:
+    """For each ``(tensor, peer)``: how many earlier items go to (come from) the same peer."""
+    seen: dict[int, int] = {}
+    out = []
+    for _, peer in items:
+        out.append(seen.get(peer, 0))
+        seen[peer] = out[-1] + 1
+    return out
+
+
+def _check_all_to_all(send: torch.Tensor, recv: torch.Tensor, size: int) -> None:
+    if send.dim() < 1 or send.shape[0] != size:
+        raise ValueError(f"send: expected dim 0 of size {size} (one piece per rank); got shape {tuple(send.shape)}")
+    if recv.shape != send.shape or recv.dtype != send.dtype:
+        raise ValueError(
+            f"recv: expected shape {tuple(send.shape)} {send.dtype} (that of send); "
+            f"got {tuple(recv.shape)} {recv.dtype}"
+        )
 
 
 def process_group_of_mesh(group: Any) -> Any:
@@ -493,6 +587,111 @@ def process_group_of_mesh(group: Any) -> Any:
             f"dims{f' named {tuple(names)}' if names else ''}"
         )
     return group.get_group()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Hybrid sub-groups: the head group and the ring of a rank
+
+
+def hybrid_members(size: int, rank: int, ulysses: int) -> tuple[list[int], list[int]]:
+    """The group ranks of ``rank``'s head group (the ``ulysses`` consecutive ranks ``rank // ulysses``
+    shares) and of its ring (the ranks with the same ``rank % ulysses``), each in group order."""
+    g, u = divmod(rank, ulysses)
+    return [g * ulysses + j for j in range(ulysses)], list(range(u, size, ulysses))
+
+
+_dist_groups: dict[tuple, tuple[Any, Any]] = {}
+_dist_groups_lock = threading.Lock()
+
+
+def _dist_hybrid_groups(comm: DistCommunicator, ulysses: int) -> tuple[Any, Any]:
+    """This process's (head group, ring) ProcessGroups for ``comm``'s group split by ``ulysses``, made once.
+
+    Every rank makes every group in the same order: the head groups by index, then the rings. When
+    ``comm``'s group is the whole world this is plain ``new_group`` (every process of the world takes part,
+    and every process calls xcp.attention); for a smaller group only its members call, so the groups are made
+    with ``use_local_synchronization=True``, each rank making only the groups it belongs to (in the same
+    global order, which keeps the hashed group names equal on the members).
+    """
+    dist = comm._dist
+    members = comm.members
+    whole = sorted(members) == list(range(dist.get_world_size()))
+    key = (members, ulysses, whole)
+    with _dist_groups_lock:
+        have = _dist_groups.get(key)
+    if have is not None and all(_registered(g) for g in have if g is not None):
+        return have
+    size, rank = len(members), comm.rank()
+    if list(members) != sorted(members):
+        raise ValueError(
+            f"group: ulysses > 1 needs a group whose ranks are in increasing global order (new_group sorts "
+            f"the sub-groups it makes); got global ranks {list(members)}"
+        )
+    heads = [[members[g * ulysses + j] for j in range(ulysses)] for g in range(size // ulysses)]
+    rings = [[members[u + i * ulysses] for i in range(size // ulysses)] for u in range(ulysses)]
+    mine: list[Any] = [None, None]
+    me = members[rank]
+    for which, lists in enumerate((heads, rings)):
+        for ranks in lists:
+            if len(ranks) == 1:  # a ring of one rank moves nothing: no group
+                made = None
+            elif len(ranks) == size:  # the whole group: use it as it is
+                made = comm.group
+            elif whole:
+                made = dist.new_group(ranks)
+            elif me in ranks:
+                made = dist.new_group(ranks, use_local_synchronization=True)
+            else:
+                continue
+            if me in ranks:
+                mine[which] = made
+    pair = (mine[0], mine[1])
+    with _dist_groups_lock:
+        _dist_groups[key] = pair
+    return pair
+
+
+def _registered(group: Any) -> bool:
+    """Whether ``group`` is still a live process group (not destroyed with its world)."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        return group in c10d._world.pg_map
+    except (ImportError, AttributeError):  # pragma: no cover - a torch without that table: trust the cache
+        return True
+
+
+def hybrid_groups(comm: Communicator, ulysses: int) -> tuple[Communicator, Communicator]:
+    """This rank's head group (``ulysses`` consecutive ranks; group rank ``rank % ulysses``) and its ring
+    (the ranks with the same ``rank % ulysses``; group rank ``rank // ulysses``), as communicators.
+
+    ``ulysses`` divides ``comm.size()`` (checked by the caller). A head group of the whole group is
+    ``comm`` itself and a ring of one rank is a :class:`SingleRank`. A torch.distributed group is split
+    with ``new_group`` (made once per group and ``ulysses``, cached), a LocalWorld group into
+    :meth:`LocalGroup.subgroup` s; another communicator may offer ``hybrid_groups(ulysses)`` itself.
+    """
+    size, rank = comm.size(), comm.rank()
+    head_ranks, ring_ranks = hybrid_members(size, rank, ulysses)
+    if isinstance(comm, LocalGroup):
+        head = comm if len(head_ranks) == size else comm.subgroup(head_ranks)
+        ring = SingleRank() if len(ring_ranks) == 1 else comm.subgroup(ring_ranks)
+        return head, ring
+    if isinstance(comm, DistCommunicator):
+        head_pg, ring_pg = _dist_hybrid_groups(comm, ulysses)
+        head = comm if len(head_ranks) == size else DistCommunicator(head_pg, comm.timeout)
+        ring = SingleRank() if len(ring_ranks) == 1 else DistCommunicator(ring_pg, comm.timeout)
+        for what, c, want in (("head group", head, rank % ulysses), ("ring", ring, rank // ulysses)):
+            if c.rank() != want:  # pragma: no cover - new_group orders sorted ranks, as checked above
+                raise RuntimeError(f"xcp: rank {rank} is rank {c.rank()} of its {what}, expected {want}")
+        return head, ring
+    own = getattr(comm, "hybrid_groups", None)
+    if callable(own):
+        return own(ulysses)
+    raise TypeError(
+        f"group: ulysses > 1 needs a group xcp can split into head groups and rings (a torch.distributed "
+        f"ProcessGroup or a group from xcp.LocalWorld), or a communicator with hybrid_groups(); got "
+        f"{type(comm).__name__}"
+    )
 
 
 def resolve_group(group: Any, timeout: float | None = None) -> Communicator:
