@@ -1,4 +1,4 @@
-"""The torch.distributed path: real processes over gloo on the CPU, 2 and 3 ranks.
+"""The torch.distributed path: real processes over gloo on the CPU, 2 and 3 ranks (4 and 6 for the hybrid).
 
 The parent writes seeded inputs to a temporary directory and starts one Python process per rank
 (``init_method=file://``, no network port to pick). Each rank shards the same inputs, runs xcp.attention
@@ -309,3 +309,115 @@ def test_compiled_attention_and_device_mesh_groups_on_gloo(tmp_path):
             assert got["frames"] == 1, (r, name, got)
             assert got["out"] == 0.0 and got["grads"] == 0.0 and got["plain"] == 0.0, (r, name, got)
         assert "expected a DeviceMesh of 1 dim" in results["2-d mesh"] and "('dp', 'cp')" in results["2-d mesh"]
+
+
+HYBRID_WORKER = textwrap.dedent(
+    """
+    import datetime, sys
+    import torch, torch.distributed as dist
+    import xcp
+
+    rank, world, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group(
+        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    cases = torch.load(f"{workdir}/cases.pt")
+    groups = {"default": None, "new": dist.new_group(list(range(world)))}
+    if world > 4:
+        groups["sub"] = dist.new_group([1, 2, 3, 4])  # every process takes part in the user's new_group
+    results = {}
+    for name, case in cases.items():
+        members = case["members"]
+        if rank not in members:
+            continue
+        p, r, u, bal = len(members), members.index(rank), case["ulysses"], case["balance"]
+        local = [xcp.shard(case[t], p, r, balance=bal, ulysses=u).requires_grad_() for t in ("q", "k", "v")]
+        sinks = None if case["sinks"] is None else case["sinks"].clone().requires_grad_()
+        cu = None if case["cu"] is None else torch.tensor(case["cu"])
+        out = xcp.attention(*local, causal=case["causal"], balance=bal, group=groups[case["group"]], ulysses=u,
+                            cu_seqlens=cu, window=case["window"], sinks=sinks)
+        out.backward(xcp.shard(case["dout"], p, r, balance=bal, ulysses=u))
+        results[name] = [out.detach()] + [t.grad for t in local] + [None if sinks is None else sinks.grad]
+    torch.save(results, f"{workdir}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+def hybrid_cases(world: int) -> dict[str, dict]:
+    """2 x 2 (and pure Ulysses, 4 x 1) on the default group and a new group of all ranks; with 6 processes
+    also 2 x 2 on a sub-group of ranks 1..4. GQA with one K/V head (fewer than U), documents, a window, sinks."""
+    configs = [  # group, ulysses, balance, causal, kv_heads, documents, window, sinks
+        ("default", 2, "zigzag", True, 1, None, None, False),
+        ("new", 2, "stripe", False, 2, None, None, False),
+        ("default", 2, "contiguous", True, 2, (0, 5, 17, 32), (6, 0), True),
+        ("new", 4, "zigzag", True, 1, (0, 9, 32), None, True),
+        ("default", 2, "zigzag", False, 4, None, (3, 2), False),
+    ]
+    if world > 4:
+        configs = [c for c in configs if c[0] == "default"][:2] + [
+            ("sub", 2, "zigzag", True, 1, None, None, True),
+            ("sub", 2, "stripe", True, 2, (0, 3, 30, 32), (5, 0), False),
+        ]
+    cases = {}
+    for seed, (group, ulysses, balance, causal, kv_heads, cu, window, with_sinks) in enumerate(configs):
+        members = [1, 2, 3, 4] if group == "sub" else list(range(world))
+        seq = 48 if len(members) == 6 else 32  # 6 = 2 x 3: zigzag over 3 ring positions needs a multiple of 6
+        q, k, v, dout = random_inputs(1, seq, 4, kv_heads, 4, seed=100 + seed)
+        cu = None if cu is None else (*cu[:-1], seq)
+        gen = torch.Generator().manual_seed(seed)
+        sinks = torch.randn(4, dtype=torch.float64, generator=gen) if with_sinks else None
+        name = f"{group}-U{ulysses}-{balance}-{'causal' if causal else 'full'}-kv{kv_heads}-{cu}-{window}-{with_sinks}"
+        cases[name] = dict(q=q, k=k, v=v, dout=dout, causal=causal, balance=balance, group=group, members=members,
+                           ulysses=ulysses, cu=cu, window=window, sinks=sinks)  # fmt: skip
+    return cases
+
+
+@pytest.mark.parametrize("world", [4, 6])
+def test_gloo_hybrid_all_to_all_and_ring_matches_the_reference(tmp_path, world):
+    """ulysses on real ranks: all_to_all_single in head groups made by new_group (every process, in the same
+    order, for a group of all ranks; the members only, use_local_synchronization, for a sub-group), the ring
+    over the ring sub-groups; out, dq, dk, dv and dsinks to 1e-10 against the float64 whole sequence."""
+    from test_documents import masked_reference
+
+    cases = hybrid_cases(world)
+    torch.save(cases, tmp_path / "cases.pt")
+    script = tmp_path / "hybrid_worker.py"
+    script.write_text(HYBRID_WORKER)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(world), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    try:
+        logs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    per_rank = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(world)}
+    for name, case in cases.items():
+        parts = [per_rank[r][name] for r in case["members"]]
+        cu = case["cu"] or (0, case["q"].shape[1])
+        want = masked_reference(case["q"], case["k"], case["v"], case["dout"], cu, case["causal"], case["sinks"],
+                                window=case["window"])  # fmt: skip
+        for i, tensor in enumerate(("out", "dq", "dk", "dv", "dsinks")):
+            if i == 4:
+                if case["sinks"] is None:
+                    continue
+                got = sum(p[4] for p in parts)
+            else:
+                got = xcp.unshard([p[i] for p in parts], balance=case["balance"], ulysses=case["ulysses"])
+            err = (got - want[i]).abs().max().item()
+            assert err <= 1e-10, f"{name} {tensor}: max abs error {err:.3e}"
