@@ -369,3 +369,146 @@ def test_bench_window_bytes_are_measured_not_assumed(monkeypatch, capsys):
     monkeypatch.setattr(windows.Traffic, "backward_dkv", property(lambda t: (t.steps - 1) * t.dkv_message))
     assert main([*WINDOW_FLAGS, "--window", "5,0", "--balance", "contiguous"]) == 1
     assert "MEASURED OTHERWISE" in capsys.readouterr().out
+
+
+# --- host time per ring step, and the world of one against SDPA (issue 14) ---
+
+
+def test_run_bench_host_reports_steps_targets_and_the_world_of_one():
+    cfg = tiny(host=True, world_of_one=True, worlds=[2, 3], causal=[False, True], seqs=[16, 32], host_tokens=4)
+    report = run_bench(cfg, progress=False)
+    assert report["timing"] == [] and report["memory"] == []  # not the dense grid
+    rows = report["host"]
+    assert [(r["world"], r["causal"]) for r in rows] == [(2, False), (3, False), (2, True), (3, True)]
+    for r in rows:
+        # the check ran: every rank made one kernel call per step in every pass, none computed while timed
+        assert r["calls_ok"] and r["steps"] == r["world"]
+        assert r["kernel_calls_per_pass"] == {"fwd": [r["world"]], "bwd": [r["world"]]}
+        assert r["kernels_computed_while_timed"] == 0 and r["kernels_computed_once"] >= 2
+        assert r["reps"] >= 5 and r["calls_per_rep"] >= 1 and r["tokens_per_rank"] == 4
+        assert (r["fwd_target_us"], r["bwd_target_us"]) == (50.0, 100.0)
+        for key in ("step_us", "step_wall_us", "step_alone_us", "step_alone_cpu_us", "call_us"):
+            for kind in ("fwd", "bwd"):
+                assert math.isfinite(r[f"{kind}_{key}"]) and r[f"{kind}_{key}"] > 0, (kind, key)
+    w1 = report["world_of_one"]
+    assert [(r["seq"], r["causal"]) for r in w1] == [(16, False), (32, False), (16, True), (32, True)]
+    for r in w1:
+        assert r["fwd_check_ok"] and r["fwd_bwd_check_ok"]
+        assert set(r["fwd_errors"]) == {"out"} and set(r["fwd_bwd_errors"]) == {"out", "dq", "dk", "dv"}
+        assert max(r["fwd_bwd_errors"].values()) <= r["tolerance"] == 1e-4  # float32's bound
+        assert r["reps"] >= 5
+        for mode in ("fwd", "fwd_bwd"):
+            assert r[f"{mode}_ratio"] == pytest.approx(r[f"{mode}_xcp_s"] / r[f"{mode}_sdpa_s"])
+    text = format_report(report)
+    assert "µs per step, mean over ranks" in text and "(≤ 50: " in text and "(≤ 100: " in text
+    assert "alone µs/step" in text and "ok (3 calls/pass)" in text
+    assert "world of one" in text and "SDPA" in text and "FAIL" not in text
+    json.dumps(report)
+
+
+def test_cli_bench_host_json_has_both_figures(tmp_path, capsys):
+    path = tmp_path / "h.json"
+    code = main(
+        ["bench", "--host", "--device", "cpu", "--seqs", "16", "--worlds", "2", "--heads", "2", "--kv-heads", "1",
+         "--head-dim", "8", "--dtype", "float64", "--warmup", "0", "--reps", "1", "--host-tokens", "4",
+         "--mask", "causal", "--quiet", "--json", str(path)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "targets (issue 14): forward ≤ 50 µs, backward ≤ 100 µs" in out
+    assert "median of 5 repetitions" in out  # at least 5, whatever --reps
+    data = json.loads(path.read_text())
+    assert data["meta"]["config"]["host"] and data["meta"]["config"]["world_of_one"]
+    (h,) = data["host"]
+    assert (h["world"], h["causal"], h["balance"], h["calls_ok"]) == (2, True, "zigzag", True)
+    (w,) = data["world_of_one"]
+    assert w["seq"] == 16 and w["fwd_bwd_check_ok"] and w["tolerance"] == 1e-10  # float64's bound
+    assert max(w["fwd_bwd_errors"].values()) < 1e-10
+
+
+def test_cli_bench_world_of_one_alone(tmp_path, capsys):
+    path = tmp_path / "w.json"
+    code = main(
+        ["bench", "--world-of-one", "--device", "cpu", "--seqs", "8,16", "--heads", "4", "--kv-heads", "2",
+         "--head-dim", "8", "--dtype", "float32", "--warmup", "0", "--quiet", "--json", str(path)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "µs per step" not in out and "world of one" in out
+    data = json.loads(path.read_text())
+    assert data["host"] is None
+    assert [(r["seq"], r["causal"]) for r in data["world_of_one"]] == [(8, False), (16, False), (8, True), (16, True)]
+    assert all(r["fwd_check_ok"] and r["fwd_bwd_check_ok"] for r in data["world_of_one"])
+
+
+def test_world_of_one_defaults_to_1k_and_4k(capsys, monkeypatch):
+    from xcp.cli import common
+
+    monkeypatch.setattr(common, "available_bytes", lambda backend, device: 1)  # refuse, to see the sizes
+    assert main(["bench", "--world-of-one", "--device", "cpu", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "the world of one at S=4096" in err and "H=8/2 D=64 float32" in err
+
+
+def test_world_of_one_check_compares_with_sdpa(monkeypatch, capsys):
+    """The check is real: an SDPA 1% off fails it, the row says FAIL and the exit status is 1."""
+    import torch
+
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **kw: real(*a, **kw) * 1.01)
+    code = main(["bench", "--world-of-one", "--device", "cpu", "--seqs", "16", "--heads", "2", "--kv-heads", "1",
+                 "--head-dim", "8", "--dtype", "float32", "--warmup", "0", "--mask", "full", "--quiet"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 1 and "FAIL (9.9e-03)" in out  # 0.01 / 1.01
+
+
+def test_host_check_catches_kernels_computed_while_timed(monkeypatch):
+    from xcp.cli import bench
+
+    monkeypatch.setattr(bench.NullKernels, "_cached", lambda self, key, compute: (self.__dict__.__setitem__(
+        "computed", self.computed + 1), compute())[1])  # fmt: skip
+    report = run_bench(tiny(host=True, world_of_one=True, worlds=[2], seqs=[8], host_tokens=4), progress=False)
+    (r,) = report["host"]
+    assert not r["calls_ok"] and r["kernels_computed_while_timed"] > 0
+    assert "FAIL (2 calls/pass)" in format_report(report)
+
+
+def test_null_kernels_return_the_first_outputs_and_stamp_each_call():
+    import torch
+
+    from xcp.cli.bench import NullKernels, _per_step
+    from xcp.cpu import CPUBackend
+
+    null = NullKernels(CPUBackend())
+    assert null.name == "cpu" and null.handoff_policy == "none"  # everything but the kernels is the backend's
+    q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 1, 8), torch.randn(1, 4, 1, 8)
+    first = null.forward(q, k, v, "causal", 0.3)
+    null.recording = True
+    again = null.forward(q + 1, k, v, "causal", 0.3)  # other values, same kind: not computed
+    other = null.forward(q, k, v, "none", 0.3)  # another mask: computed once
+    assert again is first and other is not first and null.computed == 2
+    assert [kind for kind, _, _ in next(iter(null.stamps.values()))] == ["fwd", "fwd"]
+    # passes are runs of one kind; a step is the time between two calls of one pass
+    stamps = [("fwd", 0, 0), ("fwd", 2000, 4000), ("bwd", 5000, 9000), ("bwd", 9000, 9500), ("fwd", 9600, 9700),
+              ("fwd", 13600, 11700)]  # fmt: skip
+    assert _per_step(stamps, "fwd") == ([2, 2], 3.0, 3.0)
+    assert _per_step(stamps, "bwd") == ([2], 4.0, 0.5)
+    assert _per_step(stamps[:1], "fwd")[0] == [1] and math.isnan(_per_step(stamps[:1], "fwd")[1])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--worlds", "1,2"], "--worlds: expected integers >= 2 with --host"),
+        (["--balance", "contiguous", "--mask", "causal"], "--balance: expected zigzag or stripe with --host"),
+        (["--host-tokens", "3"], "--host-tokens: expected a multiple of 2 (balance 'zigzag' over 2 ranks); got 3"),
+        (["--documents", "8,8"], "--documents: not measured with --host"),
+        (["--window", "4,0"], "--window: not measured with --host"),
+        (["--plot", "x.png"], "--plot: draws the dense grid"),
+        (["--distributed"], "--host: measured in one process"),
+    ],
+)
+def test_bench_host_refuses_what_it_does_not_measure(capsys, args, message):
+    base = ["bench", "--host", "--device", "cpu", "--seqs", "16", "--worlds", "2", "--quiet"]
+    assert main(base + args) == 2
+    assert message in capsys.readouterr().err

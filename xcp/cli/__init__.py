@@ -109,6 +109,9 @@ def _cmd_bench(args) -> int:
         raise ValueError(f"--documents: not measured with --distributed yet; got {args.documents.text!r}")
     if args.distributed and args.window is not None:
         raise ValueError(f"--window: not measured with --distributed yet; got {windows.text_of(args.window)!r}")
+    if args.distributed and (args.host or args.world_of_one):
+        raise ValueError(f"{'--host' if args.host else '--world-of-one'}: measured in one process (LocalWorld "
+                         "virtual ranks, a world of one), not with --distributed")  # fmt: skip
     if args.distributed and args.balance != "zigzag":
         raise ValueError(f"--balance: --distributed measures zigzag only yet; got {args.balance!r}")
     return (bench_dist if args.distributed else bench).command(args)

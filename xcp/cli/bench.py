@@ -7,6 +7,11 @@ and with a causal mask the same causal work): the ring's cost over ideal. Virtua
 on its own stream, driving :func:`xcp.ring_forward` / :func:`xcp.ring_backward` directly (on a GPU,
 autograd runs every backward on one device thread, where a rank waiting for its neighbour would block the
 others). Nothing here asserts anything about time.
+
+``--host`` measures the host side alone: the microseconds one ring step of one rank costs on the host (Python,
+checks, launches, hand-offs, events, exchanges), with block kernels that return outputs computed once
+(:class:`NullKernels`), beside issue 14's targets; and, in the same run, a world of one (``xcp.attention``
+without a group) against torch SDPA (``--world-of-one`` alone runs only that).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import datetime
 import math
 import platform
 import sys
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -31,6 +38,7 @@ from . import packing, windows
 from .common import (
     DTYPES,
     MEASUREMENT_FLAGS,
+    REL_TOLERANCE,
     Clock,
     Measurement,
     Problem,
@@ -55,6 +63,18 @@ from .common import (
     write_json,
 )
 
+HOST_TOKENS = 16
+"""Tokens per rank of the host figure's default problem."""
+HOST_TARGETS_US = {"fwd": 50.0, "bwd": 100.0}
+"""Issue 14's targets for the host work of one ring step of one rank, forward and backward (printed beside
+the figures; nothing asserts them)."""
+HOST_CALLS = 10
+"""Forward+backward calls of every rank in one repetition of the host figure."""
+HOST_MIN_REPS = 5
+"""The host and world-of-one figures are medians of at least this many repetitions, whatever ``--reps``."""
+WORLD_OF_ONE_SEQS = [1024, 4096]
+"""``--seqs`` of the world-of-one figure when none are given (on a device and on the CPU alike)."""
+
 
 @dataclass
 class BenchConfig(Measurement):
@@ -75,6 +95,13 @@ class BenchConfig(Measurement):
     window: str | None = None
     """``--window`` as given (``L,R``): time the ring under the sliding window (over ``documents`` if given)
     against one whole-sequence windowed varlen call, with the steps and bytes sent per rank; None: no window."""
+    host: bool = False
+    """``--host``: instead of the dense grid, the host microseconds per forward and backward ring step of one
+    rank for each of ``worlds`` (kernels that compute nothing), then the world-of-one figure."""
+    world_of_one: bool = False
+    """``--world-of-one`` (implied by ``host``): xcp.attention without a group against torch SDPA at ``seqs``."""
+    host_tokens: int = HOST_TOKENS
+    """Tokens per rank of the host figure (tiny: the figure is about the host, not the kernels)."""
 
     def window_sides(self) -> tuple[int | None, int | None] | None:
         if self.window is None:
@@ -100,6 +127,8 @@ class BenchConfig(Measurement):
 
     def validate(self) -> None:
         """Raise a ValueError naming the first field that cannot be measured."""
+        if self.host or self.world_of_one:
+            return self._validate_host()
         if self.balance not in windows.BALANCE_CHOICES:
             raise ValueError(f"--balance: expected one of {', '.join(windows.BALANCE_CHOICES)}; got {self.balance!r}")
         split_by = windows.check_balance(self.balance)  # auto: at least a multiple of P
@@ -138,6 +167,40 @@ class BenchConfig(Measurement):
                     multiple = schedule.required_multiple(p, split_by)
                     raise ValueError(f"seqs: {s} is not a multiple of {multiple} (balance {self.balance!r} over {p} "
                                      "ranks needs it)")  # fmt: skip
+
+    def _validate_host(self) -> None:
+        """The checks of ``--host`` / ``--world-of-one``: the dense grid's flags that do not apply are refused,
+        and every world must shard ``host_tokens`` per rank with a balance where each rank computes a block at
+        every step (the per-step figure is the time between a rank's kernel calls)."""
+        flag = "--host" if self.host else "--world-of-one"
+        if self.documents is not None or self.window is not None:
+            name = packing.FLAG if self.documents is not None else windows.FLAG
+            raise ValueError(f"{name}: not measured with {flag}; got {self.documents or self.window!r}")
+        for name in ("batch", "heads", "kv_heads", "head_dim", "reps", "host_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an integer >= 1; got {getattr(self, name)!r}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup: expected an integer >= 0; got {self.warmup!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads: expected a divisor of heads={self.heads}; got {self.kv_heads}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if not self.seqs or any(not isinstance(v, int) or v < 1 for v in self.seqs):
+            raise ValueError(f"seqs: expected a non-empty list of integers >= 1; got {self.seqs!r}")
+        if not self.host:
+            return
+        if not self.worlds or any(not isinstance(v, int) or v < 2 for v in self.worlds):
+            raise ValueError(f"--worlds: expected integers >= 2 with --host (a ring of one rank has no steps); "
+                             f"got {self.worlds!r}")  # fmt: skip
+        for p in self.worlds:
+            balance = windows.resolve_balance(self.balance, p, True, None, None)
+            if balance == "contiguous" and True in self.causal:
+                raise ValueError("--balance: expected zigzag or stripe with --host and a causal mask (contiguous "
+                                 "ranks skip steps, the figure times every step); got 'contiguous'")  # fmt: skip
+            multiple = schedule.required_multiple(p, balance)
+            if (self.host_tokens * p) % multiple:
+                raise ValueError(f"--host-tokens: expected a multiple of {multiple // math.gcd(multiple, p)} "
+                                 f"(balance {balance!r} over {p} ranks); got {self.host_tokens}")  # fmt: skip
 
 
 def ratio(ring_seconds: float, reference_seconds: float) -> float:
@@ -271,6 +334,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True, checkpoint: str | None = 
     """
     cfg.validate()
     backend, device = tool_backend(cfg.device, 0)
+    if cfg.host or cfg.world_of_one:
+        return _run_host(cfg, backend, device, progress, checkpoint)
     if cfg.documents is not None or cfg.window is not None:
         return _run_documents(cfg, backend, device, progress, checkpoint)
     check_memory(backend, device, *estimate_bytes(cfg, device.type))
@@ -503,6 +568,394 @@ def _graph_one(cfg, backend, clock, device) -> dict[str, Any] | None:
     }
 
 
+# ------------------------------------------------------------------- host time per ring step (issue 14)
+class NullKernels:
+    """A backend whose block kernels compute nothing: each call returns the outputs the wrapped backend's
+    kernel gave the first time it saw a call of the same kind, mask, shapes and dtypes (the priming run
+    computes them), so a ring step costs what it costs on the host — the loop's Python, the merge and the
+    accumulations launched (on tiny tensors), the hand-offs, events and exchanges — and no kernel time.
+    Everything else (streams, events, merge, identity) is the wrapped backend's.
+
+    While ``recording``, each kernel call appends ``(kind, thread CPU ns, wall ns)`` to the calling thread's
+    list in ``stamps`` (kind ``fwd`` or ``bwd``): one stamp per ring step of that rank, taken on entry, so the
+    time between two stamps of one pass is one whole iteration of the ring's step loop.
+    """
+
+    def __init__(self, backend) -> None:
+        self._backend = backend
+        for name in dir(type(backend)):  # bound once: a step looks them up in this instance, not through __getattr__
+            if not name.startswith("__") and name not in ("forward", "backward"):
+                self.__dict__[name] = getattr(backend, name)
+        self._outputs: dict[tuple, Any] = {}
+        self.stamps: dict[int, list[tuple[str, int, int]]] = {}
+        self.recording = False
+        self.computed = 0
+        """Kernel calls the wrapped backend actually ran (the priming run's)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def _stamp(self, kind: str) -> None:
+        if self.recording:
+            self.stamps.setdefault(threading.get_ident(), []).append(
+                (kind, time.thread_time_ns(), time.perf_counter_ns())
+            )
+
+    def _cached(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        got = self._outputs.get(key)
+        if got is None:
+            got = self._outputs[key] = compute()
+            self.computed += 1
+        return got
+
+    def forward(self, q, k, v, mask, scale):
+        self._stamp("fwd")
+        key = ("fwd", mask, q.shape, k.shape, q.dtype, q.device)
+        return self._cached(key, lambda: self._backend.forward(q, k, v, mask, scale))
+
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
+        self._stamp("bwd")
+        key = ("bwd", mask, q.shape, k.shape, q.dtype, q.device)
+        return self._cached(key, lambda: self._backend.backward(dout, q, k, v, out, lse, mask, scale))
+
+
+def _host_rank(group, null: NullKernels, shards, streams, main_stream, causal: bool, balance: str, scale: float,
+               calls: int):  # fmt: skip
+    """One rank of the host figure: ``calls`` times ring_forward then ring_backward, as xcp.attention runs
+    them (no ledger, no counting communicator), on the rank's own stream; returns the stream and the thread
+    CPU ns of all the forward and all the backward calls."""
+    r = group.rank()
+    stream = streams[r]
+    null.wait_stream(stream, main_stream)
+    q, k, v, dout = shards[r]
+    cfg = RingConfig(group, null, causal, scale, balance)  # type: ignore[arg-type]
+    fwd = bwd = 0
+    with null.stream_context(stream):
+        for _ in range(calls):
+            t0 = time.thread_time_ns()
+            out, lse = ring_forward(q, k, v, cfg)
+            t1 = time.thread_time_ns()
+            ring_backward(dout, q, k, v, out, lse, cfg)
+            t2 = time.thread_time_ns()
+            fwd, bwd = fwd + t1 - t0, bwd + t2 - t1
+    return stream, fwd, bwd
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class _Loopback:
+    """The communicator of one rank's loop run alone: an exchange copies each sent tensor into the receive
+    buffer of the same position and is complete at once (no peer, no thread, no wait), so the loop's host
+    work is timed without the other ranks'."""
+
+    ranks_are_threads = False
+
+    def __init__(self, world: int, rank: int) -> None:
+        self._world, self._rank, self._store = world, rank, {}
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._world
+
+    def rank_store(self) -> dict:
+        return self._store
+
+    def exchange(self, sends, recvs, tag, backend, step=None):
+        for (sent, _), (buf, _) in zip(sends, recvs):
+            buf.copy_(sent)
+        return _Done()
+
+
+def _per_step(stamps: list[tuple[str, int, int]], kind: str) -> tuple[list[int], float, float]:
+    """A rank's passes of one kind (its kernel calls in each, in order) and the mean thread CPU and wall µs
+    between consecutive kernel calls of one pass."""
+    passes: list[list[tuple[int, int]]] = []
+    previous = None
+    for k, cpu, wall in stamps:
+        if k == kind:
+            if previous != kind:
+                passes.append([])
+            passes[-1].append((cpu, wall))
+        previous = k
+    gaps = sum(len(p) - 1 for p in passes)
+    if not gaps:
+        return [len(p) for p in passes], math.nan, math.nan
+    cpu = sum(p[-1][0] - p[0][0] for p in passes) / gaps / 1e3
+    wall = sum(p[-1][1] - p[0][1] for p in passes) / gaps / 1e3
+    return [len(p) for p in passes], cpu, wall
+
+
+def _host_one(cfg: BenchConfig, backend, device, world: int, causal: bool) -> dict[str, Any]:
+    """The host figure of one (P, mask): per repetition, the mean over ranks of the thread CPU (and wall)
+    µs between a rank's consecutive kernel calls, forward and backward; the medians over the repetitions.
+    A repetition is one LocalWorld run in which every rank makes :data:`HOST_CALLS` forward+backward calls;
+    a priming run computes the kernels' outputs once and makes the first-call agreement exchange."""
+    from ..api import shard
+
+    balance = windows.resolve_balance(cfg.balance, world, causal, None, None)
+    seq = cfg.host_tokens * world
+    full = random_inputs(cfg, seq, device)
+    null = NullKernels(backend)
+    lw = LocalWorld(world, device=device)
+    shards = [tuple(shard(x, world, r, balance=balance) for x in full) for r in range(world)]
+    streams = [backend.new_stream(device) for _ in range(world)]
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    steps = len(schedule.plan(world, 0, causal, balance).steps)
+
+    def run() -> list[Any]:
+        main = backend.current_stream(device)
+        backend.synchronize(device)
+        results = lw.run(_host_rank, null, shards, streams, main, causal, balance, scale, HOST_CALLS)
+        for stream, _, _ in results:
+            backend.wait_stream(main, stream)
+        backend.synchronize(device)
+        return results
+
+    for _ in range(1 + cfg.warmup):
+        run()
+    computed = null.computed
+    names = [f"{kind}_{what}" for kind in ("fwd", "bwd") for what in ("cpu", "wall", "call", "alone_cpu", "alone_wall")]
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    calls_ok = True
+    calls: dict[str, list[int]] = {}
+    reps = max(cfg.reps, HOST_MIN_REPS)
+    for _ in range(reps):
+        null.stamps.clear()
+        null.recording = True
+        try:
+            results = run()
+        finally:
+            null.recording = False
+        per_rank = list(null.stamps.values())
+        for kind in ("fwd", "bwd"):
+            figures = [_per_step(s, kind) for s in per_rank]
+            calls[kind] = [n for passes, _, _ in figures for n in passes]  # every pass of every rank
+            calls_ok = calls_ok and len(per_rank) == world and calls[kind] == [steps] * (world * HOST_CALLS)
+            samples[f"{kind}_cpu"].append(sum(c for _, c, _ in figures) / len(figures))
+            samples[f"{kind}_wall"].append(sum(w for _, _, w in figures) / len(figures))
+        samples["fwd_call"].append(sum(r[1] for r in results) / (world * HOST_CALLS) / 1e3)
+        samples["bwd_call"].append(sum(r[2] for r in results) / (world * HOST_CALLS) / 1e3)
+    # rank 0's loop alone, in this thread, its exchanges a loopback (the kernels' outputs are those above)
+    q, k, v, dout = shards[0]
+    cfg0 = RingConfig(_Loopback(world, 0), null, causal, scale, balance)  # type: ignore[arg-type]
+    for rep in range(1 + cfg.warmup + reps):
+        null.stamps.clear()
+        null.recording = rep > cfg.warmup
+        backend.synchronize(device)
+        try:
+            for _ in range(HOST_CALLS):
+                out, lse = ring_forward(q, k, v, cfg0)
+                ring_backward(dout, q, k, v, out, lse, cfg0)
+            backend.synchronize(device)
+        finally:
+            null.recording = False
+        if rep > cfg.warmup:
+            for kind in ("fwd", "bwd"):
+                passes, cpu, wall = _per_step(null.stamps[threading.get_ident()], kind)
+                calls_ok = calls_ok and passes == [steps] * HOST_CALLS
+                samples[f"{kind}_alone_cpu"].append(cpu)
+                samples[f"{kind}_alone_wall"].append(wall)
+    med = {name: median(values) for name, values in samples.items()}
+    return {
+        "world": world,
+        "causal": causal,
+        "balance": balance,
+        "tokens_per_rank": cfg.host_tokens,
+        "steps": steps,
+        "reps": reps,
+        "fwd_step_us": med["fwd_cpu"],
+        "bwd_step_us": med["bwd_cpu"],
+        "fwd_step_wall_us": med["fwd_wall"],
+        "bwd_step_wall_us": med["bwd_wall"],
+        "fwd_call_us": med["fwd_call"],
+        "bwd_call_us": med["bwd_call"],
+        "fwd_step_alone_us": med["fwd_alone_wall"],
+        "bwd_step_alone_us": med["bwd_alone_wall"],
+        "fwd_step_alone_cpu_us": med["fwd_alone_cpu"],
+        "bwd_step_alone_cpu_us": med["bwd_alone_cpu"],
+        "fwd_target_us": HOST_TARGETS_US["fwd"],
+        "bwd_target_us": HOST_TARGETS_US["bwd"],
+        "calls_per_rep": HOST_CALLS,
+        "kernel_calls_per_pass": {kind: sorted(set(n)) for kind, n in calls.items()},
+        "kernels_computed_once": computed,
+        "kernels_computed_while_timed": null.computed - computed,
+        "calls_ok": calls_ok and null.computed == computed,
+    }
+
+
+def _world_of_one_one(cfg: BenchConfig, backend, clock: Clock, device, seq: int, causal: bool) -> dict[str, Any]:
+    """xcp.attention without a group (a world of one) against torch SDPA on [B, H, S, D] views with
+    enable_gqa, forward and forward+backward: each checked against the other, then timed interleaved."""
+    from ..api import attention
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    dtype = DTYPES[cfg.dtype]
+    q, k, v, dout = random_inputs(cfg, seq, device)
+    leaves = tuple(x.detach().clone().requires_grad_() for x in (q, k, v))
+
+    def run_xcp(backward: bool):
+        if not backward:
+            with torch.no_grad():
+                return attention(q, k, v, causal=causal, device=backend.name), None
+        out = attention(*leaves, causal=causal, device=backend.name)
+        return out, torch.autograd.grad(out, leaves, dout)
+
+    def run_sdpa(backward: bool):
+        def call(a, b, c):
+            return sdpa(a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), is_causal=causal,
+                        enable_gqa=True).transpose(1, 2)  # fmt: skip
+
+        if not backward:
+            with torch.no_grad():
+                return call(q, k, v), None
+        out = call(*leaves)
+        return out, torch.autograd.grad(out, leaves, dout)
+
+    row: dict[str, Any] = {"seq": seq, "causal": causal, "tolerance": REL_TOLERANCE[dtype]}
+    reps = max(cfg.reps, HOST_MIN_REPS)
+    for mode, backward in (("fwd", False), ("fwd_bwd", True)):
+        if cfg.check:
+            got, ref = run_xcp(backward), run_sdpa(backward)
+            errs = {"out": error(got[0], ref[0]).rel}
+            if backward:
+                errs.update({name: error(g, r).rel for name, g, r in zip(("dq", "dk", "dv"), got[1], ref[1])})
+            row[f"{mode}_errors"] = errs
+            row[f"{mode}_check_ok"] = all(math.isfinite(e) and e <= REL_TOLERANCE[dtype] for e in errs.values())
+            del got, ref
+        for _ in range(cfg.warmup):
+            run_sdpa(backward)
+            run_xcp(backward)
+        sdpa_t, xcp_t = [], []
+        for _ in range(reps):  # interleaved, so drifts in clock or temperature hit both alike
+            sdpa_t.append(clock.time(lambda b=backward: run_sdpa(b)))
+            xcp_t.append(clock.time(lambda b=backward: run_xcp(b)))
+        row[f"{mode}_sdpa_s"] = median(sdpa_t)
+        row[f"{mode}_xcp_s"] = median(xcp_t)
+        row[f"{mode}_ratio"] = ratio(row[f"{mode}_xcp_s"], row[f"{mode}_sdpa_s"])
+    row["reps"] = reps
+    return row
+
+
+def estimate_host_bytes(cfg: BenchConfig, device_type: str) -> tuple[int, str]:
+    """Estimated peak memory of ``--host`` / ``--world-of-one``: forward+backward of a world of one at the
+    largest of ``seqs`` (the host figure's problems are tiny)."""
+    quadratic = device_type == "cpu" or cfg.dtype == "float64"
+    problem = Problem(cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dtype)
+    seq = max(cfg.seqs)
+    shape = f"B={cfg.batch} H={cfg.heads}/{cfg.kv_heads} D={cfg.head_dim} {cfg.dtype}"
+    return attention_bytes(problem, seq, 1, quadratic), f"the world of one at S={seq}, {shape}"
+
+
+def _run_host(cfg: BenchConfig, backend, device, progress: bool, checkpoint: str | None) -> dict[str, Any]:
+    """The figures of ``--host`` (host µs per ring step for each of ``worlds``, then the world of one against
+    SDPA) or of ``--world-of-one`` (that one alone)."""
+    check_memory(backend, device, *estimate_host_bytes(cfg, device.type))
+    clock = Clock(backend, device)
+    report: dict[str, Any] = {"meta": _meta(cfg, backend, device), "timing": [], "memory": [], "graph": None,
+                              "host": [] if cfg.host else None, "world_of_one": []}  # fmt: skip
+    work: list[tuple[str, Callable[[], None]]] = []
+    if cfg.host:
+        for causal in cfg.causal:
+            for world in cfg.worlds:
+                row = (cfg, backend, device, world, causal)
+                work.append((f"host P={world} {'causal' if causal else 'full'}",
+                             lambda r=row: report["host"].append(_host_one(*r))))  # fmt: skip
+    for causal in cfg.causal:
+        for seq in cfg.seqs:
+            row = (cfg, backend, clock, device, seq, causal)
+            work.append((f"world of one S={seq} {'causal' if causal else 'full'}",
+                         lambda r=row: report["world_of_one"].append(_world_of_one_one(*r))))  # fmt: skip
+    for step, (label, measure) in enumerate(work):
+        if progress:
+            _progress(step, len(work), label)
+        measure()
+        if checkpoint:
+            write_json(report, checkpoint)
+    if progress:
+        _progress(len(work), len(work), "done")
+    return report
+
+
+HOST_METHOD = (
+    "host work of one ring step of one rank: LocalWorld virtual ranks run xcp.ring_forward then ring_backward "
+    "({calls} times per rank and repetition) on {tokens} tokens per rank with kernels that return outputs "
+    "computed once beforehand (no kernel time; the merge and accumulations still run, on tiny tensors); a step "
+    "is the time between a rank's consecutive kernel calls in one pass, on the rank thread's CPU clock (waits "
+    "for peers and for the interpreter lock not counted), the mean over ranks; wall: the same gaps on the wall "
+    "clock, with the other ranks' work that interleaves (P threads share one interpreter); alone: rank 0's loop "
+    "run by itself in one thread, its exchanges a loopback copy, wall clock (the loop's own host work, without "
+    "the other ranks'); call: a whole ring_forward / ring_backward call, CPU clock, mean over ranks, with what it "
+    "does once per call"
+)
+
+
+def _format_host(report: dict[str, Any]) -> list[str]:
+    """The host table (when measured), then the world-of-one table."""
+    lines: list[str] = []
+    rows = report.get("host")
+    if rows:
+        method = HOST_METHOD.format(tokens=rows[0]["tokens_per_rank"], calls=rows[0]["calls_per_rep"])
+        lines += ["", *_wrap(f"{method}; median of {rows[0]['reps']} repetitions."), ""]
+        lines.append(
+            f"{'':>18} | {'µs per step, mean over ranks':^45} | {'wall µs/step':^13} | {'alone µs/step':^13} | "
+            f"{'µs per call':^13} |"
+        )
+        lines.append(
+            f"{'P':>3} {'mask':>6} {'balance':>7} | {'fwd':>7} {'target':>14} {'bwd':>7} {'target':>14} | "
+            f"{'fwd':>6} {'bwd':>6} | {'fwd':>6} {'bwd':>6} | {'fwd':>6} {'bwd':>6} | check"
+        )
+        for r in rows:
+            lines.append(
+                f"{r['world']:>3} {'causal' if r['causal'] else 'full':>6} {r['balance']:>7} | "
+                f"{r['fwd_step_us']:>7.1f} {_target(r['fwd_step_us'], r['fwd_target_us']):>14} "
+                f"{r['bwd_step_us']:>7.1f} {_target(r['bwd_step_us'], r['bwd_target_us']):>14} | "
+                f"{r['fwd_step_wall_us']:>6.0f} {r['bwd_step_wall_us']:>6.0f} | {r['fwd_step_alone_us']:>6.1f} "
+                f"{r['bwd_step_alone_us']:>6.1f} | {r['fwd_call_us']:>6.0f} {r['bwd_call_us']:>6.0f} | "
+                f"{'ok' if r['calls_ok'] else 'FAIL'} ({r['steps']} calls/pass)"
+            )
+        lines += _wrap(f"targets (issue 14): forward ≤ {HOST_TARGETS_US['fwd']:g} µs, backward ≤ "
+                       f"{HOST_TARGETS_US['bwd']:g} µs per step and rank; printed, not asserted. check: every rank "
+                       "made one kernel call per step in every pass, and none was computed while timed")  # fmt: skip
+    w1 = report.get("world_of_one") or []
+    if w1:
+        c = report["meta"]["config"]
+        lines += [
+            "",
+            *_wrap(
+                f"world of one: xcp.attention(q, k, v, causal=...) without a group against torch SDPA (q, k, v "
+                f"as [B, H, S, D] views, enable_gqa=True), {c['dtype']}; each checked against the other "
+                f"(relative 2-norm error of out, dq, dk, dv ≤ {w1[0]['tolerance']:.0e}) before it is timed; "
+                f"median of {w1[0]['reps']}, interleaved; ratio = xcp / SDPA"
+            ),
+            "",
+            f"{'S':>8} {'mask':>6} | {'fwd SDPA ms':>11} {'fwd xcp ms':>10} {'ratio':>6} | "
+            f"{'f+b SDPA ms':>11} {'f+b xcp ms':>10} {'ratio':>6} | check",
+        ]
+        for r in w1:
+            lines.append(
+                f"{r['seq']:>8} {'causal' if r['causal'] else 'full':>6} | {r['fwd_sdpa_s'] * 1e3:>11.2f} "
+                f"{r['fwd_xcp_s'] * 1e3:>10.2f} {r['fwd_ratio']:>6.3f} | {r['fwd_bwd_sdpa_s'] * 1e3:>11.2f} "
+                f"{r['fwd_bwd_xcp_s'] * 1e3:>10.2f} {r['fwd_bwd_ratio']:>6.3f} | {_check_text(r)}"
+            )
+    return lines
+
+
+def _target(value: float, target: float) -> str:
+    """``(≤ 50: ok)`` or ``(≤ 50: over)``: the target beside a figure (nothing asserts it)."""
+    return f"(≤ {target:g}: {'ok' if value <= target else 'over'})"
+
+
+def _wrap(text: str, width: int = 110) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width)
+
+
 def _header(report: dict[str, Any]) -> list[str]:
     m = report["meta"]
     c = m["config"]
@@ -518,7 +971,8 @@ def _header(report: dict[str, Any]) -> list[str]:
 def _row_ok(r: dict[str, Any]) -> bool:
     """The row's checks passed: out and grads against the yardstick, and (with a window) the bytes each rank
     sent against the formula."""
-    return all(r.get(f"{m}_check_ok", True) for m in ("fwd", "fwd_bwd")) and r.get("sent_ok", True)
+    checks = all(r.get(f"{m}_check_ok", True) for m in ("fwd", "fwd_bwd"))
+    return checks and r.get("sent_ok", True) and r.get("calls_ok", True)
 
 
 def _check_text(r: dict[str, Any]) -> str:
@@ -634,6 +1088,8 @@ def _format_windows(report: dict[str, Any]) -> list[str]:
 
 def format_report(report: dict[str, Any]) -> str:
     """The human-readable tables of a report."""
+    if report.get("host") is not None or report.get("world_of_one") is not None:
+        return "\n".join(_header(report) + _format_host(report))
     if report.get("documents") is not None and report["meta"]["config"].get("window") is not None:
         return "\n".join(_header(report) + _format_windows(report))
     if report.get("documents") is not None:
@@ -762,6 +1218,27 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--compare-dense", action="store_true",
                    help="with --documents or --window: also time the dense ring at the same S, P, masks")  # fmt: skip
+    p.add_argument(
+        "--host", action="store_true",
+        help="instead of the dense grid: the host µs per forward and per backward ring step of one rank, for "
+        "each of --worlds (>= 2; LocalWorld virtual ranks running xcp.ring_forward/ring_backward on "
+        "--host-tokens tokens per rank with kernels that return outputs computed once beforehand, so only host "
+        "work remains: Python, checks, the merge and accumulation launches, hand-offs, events, exchanges); a "
+        "step is the time between a rank's consecutive kernel calls on its thread's CPU clock, the mean over "
+        f"ranks, median of at least {HOST_MIN_REPS}; beside it the same gaps on the wall clock and rank 0's loop "
+        "run alone (one thread, loopback exchanges, wall clock), and the targets (forward ≤ "
+        f"{HOST_TARGETS_US['fwd']:g} µs, backward ≤ {HOST_TARGETS_US['bwd']:g} µs); then the --world-of-one "
+        "figure in the same run",
+    )  # fmt: skip
+    p.add_argument(
+        "--world-of-one", action="store_true",
+        help="xcp.attention(q, k, v, causal=...) without a group against torch SDPA (q, k, v as [B, H, S, D] "
+        "views, enable_gqa=True), forward and forward+backward, each checked against the other (tolerance by "
+        f"dtype) before it is timed, median of at least {HOST_MIN_REPS}, interleaved; --seqs default "
+        f"{','.join(map(str, WORLD_OF_ONE_SEQS))} here, heads, head dim and dtype the device's (part of --host)",
+    )  # fmt: skip
+    p.add_argument("--host-tokens", type=positive, default=d.host_tokens,
+                   help="tokens per rank of the --host figure (even for zigzag)")  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw ratio vs S and memory vs P")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -827,10 +1304,38 @@ def _document_sizes(args: argparse.Namespace) -> None:
         args.memory_seq = max(args.seqs or [1])
 
 
+def _host_args(args: argparse.Namespace) -> str | None:
+    """With --host or --world-of-one: refuse what does not apply, and default --seqs to the world-of-one's;
+    returns a note of that default (None when --seqs was given or neither flag was)."""
+    host = getattr(args, "host", False)
+    if not (host or getattr(args, "world_of_one", False)):
+        return None
+    flag = "--host" if host else "--world-of-one"
+    if args.documents is not None:
+        raise ValueError(f"{packing.FLAG}: not measured with {flag}; got {args.documents.text!r}")
+    if args.window is not None:
+        raise ValueError(f"{windows.FLAG}: not measured with {flag}; got {windows.text_of(args.window)!r}")
+    if args.compare_dense:
+        raise ValueError(f"--compare-dense: expected together with --documents or --window, not {flag}")
+    if args.plot:
+        raise ValueError(f"--plot: draws the dense grid, not measured with {flag}; got {args.plot!r}")
+    if args.mask is None:
+        args.mask = "both"
+    if args.memory_seq is None:
+        args.memory_seq = 1  # no memory figure here: kept out of the size defaults and their note
+    if args.seqs is not None:
+        return None
+    args.seqs = list(WORLD_OF_ONE_SEQS)
+    return f"seqs {','.join(map(str, WORLD_OF_ONE_SEQS))} (the world of one's, on any device)"
+
+
 def command(args: argparse.Namespace) -> int:
     backend, _ = tool_backend(args.device, 0)  # an unknown or unusable backend: the error and the table, first
+    host_note = _host_args(args)
     _document_sizes(args)
     note = apply_size_defaults(args, backend, SIZE_FLAGS)
+    if host_note:
+        note = host_note if note is None else f"{note}, {host_note}"
     cfg = BenchConfig(
         sizes_note=note,
         worlds=args.worlds,
@@ -842,6 +1347,9 @@ def command(args: argparse.Namespace) -> int:
         compare_dense=args.compare_dense,
         window=None if args.window is None else windows.text_of(args.window),
         balance=args.balance,
+        host=args.host,
+        world_of_one=args.host or args.world_of_one,
+        host_tokens=args.host_tokens,
         **measurement_args(args),
     )
     report = run_bench(cfg, progress=not args.quiet, checkpoint=args.json)
@@ -852,6 +1360,7 @@ def command(args: argparse.Namespace) -> int:
     if args.plot:
         plot_report(report, args.plot)
         print(f"plot written to {args.plot}")
-    rows = report["timing"] + report.get("documents", [])
+    rows = report["timing"] + report.get("documents", []) + (report.get("host") or [])
+    rows += report.get("world_of_one") or []
     failed = [r for r in rows if not _row_ok(r)]
     return 1 if failed else 0
