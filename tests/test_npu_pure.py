@@ -9,6 +9,10 @@ Packed segments: the stand-in also implements the TND layout independently (floa
 ``actual_seq_qlen`` / ``actual_seq_kvlen`` without a leading 0, statistics [T, N, 8] whose rows follow a layout
 chosen per stand-in: ``segment``, ``global``, or ``tnd`` when called with softmax_layout="TND"). The layout of real
 hardware is not settled by the docs (see xcp_npu.convert); the device test at the end says which one matches.
+
+Windows: the stand-in models the band sparse_mode 4 as the docs state it (the compressed 2048×2048 mask,
+pre_tockens / next_tockens counted from each segment's bottom-right corner, no fully masked row in TND); a stand-in
+built with band_origin="top_left" shows the tests would catch a backend relying on the other alignment.
 """
 
 from __future__ import annotations
@@ -142,25 +146,41 @@ def _compressed_causal_mask():
 class FakeTorchNPU(types.ModuleType):
     """npu_fusion_attention and npu_fusion_attention_grad as torch_npu documents them, in float64."""
 
-    def __init__(self, tnd_stats="segment"):
+    def __init__(self, tnd_stats="segment", band_origin="bottom_right"):
         super().__init__("torch_npu")
         self.calls = []
         self.varlen_calls = []
         self.checked_mask = None
         self.tnd_stats = tnd_stats  # the row layout of TND statistics without softmax_layout="TND"
+        self.band_origin = band_origin  # where sparse_mode 4 counts its tokens from: the docs say bottom_right
 
-    def _allowed(self, sq, sk, atten_mask, sparse_mode):
+    def _check_compressed_mask(self, atten_mask):
+        assert atten_mask is not None and atten_mask.dtype == torch.bool and atten_mask.shape == (2048, 2048)
+        if atten_mask is not self.checked_mask:  # the backend caches its mask: compare it once
+            assert torch.equal(atten_mask, _compressed_causal_mask()), "not the causal mask"
+            self.checked_mask = atten_mask
+
+    def _allowed(self, sq, sk, atten_mask, sparse_mode, pre_tockens=2147483647, next_tockens=2147483647):
         if sparse_mode == 0:
             if atten_mask is None:
                 return torch.ones(sq, sk, dtype=torch.bool)
             return ~atten_mask.bool()  # True = masked out
         if sparse_mode == 3:  # rightDownCausal: query i sees keys j <= i + (Sk - Sq)
-            assert atten_mask is not None and atten_mask.dtype == torch.bool and atten_mask.shape == (2048, 2048)
-            if atten_mask is not self.checked_mask:  # the backend caches its mask: compare it once
-                assert torch.equal(atten_mask, _compressed_causal_mask()), "not the causal mask"
-                self.checked_mask = atten_mask
+            self._check_compressed_mask(atten_mask)
             return torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
+        if sparse_mode == 4:  # band from the bottom-right corner: -pre <= j - i - (Sk - Sq) <= next
+            self._check_compressed_mask(atten_mask)
+            assert type(pre_tockens) is int and type(next_tockens) is int and pre_tockens + next_tockens >= 0
+            off = sk - sq if self.band_origin == "bottom_right" else 0
+            d = torch.arange(sk).unsqueeze(0) - torch.arange(sq).unsqueeze(1) - off
+            return (d >= -pre_tockens) & (d <= next_tockens)
         raise NotImplementedError(f"sparse_mode {sparse_mode} is not modelled")
+
+    def _tnd_allowed(self, sq, sk, atten_mask, sparse_mode, pre_tockens, next_tockens):
+        """One segment's mask; the docs forbid a fully masked row in TND (atten_mask中不能存在某一行全1)."""
+        allowed = self._allowed(sq, sk, atten_mask, sparse_mode, pre_tockens, next_tockens)
+        assert allowed.any(-1).all(), "TND: a row that sees no key"
+        return allowed
 
     def _check(self, query, key, value, head_num, input_layout):
         assert input_layout == "BSND" and head_num == query.shape[2]
@@ -193,13 +213,14 @@ class FakeTorchNPU(types.ModuleType):
         if input_layout == "TND":
             return self._tnd_forward(
                 query, key, value, head_num, atten_mask, scale, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
-                softmax_layout, keep_prob, pse,
+                softmax_layout, keep_prob, pse, pre_tockens, next_tockens,
             )  # fmt: skip
         assert actual_seq_qlen is None and actual_seq_kvlen is None and softmax_layout == ""
         self._check(query, key, value, head_num, input_layout)
         assert keep_prob == 1.0 and pse is None
         self.calls.append(("fwd", query.shape[1], key.shape[1], key.shape[2], sparse_mode))
-        s = _scores_bnss(query, key, scale, self._allowed(query.shape[1], key.shape[1], atten_mask, sparse_mode))
+        allowed = self._allowed(query.shape[1], key.shape[1], atten_mask, sparse_mode, pre_tockens, next_tockens)
+        s = _scores_bnss(query, key, scale, allowed)
         smax, ssum = _npu_stats(s)
         p = torch.exp(s - smax[..., :1].double()) / ssum[..., :1].double()
         groups = query.shape[2] // key.shape[2]
@@ -241,7 +262,7 @@ class FakeTorchNPU(types.ModuleType):
         if input_layout == "TND":
             return self._tnd_backward(
                 query, key, value, dy, head_num, atten_mask, softmax_max, softmax_sum, attention_in, scale_value,
-                actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, keep_prob,
+                actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, keep_prob, pre_tockens, next_tockens,
             )  # fmt: skip
         assert actual_seq_qlen is None and actual_seq_kvlen is None and softmax_layout == ""
         self._check(query, key, value, head_num, input_layout)
@@ -250,7 +271,8 @@ class FakeTorchNPU(types.ModuleType):
         self.calls.append(("bwd", query.shape[1], key.shape[1], key.shape[2], sparse_mode))
         groups = query.shape[2] // key.shape[2]
         kr, vr = (x.double().repeat_interleave(groups, 2) for x in (key, value))
-        s = _scores_bnss(query, key, scale_value, self._allowed(query.shape[1], key.shape[1], atten_mask, sparse_mode))
+        allowed = self._allowed(query.shape[1], key.shape[1], atten_mask, sparse_mode, pre_tockens, next_tockens)
+        s = _scores_bnss(query, key, scale_value, allowed)
         p = torch.exp(s - softmax_max[..., :1].double()) / softmax_sum[..., :1].double()
         do, o = dy.double(), attention_in.double()
         dv = torch.einsum("bnqk,bqnd->bknd", p, do)
@@ -287,19 +309,22 @@ class FakeTorchNPU(types.ModuleType):
         return n * q0 + h * (q1 - q0) + (j - q0)  # segment: [N, s_i] blocks, one per segment
 
     def _tnd_forward(
-        self, query, key, value, head_num, atten_mask, scale, qlen, kvlen, sparse_mode, softmax_layout, keep_prob, pse
-    ):
+        self, query, key, value, head_num, atten_mask, scale, qlen, kvlen, sparse_mode, softmax_layout, keep_prob, pse,
+        pre_tockens, next_tockens,
+    ):  # fmt: skip
         segs = self._tnd_segments(query, key, value, head_num, qlen, kvlen, softmax_layout)
         assert keep_prob == 1.0 and pse is None
         layout = "tnd" if softmax_layout == "TND" else self.tnd_stats
         t, n = query.shape[0], head_num
-        self.varlen_calls.append(("fwd", list(qlen), list(kvlen), key.shape[1], sparse_mode, softmax_layout))
+        call = ("fwd", list(qlen), list(kvlen), key.shape[1], sparse_mode, softmax_layout, pre_tockens, next_tockens)
+        self.varlen_calls.append(call)
         groups = n // key.shape[1]
         out = torch.zeros(t, n, value.shape[2], dtype=torch.float64)
         smax, ssum = torch.zeros(t * n, 8, dtype=torch.float32), torch.zeros(t * n, 8, dtype=torch.float32)
         for q0, q1, k0, k1 in segs:
             qs, ks, vs = query[q0:q1].unsqueeze(0), key[k0:k1].unsqueeze(0), value[k0:k1].unsqueeze(0)
-            s = _scores_bnss(qs, ks, scale, self._allowed(q1 - q0, k1 - k0, atten_mask, sparse_mode))
+            allowed = self._tnd_allowed(q1 - q0, k1 - k0, atten_mask, sparse_mode, pre_tockens, next_tockens)
+            s = _scores_bnss(qs, ks, scale, allowed)
             m, total = _npu_stats(s)  # [1, N, s_i, 8]
             p = torch.exp(s - m[..., :1].double()) / total[..., :1].double()
             out[q0:q1] = torch.einsum("bnqk,bknd->bqnd", p, vs.double().repeat_interleave(groups, 2))[0]
@@ -311,14 +336,15 @@ class FakeTorchNPU(types.ModuleType):
 
     def _tnd_backward(
         self, query, key, value, dy, head_num, atten_mask, softmax_max, softmax_sum, attention_in, scale,
-        qlen, kvlen, sparse_mode, softmax_layout, keep_prob,
+        qlen, kvlen, sparse_mode, softmax_layout, keep_prob, pre_tockens, next_tockens,
     ):  # fmt: skip
         segs = self._tnd_segments(query, key, value, head_num, qlen, kvlen, softmax_layout)
         assert dy.dtype == attention_in.dtype == query.dtype and keep_prob == 1.0
         t, n = query.shape[0], head_num
         assert softmax_max.shape == softmax_sum.shape == (t, n, 8) and dy.shape == attention_in.shape
         layout = "tnd" if softmax_layout == "TND" else self.tnd_stats
-        self.varlen_calls.append(("bwd", list(qlen), list(kvlen), key.shape[1], sparse_mode, softmax_layout))
+        call = ("bwd", list(qlen), list(kvlen), key.shape[1], sparse_mode, softmax_layout, pre_tockens, next_tockens)
+        self.varlen_calls.append(call)
         groups = n // key.shape[1]
         dq = torch.zeros(query.shape, dtype=torch.float64)
         dk = torch.zeros(key.shape, dtype=torch.float64)
@@ -327,7 +353,8 @@ class FakeTorchNPU(types.ModuleType):
         for q0, q1, k0, k1 in segs:
             qs, ks, vs = (x.unsqueeze(0) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))
             kr, vr = (x.double().repeat_interleave(groups, 2) for x in (ks, vs))
-            s = _scores_bnss(qs, ks, scale, self._allowed(q1 - q0, k1 - k0, atten_mask, sparse_mode))
+            allowed = self._tnd_allowed(q1 - q0, k1 - k0, atten_mask, sparse_mode, pre_tockens, next_tockens)
+            s = _scores_bnss(qs, ks, scale, allowed)
             m = torch.stack([mrows[self._stat_row(layout, t, n, q0, q1, h), 0] for h in range(n)])[None, ..., None]
             tot = torch.stack([srows[self._stat_row(layout, t, n, q0, q1, h), 0] for h in range(n)])[None, ..., None]
             p = torch.exp(s - m) / tot
@@ -508,7 +535,7 @@ def test_varlen_against_float64_segments(monkeypatch, layout, causal, segments, 
     sparse_mode = 3 if causal else 0
     softmax_layout = "TND" if layout == "tnd" else ""
     for op, call in zip(("fwd", "bwd"), fake.varlen_calls, strict=True):
-        assert call == (op, list(cu_q[1:]), list(cu_k[1:]), kv_heads, sparse_mode, softmax_layout)
+        assert call == (op, list(cu_q[1:]), list(cu_k[1:]), kv_heads, sparse_mode, softmax_layout, *[2147483647] * 2)
 
 
 def test_varlen_stats_layout_mismatch_is_visible(monkeypatch):
@@ -690,6 +717,153 @@ def test_ring_with_documents_uses_tnd_calls(fake_npu, balance, causal):
     assert fake_npu.varlen_calls, "the plan had no multi-segment run: pick other documents"
 
 
+# ---------------------------------------------------------------------------------------------- windows (sparse_mode 4)
+WINDOWS = [(0, 0), (2, 1), (5, 0), (1, 7)]
+BAND_SEGMENTS = {  # (cu_q, cu_k); per segment sq - sk in the comment
+    "wide": ((0, 2, 5, 9), (0, 6, 10, 17)),  # -4, -1, -3: sq < sk
+    "tall": ((0, 4, 10, 13), (0, 3, 8, 11)),  # +1, +1, 0: sq > sk
+    "mixed": ((0, 2, 7, 10, 11), (0, 5, 9, 12, 14)),  # -3, +1, 0, -1
+    "steep": ((0, 9, 11), (0, 3, 8)),  # +6, -3
+}
+
+
+def _math_band(backend, q, k, v, cu_q, cu_k, scale, window, dout=None, out=None, lse=None):
+    """The base class's per-segment math band (xcp.kernels.math) in float64: forward (out, lse) or (dq, dk, dv)."""
+    q, k, v = (x.double() for x in (q, k, v))
+    if dout is None:
+        return Backend.forward_varlen(backend, q, k, v, cu_q, cu_k, False, scale, window)
+    args = (dout.double(), q, k, v, out.double(), lse.double(), cu_q, cu_k, False, scale, window)
+    return Backend.backward_varlen(backend, *args)
+
+
+def _fused(cu_q, cu_k, window) -> bool:
+    """Whether the backend serves the window with the fused op: every query of every segment sees a key."""
+    return all((b - a) - (d - c) <= window[1] for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]))
+
+
+def test_band_arguments():
+    mask = convert.causal_mask()
+    band = convert.band_args((5, 0), mask)
+    assert band["atten_mask"] is mask and (band["sparse_mode"], band["pre_tockens"], band["next_tockens"]) == (4, 5, 0)
+    args = convert.varlen_args((0, 2, 5), (0, 4, 6), False, 5, 6, mask, (1, 7))
+    assert (args["actual_seq_qlen"], args["actual_seq_kvlen"]) == ([2, 5], [4, 6])
+    assert (args["sparse_mode"], args["pre_tockens"], args["next_tockens"]) == (4, 1, 7) and args["atten_mask"] is mask
+    assert type(args["pre_tockens"]) is int and type(args["next_tockens"]) is int
+    with pytest.raises(ValueError, match=r"window: a window goes with causal=False; got causal=True"):
+        convert.varlen_args((0, 5), (0, 5), True, 5, 5, mask, (1, 0))
+    for bad in [(-1, 0), (1,), (1.0, 2), (True, 0), None, "ab"]:
+        with pytest.raises(ValueError, match=r"window: expected a pair \(left, right\) of ints >= 0"):
+            convert.band_args(bad, mask)
+    with pytest.raises(ValueError, match=r"mask: expected a bool \[2048, 2048\] tensor; got None"):
+        convert.varlen_args((0, 5), (0, 5), False, 5, 5, None, (1, 0))
+    assert convert.band_has_empty_rows((0, 2, 5), (0, 4, 6), (0, 1)) is None  # 2 x 4, then 3 x 2 ...
+    why = convert.band_has_empty_rows((0, 2, 5), (0, 4, 6), (9, 0))  # ... whose first query needs right >= 1
+    assert why == "segment 1 (3 queries, 2 keys): its first 1 queries see no key in (9, 0)"
+    why = convert.band_has_empty_rows((0, 2, 7), (0, 4, 6), (3, 1))
+    assert why == "segment 1 (5 queries, 2 keys): its first 2 queries see no key in (3, 1)"
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("segments", list(BAND_SEGMENTS))
+@pytest.mark.parametrize("gqa", ["native", "repeat"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-6), (torch.float32, 1e-5)])
+def test_varlen_window_against_the_math_band(fake_npu, window, segments, gqa, dtype, tol):
+    """A window on packed segments (sq < sk, sq > sk, square): one TND call per direction with sparse_mode 4,
+    pre_tockens = left, next_tockens = right, agreeing with the base class's math band; a window under which some
+    query sees no key (TND forbids such rows) goes to the base class and still agrees."""
+    backend = _npu_on_cpu(gqa)
+    cu_q, cu_k = BAND_SEGMENTS[segments]
+    h, hkv, d = 4, 2, 16
+    q, k, v = _packed(cu_q[-1], cu_k[-1], h, hkv, d, dtype)
+    scale = 1 / math.sqrt(d)
+    fused = _fused(cu_q, cu_k, window)
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, False, scale, window)
+    ref_out, ref_lse = _math_band(backend, q, k, v, cu_q, cu_k, scale, window)
+    lse_dtype = torch.float64 if dtype == torch.float64 and not fused else torch.float32  # the math kernel's own
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (1, h, cu_q[-1]) and lse.dtype == lse_dtype
+    assert_close_to("out", out, ref_out, tol)
+    assert_close_to("lse", lse, ref_lse, 1e-6)
+
+    dout = _rand(*out.shape, dtype=dtype, seed=4)
+    merged_lse = torch.where(ref_lse == NEG_INF, 0.3, ref_lse + 0.2).float()  # the rows saw more keys elsewhere
+    merged_out = _rand(*out.shape, dtype=dtype, seed=5)
+    grads = backend.backward_varlen(dout, q, k, v, merged_out, merged_lse, cu_q, cu_k, False, scale, window)
+    ref = _math_band(backend, q, k, v, cu_q, cu_k, scale, window, dout, merged_out, merged_lse)
+    for name, got, want, x in zip(("dq", "dk", "dv"), grads, ref, (q, k, v)):
+        assert got.shape == x.shape and got.dtype == dtype
+        assert_close_to(name, got, want, tol)
+
+    assert fake_npu.calls == [], "a window must not go to dense calls"
+    kv_heads = hkv if gqa == "native" else h
+    expected = [(op, list(cu_q[1:]), list(cu_k[1:]), kv_heads, 4, "", *window) for op in ("fwd", "bwd")]
+    assert fake_npu.varlen_calls == (expected if fused else [])
+    assert fused == (convert.band_has_empty_rows(cu_q, cu_k, window) is None)
+
+
+def test_window_cases_cover_fused_and_fallback():
+    """The cases above serve sq > sk with the fused op, and send a band with empty rows to the base class."""
+    fused = {(name, w): _fused(*cu, w) for name, cu in BAND_SEGMENTS.items() for w in WINDOWS}
+    assert all(fused["wide", w] for w in WINDOWS)
+    assert fused["tall", (2, 1)] and fused["steep", (1, 7)] and fused["mixed", (1, 7)]
+    assert not fused["tall", (0, 0)] and not fused["steep", (2, 1)] and not fused["mixed", (5, 0)]
+
+
+def test_band_origin_mismatch_is_visible(monkeypatch):
+    """A kernel counting pre_tockens/next_tockens from the top-left corner gives other outputs when sq != sk: the
+    tests above would catch a backend relying on the wrong alignment (on square segments the two coincide)."""
+    scale, window = 0.25, (2, 1)
+    for name, differs in (("wide", True), ("square", False)):
+        cu_q, cu_k = BAND_SEGMENTS["wide"] if name == "wide" else ((0, 4, 9), (0, 4, 9))
+        q, k, v = _packed(cu_q[-1], cu_k[-1], 4, 2, 16, torch.float64)
+        for origin in ("bottom_right", "top_left"):
+            monkeypatch.setitem(sys.modules, "torch_npu", FakeTorchNPU(band_origin=origin))
+            backend = _npu_on_cpu()
+            out, _ = backend.forward_varlen(q, k, v, cu_q, cu_k, False, scale, window)
+            ref_out, _ = _math_band(backend, q, k, v, cu_q, cu_k, scale, window)
+            err = (out - ref_out).abs().max().item()
+            assert (err < 1e-6) == (origin == "bottom_right" or not differs), (name, origin, err)
+
+
+@pytest.mark.parametrize("balance", ["zigzag", "stripe"])
+@pytest.mark.parametrize("causal,window", [(False, (3, 2)), (True, (5, None)), (False, (0, 6))], ids=str)
+def test_ring_with_a_window_uses_band_calls(fake_npu, monkeypatch, balance, causal, window):
+    """P = 2 virtual ranks, packed documents and a sliding window: every banded run is one fused TND call per
+    direction (sparse_mode 4; the ring never asks for a band with an empty row) and the result is per-document
+    float64 attention under the window, forward and backward."""
+    from xcp import documents
+
+    empty = []
+    check = convert.band_has_empty_rows
+    monkeypatch.setattr(convert, "band_has_empty_rows", lambda *a: empty.append(check(*a)) or empty[-1])
+    backend = _NPUGlueOnCPU()
+    p, s, h, hkv, d = 2, 24, 4, 2, 16
+    docs = (0, 3, 4, 13, 20, 24)
+    scale = 1 / math.sqrt(d)
+    win = documents.check_window(window, causal)
+    q, k, v, dout = (_rand(1, s, n, d, seed=i) for i, n in enumerate((h, hkv, hkv, h)))
+    shards = [[xcp.shard(x, p, r, balance=balance) for x in (q, k, v, dout)] for r in range(p)]
+
+    def rank(group):
+        ql, kl, vl, dl = shards[group.rank()]
+        cfg = RingConfig(group, backend, causal, scale, balance, documents=docs, window=win)
+        out, lse = ring_forward(ql, kl, vl, cfg)
+        return (out, *ring_backward(dl, ql, kl, vl, out, lse, cfg))
+
+    results = xcp.LocalWorld(p).run(rank)
+    got = [xcp.unshard([r[i] for r in results], balance=balance) for i in range(4)]
+    band = (win[0], s if win[1] is None else win[1])  # each document is square: both alignments agree
+    parts = []
+    for a, b in zip(docs, docs[1:]):
+        qd, kd, vd, dd = (x[:, a:b] for x in (q, k, v, dout))
+        o, x = math_forward(qd, kd, vd, "none", scale, band)
+        parts.append((o, *math_backward(dd, qd, kd, vd, o, x, "none", scale, band)))
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        assert_close_to(name, got[i], torch.cat([part[i] for part in parts], 1), 1e-6)
+    bands = [c for c in fake_npu.varlen_calls if c[4] == 4]
+    assert bands and empty and all(why is None for why in empty), "every window call must go to the fused op"
+    assert all(c[6:] == (c[6], c[7]) and c[6] >= 0 and c[7] >= 0 for c in bands)
+
+
 # ---------------------------------------------------------------------------------------------- on Ascend hardware
 def test_device_varlen_stats_layout():
     """On an NPU: forward_varlen/backward_varlen of each stats layout against the per-segment dense calls (the
@@ -729,3 +903,37 @@ def test_device_varlen_stats_layout():
     for causal in (False, True):
         err = errors[default, causal]
         assert isinstance(err, float) and err < 4e-2, f"stats layout {default!r} does not match; errors: {errors}"
+
+
+def test_device_varlen_window():
+    """On an NPU: forward_varlen/backward_varlen with a window (sparse_mode 4) against the base class's math band,
+    segments with sq < sk, sq == sk and sq > sk. This is what settles on hardware the alignment the docs state
+    (pre_tockens/next_tockens from each segment's bottom-right corner; see xcp_npu.convert)."""
+    probe = NPUBackend()
+    ok, reason = probe.available()
+    if not ok:
+        pytest.skip(f"needs torch_npu ({reason})")
+    device, dtype = torch.device("npu"), torch.bfloat16
+    h, hkv, d, scale = 8, 2, 128, 128**-0.5
+    cases = [
+        (((0, 64, 80, 192), (0, 96, 112, 240)), [(0, 0), (16, 0), (7, 33), (200, 3)]),  # sq - sk: -32, 0, -16
+        (((0, 64, 96, 224), (0, 32, 64, 160)), [(1, 40), (0, 32), (50, 50)]),  # sq - sk: +32, 0, +32
+    ]
+    errors = {}
+    for (cu_q, cu_k), windows in cases:
+        q = _rand(1, cu_q[-1], h, d, dtype=dtype, seed=1).to(device)
+        k, v = (_rand(1, cu_k[-1], hkv, d, dtype=dtype, seed=i).to(device) for i in (2, 3))
+        dout = _rand(1, cu_q[-1], h, d, dtype=dtype, seed=4).to(device)
+        for window in windows:
+            assert convert.band_has_empty_rows(cu_q, cu_k, window) is None  # the fused op serves it
+            ref_out, ref_lse = Backend.forward_varlen(probe, q, k, v, cu_q, cu_k, False, scale, window)
+            ref = Backend.backward_varlen(probe, dout, q, k, v, ref_out, ref_lse, cu_q, cu_k, False, scale, window)
+            out, lse = probe.forward_varlen(q, k, v, cu_q, cu_k, False, scale, window)
+            grads = probe.backward_varlen(dout, q, k, v, ref_out, ref_lse, cu_q, cu_k, False, scale, window)
+            scale_of = lambda x: max(1.0, x.float().abs().max().item())  # noqa: E731
+            errors[cu_q, window] = max(
+                (lse - ref_lse).abs().max().item(),
+                (out.float() - ref_out.float()).abs().max().item() / scale_of(ref_out),
+                *((g.float() - r.float()).abs().max().item() / scale_of(r) for g, r in zip(grads, ref)),
+            )
+    assert max(errors.values()) < 4e-2, f"the fused band does not match the math band: {errors}"

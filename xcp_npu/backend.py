@@ -12,7 +12,9 @@ a zero-copy record_stream hand-off is not a guarantee there.
 
 Packed segments (``forward_varlen`` / ``backward_varlen``) go to one npu_fusion_attention(_grad) call in the TND
 layout with the cumulative ``actual_seq_qlen`` / ``actual_seq_kvlen``; how that kernel lays out its softmax
-statistics is not settled by the docs (see :mod:`xcp_npu.convert`), hence ``tnd_stats``.
+statistics is not settled by the docs (see :mod:`xcp_npu.convert`), hence ``tnd_stats``. A sliding window
+``(left, right)`` on packed segments is the band sparse_mode 4 (pre_tockens = left, next_tockens = right, aligned to
+each segment's bottom-right corner, as the docs state; sources in :mod:`xcp_npu.convert`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,10 @@ class NPUBackend(FusedKernelBackend):
     device_type = "npu"
     dist_backend = "hccl"
     handoff_policy = "clone"
-    kernel = "torch_npu.npu_fusion_attention (+ _grad), BSND; packed segments TND; causal as sparse_mode 3"
+    kernel = (
+        "torch_npu.npu_fusion_attention (+ _grad), BSND; packed segments TND; causal as sparse_mode 3, "
+        "windows as sparse_mode 4"
+    )
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     gqa_env = "XCP_NPU_GQA"
     tnd_stats_env = "XCP_NPU_TND_STATS"
@@ -119,9 +124,19 @@ class NPUBackend(FusedKernelBackend):
     def _sparse(self, causal: bool, device: torch.device) -> dict[str, Any]:
         return convert.sparse_args(causal, self._causal_mask(device) if causal else None)
 
-    def _varlen(self, cu_q, cu_k, causal: bool, tq: int, tk: int, device: torch.device) -> dict[str, Any]:
-        mask = self._causal_mask(device) if causal else None
-        return {**convert.varlen_args(cu_q, cu_k, causal, tq, tk, mask), **convert.softmax_layout_args(self.tnd_stats)}
+    def _varlen(self, cu_q, cu_k, causal: bool, tq: int, tk: int, device: torch.device, window=None) -> dict[str, Any]:
+        mask = self._causal_mask(device) if causal or window is not None else None  # modes 3 and 4 share the mask
+        args = convert.varlen_args(cu_q, cu_k, causal, tq, tk, mask, window)
+        return {**args, **convert.softmax_layout_args(self.tnd_stats)}
+
+    @staticmethod
+    def _varlen_fallback(q, k, cu_q, cu_k, window) -> str | None:
+        """Why the fused TND call cannot take these packed segments (None when it can): a shape it does not take, or
+        a window under which some query sees no key (TND forbids fully masked rows; the ring never asks for one)."""
+        why = convert.varlen_unsupported(q, k)
+        if why is None and window is not None:
+            why = convert.band_has_empty_rows(cu_q, cu_k, window)
+        return why
 
     def square_forward(self, q, k, v, causal: bool, scale: float):
         convert.check_square(q, k, causal)
@@ -165,9 +180,10 @@ class NPUBackend(FusedKernelBackend):
 
     # ------------------------------------------------------------------ packed segments
     def forward_varlen(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=None):
-        """All segments in one TND npu_fusion_attention call (per-segment sparse_mode 3 when causal); a block the
-        fused op cannot take (head dim, batch), or a window, goes to the per-segment default."""
-        if window is not None or convert.varlen_unsupported(q, k):
+        """All segments in one TND npu_fusion_attention call (per-segment sparse_mode 3 when causal, sparse_mode 4
+        with pre_tockens/next_tockens = ``window``); a block the fused op cannot take (head dim, batch, a window
+        with a query that sees no key) goes to the per-segment default."""
+        if self._varlen_fallback(q, k, cu_q, cu_k, window):
             return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale, window)
         groups = self.kv_groups(q, k)
         qt = q[0].contiguous()  # [T, N, D]: batch 1 dropped
@@ -180,14 +196,15 @@ class NPUBackend(FusedKernelBackend):
             convert.VARLEN_LAYOUT,
             scale=scale,
             keep_prob=1.0,
-            **self._varlen(cu_q, cu_k, causal, q.shape[1], k.shape[1], q.device),
+            **self._varlen(cu_q, cu_k, causal, q.shape[1], k.shape[1], q.device, window),
         )
         out, softmax_max, softmax_sum = convert.check_varlen_forward_outputs(qt, vt, outputs)
         return out.unsqueeze(0), convert.lse_from_tnd_stats(softmax_max, softmax_sum, cu_q, self.tnd_stats)
 
     def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, window=None):
-        """Gradients of all segments in one TND npu_fusion_attention_grad call, from the merged out and lse."""
-        if window is not None or convert.varlen_unsupported(q, k):
+        """Gradients of all segments in one TND npu_fusion_attention_grad call, from the merged out and lse (the same
+        sparse_mode, mask and pre_tockens/next_tockens as the forward)."""
+        if self._varlen_fallback(q, k, cu_q, cu_k, window):
             return super().backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
         groups = self.kv_groups(q, k)
         qt = q[0].contiguous()
@@ -206,7 +223,7 @@ class NPUBackend(FusedKernelBackend):
             attention_in=out[0].to(q.dtype).contiguous(),  # the merged out
             scale_value=scale,
             keep_prob=1.0,
-            **self._varlen(cu_q, cu_k, causal, q.shape[1], k.shape[1], q.device),
+            **self._varlen(cu_q, cu_k, causal, q.shape[1], k.shape[1], q.device, window),
         )
         dq, dk, dv = grads[0].unsqueeze(0), grads[1].unsqueeze(0), grads[2].unsqueeze(0)
         return dq, sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)

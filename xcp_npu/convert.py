@@ -10,8 +10,9 @@ softmax_max = L (expanded to 8) with softmax_sum = 1.
 Packed segments (documents) use the TND layout instead: see the section at the end of this module, which also
 records what the docs leave unclear about the TND softmax statistics.
 
-Masks: xcp asks the kernel only for "none" or causal on a square block (:mod:`xcp.kernels.fused` cuts every
-other case, including strictly-causal, into those). Square causal is sparse_mode 3 (rightDownCausal, the
+Masks: xcp asks the dense kernel only for "none" or causal on a square block (:mod:`xcp.kernels.fused` cuts
+every other case, including strictly-causal, into those); packed segments may also carry a sliding window,
+sparse_mode 4 (see the section on windows at the end). Square causal is sparse_mode 3 (rightDownCausal, the
 mode Ascend recommends for causal training) with the compressed 2048×2048 mask whose True entries (the
 strict upper triangle) are masked out; on a square block right-down and top-left alignment coincide.
 For sparse modes 2 and 3 the kernel ignores pre_tockens and next_tockens.
@@ -29,7 +30,7 @@ STAT_WIDTH = 8
 """Last dim of softmax_max / softmax_sum: 8 copies of the row's value."""
 CAUSAL_MASK_SIZE = 2048
 """Side of the compressed causal mask that sparse_mode 2/3 take, whatever the sequence lengths."""
-SPARSE_NONE, SPARSE_RIGHT_DOWN_CAUSAL = 0, 3
+SPARSE_NONE, SPARSE_RIGHT_DOWN_CAUSAL, SPARSE_BAND = 0, 3, 4
 MAX_TOKENS = 2147483647
 """The ops' default pre_tockens / next_tockens: no band limit."""
 LAYOUT = "BSND"
@@ -195,16 +196,27 @@ def actual_seq_lens(cu: tuple[int, ...] | list[int], total: int, name: str = "cu
 
 
 def varlen_args(
-    cu_q: tuple[int, ...], cu_k: tuple[int, ...], causal: bool, tq: int, tk: int, mask: torch.Tensor | None
+    cu_q: tuple[int, ...],
+    cu_k: tuple[int, ...],
+    causal: bool,
+    tq: int,
+    tk: int,
+    mask: torch.Tensor | None,
+    window: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of npu_fusion_attention(_grad) for packed segments: the cumulative lists and the mask.
 
     Causal segments are square (``cu_q == cu_k``): sparse_mode 3 (right-down causal, per segment in TND) with the
-    compressed 2048x2048 mask, which on a square segment is top-left causal; otherwise sparse_mode 0, no mask.
+    compressed 2048x2048 mask, which on a square segment is top-left causal. A ``window`` (only with
+    ``causal=False``) is sparse_mode 4 with the same mask (:func:`band_args`). Otherwise sparse_mode 0, no mask.
     """
     qlen, kvlen = actual_seq_lens(cu_q, tq, "cu_q"), actual_seq_lens(cu_k, tk, "cu_k")
     if len(qlen) != len(kvlen):
         raise ValueError(f"cu_k: expected {len(qlen)} segments (as cu_q); got {len(kvlen)}")
+    if window is not None:
+        if causal:
+            raise ValueError(f"window: a window goes with causal=False; got causal=True and window={window!r}")
+        return {"actual_seq_qlen": qlen, "actual_seq_kvlen": kvlen, **band_args(window, mask)}
     if causal and qlen != kvlen:
         raise ValueError(f"cu_k: causal segments must be square (cu_k == cu_q = {tuple(cu_q)}); got {tuple(cu_k)}")
     return {"actual_seq_qlen": qlen, "actual_seq_kvlen": kvlen, **sparse_args(causal, mask)}
@@ -287,3 +299,71 @@ def check_varlen_forward_outputs(q: torch.Tensor, v: torch.Tensor, outputs: Any)
     check_tnd_stats_shape("softmax_max", smax, t, n)
     check_tnd_stats_shape("softmax_sum", ssum, t, n)
     return out, smax, ssum
+
+
+# ---------------------------------------------------------------------------------------------- windows (band)
+# What the sources say about sparse_mode 4 (checked for this code; quotes abridged, translations ours):
+#
+# - torch_npu's own page, Ascend/op-plugin docs/context/torch_npu-npu_fusion_attention.md (the text of hiascend.com's
+#   "torch_npu.npu_fusion_attention"), sparse_mode table: "4 | band模式". Its reference section: "当sparse_mode为4时，
+#   代表band场景，即计算pre_tockens和next_tockens之间的部分，参数起点为右下角，pre_tockens和next_tockens之间需要有交集。
+#   atten_mask为优化后的压缩下三角矩阵（2048*2048）" -- band: the part between pre_tockens and next_tockens is
+#   computed, the parameters' ORIGIN IS THE BOTTOM-RIGHT CORNER, the two must intersect, and atten_mask is the
+#   compressed lower-triangular 2048x2048 mask (the same one as sparse_modes 2/3; its example builds the mask of
+#   modes 2, 3 and 4 alike as np.triu(np.ones([2048, 2048]), k=1), True = masked). Constraints on the same page:
+#   "sparse_mode配置为0、4时，需保证atten_mask与pre_tockens、next_tockens的范围一致" (modes 0 and 4 honour
+#   pre/next, unlike 1, 2, 3, 5, 6), and in the varlen (TND) case "atten_mask中不能存在某一行全1的场景" (no row may
+#   be fully masked). CANN's ops-transformer docs/zh/context/sparse_mode参数说明.md says the same of sparseMode 4.
+# - The mapping onto a band, and that it is PER SEGMENT in TND, for Sq != Skv: the same page's sparse_mode 7 example
+#   (TND, "pre_tockens和next_tockens（起点为右下顶点）") cuts a 4x6 right-down causal batch into two 2x6 halves; the
+#   first half is the band pre_tockens=6, next_tockens=-2 of its own 2x6 batch with actual_seq_qlen {3, 5},
+#   actual_seq_kvlen {3, 9}. Rows 0, 1 of that half see keys 0..2 and 0..3, which is exactly
+#       query i of a segment (Sq queries, Skv keys) sees key j iff -pre_tockens <= j - i - (Skv - Sq) <= next_tockens
+#   (and the sparse_mode 8 example, a 3x4 band pre=4, next=1, checks out the same way). CANN's varlen forward kernel
+#   (ops-transformer attention/flash_attention_score/op_kernel/arch32/flash_attention_var_len_score.h,
+#   GetS2LoopRange, case BAND_COMPRESS) bounds row i's keys by i - S1 + (S2 - preTokens) .. i + 1 + S2 - (S1 -
+#   nextTokens) with S1, S2 that batch's actual lengths, and its compressed-mask offset (attention/common,
+#   ComputeAttenMaskOffsetCompress) shifts nextTokens by s2Size - s1Size for BAND, "统一以左上角为原点" (converting
+#   to a top-left origin). The grad kernel makes the same per-batch correction ("sparse_mode == band ... token以右下角
+#   为基本，需要校正").
+# - So xcp's window (left, right) -- query m sees keys m + sk - sq - left .. m + sk - sq + right of its segment,
+#   aligned to each segment's bottom-right corner as flash aligns it -- is sparse_mode 4 with pre_tockens = left,
+#   next_tockens = right, the compressed causal mask, in both npu_fusion_attention and its grad. Nothing about the
+#   alignment is left open by the docs (square or not, one segment or many), so no window falls back for alignment.
+#   The one fallback is the documented varlen restriction: a segment in which some query sees no key
+#   (sq - sk > right; see :func:`band_has_empty_rows`) goes to the base class's math band. The ring never asks for
+#   such bands, so on the ring's path every window is one fused call per direction. Only Ascend hardware can confirm
+#   the reading: tests/test_npu_pure.py has a device test comparing the fused band with the math band.
+
+
+def check_band(window: Any) -> tuple[int, int]:
+    """``window`` as ``(left, right)`` ints >= 0; a ValueError naming ``window`` otherwise."""
+    ok = isinstance(window, (tuple, list)) and len(window) == 2
+    if not ok or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in window):
+        raise ValueError(f"window: expected a pair (left, right) of ints >= 0; got {window!r}")
+    return int(window[0]), int(window[1])
+
+
+def band_args(window: tuple[int, int], mask: torch.Tensor | None) -> dict[str, Any]:
+    """Keyword arguments of npu_fusion_attention(_grad) for a bottom-right band ``(left, right)``: sparse_mode 4,
+    pre_tockens = left, next_tockens = right, and the compressed causal mask ``mask`` (:func:`causal_mask`)."""
+    left, right = check_band(window)
+    if mask is None or mask.dtype != torch.bool or tuple(mask.shape) != (CAUSAL_MASK_SIZE, CAUSAL_MASK_SIZE):
+        got = None if mask is None else (tuple(mask.shape), mask.dtype)
+        raise ValueError(f"mask: expected a bool [{CAUSAL_MASK_SIZE}, {CAUSAL_MASK_SIZE}] tensor; got {got}")
+    return {"atten_mask": mask, "sparse_mode": SPARSE_BAND, "pre_tockens": left, "next_tockens": right}
+
+
+def band_has_empty_rows(cu_q: tuple[int, ...], cu_k: tuple[int, ...], window: tuple[int, int]) -> str | None:
+    """Why some query of the packed segments sees no key under the band ``window``; None when every one sees one.
+
+    Query m of a segment (sq queries, sk keys) sees ``m + sk - sq - left .. m + sk - sq + right``: its last key is
+    below 0 for m = 0 exactly when ``sq - sk > right`` (its first is never past the end, as left >= 0). TND forbids
+    fully masked rows, so such calls go to the base class.
+    """
+    _, right = check_band(window)
+    for i, (q0, q1, k0, k1) in enumerate(zip(cu_q, cu_q[1:], cu_k, cu_k[1:])):
+        sq, sk = q1 - q0, k1 - k0
+        if sq - sk > right:
+            return f"segment {i} ({sq} queries, {sk} keys): its first {sq - sk - right} queries see no key in {window}"
+    return None
