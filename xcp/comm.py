@@ -516,14 +516,14 @@ class LocalGroup:
     def all_to_all(
         self, send: torch.Tensor, recv: torch.Tensor, tag: str, backend: Any, step: int | None = None
     ) -> _LocalWork:
-        """``send[j]`` to group rank j and ``recv[j]`` from group rank j (dim 0 indexes the ranks): one
-        :meth:`exchange` with every peer, and this rank's own piece copied on the current stream."""
+        """``send[j]`` to group rank j and ``recv[j]`` from group rank j (dim 0 indexes the ranks): this
+        rank's own piece copied on the current stream, then one :meth:`exchange` with every peer (whose
+        "free" event, recorded after that copy, orders the peers' copies into ``recv`` after it)."""
         n, me = self.size(), self._rank
         _check_all_to_all(send, recv, n)
-        peers = [j for j in range(n) if j != me]
-        work = self.exchange([(send[j], j) for j in peers], [(recv[j], j) for j in peers], tag, backend, step)
         recv[me].copy_(send[me])
-        return work
+        peers = [j for j in range(n) if j != me]
+        return self.exchange([(send[j], j) for j in peers], [(recv[j], j) for j in peers], tag, backend, step)
 
     def _world_rank(self, peer: int) -> int:
         return peer if self._members is None else self._members[peer]
