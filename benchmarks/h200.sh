@@ -4,6 +4,7 @@
 #   benchmarks/h200.sh bench    # the full xcp bench grid (issue 5) with JSON and plot
 #   benchmarks/h200.sh masks    # documents, windows, sinks, compile: checks and the 128K documents bench
 #   benchmarks/h200.sh window   # the 128K sliding-window bench
+#   benchmarks/h200.sh perf     # world of one against SDPA, host µs per ring step, the dense ring at 64K
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -56,6 +57,16 @@ window)
   timeout 200 xcp bench --documents longtail:512:32768 --balance stripe --seqs 131072 --worlds 8 --mask causal \
     --reps 3 --quiet --json "$out/documents_stripe.json" 2>&1 | tee "$out/documents_stripe.txt"
   ;;
-*) echo "usage: $0 checks|bench|masks|window" >&2; exit 2 ;;
+perf)
+  section "xcp bench --world-of-one (S = 1K, 4K; against torch SDPA)"
+  timeout 150 xcp bench --world-of-one --reps 9 --quiet --json "$out/world_of_one.json" 2>&1 | tee "$out/world_of_one.txt"
+  section "xcp bench --host (host µs per ring step at 2K tokens per rank)"
+  timeout 200 xcp bench --host --worlds 2,8 --host-tokens 2048 --mask causal --seqs 1024 --quiet \
+    --json "$out/host.json" 2>&1 | tee "$out/host.txt"
+  section "dense ring at 64K, P = 8 (before/after)"
+  timeout 200 xcp bench --seqs 65536 --worlds 2,8 --reps 5 --no-graph --memory-seq 65536 --memory-worlds 8 --quiet \
+    --json "$out/dense64k.json" 2>&1 | tee "$out/dense64k.txt"
+  ;;
+*) echo "usage: $0 checks|bench|masks|window|perf" >&2; exit 2 ;;
 esac
 section done
