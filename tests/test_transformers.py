@@ -462,3 +462,92 @@ def test_mask_functions_xcp_does_not_serve_are_refused(registered):
         mask_forward(1, 8, 8, mask_function=chunked)
     with pytest.raises(ValueError, match="or_mask"):
         mask_forward(1, 8, 8, mask_function=or_masks(causal_mask_function, lambda b, h, q, k: q == 0))
+
+
+# --------------------------------------------------------------------------------------------------------
+# torch.compile: a world of one (no context entered), the attention function traced without a break
+
+
+def _compiled(model, fullgraph=False, backend="aot_eager"):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    return torch.compile(model, fullgraph=fullgraph, backend=counter), counter
+
+
+def _step(model, **kw):
+    """logits, loss and the gradients of one forward/backward (``model`` compiled or not)."""
+    model.zero_grad()
+    out = model(**kw)
+    out.loss.backward()
+    params = getattr(model, "_orig_mod", model).named_parameters()
+    return out.logits.detach(), out.loss.detach(), {n: p.grad.clone() for n, p in params}
+
+
+@needs_transformers
+def test_compiled_model_has_the_frames_of_sdpa_and_equals_eager(registered):
+    """The xcp model compiles into as many frames as the stock sdpa model (counted by a counting backend:
+    torch._dynamo.explain under-reports here), with fullgraph=True, and computes what it computes eagerly."""
+    ids, labels = tokens(batch=1)
+    kw = dict(input_ids=ids, labels=labels, position_ids=torch.arange(S)[None], use_cache=False)
+    sdpa = make_model("llama", dtype=torch.float32)
+    sdpa.set_attn_implementation("sdpa")
+    model = copy.deepcopy(sdpa)
+    model.set_attn_implementation("xcp")
+    want = _step(model, **kw)
+
+    compiled_sdpa, sdpa_frames = _compiled(sdpa, backend="eager")  # frames are dynamo's, whatever the backend
+    with torch.no_grad():
+        compiled_sdpa(**kw)
+    compiled, frames = _compiled(model, fullgraph=True)  # one graph or an error: no silent break
+    got = _step(compiled, **kw)
+    assert frames.frame_count == sdpa_frames.frame_count, (frames.frame_count, sdpa_frames.frame_count)
+    assert_same(got, want, 1e-6, "compiled")
+    _step(compiled, **kw)
+    assert frames.frame_count == sdpa_frames.frame_count  # the next step reuses the graph
+
+
+@needs_transformers
+def test_compiled_packed_documents_and_what_compile_checks(registered):
+    from xcp.integrations.transformers import shard_batch
+
+    ids, _ = tokens(batch=1)
+    cu = [0, 5, 20, S]
+    batch = shard_batch(ids, cu_seqlens=cu)
+    kw = batch.model_kwargs(compiled=True)
+    assert kw["cu_seq_lens_q"] == cu and kw["cu_seq_lens_k"] == cu
+    model = make_model("llama", dtype=torch.float32).eval()
+    model.set_attn_implementation("xcp")
+    compiled, frames = _compiled(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        want = model(**batch.model_kwargs()).logits  # eager: the boundaries as a tensor
+        torch.testing.assert_close(compiled(**kw).logits, want, atol=1e-6, rtol=1e-6)
+        assert frames.frame_count == 1
+        # what compile cannot read on the host: boundaries as a tensor (refused when traced), positions that
+        # restart without boundaries and padding (both checked on the device, in the graph)
+        with pytest.raises(Exception, match="cu_seq_lens_q: under torch.compile pass the GLOBAL document"):
+            compiled(**batch.model_kwargs())
+        with pytest.raises(RuntimeError, match="LlamaAttention.*not the global positions"):
+            compiled(input_ids=ids, position_ids=batch.position_ids, use_cache=False)
+        padding = torch.ones_like(ids)
+        padding[0, :2] = 0
+        with pytest.raises(RuntimeError, match="attention_mask pads token.*pack the documents"):
+            compiled(input_ids=ids, attention_mask=padding, use_cache=False)
+
+
+@needs_transformers
+def test_compile_refuses_a_local_world_group_with_the_reason(registered):
+    from xcp.integrations.transformers import shard_batch
+
+    ids, _ = tokens(batch=1)
+    model = make_model("llama", dtype=torch.float32).eval()
+    model.set_attn_implementation("xcp")
+    compiled, _ = _compiled(model, fullgraph=True, backend="eager")
+
+    def rank(group):
+        with xcp.context(group), torch.no_grad():
+            return compiled(**shard_batch(ids).model_kwargs())
+
+    with pytest.raises(RuntimeError, match="LocalWorld ranks are threads of one process"):
+        xcp.LocalWorld(1).run(rank)

@@ -74,15 +74,21 @@ class Context:
     def _comm(self) -> Any:
         return resolve_group(self._group)
 
+    def _rank_size(self) -> tuple[int, int]:
+        if torch.compiler.is_compiling():
+            return _traced_rank_size(self._group)
+        comm = self._comm()
+        return comm.rank(), comm.size()
+
     @property
     def rank(self) -> int:
         """This rank in the group."""
-        return self._comm().rank()
+        return self._rank_size()[0]
 
     @property
     def world_size(self) -> int:
         """The number of ranks the sequence is split over."""
-        return self._comm().size()
+        return self._rank_size()[1]
 
     def __repr__(self) -> str:
         comm = self._comm()
@@ -91,8 +97,8 @@ class Context:
     # -- the three operations, with this context's group and balance
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's part of the whole sequence ``x`` along ``dim`` (see :func:`xcp.shard`)."""
-        comm = self._comm()
-        return _shard(x, comm.size(), comm.rank(), dim=dim, balance=self._balance)
+        rank, size = self._rank_size()
+        return _shard(x, size, rank, dim=dim, balance=self._balance)
 
     def unshard(self, shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
         """The whole sequence from the shards of ranks 0..P-1 (see :func:`xcp.unshard`)."""
@@ -139,12 +145,42 @@ context = Context
 
 
 def current() -> Context:
-    """The innermost context this thread entered, else a default one (group None, balance ``zigzag``)."""
+    """The innermost context this thread entered, else a default one (group None, balance ``zigzag``).
+
+    Inside a compiled region (``torch.compile``) the same, read without a side effect so that it traces:
+    dynamo reads the thread-local stack and guards on it (a context entered or left between calls
+    recompiles), and the default is the module's constant :data:`_DEFAULT`.
+    """
+    if torch.compiler.is_compiling():
+        stack = getattr(_local, "stack", None)
+        return stack[-1] if stack else _DEFAULT
     stack = _stack()
     return stack[-1] if stack else Context()
 
 
 current_context = current
+
+_DEFAULT = Context()
+"""The context of a thread that entered none, as a compiled region reads it (a constant to dynamo)."""
+
+
+def _traced_rank_size(group: Any) -> tuple[int, int]:
+    """(rank, size) of ``group`` inside a compiled region, through what dynamo folds into constants
+    (``torch.distributed.get_rank``/``get_world_size``) rather than through a communicator. A group a graph
+    cannot name (a LocalWorld's: its ranks are threads) raises the ValueError of :func:`xcp.ops.group_name`."""
+    import torch.distributed as dist
+
+    from .comm import process_group_of_mesh
+    from .ops import group_name
+
+    group_name(group)  # what a compiled call cannot name raises here, with the reason
+    if group is None:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    mesh_group = process_group_of_mesh(group)
+    pg = group if mesh_group is None else mesh_group
+    return dist.get_rank(pg), dist.get_world_size(pg)
 
 
 class _ContextModule(types.ModuleType):

@@ -21,6 +21,11 @@ What xcp cannot do raises an error naming the model's attention class and the op
 other 4-D masks, attention dropout in training, logit soft-capping, output_attentions, attention chunks
 and custom mask functions, a KV cache that makes keys longer than queries (generation).
 
+Under ``torch.compile`` the attention function traces without a graph break (``fullgraph=True`` works)
+on a world of one and on torch.distributed groups; LocalWorld groups stay eager. What cannot be read on
+the host inside a graph is checked differently there (:func:`_documents_traced`, :func:`_mask_traced`;
+docs/integrations.md, "torch.compile").
+
 transformers is imported when first needed, never by the core of xcp.
 """
 
@@ -131,6 +136,7 @@ def attention_forward(
             "supported; run the whole sequence with use_cache=False"
         )
 
+    compiling = torch.compiler.is_compiling()
     ctx = current()
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
@@ -147,7 +153,7 @@ def attention_forward(
     sinks = getattr(module, "sinks", None)
     if sinks is None:
         sinks = kwargs.get("s_aux")
-    cu_seqlens = _documents(ctx, query, kwargs, who)
+    cu_seqlens = _documents_traced(ctx, query, kwargs, who) if compiling else _documents(ctx, query, kwargs, who)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     out = ctx.attention(q, k, v, causal=is_causal, scale=scaling, window=window, sinks=sinks, cu_seqlens=cu_seqlens)
     return out, None
@@ -178,6 +184,10 @@ def _as_cu(x: Any, name: str, who: str) -> tuple[int, ...]:
 
 def _restarting(cu: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Positions that restart at 0 at every boundary of ``cu`` (the whole sequence)."""
+    if torch.compiler.is_compiling():  # no shape may depend on data in a graph: each token's document found
+        bounds = torch.tensor(cu, device=device)
+        index = torch.arange(cu[-1], device=device)
+        return index - bounds[torch.searchsorted(bounds[1:], index, right=True)]
     lengths = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:])], device=device)
     starts = torch.tensor(cu[:-1], device=device).repeat_interleave(lengths)
     return torch.arange(cu[-1], device=device) - starts
@@ -208,34 +218,91 @@ def _documents(ctx: Context, query: torch.Tensor, kwargs: dict, who: str) -> tup
     return cu
 
 
+def _boundaries(ctx: Context, local: int, cu_q: Any, cu_k: Any, who: str) -> tuple[int, ...] | None:
+    """The boundaries of cu_seq_lens_q/k, checked against each other and the global length."""
+    if cu_q is None and cu_k is None:
+        return None
+    if cu_q is None or cu_k is None:
+        raise ValueError(f"{who}: pass both cu_seq_lens_q and cu_seq_lens_k (equal, for self-attention)")
+    world = ctx.world_size
+    seq_len = local * world
+    cu = _as_cu(cu_q, "cu_seq_lens_q", who)
+    if _as_cu(cu_k, "cu_seq_lens_k", who) != cu:
+        raise ValueError(f"{who}: cu_seq_lens_k must equal cu_seq_lens_q (self-attention over one sequence)")
+    if cu[-1] != seq_len:
+        raise ValueError(
+            f"{who}: cu_seq_lens_q ends at {cu[-1]}, but the global sequence is {local} local tokens x "
+            f"{world} ranks = {seq_len}: pass the GLOBAL document boundaries (shard_batch gives them)"
+        )
+    return cu
+
+
+def _mismatch(ctx: Context, who: str) -> str:
+    return (
+        f"{who}: position_ids do not match the documents of cu_seq_lens_q on rank {ctx.rank}: expected the "
+        "positions restarting at 0 in each document (or the global positions), sharded like the tokens "
+        f"with balance {ctx.balance!r}; shard_batch gives both"
+    )
+
+
+def _not_global(ctx: Context, seq_len: int, who: str) -> str:
+    return (
+        f"{who}: position_ids on rank {ctx.rank} of {ctx.world_size} are not the global positions of this rank's "
+        f"tokens (the shard of arange({seq_len}) with balance {ctx.balance!r}); a model given no position_ids "
+        "numbers each shard from 0, which is wrong under context parallelism. Pass the position_ids of "
+        "shard_batch; for packed documents (positions restarting at 0) also pass cu_seq_lens_q/cu_seq_lens_k "
+        "with the global boundaries (shard_batch(..., cu_seqlens=...) gives them)"
+    )
+
+
+def _documents_traced(ctx: Context, query: torch.Tensor, kwargs: dict, who: str) -> list[int] | None:
+    """:func:`_documents` under torch.compile: the same boundaries and checks, none of them a host read.
+
+    - ``cu_seq_lens_q/k`` must be lists of ints (constants of the graph; ``batch.model_kwargs(compiled=True)``
+      gives them): a tensor would be read on the host inside the graph, so it raises a ValueError;
+    - the position_ids are checked on the device (``torch._assert_async``: a RuntimeError with the same
+      message on the CPU; on an accelerator a device-side assert, which is asynchronous and ends the
+      process), in the graph, once per layer, since nothing may be cached across calls by object identity;
+    - position_ids that restart without ``cu_seq_lens_q/k`` (transformers' own packing rule, which eager
+      follows on one rank) are not turned into documents: that needs the positions on the host. Under
+      compile they fail the check of the global positions; pass the boundaries instead.
+    """
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    for name, x in (("cu_seq_lens_q", cu_q), ("cu_seq_lens_k", cu_k)):
+        if isinstance(x, torch.Tensor):
+            raise ValueError(
+                f"{who}: {name}: under torch.compile pass the GLOBAL document boundaries as a list of ints "
+                "(a tensor would be read on the host inside the graph; batch.model_kwargs(compiled=True) gives "
+                "lists); got a tensor"
+            )
+    pos = kwargs.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.dim() != 2:
+        pos = None  # multi-axis positions (mrope): nothing to check here
+    local = query.shape[2]
+    cu = _boundaries(ctx, local, cu_q, cu_k, who)
+    if pos is not None:
+        index = _global_index(ctx, local, pos.device)
+        if cu is not None:
+            expect = _restarting(cu, pos.device)[index]
+            torch._assert_async((pos == expect).all() | (pos == index).all(), _mismatch(ctx, who))
+        else:
+            torch._assert_async((pos == index).all(), _not_global(ctx, local * ctx.world_size, who))
+    return None if cu is None or len(cu) <= 2 else list(cu)
+
+
 def _documents_uncached(
     ctx: Context, query: torch.Tensor, pos: torch.Tensor | None, cu_q: Any, cu_k: Any, who: str
 ) -> tuple[int, ...] | None:
     local, world = query.shape[2], ctx.world_size
     seq_len = local * world
-    cu = None
-    if cu_q is not None or cu_k is not None:
-        if cu_q is None or cu_k is None:
-            raise ValueError(f"{who}: pass both cu_seq_lens_q and cu_seq_lens_k (equal, for self-attention)")
-        cu = _as_cu(cu_q, "cu_seq_lens_q", who)
-        if _as_cu(cu_k, "cu_seq_lens_k", who) != cu:
-            raise ValueError(f"{who}: cu_seq_lens_k must equal cu_seq_lens_q (self-attention over one sequence)")
-        if cu[-1] != seq_len:
-            raise ValueError(
-                f"{who}: cu_seq_lens_q ends at {cu[-1]}, but the global sequence is {local} local tokens x "
-                f"{world} ranks = {seq_len}: pass the GLOBAL document boundaries (shard_batch gives them)"
-            )
+    cu = _boundaries(ctx, local, cu_q, cu_k, who)
     if pos is None:
         return None if cu is None or len(cu) <= 2 else cu
     index = _global_index(ctx, local, pos.device)
     if cu is not None:
         expect = _restarting(cu, pos.device)[index]
         if not (bool((pos == expect).all()) or bool((pos == index).all())):
-            raise ValueError(
-                f"{who}: position_ids do not match the documents of cu_seq_lens_q on rank {ctx.rank}: expected the "
-                "positions restarting at 0 in each document (or the global positions), sharded like the tokens "
-                f"with balance {ctx.balance!r}; shard_batch gives both"
-            )
+            raise ValueError(_mismatch(ctx, who))
         return None if len(cu) <= 2 else cu
     if bool((pos == index).all()):
         return None
@@ -243,13 +310,7 @@ def _documents_uncached(
         step = torch.diff(pos[0], prepend=pos[0, :1] - 1)
         starts = torch.nonzero(step != 1).flatten().tolist()
         return tuple([0, *(s for s in starts if s), seq_len])
-    raise ValueError(
-        f"{who}: position_ids on rank {ctx.rank} of {world} are not the global positions of this rank's tokens "
-        f"(the shard of arange({seq_len}) with balance {ctx.balance!r}); a model given no position_ids numbers "
-        "each shard from 0, which is wrong under context parallelism. Pass the position_ids of shard_batch; for "
-        "packed documents (positions restarting at 0) also pass cu_seq_lens_q/cu_seq_lens_k with the global "
-        "boundaries (shard_batch(..., cu_seqlens=...) gives them)"
-    )
+    raise ValueError(_not_global(ctx, seq_len, who))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -301,6 +362,8 @@ def mask_forward(
     names differ between transformers versions) are not needed."""
     config = kwargs.get("config")
     who = f"xcp attention mask{f' of a {type(config).__name__} model' if config is not None else ''}"
+    if torch.compiler.is_compiling():
+        return _mask_traced(config, attention_mask, who)
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(
             f"{who}: the attention_mask pads {int((~attention_mask.bool()).sum())} token(s); padding inside a "
@@ -316,6 +379,31 @@ def mask_forward(
                     f"{name} (xcp serves causal or full attention, sliding windows and packed documents; not "
                     "attention chunks, bidirectional token blocks or custom or_mask/and_mask functions)"
                 )
+    return None
+
+
+def _mask_traced(config: Any, attention_mask: torch.Tensor | None, who: str) -> None:
+    """:func:`mask_forward` under torch.compile, without a host read or a look into closures.
+
+    - a padding ``attention_mask`` fails a device-side check (``torch._assert_async``: a RuntimeError on
+      the CPU, a device-side assert on an accelerator) instead of the ValueError of eager;
+    - the mask function is NOT taken apart: dynamo cannot read the cells of a closure made inside the
+      graph. Attention chunks are refused from the config (``attention_chunk_size``, as eager refuses the
+      chunked mask of those models); a caller's ``or_mask_function``/``and_mask_function`` (bidirectional
+      blocks of image tokens) goes unnoticed under compile: run such a model eagerly once to have it refused.
+    """
+    if getattr(config, "attention_chunk_size", None) is not None:
+        raise ValueError(
+            f"{who}: attention chunks (config.attention_chunk_size={config.attention_chunk_size}) are not served "
+            "by xcp (it serves causal or full attention, sliding windows and packed documents)"
+        )
+    if attention_mask is not None:
+        torch._assert_async(
+            attention_mask.all(),
+            f"{who}: the attention_mask pads token(s); padding inside a context-parallel sequence is not supported: "
+            "pack the documents into one sequence instead (shard_batch(..., cu_seqlens=...) or position_ids that "
+            "restart at 0) and leave attention_mask out",
+        )
     return None
 
 
@@ -343,18 +431,23 @@ class ShardedBatch:
     num_items_in_batch: int | None = None
     cu_seqlens: torch.Tensor | None = None
 
-    def model_kwargs(self) -> dict[str, Any]:
+    def model_kwargs(self, compiled: bool = False) -> dict[str, Any]:
         """The keyword arguments for ``model(**...)``: input_ids, position_ids, use_cache=False; with labels
         ``labels`` and ``shift_labels`` (transformers' causal-LM loss uses shift_labels and computes a loss
         only when labels is given) and ``num_items_in_batch``; with documents ``cu_seq_lens_q/k`` and
-        ``max_length_q/k``."""
+        ``max_length_q/k``.
+
+        :param compiled: for a model under ``torch.compile``: the documents' boundaries as a list of ints
+            (constants of the graph) rather than a tensor, which a graph would have to read on the host.
+        """
         kw: dict[str, Any] = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
         if self.shift_labels is not None:
             kw.update(labels=self.shift_labels, shift_labels=self.shift_labels)
             kw["num_items_in_batch"] = self.num_items_in_batch
         if self.cu_seqlens is not None:
             longest = int(self.cu_seqlens.diff().max())
-            kw.update(cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens)
+            cu = self.cu_seqlens.tolist() if compiled else self.cu_seqlens
+            kw.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu)
             kw.update(max_length_q=longest, max_length_k=longest)
         return kw
 
