@@ -77,22 +77,28 @@ def make_cases(world: int) -> dict[str, dict]:
     return cases
 
 
-def run_ranks(world: int, workdir: Path, timeout: float = 120) -> None:
+def start_ranks(source: str, world: int, workdir: Path, *args: str, **env: str) -> list[subprocess.Popen]:
+    """Write ``source`` to ``workdir`` and start ``world`` processes of it: ``python script rank world workdir
+    *args``, one thread each for OpenMP, gloo on the loopback device, ``env`` added to the environment."""
     script = workdir / "worker.py"
-    script.write_text(WORKER)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    script.write_text(source)
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **env)
     if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback, whatever the host name resolves to
-    procs = [
+        full_env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback, whatever the host name resolves to
+    return [
         subprocess.Popen(
-            [sys.executable, str(script), str(r), str(world), str(workdir)],
-            env=env,
+            [sys.executable, str(script), str(r), str(world), str(workdir), *args],
+            env=full_env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
         for r in range(world)
     ]
+
+
+def run_ranks(world: int, workdir: Path, timeout: float = 120) -> None:
+    procs = start_ranks(WORKER, world, workdir)
     logs = []
     try:
         for r, proc in enumerate(procs):
@@ -166,21 +172,7 @@ FAULT_WORKER = textwrap.dedent(
 
 def run_fault_ranks(world: int, workdir: Path, scenario: str, wait_for: list[int]) -> dict[int, dict]:
     """Start ``world`` ranks of FAULT_WORKER; wait (60 s at most) for the ranks ``wait_for``, kill the rest."""
-    script = workdir / "fault_worker.py"
-    script.write_text(FAULT_WORKER)
-    env = dict(os.environ, OMP_NUM_THREADS="1", XCP_TIMEOUT="2")
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(r), str(world), str(workdir), scenario],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
+    procs = start_ranks(FAULT_WORKER, world, workdir, scenario, XCP_TIMEOUT="2")
     try:
         logs = {}
         for r in wait_for:
@@ -285,21 +277,7 @@ COMPILE_WORKER = textwrap.dedent(
 def test_compiled_attention_and_device_mesh_groups_on_gloo(tmp_path):
     """torch.compile(fullgraph=True) on real ranks: one graph, equal to eager for the default group, a new
     group, a 1-D DeviceMesh and a named dim of a 2-D mesh; a 2-D mesh as group= is refused by name."""
-    script = tmp_path / "compile_worker.py"
-    script.write_text(COMPILE_WORKER)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(r), "2", str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
+    procs = start_ranks(COMPILE_WORKER, 2, tmp_path)
     logs = [p.communicate(timeout=180)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)
     for r in range(2):
@@ -384,21 +362,7 @@ def test_gloo_hybrid_all_to_all_and_ring_matches_the_reference(tmp_path, world):
 
     cases = hybrid_cases(world)
     torch.save(cases, tmp_path / "cases.pt")
-    script = tmp_path / "hybrid_worker.py"
-    script.write_text(HYBRID_WORKER)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(r), str(world), str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
+    procs = start_ranks(HYBRID_WORKER, world, tmp_path)
     try:
         logs = [p.communicate(timeout=180)[0] for p in procs]
     finally:

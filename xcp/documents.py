@@ -234,7 +234,6 @@ def runs(segs: Sequence[Segment]) -> tuple[Run, ...]:
 
 
 # ---------------------------------------------------------------------------------------------- windows
-Window = tuple  # (left, right): ints >= 0 or None (unbounded)
 
 _FAR = 1 << 62  # stands for an unbounded side in integer arithmetic
 
