@@ -6,6 +6,7 @@ inputs, the float64 reference, the error measure, the clock, and the process-gro
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import statistics
@@ -382,7 +383,17 @@ def join_process_group(device_name: str):
     backend.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend.dist_backend)
+        # torn down before the interpreter's own teardown: a process group left to it can abort the process
+        # ("terminate called without an active exception") after the tool has printed its result
+        atexit.register(_leave_process_group)
     return backend, device, dist.get_rank(), dist.get_world_size()
+
+
+def _leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def gather_whole(shards: Sequence[torch.Tensor], world: int, balance: str) -> list[torch.Tensor]:
