@@ -981,30 +981,45 @@ def _check_text(r: dict[str, Any]) -> str:
     return f"{'ok' if ok else 'FAIL'} ({worst:.1e})"
 
 
-def _format_documents(report: dict[str, Any]) -> list[str]:
-    """The table of the ring over packed documents against one whole-sequence varlen call, then each row's
-    share of the work per rank."""
+def _versus_table(report: dict[str, Any], fourth: tuple, last: tuple) -> list[str]:
+    """Header and rows of a ring-against-one-whole-sequence-call table (documents, windows): S, P, mask, a
+    ``fourth`` column, forward and forward+backward times and ratios, a ``last`` column, the dense ring's
+    ratio where it was timed, the check. ``fourth``/``last``: (title, width, cell of a row)."""
     dense = {(r["seq"], r["world"], r["causal"]): r for r in report["timing"]}
-    c = report["meta"]["config"]
     lines = [
-        f"packed documents ({packing.parse_documents(c['documents']).describe()}): ring of P virtual ranks vs one "
-        "whole-sequence varlen call",
-        "",
-        f"{'S':>8} {'P':>3} {'mask':>6} {'docs':>5} | {'fwd ref ms':>10} {'fwd ring ms':>11} {'ratio':>6} | "
-        f"{'f+b ref ms':>10} {'f+b ring ms':>11} {'ratio':>6} | {'work max/mean':>13}"
+        f"{'S':>8} {'P':>3} {'mask':>6} {fourth[0]:>{fourth[1]}} | {'fwd ref ms':>10} {'fwd ring ms':>11} "
+        f"{'ratio':>6} | {'f+b ref ms':>10} {'f+b ring ms':>11} {'ratio':>6} | {last[0]:>{last[1]}}"
         + (f" | {'dense f+b':>9}" if dense else "")
         + " | check",
     ]
     for r in report["documents"]:
         d = dense.get((r["seq"], r["world"], r["causal"]))
         lines.append(
-            f"{r['seq']:>8} {r['world']:>3} {'causal' if r['causal'] else 'full':>6} {r['documents']:>5} | "
+            f"{r['seq']:>8} {r['world']:>3} {'causal' if r['causal'] else 'full':>6} {fourth[2](r)} | "
             f"{r['fwd_ref_s'] * 1e3:>10.2f} {r['fwd_ring_s'] * 1e3:>11.2f} {r['fwd_ratio']:>6.3f} | "
             f"{r['fwd_bwd_ref_s'] * 1e3:>10.2f} {r['fwd_bwd_ring_s'] * 1e3:>11.2f} {r['fwd_bwd_ratio']:>6.3f} | "
-            f"{r['work_max_over_mean']:>13.3f}"
+            f"{last[2](r)}"
             + (f" | {d['fwd_bwd_ratio']:>9.3f}" if d else " | " + " " * 9 if dense else "")
             + f" | {_check_text(r)}"
         )
+    return lines
+
+
+def _format_documents(report: dict[str, Any]) -> list[str]:
+    """The table of the ring over packed documents against one whole-sequence varlen call, then each row's
+    share of the work per rank."""
+    c = report["meta"]["config"]
+    lines = [
+        f"packed documents ({packing.parse_documents(c['documents']).describe()}): ring of P virtual ranks vs one "
+        "whole-sequence varlen call",
+        "",
+        *_versus_table(
+            report,
+            ("docs", 5, lambda r: f"{r['documents']:>5}"),
+            ("work max/mean", 13, lambda r: f"{r['work_max_over_mean']:>13.3f}"),
+        ),
+    ]
+    dense = report["timing"]
     lines += ["", "share of the work per rank (pairs computed / all pairs; 1/P each is balanced):"]
     for r in report["documents"]:
         shares = " ".join(f"r{i} {x:.3f}" for i, x in enumerate(r["work_share"]))
@@ -1021,7 +1036,7 @@ def _format_documents(report: dict[str, Any]) -> list[str]:
 def _format_windows(report: dict[str, Any]) -> list[str]:
     """The table of the ring under a sliding window (over documents, if any) against one whole-sequence
     windowed call, then the steps and bytes each rank sends, next to the dense ring's."""
-    dense = {(r["seq"], r["world"], r["causal"]): r for r in report["timing"]}
+    dense = report["timing"]
     c = report["meta"]["config"]
     window = windows.parse_window(c["window"])
     over = f" over packed documents ({packing.parse_documents(c['documents']).describe()})" if c["documents"] else ""
@@ -1029,21 +1044,12 @@ def _format_windows(report: dict[str, Any]) -> list[str]:
         f"sliding {windows.describe(window)}{over}:",
         "ring of P virtual ranks vs one whole-sequence windowed varlen call (forward_varlen/backward_varlen)",
         "",
-        f"{'S':>8} {'P':>3} {'mask':>6} {'balance':>10} | {'fwd ref ms':>10} {'fwd ring ms':>11} {'ratio':>6} | "
-        f"{'f+b ref ms':>10} {'f+b ring ms':>11} {'ratio':>6} | {'steps':>5}"
-        + (f" | {'dense f+b':>9}" if dense else "")
-        + " | check",
+        *_versus_table(
+            report,
+            ("balance", 10, lambda r: f"{r['balance']:>10}"),
+            ("steps", 5, lambda r: f"{str(r['ring_steps']) + '/' + str(r['world']):>5}"),
+        ),
     ]
-    for r in report["documents"]:
-        d = dense.get((r["seq"], r["world"], r["causal"]))
-        lines.append(
-            f"{r['seq']:>8} {r['world']:>3} {'causal' if r['causal'] else 'full':>6} {r['balance']:>10} | "
-            f"{r['fwd_ref_s'] * 1e3:>10.2f} {r['fwd_ring_s'] * 1e3:>11.2f} {r['fwd_ratio']:>6.3f} | "
-            f"{r['fwd_bwd_ref_s'] * 1e3:>10.2f} {r['fwd_bwd_ring_s'] * 1e3:>11.2f} {r['fwd_bwd_ratio']:>6.3f} | "
-            f"{str(r['ring_steps']) + '/' + str(r['world']):>5}"
-            + (f" | {d['fwd_bwd_ratio']:>9.3f}" if d else " | " + " " * 9 if dense else "")
-            + f" | {_check_text(r)}"
-        )
     first = report["documents"][0]["ring_sent_formula"] if report["documents"] else None
     lines += [
         "",
