@@ -390,6 +390,33 @@ class FakeAten:
         dq, dk, dv = _bhsd_grads(dout, q, k, v, out, lse[..., : q.shape[2]].double(), m, scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
+    # The cuDNN ops: [B, H, S, D] views, GQA native, a non-square causal mask aligned top-left (the ring
+    # never asks for one), lse float32 [B, H, Sq, 1] and int64 seed/offset scalars.
+    def _scaled_dot_product_cudnn_attention(
+        self, q, k, v, bias, compute_lse, dropout_p, is_causal, return_debug_mask, *, scale
+    ):  # fmt: skip
+        self._layout(q, k, v)
+        assert q.dtype in (torch.float16, torch.bfloat16) and bias is None and compute_lse and dropout_p == 0.0
+        assert q.shape[1] % k.shape[1] == 0 and not return_debug_mask
+        self.calls.append(("cudnn_fwd", q.shape[2], k.shape[2], k.shape[1], is_causal))
+        out, lse = _bhsd_attention(q, k, v, self._mask(q.shape[2], k.shape[2], is_causal, False), scale)
+        out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)  # laid out like query
+        seed, offset = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+        return out, lse.float().unsqueeze(-1), None, None, q.shape[2], k.shape[2], seed, offset, None
+
+    def _scaled_dot_product_cudnn_attention_backward(
+        self, dout, q, k, v, out, lse, seed, offset, bias, cq, ck, max_q, max_k, dropout_p, is_causal, *, scale
+    ):  # fmt: skip
+        self._layout(dout, q, k, v, out)
+        assert bias is None and cq is None and ck is None and dropout_p == 0.0
+        assert (max_q, max_k) == (q.shape[2], k.shape[2]) and seed.dtype == offset.dtype == torch.int64
+        assert lse.dtype == torch.float32 and lse.shape == (*q.shape[:3], 1), f"lse shape {tuple(lse.shape)}"
+        assert out.dtype == q.dtype and dout.dtype == q.dtype
+        self.calls.append(("cudnn_bwd", q.shape[2], k.shape[2], k.shape[1], is_causal))
+        m = self._mask(q.shape[2], k.shape[2], is_causal, False)
+        dq, dk, dv = _bhsd_grads(dout, q, k, v, out, lse[..., 0].double(), m, scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
     # The varlen flash ops: packed [total, H, D], int32 cumulative lengths, each segment attended on its
     # own (causal bottom-right per segment, +inf lse on rows without keys), lse float32 [H, total_q].
     @staticmethod
@@ -496,6 +523,83 @@ def test_backend_glue_against_math(monkeypatch, dtype, mask, sq, sk, gqa):
         assert all(sq_ == sk_ for _, sq_, sk_, _, causal in fake.calls if causal)  # only square causal calls
         kv_heads = {c[3] for c in fake.calls}
         assert kv_heads == ({2} if kind == "flash" and gqa == "native" else {4})
+
+
+# ---------------------------------------------------------------------------------------------- cuDNN
+def _sdpa_choice(answer, asked):
+    """A stand-in for torch._fused_sdp_choice that answers ``answer`` and records each question."""
+    from torch.nn.attention import SDPBackend
+
+    def choice(q, k, v, mask, dropout_p, causal, *, scale=None, enable_gqa=False):
+        assert q.dim() == 4 and mask is None and dropout_p == 0.0 and scale is None
+        asked.append((tuple(q.shape), tuple(k.shape), causal, enable_gqa, q.requires_grad))
+        if isinstance(answer, Exception):
+            raise answer
+        return int(getattr(SDPBackend, answer))
+
+    return choice
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("sq,sk", [(6, 6), (7, 4), (4, 7)])
+@pytest.mark.parametrize("gqa", ["native", "repeat"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cudnn_serves_blocks_where_sdpa_picks_it(monkeypatch, mask, sq, sk, gqa, dtype):
+    """Where SDPA would run a block on cuDNN, the cuDNN op serves its forward and its backward from a
+    merged out/lse, GQA native, only ever square when causal; results equal float64 math."""
+    backend, fake = _cpu_backend(monkeypatch, gqa=gqa)
+    asked = []
+    monkeypatch.setattr(kernels, "SDPA_CHOICE", _sdpa_choice("CUDNN_ATTENTION", asked))
+    q, k, v = _block(2, sq, sk, 4, 2, 16, dtype=dtype, seed=sq + 5 * sk)
+    scale = 0.25
+    out, lse = backend.forward(q, k, v, mask, scale)
+    assert lse.shape == (2, 4, sq) and lse.dtype == torch.float32
+    dout = _rand(*out.shape, dtype=dtype, seed=9)
+    merged_out = _rand(*out.shape, dtype=dtype, seed=10)
+    merged_lse = _merged(lse.double()).float()
+    dq, dk, dv = backend.backward(dout, q, k, v, merged_out, merged_lse, mask, scale)
+    ref_out, ref_lse, (rq, rk, rv) = _reference(q, k, v, mask, scale, dout, merged_out, merged_lse)
+    tol = 4e-3 if dtype == torch.float16 else 3e-2
+    _close_all((out, lse, dq, dk, dv), (ref_out, ref_lse, rq, rk, rv), tol)
+    assert fake.calls and all(c[0].startswith("cudnn") for c in fake.calls)
+    assert all(a == b for _, a, b, _, causal in fake.calls if causal)
+    assert {c[3] for c in fake.calls} == ({2} if gqa == "native" else {4})
+    assert all(grad for *_, grad in asked) and all(gqa_ for *_, gqa_, _ in asked)
+
+
+def test_the_kernel_choice_is_asked_once_per_block_signature_and_can_be_turned_off(monkeypatch):
+    backend, fake = _cpu_backend(monkeypatch)
+    asked = []
+    monkeypatch.setattr(kernels, "SDPA_CHOICE", _sdpa_choice("CUDNN_ATTENTION", asked))
+    q, k, v = _block(1, 8, 8, 4, 4, 16, dtype=torch.bfloat16)
+    for _ in range(3):
+        backend.forward(q, k, v, "causal", 0.3)
+        backend.forward(q, k, v, "none", 0.3)
+    assert len(asked) == 2 and [c[0] for c in fake.calls] == ["cudnn_fwd"] * 6
+    assert asked[0][3] is False  # MHA: no GQA asked for
+    fake.calls.clear()
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):  # cuDNN not allowed
+        backend.forward(q, k, v, "causal", 0.3)
+    assert fake.calls[-1][0] == "flash_fwd"
+    off, fake_off = _cpu_backend(monkeypatch, use_cudnn=False)
+    off.forward(q, k, v, "causal", 0.3)
+    assert fake_off.calls[0][0] == "flash_fwd"
+    monkeypatch.setenv("XCP_CUDA_CUDNN", "0")
+    assert CUDABackend().use_cudnn is False
+
+
+@pytest.mark.parametrize("answer", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH", RuntimeError("no kernel")])
+def test_flash_serves_where_sdpa_would_not_use_cudnn(monkeypatch, answer):
+    """Any other answer of SDPA's dispatcher, or a dispatcher that raises, leaves the block on flash."""
+    backend, fake = _cpu_backend(monkeypatch)
+    asked = []
+    monkeypatch.setattr(kernels, "SDPA_CHOICE", _sdpa_choice(answer, asked))
+    q, k, v = _block(1, 6, 6, 4, 2, 16, dtype=torch.float16)
+    out, _ = backend.forward(q, k, v, "causal", 0.3)
+    assert asked and [c[0] for c in fake.calls] == ["flash_fwd"]
+    _close("out", out, math_forward(q.double(), k.double(), v.double(), "causal", 0.3)[0], 4e-3)
+    monkeypatch.setattr(kernels, "SDPA_CHOICE", None)  # a torch without the dispatcher
+    assert kernels.sdpa_picks_cudnn(q, k, True) is False
 
 
 # ---------------------------------------------------------------------------------------------- varlen

@@ -68,6 +68,7 @@ class _Registry:
 
     entries: list[tuple[Backend, str]] = field(default_factory=list)  # (backend, plugin name)
     failures: list[PluginFailure] = field(default_factory=list)
+    selected: dict[str, Backend] = field(default_factory=dict)  # select_backend's answers, by the value asked
 
     def owners(self, name: str) -> list[str]:
         return [plugin for backend, plugin in self.entries if backend.name == name]
@@ -326,6 +327,12 @@ def select_backend(device: str | None, tensor_device_type: str | None) -> Backen
 
     :raises BackendError: naming where the choice came from, with the table of installed backends.
     """
+    registry = _registry  # a call per attention: answer from this registry's memory when it can
+    asked = device or tensor_device_type
+    if registry is not None and asked:
+        known = registry.selected.get(asked)
+        if known is not None:
+            return known
     choices = (
         ("device", device),
         ("tensors' device type", tensor_device_type),
@@ -334,6 +341,9 @@ def select_backend(device: str | None, tensor_device_type: str | None) -> Backen
     )
     source, value = next((source, value) for source, value in choices if value)
     try:
-        return _resolve(str(value).split(":")[0])
+        backend = _resolve(str(value).split(":")[0])
     except BackendError as exc:
         raise BackendError(f"{source}={value!r}: {exc}") from None
+    if registry is not None and registry is _registry and value == asked:  # only usable backends are kept
+        registry.selected[str(value)] = backend
+    return backend

@@ -209,7 +209,11 @@ def ring_backward(
     two dKV slots per rank, whatever the number of ranks. ``out`` and ``lse`` are the final ones (with
     the sinks folded in, where there are sinks).
     """
-    comm, backend, plan = cfg.comm, cfg.backend, cfg.plan
+    comm, backend = cfg.comm, cfg.backend
+    if comm.size() == 1 and cfg.documents is None:  # one dense block: the kernel's backward as it is
+        g = backend.backward(dout, q, k, v, out, lse, "causal" if cfg.causal else "none", cfg.scale)
+        return tuple(x.to(like.dtype).contiguous() for x, like in zip(g, (q, k, v)))
+    plan = cfg.plan
     n = q.shape[1]
     calls = cfg.block_calls(n)
     m = len(plan.steps)
@@ -229,7 +233,7 @@ def ring_backward(
             for b in blocks:
                 qs = b.qs
                 g = b.backward(backend, dout[:, qs], q[:, qs], *kv.views(b.ks), out[:, qs], lse[:, :, qs], cfg.scale)
-                dq[:, qs] += g[0]
+                dq[:, qs].add_(g[0])  # in place on the view: no write-back through __setitem__
                 grads.append((b.ks, g[1], g[2]))
                 del g
             if i == 0:
@@ -238,8 +242,8 @@ def ring_backward(
                 dkv_work.wait()  # the dK/dV of src, from the previous rank, are in slot i
                 dk_acc, dv_acc = dkv_slots.slot(i)
             for ks, gk, gv in grads:
-                dk_acc[:, ks] += gk
-                dv_acc[:, ks] += gv
+                dk_acc[:, ks].add_(gk)
+                dv_acc[:, ks].add_(gv)
             del grads
             # after the last step this is the hop home: the owner of src is the next rank
             with call.on_comm():
@@ -270,7 +274,7 @@ def _local_forward(q, k, v, cfg: RingConfig, sinks: torch.Tensor | None):
 
 
 def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig, blocks: list[BlockCall]):
-    """The backward of a world of one: one dense call as it is, or the varlen calls of the documents."""
+    """The backward of a ring of one step: one call as it is, or the varlen calls of the documents."""
     backend = cfg.backend
     n = q.shape[1]
     if len(blocks) == 1 and blocks[0].qs == slice(0, n) and blocks[0].ks == slice(0, n):
@@ -281,9 +285,9 @@ def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig, blocks: list[Block
     for b in blocks:
         qs, ks = b.qs, b.ks
         g = b.backward(backend, dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], cfg.scale)
-        grads[0][:, qs] += g[0]
-        grads[1][:, ks] += g[1]
-        grads[2][:, ks] += g[2]
+        grads[0][:, qs].add_(g[0])
+        grads[1][:, ks].add_(g[1])
+        grads[2][:, ks].add_(g[2])
     return tuple(x.to(like.dtype) for x, like in zip(grads, (q, k, v)))
 
 

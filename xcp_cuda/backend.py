@@ -39,8 +39,10 @@ def _set(options: dict[str, Any]) -> dict[str, Any]:
 class CUDABackend(FusedKernelBackend):
     """NVIDIA GPUs (any device torch calls ``cuda``).
 
-    Kernel per block, by :func:`xcp_cuda.kernels.choose_kernel`: the aten flash op for fp16/bf16 with
-    head_dim % 8 == 0 and <= 256 (the flash-attn package's forward instead when it is installed), the aten
+    Kernel per block, by :func:`xcp_cuda.kernels.choose_kernel`: for fp16/bf16 with head_dim % 8 == 0
+    and <= 256 the aten cuDNN op where torch's SDPA would run the block on cuDNN (on Hopper it runs
+    1.7-1.9x faster than the flash op), else the aten flash op (the flash-attn package's forward
+    instead when it is installed), the aten
     memory-efficient op for fp32 and the other aligned head dims, and the math kernel for the rest
     (float64, unaligned head dims). Masks beyond none / square causal are cut by the base class. Packed
     documents (:meth:`forward_varlen`) take one call of the aten flash varlen op where the flash op
@@ -50,6 +52,8 @@ class CUDABackend(FusedKernelBackend):
         :data:`xcp.kernels.fused.GQA_MODES`.
     :param use_flash_attn: use flash-attn's forward when importable (default True; env
         ``XCP_CUDA_FLASH_ATTN=0`` turns it off).
+    :param use_cudnn: run blocks on cuDNN where SDPA would (default True; env ``XCP_CUDA_CUDNN=0``
+        turns it off, as does ``torch.nn.attention.sdpa_kernel`` without ``CUDNN_ATTENTION``).
     """
 
     name = "cuda"
@@ -60,9 +64,13 @@ class CUDABackend(FusedKernelBackend):
     dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
     gqa_env = "XCP_CUDA_GQA"
 
-    def __init__(self, gqa: str | None = None, use_flash_attn: bool | None = None) -> None:
+    def __init__(
+        self, gqa: str | None = None, use_flash_attn: bool | None = None, use_cudnn: bool | None = None
+    ) -> None:
         super().__init__(gqa)
         self.use_flash_attn = _env_flag("XCP_CUDA_FLASH_ATTN", True) if use_flash_attn is None else bool(use_flash_attn)
+        self.use_cudnn = _env_flag("XCP_CUDA_CUDNN", True) if use_cudnn is None else bool(use_cudnn)
+        self._cudnn_blocks: dict[tuple, bool] = {}  # block signature -> SDPA's answer (asked once each)
         self._flash_attn: Any = None
         self._flash_attn_error: str | None = None
         self._capabilities: dict[int, tuple[int, int]] = {}
@@ -113,6 +121,20 @@ class CUDABackend(FusedKernelBackend):
         """The aten kernel that serves blocks shaped and typed like ``q`` on its device."""
         return kernels.choose_kernel(q.dtype, q.shape[-1], self._capability(q.device))
 
+    def block_kernel(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> str:
+        """The kernel of one square-or-unmasked block: :meth:`kernel_for`, with ``flash`` upgraded to
+        ``cudnn`` where torch's SDPA would run this block on cuDNN (asked once per block signature)."""
+        kind = self.kernel_for(q)
+        if kind != kernels.FLASH or not self.use_cudnn or not torch.backends.cuda.cudnn_sdp_enabled():
+            return kind
+        key = (q.device, q.dtype, *q.shape, k.shape[1], k.shape[2], causal)
+        cudnn = self._cudnn_blocks.get(key)
+        if cudnn is None:
+            if len(self._cudnn_blocks) >= 4096:  # shapes are few in practice; never grow without bound
+                self._cudnn_blocks.clear()
+            cudnn = self._cudnn_blocks[key] = kernels.sdpa_picks_cudnn(q, k, causal)
+        return kernels.CUDNN if cudnn else kind
+
     # ------------------------------------------------------------------ internals
     def _capability(self, device: torch.device) -> tuple[int, int]:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -134,10 +156,12 @@ class CUDABackend(FusedKernelBackend):
         return self._flash_attn
 
     def square_forward(self, q, k, v, causal: bool, scale: float):
-        kind = self.kernel_for(q)
+        kind = self.block_kernel(q, k, causal)
         if kind == kernels.MATH:
             return math_forward(q, k, v, "causal" if causal else "none", scale)
-        if kind == kernels.FLASH:
+        if kind == kernels.CUDNN:
+            op = kernels.cudnn_forward
+        elif kind == kernels.FLASH:
             module = self.flash_attn_module()
             op = kernels.flash_forward if module is None else functools.partial(kernels.flash_attn_forward, module)
         else:
@@ -147,10 +171,12 @@ class CUDABackend(FusedKernelBackend):
         return op(q, k, v, causal, scale)
 
     def square_backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
-        kind = self.kernel_for(q)
+        kind = self.block_kernel(q, k, causal)
         if kind == kernels.MATH:
             return math_backward(dout, q, k, v, out, lse, "causal" if causal else "none", scale)
-        op = kernels.flash_backward if kind == kernels.FLASH else kernels.efficient_backward
+        op = {kernels.CUDNN: kernels.cudnn_backward, kernels.FLASH: kernels.flash_backward}.get(
+            kind, kernels.efficient_backward
+        )
         if self.kv_groups(q, k, kernels.native_gqa(kind)) > 1:
             op = kernels.with_repeated_kv_backward(op)
         return op(dout, q, k, v, out, lse, causal, scale)

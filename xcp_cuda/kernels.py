@@ -27,6 +27,19 @@ dropout_p=0., is_causal=False, *, scale=None)`` -> (output, log_sumexp, philox_s
 logsumexp, philox_seed, philox_offset, dropout_p, grad_input_mask, is_causal=False, *, scale=None)``
     -> (grad_query, grad_key, grad_value, grad_bias).
 
+``aten._scaled_dot_product_cudnn_attention(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.,
+is_causal=False, return_debug_mask=False, *, scale=None)``
+    -> (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_attn_mask).
+    Inputs [B, H, S, D]; output laid out like query; logsumexp float32 [B, H, Sq, 1]; seed and offset
+    int64 scalars. Accepts k/v with fewer heads (GQA). Which shapes, dtypes, head dims and GPUs it serves
+    depends on the cuDNN build; torch's SDPA dispatcher knows (``torch._fused_sdp_choice``), so xcp asks it.
+
+``aten._scaled_dot_product_cudnn_attention_backward(grad_out, query, key, value, out, logsumexp,
+philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *,
+scale=None)`` -> (grad_query, grad_key, grad_value). Like flash's, it recomputes the probabilities from the
+    lse and out it is given, so the merged ones work (checked on an H200 against float64 with a causal and
+    a full block merged: the same errors as flash's, benchmarks/device_kernel_probe.py).
+
 ``aten._flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
 is_causal, return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None, ...)``
     -> (output, softmax_logsumexp, rng_state, unused, debug_attn_mask). The varlen form of the flash op:
@@ -67,7 +80,10 @@ from xcp.kernels.fused import repeat_kv, sum_kv_groups
 ATEN: Any = torch.ops.aten
 """The op namespace the wrappers call (tests on CPU substitute a stand-in with the same signatures)."""
 
-FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
+FLASH, CUDNN, EFFICIENT, MATH = "flash", "cudnn", "efficient", "math"
+
+SDPA_CHOICE: Any = getattr(torch, "_fused_sdp_choice", None)
+"""torch's SDPA dispatcher: which fused kernel it would run for given q, k, v (tests substitute one)."""
 
 EFFICIENT_LSE_ALIGN = 32
 """The memory-efficient kernel writes its log-sum-exp in rows padded to a multiple of 32."""
@@ -90,8 +106,30 @@ def choose_kernel(dtype: torch.dtype, head_dim: int, capability: tuple[int, int]
 
 
 def native_gqa(kernel: str) -> bool:
-    """Whether ``kernel`` reads K/V with fewer heads than q itself (flash does; efficient needs repeats)."""
-    return kernel == FLASH
+    """Whether ``kernel`` reads K/V with fewer heads than q itself (flash and cuDNN do; efficient needs
+    repeats)."""
+    return kernel in (FLASH, CUDNN)
+
+
+def sdpa_picks_cudnn(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+    """Whether torch's SDPA would run a block shaped like (q, k) on cuDNN (``enable_gqa``, with gradients).
+
+    SDPA's dispatcher holds the rules of the cuDNN build at hand (its version, the GPU, head dims,
+    sequence lengths, the ``torch.nn.attention.sdpa_kernel`` context in force); asking it keeps xcp on
+    cuDNN exactly where PyTorch itself trusts cuDNN. Never raises: a torch without the dispatcher, or
+    one that rejects the question, means no.
+    """
+    if SDPA_CHOICE is None:
+        return False
+    try:
+        from torch.nn.attention import SDPBackend
+
+        grads = not torch.is_inference_mode_enabled()  # the ring's backward needs cuDNN's too
+        views = [heads_second(x).detach().requires_grad_(grads) for x in (q, k, k)]
+        choice = SDPA_CHOICE(*views, None, 0.0, causal, scale=None, enable_gqa=q.shape[2] != k.shape[2])
+        return int(choice) == int(SDPBackend.CUDNN_ATTENTION)
+    except Exception:  # noqa: BLE001 - any doubt: the flash op serves
+        return False
 
 
 def heads_second(x: torch.Tensor) -> torch.Tensor:
@@ -105,8 +143,8 @@ def heads_second(x: torch.Tensor) -> torch.Tensor:
 
 def lse_for_backward(lse: torch.Tensor) -> torch.Tensor:
     """The merged lse as the backward kernels read it: float32, contiguous, -inf rows mapped to +inf."""
-    lse = lse.to(torch.float32)
-    return torch.where(lse == float("-inf"), float("inf"), lse).contiguous()
+    # one kernel (a fresh contiguous tensor); NaN, which no kernel writes, is left as it is
+    return torch.nan_to_num(lse.to(torch.float32), nan=math.nan, neginf=math.inf)
 
 
 def pad_lse(lse: torch.Tensor, align: int = EFFICIENT_LSE_ALIGN) -> torch.Tensor:
@@ -125,12 +163,19 @@ def _rng_placeholders(device: torch.device, flash: bool) -> tuple[torch.Tensor, 
     """Seed and offset tensors shaped and typed as the forward returns them. Uninitialised on purpose: the
     backward reads them only when dropout_p > 0, and ``empty`` launches no kernel (a fill of uint64, which
     CUDA supports only barely, is not needed)."""
-    if flash:
-        return (
-            torch.empty(2, dtype=torch.uint64, device=device),
-            torch.empty((), dtype=torch.uint64, device=device),
-        )
-    return torch.empty((), dtype=torch.int64, device=device), torch.empty((), dtype=torch.int64, device=device)
+    key = (device, flash)
+    pair = _RNG_PLACEHOLDERS.get(key)
+    if pair is None:  # made once per device and reused: nothing ever writes them, so no stream orders them
+        if flash:
+            pair = torch.empty(2, dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64, device=device)
+        else:
+            pair = torch.empty((), dtype=torch.int64, device=device), torch.empty((), dtype=torch.int64, device=device)
+        if not (pair[0].is_cuda and torch.cuda.is_current_stream_capturing()):  # not from a graph's pool
+            _RNG_PLACEHOLDERS[key] = pair
+    return pair
+
+
+_RNG_PLACEHOLDERS: dict[tuple[torch.device, bool], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 # ---------------------------------------------------------------------------------------------- flash
@@ -160,6 +205,40 @@ def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         causal,
         seed,
         offset,
+        scale=scale,
+    )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------- cuDNN
+def cudnn_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """aten cuDNN forward: out [B, Sq, H, D] in q's dtype and lse float32 [B, H, Sq]. K/V may be GQA."""
+    res = ATEN._scaled_dot_product_cudnn_attention(
+        heads_second(q), heads_second(k), heads_second(v), None, True, 0.0, causal, False, scale=scale
+    )
+    b, sq, h, _ = q.shape
+    return res[0].transpose(1, 2), res[1].reshape(b, h, sq)
+
+
+def cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """aten cuDNN backward from the merged out/lse: dq [B, Sq, H, D], dk, dv [B, Sk, Hkv, D]."""
+    seed, offset = _rng_placeholders(q.device, flash=False)
+    dq, dk, dv = ATEN._scaled_dot_product_cudnn_attention_backward(
+        heads_second(dout.to(q.dtype)),
+        heads_second(q),
+        heads_second(k),
+        heads_second(v),
+        heads_second(out.to(q.dtype)),
+        lse_for_backward(lse).unsqueeze(-1),  # [B, H, Sq, 1], as the forward returns it
+        seed,  # read only when dropout_p > 0
+        offset,
+        None,  # attn_bias
+        None,  # cum_seq_q: dense batch
+        None,  # cum_seq_k
+        q.shape[1],  # max_q
+        k.shape[1],  # max_k
+        0.0,
+        causal,
         scale=scale,
     )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
