@@ -4,7 +4,7 @@
 #   benchmarks/h200.sh bench    # the full xcp bench grid (issue 5) with JSON and plot
 #   benchmarks/h200.sh masks    # documents, windows, sinks, compile: checks and the 128K documents bench
 #   benchmarks/h200.sh window   # the 128K sliding-window bench
-#   benchmarks/h200.sh perf     # world of one against SDPA, host µs per ring step, the dense ring at 64K
+#   benchmarks/h200.sh perf     # cuda tests, host profile, world of one vs SDPA, host µs per step, 64K, 16K
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -58,6 +58,13 @@ window)
     --reps 3 --quiet --json "$out/documents_stripe.json" 2>&1 | tee "$out/documents_stripe.txt"
   ;;
 perf)
+  section "cuda tests: stand-ins, cuDNN and flash blocks on the GPU, lifetime rules (CSAN, graphs)"
+  timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_backend.py tests/test_lifetime_cuda.py 2>&1 \
+    | tail -4 | tee "$out/cuda_tests.txt"
+  timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_device_backends.py -k cuda 2>&1 | tail -3 \
+    | tee -a "$out/cuda_tests.txt"
+  section "host profile (one rank's loop alone, kernels not run; world of one vs SDPA)"
+  timeout 120 python3 benchmarks/host_profile.py --top 30 2>&1 | tee "$out/host_profile.txt" | head -60
   section "xcp bench --world-of-one (S = 1K, 4K; against torch SDPA)"
   timeout 150 xcp bench --world-of-one --reps 9 --quiet --json "$out/world_of_one.json" 2>&1 | tee "$out/world_of_one.txt"
   section "xcp bench --host (host µs per ring step at 2K tokens per rank)"
@@ -66,6 +73,12 @@ perf)
   section "dense ring at 64K, P = 8 (before/after)"
   timeout 200 xcp bench --seqs 65536 --worlds 2,8 --reps 5 --no-graph --memory-seq 65536 --memory-worlds 8 --quiet \
     --json "$out/dense64k.json" 2>&1 | tee "$out/dense64k.txt"
+  section "16K over 8 virtual ranks, by thread switch interval (0 = Python's 5 ms)"
+  for si in 0 0.001 0.0002 0.00005; do
+    echo "XCP_SWITCH_INTERVAL=$si"
+    XCP_SWITCH_INTERVAL=$si timeout 100 xcp bench --seqs 16384 --worlds 8 --reps 5 --no-graph --memory-seq 16384 --memory-worlds 8 --quiet 2>&1 \
+      | grep -E "^ +16384"
+  done | tee "$out/switch16k.txt"
   ;;
 *) echo "usage: $0 checks|bench|masks|window|perf" >&2; exit 2 ;;
 esac

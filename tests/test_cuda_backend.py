@@ -941,3 +941,67 @@ def test_importing_the_plugin_touches_no_vendor_module():
         "assert not torch.cuda.is_initialized()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---------------------------------------------------------------------------------------------- on a GPU
+@pytest.mark.parametrize("kind", ["flash", "cudnn"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_flash_and_cudnn_blocks_merge_on_a_gpu(monkeypatch, kind, head_dim):
+    """A ring step on a GPU with each kernel forced: a square causal block and a full block of keys
+    merged, each block's backward from the merged out/lse, against float64 attention of the whole row
+    (bf16: relative 2-norm error 2e-2, about 5 bf16 ulps; flash and cuDNN both measure about 2.4e-3)."""
+    backend = CUDABackend(use_cudnn=kind == "cudnn")
+    ok, reason = backend.available()
+    if not ok:
+        pytest.skip(f"needs a CUDA GPU ({reason})")
+    if kind == "cudnn":
+        from torch.nn.attention import SDPBackend
+
+        if not torch.backends.cudnn.is_available():
+            pytest.skip("needs cuDNN (torch.backends.cudnn.is_available() is False)")
+        monkeypatch.setattr(kernels, "SDPA_CHOICE", lambda *a, **kw: int(SDPBackend.CUDNN_ATTENTION))
+    if backend.kernel_for(torch.empty(1, 1, 1, head_dim, dtype=torch.bfloat16, device="cuda")) != "flash":
+        pytest.skip("needs an sm80+ GPU (the flash class of kernels)")
+    n, h, hkv = 256, 8, 2
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    q, k, v, dout = (
+        rand(1, n, h, head_dim),
+        rand(1, 2 * n, hkv, head_dim),
+        rand(1, 2 * n, hkv, head_dim),
+        rand(1, n, h, head_dim),
+    )
+    scale = head_dim**-0.5
+    blocks = [(slice(0, n), "causal"), (slice(n, 2 * n), "none")]
+    parts = [backend.forward(q, k[:, ks], v[:, ks], mask, scale) for ks, mask in blocks]
+    lse = torch.logaddexp(parts[0][1].float(), parts[1][1].float())
+    out = sum(o.float() * torch.exp(b_lse.float() - lse).transpose(1, 2).unsqueeze(-1) for o, b_lse in parts)
+    dq = torch.zeros(q.shape, device="cuda")
+    dks, dvs = [], []
+    for ks, mask in blocks:
+        gq, gk, gv = backend.backward(dout, q, k[:, ks], v[:, ks], out.to(q.dtype), lse, mask, scale)
+        dq += gq.float()
+        dks.append(gk)
+        dvs.append(gv)
+    allowed = torch.ones(n, 2 * n, dtype=torch.bool, device="cuda")
+    allowed[:, :n] = allowed[:, :n].tril()
+    groups = h // hkv
+    q64, k64, v64 = (
+        x.double().requires_grad_() for x in (q, k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2))
+    )
+    s = torch.einsum("bqhd,bkhd->bhqk", q64, k64) * scale
+    ref = torch.einsum("bhqk,bkhd->bqhd", s.masked_fill(~allowed, float("-inf")).softmax(-1), v64)
+    ref.backward(dout.double())
+
+    def fold(x):
+        return x.reshape(1, 2 * n, hkv, groups, head_dim).sum(3)
+
+    got = {"out": out, "dq": dq, "dk": torch.cat(dks, 1), "dv": torch.cat(dvs, 1)}
+    want = {"out": ref.detach(), "dq": q64.grad, "dk": fold(k64.grad), "dv": fold(v64.grad)}
+    for name in got:
+        err = ((got[name].double() - want[name]).norm() / want[name].norm()).item()
+        assert err < 2e-2, f"{kind} {name}: relative error {err:.2e}"
+    assert backend.block_kernel(q, k[:, :n], True) == kind
