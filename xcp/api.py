@@ -232,6 +232,10 @@ def attention(
     backend = select_backend(None if device is None else str(device), q.device.type)
     check_backend_serves(backend, q, comm, causal, balance)
     documents = check_documents(cu_seqlens, q, comm.size(), balance, window)
+    if documents is None and sinks is None and comm.size() == 1:  # a world of one: the vendor's attention
+        out = backend.whole_attention(q, k, v, causal, scale)
+        if out is not None:
+            return out
     cfg = RingConfig(comm, backend, causal, scale, balance, slots, handoff, documents, window)
     needs_grad = any(x is not None and x.requires_grad for x in (q, k, v, sinks))
     if torch.is_grad_enabled() and needs_grad:

@@ -252,6 +252,24 @@ class Backend:
         these tensors; return False to let the ring use its generic merge (the default)."""
         return False
 
+    def whole_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    ) -> torch.Tensor | None:
+        """The attention of a world of one (no documents, window or sinks) through the vendor's own
+        differentiable front end, or None (the default) to let xcp run :meth:`forward` / :meth:`backward`
+        under its autograd Function.
+
+        A world of one is what a model with context parallelism off runs, so it should cost nothing over
+        the vendor's fused attention: a front end whose backward is native (no Python on the backward
+        path) costs less host time per call than any wrapper can.
+
+        :param q: [B, S, H, D]; ``k``, ``v`` [B, S, Hkv, D], Hkv dividing H (GQA).
+        :param causal: square causal (query i sees keys 0..i) or no mask.
+        :param scale: the factor on q·k.
+        :returns: out [B, S, H, D] in q's dtype, differentiable in q, k and v like the inputs are; or None.
+        """
+        return None
+
     # ------------------------------------------------------------------ memory
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int] | None:
         """Allocator statistics in bytes (``allocated``, ``peak``) where the device has them, else None.

@@ -28,6 +28,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -307,6 +308,51 @@ def _switch_interval(seconds: float):
                 sys.setswitchinterval(_switch_saved)
 
 
+class _Job:
+    """One rank's part of a :meth:`LocalWorld.run`, with the join interface of a thread."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
+        self.fn, self.args = fn, args
+        self.done = threading.Event()
+
+    def is_alive(self) -> bool:
+        return not self.done.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.done.wait(timeout)
+
+
+class _RankThread:
+    """A daemon thread that runs the jobs of one virtual rank, one after another, until stopped."""
+
+    def __init__(self, name: str) -> None:
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.busy = False
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> _Job:
+        job = _Job(fn, args)
+        self.busy = True
+        self.jobs.put(job)
+        return job
+
+    def _loop(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            try:
+                job.fn(*job.args)  # the job catches its own exceptions (LocalWorld.run's body)
+            finally:
+                self.busy = False
+                job.done.set()
+                del job
+
+    @staticmethod
+    def stop_all(workers: list[_RankThread | None]) -> None:
+        """End the threads of a LocalWorld that is gone (each after its current job)."""
+        for w in workers:
+            if w is not None:
+                w.jobs.put(None)
+
+
 class LocalWorld:
     """``size`` virtual ranks in one process, each a thread, exchanging tensors in memory.
 
@@ -348,6 +394,8 @@ class LocalWorld:
         self._boxes: dict[tuple, queue.Queue] = {}
         self._failure: tuple[int, BaseException] | None = None
         self._rank_stores: dict[int, dict] = {}
+        self._workers: list[_RankThread | None] = [None] * world_size
+        weakref.finalize(self, _RankThread.stop_all, self._workers)
 
     def __repr__(self) -> str:
         return f"LocalWorld(world_size={self.world_size}, device={str(self.device)!r})"
@@ -365,6 +413,9 @@ class LocalWorld:
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """Run ``fn(group, *args)`` on every rank, one thread each; return the results in rank order.
+
+        Each rank keeps its thread from one run to the next (as a real rank keeps its process), so what
+        libraries cache per thread (cuDNN's execution plans, cuBLAS handles) is built once, not per run.
 
         An exception in any rank aborts the others (their waits raise :class:`RankAborted`) and is
         re-raised here as a RuntimeError naming the rank. Once any rank has finished, the others have twice
@@ -388,12 +439,8 @@ class LocalWorld:
                     if self._failure is None and not isinstance(exc, RankAborted):
                         self._failure = (rank, exc)
 
-        threads = [
-            threading.Thread(target=body, args=(r,), name=f"xcp-rank-{r}", daemon=True) for r in range(self.world_size)
-        ]
         with _switch_interval(self.switch_interval if self.world_size > 1 else 0.0):
-            for t in threads:
-                t.start()
+            threads = [self._worker(r).submit(body, r) for r in range(self.world_size)]
             self._join(threads, errors)
         if self._failure is None and any(errors):
             rank = next(r for r, e in enumerate(errors) if e is not None)
@@ -404,7 +451,14 @@ class LocalWorld:
             raise RuntimeError(f"LocalWorld rank {rank} of {self.world_size} failed: {what}") from exc
         return results
 
-    def _join(self, threads: list[threading.Thread], errors: list[BaseException | None]) -> None:
+    def _worker(self, rank: int) -> _RankThread:
+        """Rank ``rank``'s thread; a new one where the last is still busy (left stuck by a failed run)."""
+        worker = self._workers[rank]
+        if worker is None or worker.busy:
+            worker = self._workers[rank] = _RankThread(f"xcp-rank-{rank}")
+        return worker
+
+    def _join(self, threads: list[_Job], errors: list[BaseException | None]) -> None:
         """Wait for every rank; raise naming the ranks still running 2 x ``timeout`` s after the first finished."""
         first_done: float | None = None
         while True:

@@ -181,6 +181,17 @@ class CUDABackend(FusedKernelBackend):
             op = kernels.with_repeated_kv_backward(op)
         return op(dout, q, k, v, out, lse, causal, scale)
 
+    def whole_attention(self, q, k, v, causal: bool, scale: float):
+        """torch SDPA (its own choice of kernel, cuDNN on Hopper; its backward native), where the
+        block kernel would be one of the fused ones; None for the math kernel's cases and ``repeat`` GQA."""
+        if self.kernel_for(q) == kernels.MATH or (self.gqa == "repeat" and q.shape[2] != k.shape[2]):
+            return None
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale,
+            enable_gqa=q.shape[2] != k.shape[2],
+        )  # fmt: skip
+        return out.transpose(1, 2).contiguous()
+
     def varlen_kernel(self, q: torch.Tensor, cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> bool:
         """Whether packed segments like these take one aten flash varlen call: the flash op serves q
         (:func:`kernels.choose_kernel`), batch 1, and every segment has queries and keys."""

@@ -1,0 +1,117 @@
+"""A world of one: xcp.attention hands the whole call to a backend's ``whole_attention`` where it has one
+(the CUDA backend's is torch SDPA), and runs its own kernels under its autograd Function otherwise.
+
+Numerics against float64 math attention on the whole sequence; the CUDA backend's SDPA call is exercised
+on CPU tensors (SDPA runs there too).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import xcp
+from xcp.cpu import CPUBackend
+from xcp.kernels.math import math_forward
+from xcp_cuda import CUDABackend
+
+
+def _inputs(s=12, h=4, hkv=2, d=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, s, h, d, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    k = torch.randn(1, s, hkv, d, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    v = torch.randn(1, s, hkv, d, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    dout = torch.randn(1, s, h, d, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v, dout
+
+
+def _reference(q, k, v, dout, causal, scale):
+    x = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out, _ = math_forward(*x, "causal" if causal else "none", scale)
+    out.backward(dout.double())
+    return out.detach(), *(t.grad for t in x)
+
+
+class Recording(CPUBackend):
+    """The CPU backend with a ``whole_attention`` that records its calls and answers with SDPA."""
+
+    name = "whole-recording"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def whole_attention(self, q, k, v, causal, scale):
+        self.calls.append((tuple(q.shape), causal, scale))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale, enable_gqa=True
+        )
+        return out.transpose(1, 2)
+
+
+@pytest.fixture
+def recording():
+    backend = Recording()
+
+    class Plugin:
+        @xcp.hookimpl
+        def xcp_register_backends(self, register):
+            register(backend)
+
+    plugin = Plugin()
+    xcp.register_plugin(plugin, name="whole-recording-plugin")
+    try:
+        yield backend
+    finally:
+        xcp.unregister_plugin(plugin)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_world_of_one_takes_the_backends_whole_attention(recording, causal):
+    q, k, v, dout = _inputs(dtype=torch.float64)
+    out = xcp.attention(q, k, v, causal=causal, device="whole-recording", scale=0.3)
+    out.backward(dout)
+    ref = _reference(q, k, v, dout, causal, 0.3)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), ref):
+        assert (got - want).abs().max().item() < 1e-10, name
+    assert recording.calls == [((1, 12, 4, 16), causal, 0.3)]
+
+
+def test_options_a_whole_attention_cannot_serve_take_the_ring_path(recording):
+    """Sinks, documents, windows and worlds of several ranks never go to whole_attention."""
+    q, k, v, _ = _inputs(dtype=torch.float64)
+    sinks = torch.zeros(4, dtype=torch.float64)
+    cu = torch.tensor([0, 5, 12])
+    xcp.attention(q, k, v, causal=True, device="whole-recording", sinks=sinks)
+    xcp.attention(q, k, v, causal=True, device="whole-recording", cu_seqlens=cu)
+    xcp.attention(q, k, v, causal=True, device="whole-recording", window=(3, 0))
+    world = xcp.LocalWorld(2)
+    shards = [[xcp.shard(x.detach(), 2, r) for x in (q, k, v)] for r in range(2)]
+    world.run(lambda g: xcp.attention(*shards[g.rank()], causal=True, group=g, device="whole-recording"))
+    assert recording.calls == []
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_the_cuda_backends_whole_attention_is_sdpa(causal, dtype, tol):
+    """CUDABackend.whole_attention on CPU tensors (SDPA runs there): out and gradients like float64 math
+    (bf16: 8 mantissa bits, sums of O(S) terms: 3e-2 of max |ref|); None where xcp's own kernels serve."""
+    backend = CUDABackend()
+    backend._capability = lambda device: (9, 0)
+    q, k, v, dout = _inputs(dtype=dtype, d=16)
+    scale = 1 / math.sqrt(16)
+    before = [x.detach().clone() for x in (q, k, v)]
+    out = backend.whole_attention(q, k, v, causal, scale)
+    assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+    out.backward(dout)
+    ref = _reference(q, k, v, dout, causal, scale)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), ref):
+        err = (got.double() - want).abs().max().item()
+        assert err <= tol * max(1.0, want.abs().max().item()), f"{name}: {err:.3g}"
+    assert all(torch.equal(a.detach(), b) for a, b in zip((q, k, v), before))  # inputs untouched
+    q64, k64, v64, _ = _inputs(dtype=torch.float64)
+    assert backend.whole_attention(q64, k64, v64, causal, scale) is None  # float64: the math kernel
+    repeat = CUDABackend(gqa="repeat")
+    repeat._capability = lambda device: (9, 0)
+    assert repeat.whole_attention(q, k, v, causal, scale) is None
