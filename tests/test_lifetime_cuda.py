@@ -144,7 +144,7 @@ class MirrorComm:
     def rank_store(self):
         return self.store
 
-    def exchange(self, sends, recvs, tag, backend):
+    def exchange(self, sends, recvs, tag, backend, step=None):
         stream = backend.current_stream()
         for (buf, _), (t, _) in zip(recvs, sends):
             buf.copy_(t)
