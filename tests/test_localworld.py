@@ -144,3 +144,73 @@ def test_a_stuck_rank_after_a_failure_names_both():
             xcp.LocalWorld(2, timeout=0.3).run(rank_fn)
     finally:
         release.set()
+
+
+# ---------------------------------------------------------------------------------------------- threads and turns
+def test_ranks_keep_their_threads_from_run_to_run_and_a_stuck_one_is_replaced():
+    world = xcp.LocalWorld(3, timeout=0.3)
+    first = world.run(lambda g: threading.get_ident())
+    assert world.run(lambda g: threading.get_ident()) == first  # per-thread caches survive between runs
+    release = threading.Event()
+
+    def stuck_rank_1(group):
+        if group.rank() == 1:
+            release.wait(5)  # stuck outside any xcp wait
+        return threading.get_ident()
+
+    with pytest.raises(RuntimeError, match="rank 1 of 3 did not finish"):
+        world.run(stuck_rank_1)
+    again = world.run(lambda g: threading.get_ident())
+    assert again[0] == first[0] and again[2] == first[2] and again[1] != first[1]  # rank 1 got a new thread
+    release.set()
+
+
+@pytest.mark.parametrize("cooperative", [False, True])
+def test_cooperative_ranks_take_turns_and_compute_the_same(cooperative):
+    """In a cooperative world one rank runs at a time (a kernel that dawdles never overlaps another rank's);
+    the ring's result and gradients equal a free-running world's."""
+    world = xcp.LocalWorld(3, cooperative=cooperative)
+    assert world.cooperative is cooperative
+    q, k, v, dout = random_inputs(1, 24, 2, 1, 4, seed=3)
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def rank_fn(group):
+        local = [xcp.shard(x, 3, group.rank()).requires_grad_() for x in (q, k, v)]
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.02)  # user work between waits: a free-running world overlaps it, a cooperative one cannot
+        with lock:
+            running[0] -= 1
+        out = xcp.attention(*local, causal=True, group=group)
+        out.backward(xcp.shard(dout, 3, group.rank()))
+        return out.detach(), *(x.grad for x in local)
+
+    got = world.run(rank_fn)
+    overlap = most[0]
+    want = xcp.LocalWorld(3, cooperative=False).run(rank_fn) if cooperative else got
+    for a, b in zip(got, want):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    if cooperative:
+        assert overlap == 1
+    assert xcp.LocalWorld(2, device="cpu").cooperative is False  # CPU ranks compute: they run free
+
+
+def test_a_rank_that_keeps_the_turn_makes_its_peer_time_out():
+    world = xcp.LocalWorld(2, timeout=0.3, cooperative=True)
+    x = torch.zeros(3)
+
+    def rank_fn(group):
+        if group.rank() == 0:
+            time.sleep(1.0)  # holds the turn if it has it; either way rank 1 cannot proceed in time
+            return None
+        work = group.exchange([(x, 0)], [], "kv", xcp.get_backend("cpu"))
+        work.wait()
+        return None
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"CommTimeout: rank 1 waited 0\.3 s for") as info:
+        world.run(rank_fn)
+    assert time.monotonic() - start < 3.0
+    assert "its turn to run" in str(info.value) or "rank 0 to post receive kv0" in str(info.value)

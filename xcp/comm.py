@@ -377,8 +377,14 @@ class LocalWorld:
         device: str | torch.device = "cpu",
         timeout: float = 120.0,
         switch_interval: float | None = None,
+        cooperative: bool | None = None,
     ) -> None:
-        """:param switch_interval: seconds a rank's thread may hold the interpreter while others wait, set
+        """:param cooperative: run one rank at a time, handing over only where a rank waits for a peer
+            (default: on devices other than the CPU, where the ranks' threads only launch work). P threads
+            launching at once contend for the interpreter and the driver; taking turns at the ring's wait
+            points keeps the device fed with one thread's launch rate. A rank must then not wait for its
+            peers outside xcp (a ``threading.Barrier`` between ranks would never be passed).
+        :param switch_interval: seconds a rank's thread may hold the interpreter while others wait, set
         with :func:`sys.setswitchinterval` for the duration of :meth:`run` (Python's own is 5 ms: with
         ranks that hand work to each other at every ring step, each hand-over can wait that long). None:
         ``XCP_SWITCH_INTERVAL``, else :data:`SWITCH_INTERVAL`; 0 leaves Python's setting alone."""
@@ -395,6 +401,9 @@ class LocalWorld:
         self._failure: tuple[int, BaseException] | None = None
         self._rank_stores: dict[int, dict] = {}
         self._workers: list[_RankThread | None] = [None] * world_size
+        self.cooperative = self.device.type != "cpu" if cooperative is None else bool(cooperative)
+        self._turn_lock = threading.Lock()
+        self._turn_holder: int | None = None
         weakref.finalize(self, _RankThread.stop_all, self._workers)
 
     def __repr__(self) -> str:
@@ -432,7 +441,8 @@ class LocalWorld:
         def body(rank: int) -> None:
             group = self.group(rank)
             try:
-                results[rank] = fn(group, *args)
+                with self._turn(rank):
+                    results[rank] = fn(group, *args)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 errors[rank] = exc
                 with self._lock:
@@ -503,15 +513,55 @@ class LocalWorld:
         if failure is not None and failure[0] != rank:
             raise RankAborted(f"rank {rank}: aborted because rank {failure[0]} failed")
 
-    def _wait_for(self, rank: int, what: str, poll: Callable[[float], Any]) -> Any:
+    # -- turns (cooperative worlds): one rank runs at a time and hands over only where it would wait
+    @contextlib.contextmanager
+    def _turn(self, rank: int):
+        """Hold the world's turn for the body of a rank's job (cooperative worlds only)."""
+        if not self.cooperative or self.world_size == 1:
+            yield
+            return
+        self._take_turn(rank)
+        try:
+            yield
+        finally:
+            self._give_turn()
+
+    def _take_turn(self, rank: int) -> None:
         deadline = time.monotonic() + self.timeout
-        while True:
+        while not self._turn_lock.acquire(timeout=0.02):
             self._check_abort(rank)
-            got = poll(0.02)
-            if got is not None:
-                return got
             if time.monotonic() > deadline:
-                raise CommTimeout(f"rank {rank} waited {self.timeout:g} s for {what}; is a peer stuck or missing?")
+                raise CommTimeout(
+                    f"rank {rank} waited {self.timeout:g} s for its turn to run; another rank of this cooperative "
+                    "LocalWorld kept it (stuck outside an xcp wait?)"
+                )
+        self._turn_holder = threading.get_ident()
+
+    def _give_turn(self) -> bool:
+        """Hand the turn on if this thread holds it; whether it did."""
+        if self._turn_holder != threading.get_ident():
+            return False
+        self._turn_holder = None
+        self._turn_lock.release()
+        return True
+
+    def _wait_for(self, rank: int, what: str, poll: Callable[[float], Any]) -> Any:
+        got = poll(0.0)
+        if got is not None:  # already there: no hand-over
+            return got
+        handed = self.cooperative and self._give_turn()  # let the peers run while this rank waits
+        try:
+            deadline = time.monotonic() + self.timeout
+            while True:
+                self._check_abort(rank)
+                got = poll(0.02)
+                if got is not None:
+                    return got
+                if time.monotonic() > deadline:
+                    raise CommTimeout(f"rank {rank} waited {self.timeout:g} s for {what}; is a peer stuck or missing?")
+        finally:
+            if handed:
+                self._take_turn(rank)
 
     def _take(self, rank: int, key: tuple, what: str) -> Any:
         box = self._box(key)
