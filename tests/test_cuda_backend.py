@@ -1005,3 +1005,24 @@ def test_flash_and_cudnn_blocks_merge_on_a_gpu(monkeypatch, kind, head_dim):
         err = ((got[name].double() - want[name]).norm() / want[name].norm()).item()
         assert err < 2e-2, f"{kind} {name}: relative error {err:.2e}"
     assert backend.block_kernel(q, k[:, :n], True) == kind
+
+
+def test_the_stream_switch_restores_the_stream_and_the_device_on_a_gpu():
+    backend = CUDABackend()
+    ok, reason = backend.available()
+    if not ok:
+        pytest.skip(f"needs a CUDA GPU ({reason})")
+    before, device = torch.cuda.current_stream(), torch.cuda.current_device()
+    side = torch.cuda.Stream()
+    with backend.stream_context(side):
+        assert torch.cuda.current_stream() == side
+        inner = torch.cuda.Stream()
+        with backend.stream_context(inner):
+            assert torch.cuda.current_stream() == inner
+        assert torch.cuda.current_stream() == side
+    assert torch.cuda.current_stream() == before and torch.cuda.current_device() == device
+    if torch.cuda.device_count() > 1:  # a stream of another device: that device's stream and ours restored
+        other = torch.cuda.Stream(device=1 - device)
+        with backend.stream_context(other):
+            assert torch.cuda.current_stream(1 - device) == other
+        assert torch.cuda.current_device() == device and torch.cuda.current_stream() == before

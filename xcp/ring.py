@@ -175,7 +175,7 @@ def ring_forward(
         return _local_forward(q, k, v, cfg, sinks)
     check_agreement(comm, backend, q, k, v, cfg, sinks)
     n = q.shape[1]
-    out, lse = new_accumulators(q)
+    out = lse = None  # made by the first block: its copy when it covers every row, else zeros/-inf
     plan = cfg.plan
     moves = len(plan.steps) > 1
     call = RingCall(comm, backend, q.device, cfg.slots, cfg.handoff) if moves else None
@@ -185,9 +185,19 @@ def ring_forward(
             kv.begin(step)
             for b in blocks:
                 block_out, block_lse = b.forward(backend, q[:, b.qs], *kv.views(b.ks), cfg.scale)
-                merge_block(backend, out, lse, block_out, block_lse, b.qs)
+                if out is None and b.qs == slice(0, n):  # nothing to merge into yet
+                    acc = accumulator_dtype(q.dtype)
+                    contiguous = torch.contiguous_format
+                    out = block_out.to(acc, memory_format=contiguous, copy=True)
+                    lse = block_lse.to(acc, memory_format=contiguous, copy=True)
+                else:
+                    if out is None:
+                        out, lse = new_accumulators(q)
+                    merge_block(backend, out, lse, block_out, block_lse, b.qs)
                 del block_out, block_lse
             kv.end()
+    if out is None:  # no block at all (documents that see nothing of this rank's rows)
+        out, lse = new_accumulators(q)
     if sinks is not None:
         apply_sinks_(out, lse, sinks)
     return out.to(q.dtype), lse

@@ -36,6 +36,33 @@ def _set(options: dict[str, Any]) -> dict[str, Any]:
     return {name: x for name, x in options.items() if x is not None}
 
 
+_GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
+_SET_STREAM = getattr(torch._C, "_cuda_setStream", None)
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+
+
+class _StreamSwitch:
+    """Make ``stream`` current on its device for a ``with`` block, then restore that device's previous one."""
+
+    __slots__ = ("stream", "previous", "device")
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> Any:
+        s = self.stream
+        self.device = _GET_DEVICE()  # setting a stream makes its device current: put the caller's back after
+        self.previous = _GET_STREAM(s.device_index)  # (stream_id, device_index, device_type)
+        _SET_STREAM(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+        return s
+
+    def __exit__(self, *exc: Any) -> None:
+        stream_id, device_index, device_type = self.previous
+        _SET_STREAM(stream_id=stream_id, device_index=device_index, device_type=device_type)
+        if device_index != self.device:
+            torch.cuda.set_device(self.device)
+
+
 class CUDABackend(FusedKernelBackend):
     """NVIDIA GPUs (any device torch calls ``cuda``).
 
@@ -88,6 +115,14 @@ class CUDABackend(FusedKernelBackend):
             return False, "no CUDA device: torch.cuda.is_available() is False"
         except Exception as exc:  # noqa: BLE001 - a broken driver must not break discovery
             return False, f"no CUDA device: querying CUDA raised {type(exc).__name__}: {exc}"
+
+    def stream_context(self, stream: Any) -> Any:
+        """``stream`` current for the block, like ``torch.cuda.stream(stream)`` at a fraction of its host
+        cost (a ring switches to its comm stream once or twice per step): the current stream is read and
+        restored through the two C calls ``torch.cuda.current_stream`` / ``set_stream`` themselves use."""
+        if _GET_STREAM is None or _SET_STREAM is None or _GET_DEVICE is None:
+            return torch.cuda.stream(stream)
+        return _StreamSwitch(stream)
 
     def is_capturing(self) -> bool:
         """True while the current CUDA stream is being captured into a CUDA graph."""
