@@ -5,6 +5,7 @@
 #   benchmarks/h200.sh masks    # documents, windows, sinks, compile: checks and the 128K documents bench
 #   benchmarks/h200.sh window   # the 128K sliding-window bench
 #   benchmarks/h200.sh perf     # cuda tests, host profile, world of one vs SDPA, host µs per step, 64K, 16K
+#   benchmarks/h200.sh ulysses  # the hybrid all-to-all + ring: xcp run checks, the 128K bench for U = 1, 2, 4, 8
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -59,12 +60,12 @@ window)
   ;;
 perf)
   section "cuda tests: stand-ins, cuDNN and flash blocks on the GPU, lifetime rules (CSAN, graphs)"
-  timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_backend.py tests/test_lifetime_cuda.py 2>&1 \
-    | tail -4 | tee "$out/cuda_tests.txt"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_cuda_backend.py tests/test_lifetime_cuda.py \
+    tests/test_world_of_one.py 2>&1 | tail -40 | tee "$out/cuda_tests.txt"
   timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_device_backends.py -k cuda 2>&1 | tail -3 \
     | tee -a "$out/cuda_tests.txt"
   section "host profile (one rank's loop alone, kernels not run; world of one vs SDPA)"
-  timeout 120 python3 benchmarks/host_profile.py --top 30 2>&1 | tee "$out/host_profile.txt" | head -60
+  timeout 120 python3 benchmarks/host_profile.py --top 25 2>&1 | tee "$out/host_profile.txt" | head -40
   section "xcp bench --world-of-one (S = 1K, 4K; against torch SDPA)"
   timeout 150 xcp bench --world-of-one --reps 9 --quiet --json "$out/world_of_one.json" 2>&1 | tee "$out/world_of_one.txt"
   section "xcp bench --host (host µs per ring step at 2K tokens per rank)"
@@ -73,13 +74,25 @@ perf)
   section "dense ring at 64K, P = 8 (before/after)"
   timeout 200 xcp bench --seqs 65536 --worlds 2,8 --reps 5 --no-graph --memory-seq 65536 --memory-worlds 8 --quiet \
     --json "$out/dense64k.json" 2>&1 | tee "$out/dense64k.txt"
-  section "16K over 8 virtual ranks, by thread switch interval (0 = Python's 5 ms)"
-  for si in 0 0.001 0.0002 0.00005; do
-    echo "XCP_SWITCH_INTERVAL=$si"
-    XCP_SWITCH_INTERVAL=$si timeout 100 xcp bench --seqs 16384 --worlds 8 --reps 5 --no-graph --memory-seq 16384 --memory-worlds 8 --quiet 2>&1 \
-      | grep -E "^ +16384"
-  done | tee "$out/switch16k.txt"
+  section "16K over 8 virtual ranks (host-bound before cooperative LocalWorld ranks)"
+  timeout 100 xcp bench --seqs 16384 --worlds 2,8 --reps 5 --no-graph --memory-seq 16384 --memory-worlds 8 --quiet 2>&1 \
+    | grep -E "^ +16384" | tee "$out/ring16k.txt"
+  section "128K causal over 8 virtual ranks (keep)"
+  timeout 150 xcp bench --seqs 131072 --worlds 8 --mask causal --reps 3 --no-graph --memory-seq 16384 --memory-worlds 8 \
+    --quiet 2>&1 | grep -E "^ +131072" | tee "$out/causal128k.txt"
   ;;
-*) echo "usage: $0 checks|bench|masks|window|perf" >&2; exit 2 ;;
+ulysses)
+  section "xcp run --ulysses on cuda (the hybrid's virtual ranks checked against float64)"
+  for u in 2 8; do
+    timeout 120 xcp run --device cuda --dtype bfloat16 --world 8 --ulysses $u --seq 4096 --heads 32 --kv-heads 8 \
+      --head-dim 128 2>&1 | tee "$out/run_ulysses$u.txt"
+  done
+  section "xcp plan --ulysses 2 (S = 128K, P = 8): groups and bytes per step"
+  xcp plan --world 8 --ulysses 2 --causal --seq 131072 2>&1 | tee "$out/plan_ulysses.txt" | tail -24
+  section "xcp bench --ulysses 1,2,4,8 (S = 128K, P = 8, causal, 32/8 heads, D = 128, bf16)"
+  timeout 420 xcp bench --ulysses 1,2,4,8 --seqs 131072 --worlds 8 --mask causal --reps 3 --quiet \
+    --json "$out/ulysses.json" 2>&1 | tee "$out/ulysses.txt"
+  ;;
+*) echo "usage: $0 checks|bench|masks|window|perf|ulysses" >&2; exit 2 ;;
 esac
 section done
