@@ -137,6 +137,7 @@ def test_fingerprints_describe_themselves():
         "cu_seqlens": None,
         "sinks": None,
         "window": None,
+        "ulysses": 1,
     }
     assert agreement.disagreement([values, values]) is None
     docs = agreement.fingerprint(q, k, k, True, "stripe", 0.125, (0, 3, 8), torch.zeros(4), (None, 0))
@@ -145,6 +146,9 @@ def test_fingerprints_describe_themselves():
     assert described["cu_seqlens"].startswith("2 documents (crc32 ") and described["sinks"] == "[4] torch.float32"
     other = agreement.fingerprint(q, k, k, True, "stripe", 0.25)
     assert "scale (rank 0: 0.125; rank 1: 0.25)" in agreement.disagreement([values, other])
+    hybrid = agreement.fingerprint(q, k, k, True, "stripe", 0.125, ulysses=2)
+    assert agreement.describe(hybrid)["ulysses"] == 2
+    assert "ulysses (rank 0: 1; rank 1: 2)" in agreement.disagreement([values, hybrid])
 
 
 def test_the_agreed_set_is_bounded(monkeypatch):

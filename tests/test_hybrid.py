@@ -18,7 +18,16 @@ from test_documents import masked_reference
 
 import xcp
 from xcp.comm import LocalGroup, hybrid_groups, hybrid_members
-from xcp.hybrid import alltoall_bytes, heads_to_tokens, kv_replicas, tokens_to_heads
+from xcp.hybrid import (
+    alltoall_bytes,
+    heads_to_tokens,
+    hybrid_backward,
+    hybrid_config,
+    hybrid_forward,
+    hybrid_traffic,
+    kv_replicas,
+    tokens_to_heads,
+)
 
 FACTORISATIONS = [(p, u) for p in (2, 4, 8) for u in (1, 2, 4, 8) if p % u == 0]
 TOL = 1e-10
@@ -128,6 +137,57 @@ def test_no_grad_and_partial_grads_match(reference):
     got = hybrid_run(q, k, v, dout, 4, 2, True, grads=(True, False, False))
     assert got[2] is None and got[3] is None
     assert_close("dq", got[1], want.dq)
+
+
+@pytest.mark.parametrize(
+    ("world", "ulysses", "kv_heads", "cu", "with_sinks"),
+    [(4, 2, 2, None, False), (4, 4, 1, (0, 5, 32), True), (8, 2, 1, None, True), (8, 8, 2, (0, 9, 32), False)],
+)
+def test_hybrid_forward_and_backward_without_autograd(world, ulysses, kv_heads, cu, with_sinks):
+    """The plain functions virtual ranks on a GPU drive (xcp run, xcp bench): hybrid_forward then
+    hybrid_backward give the whole sequence's out, dq, dk, dv (K/V replicas summed back, sinks sliced per head
+    group, documents passed to the ring), with no autograd graph."""
+    gen = torch.Generator().manual_seed(world + ulysses)
+    q, dout = (torch.randn(1, 32, 8, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 32, kv_heads, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    sinks = torch.randn(8, generator=gen, dtype=torch.float64) if with_sinks else None
+    be = xcp.get_backend("cpu")
+
+    def rank_fn(group):
+        r = group.rank()
+        ql, kl, vl, dl = (xcp.shard(t, world, r, ulysses=ulysses) for t in (q, k, v, dout))
+        cfg = hybrid_config(ql, kl, group, be, ulysses, causal=True, scale=0.5, cu_seqlens=cu, sinks=sinks)
+        assert cfg.replicas == kv_replicas(8, kv_heads, ulysses) and cfg.head.size() == ulysses
+        out, state = hybrid_forward(ql, kl, vl, cfg, sinks)
+        assert not out.requires_grad and state.q.shape == (1, 32 * ulysses // world, 8 // ulysses, 4)
+        return (out, *hybrid_backward(dl, state, cfg))
+
+    per_rank = xcp.LocalWorld(world).run(rank_fn)
+    got = [xcp.unshard([res[i] for res in per_rank], ulysses=ulysses) for i in range(4)]
+    want = masked_reference(q, k, v, dout, cu or (0, 32), True, sinks, scale=0.5)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(name, g, w)
+
+
+def test_hybrid_traffic_is_the_formula():
+    """Per tensor and step, against the counts written out: P = 8 = 4 x 2, 8 heads over 2 K/V heads (not
+    replicated), float32 (dK/dV in float32 too)."""
+    t = hybrid_traffic(2, 64, 8, 2, 16, torch.float32, 8, 4)
+    n, item = 64 // 8, 4
+    assert (t.ring, t.ring_steps) == (2, 2)
+    assert t.q == 3 * 2 * n * 8 * 16 * item // 4 and t.kv == 3 * 2 * n * 4 * 16 * item // 4  # lcm(2, 4) = 4
+    assert t.kv_shard == t.dkv_message == 2 * 2 * 32 * 1 * 16 * item  # S/R = 32 tokens, 4/4 = 1 K/V head
+    assert t.forward == 2 * t.q + 2 * t.kv + t.kv_shard
+    assert t.backward == 2 * t.q + 2 * t.kv + t.kv_shard + 2 * t.dkv_message
+    assert t.forward_alltoall == t.backward_alltoall == alltoall_bytes(2, 64, 8, 2, 16, item, 8, 4)
+    flat = hybrid_traffic(1, 64, 8, 2, 16, torch.bfloat16, 8, 1)
+    assert flat.forward_alltoall == 0 and flat.forward == 7 * flat.kv_shard and flat.dkv_message == 2 * flat.kv_shard
+    alone = hybrid_traffic(1, 64, 8, 2, 16, torch.float64, 8, 8)  # a ring of one rank moves nothing
+    assert alone.forward_ring == alone.backward_ring_kv == alone.backward_ring_dkv == 0 and alone.total > 0
+    with pytest.raises(ValueError, match="ulysses: expected a divisor of the world size 8"):
+        hybrid_traffic(1, 64, 8, 2, 16, torch.float32, 8, 3)
+    with pytest.raises(ValueError, match="ulysses: expected a divisor of the 6 heads of q"):
+        hybrid_traffic(1, 64, 6, 2, 16, torch.float32, 8, 4)
 
 
 # ---------------------------------------------------------------------------------------------- placement
@@ -260,6 +320,27 @@ def test_ranks_that_disagree_on_ulysses_all_raise():
     messages = xcp.LocalWorld(4, timeout=10).run(rank_fn)
     assert all(m is not None and m == messages[0] for m in messages)
     assert "q.shape (ranks 0, 1: (1, 16, 2, 2); ranks 2, 3: (1, 32, 1, 2))" in messages[0]
+    assert "ulysses (ranks 0, 1: 2; ranks 2, 3: 4)" in messages[0]
+
+
+@pytest.mark.parametrize("other", [1, 4])
+def test_ranks_that_disagree_on_ulysses_with_shapes_that_hide_it_all_raise(other):
+    """ulysses is a field of the agreement: ranks 0, 1 with 8 tokens of 4 heads and U = 2, ranks 2, 3 with 4
+    tokens of 8 heads and U = 4 show the ring the same shapes [1, 16, 2, 2] (with U = 1 ranks 2, 3 run the
+    flat ring, whose check meets the hybrid's on the whole group). Without the field the first pair would
+    pass the check and wait for all-to-all peers that never come."""
+
+    def rank_fn(group):
+        x = torch.zeros(1, 8, 4, 2) if group.rank() < 2 else torch.zeros(1, 4, 8, 2)
+        try:
+            xcp.attention(x, x, x, group=group, ulysses=2 if group.rank() < 2 else other, causal=True)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    messages = xcp.LocalWorld(4, timeout=10).run(rank_fn)
+    assert all(m is not None and m == messages[0] for m in messages)
+    assert f"ulysses (ranks 0, 1: 2; ranks 2, 3: {other})" in messages[0]
 
 
 def test_ulysses_between_shard_and_attention_is_not_checked():

@@ -1,10 +1,11 @@
 """Ranks agree on a call before its ring runs.
 
-Ranks called with different ``causal``, ``balance``, ``scale``, shapes, dtypes, documents or sinks would
-run rings whose shards do not fit together and return wrong results without an error. So the first call
-of each configuration passes a fingerprint (a few int64; the document boundaries as a CRC) around the
-ring: every rank then holds every rank's values, and where they differ all ranks raise the same error,
-naming the fields and each rank's value.
+Ranks called with different ``causal``, ``balance``, ``scale``, shapes, dtypes, documents, sinks, windows
+or ``ulysses`` would run rings whose shards do not fit together and return wrong results without an error
+(or, for ``ulysses``, wait for peers that never come). So the first call of each configuration passes a
+fingerprint (a few int64; the document boundaries as a CRC) around the ring: every rank then holds every
+rank's values, and where they differ all ranks raise the same error, naming the fields and each rank's
+value.
 
 A configuration joins the set of agreed ones only after a check in which every rank of the group took
 part, so the set is the same on every rank and later calls with an agreed configuration skip the check
@@ -36,6 +37,7 @@ FIELDS = (
     "cu_seqlens",
     "sinks",
     "window",
+    "ulysses",
 )
 MAX_AGREED = 4096
 """Agreed fingerprints a rank remembers per group; when full the set starts afresh (on every rank at the
@@ -69,9 +71,11 @@ def fingerprint(
     documents: tuple[int, ...] | None = None,
     sinks: torch.Tensor | None = None,
     window: tuple | None = None,
+    ulysses: int = 1,
 ) -> tuple:
     """The configuration of a call as int64 values, in the order of :data:`FIELDS` (documents as their
-    count and a CRC of the boundaries; sinks as their length and dtype; -1 where absent)."""
+    count and a CRC of the boundaries; sinks as their length and dtype; -1 where absent; ``ulysses`` the
+    head-group size of the hybrid, 1 for the ring alone)."""
     (scale_bits,) = struct.unpack("<q", struct.pack("<d", float(scale)))
     values = [int(bool(causal)), schedule.BALANCES.index(balance), scale_bits]
     for x in (q, k, v):
@@ -83,6 +87,7 @@ def fingerprint(
         values += [len(documents) - 1, zlib.crc32(struct.pack(f"<{len(documents)}q", *documents))]
     values += [-1, -1] if sinks is None else [sinks.numel(), _dtype_code(sinks.dtype)]
     values += [-2, -2] if window is None else [-1 if w is None else w for w in window]
+    values.append(int(ulysses))
     return tuple(values)
 
 
@@ -93,7 +98,7 @@ def describe(values: tuple | list) -> dict[str, Any]:
     shapes = [tuple(d for d in values[3 + i * _DIMS : 3 + (i + 1) * _DIMS] if d >= 0) for i in range(3)]
     tail = 3 + 3 * _DIMS
     dtypes = [names.get(c, f"dtype#{c}") for c in values[tail : tail + 3]]
-    docs, crc, sinks, sinks_dtype, left, right = values[tail + 3 : tail + 9]
+    docs, crc, sinks, sinks_dtype, left, right, ulysses = values[tail + 3 : tail + 10]
     (scale,) = struct.unpack("<d", struct.pack("<q", scale_bits))
     balances = schedule.BALANCES
     return dict(
@@ -108,6 +113,7 @@ def describe(values: tuple | list) -> dict[str, Any]:
                 None if docs < 0 else f"{docs} documents (crc32 {crc:08x})",
                 None if sinks < 0 else f"[{sinks}] {names.get(sinks_dtype, sinks_dtype)}",
                 None if left == -2 else tuple(None if w == -1 else w for w in (left, right)),
+                ulysses,
             ],
         )
     )
@@ -133,7 +139,7 @@ def disagreement(rows: list[tuple | list]) -> str | None:
     return (
         "xcp: the ranks of the group called attention with different arguments: "
         + "; ".join(parts)
-        + ". Every rank must pass the same causal, balance and scale, and shards of equal shape and dtype."
+        + ". Every rank must pass the same causal, balance, scale and ulysses, and shards of equal shape and dtype."
     )
 
 
@@ -177,6 +183,7 @@ def check_agreement(
         getattr(cfg, "documents", None),
         sinks,
         getattr(cfg, "window", None),
+        getattr(cfg, "ulysses", 1),
     )
     agreed = agreed_set(comm)
     if values in agreed:

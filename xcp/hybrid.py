@@ -25,7 +25,8 @@ import math
 import threading
 import types
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -33,7 +34,8 @@ from torch.autograd.function import once_differentiable
 from . import schedule
 from .agreement import check_agreement
 from .comm import Communicator, hybrid_groups
-from .ring import RingAttention, RingConfig, ring_forward
+from .kernels.merge import accumulator_dtype
+from .ring import RingAttention, RingConfig, ring_backward, ring_forward
 
 
 def check_ulysses(ulysses: Any) -> int:
@@ -84,6 +86,107 @@ def alltoall_bytes(
     kv = kv_heads * kv_replicas(heads, kv_heads, u)
     n = seq_len // world_size
     return (u - 1) * batch * n * head_dim * itemsize * (2 * heads + 2 * kv) // u
+
+
+@dataclass(frozen=True)
+class HybridTraffic:
+    """The bytes one rank sends in one forward and one backward of the hybrid on P = U x R ranks, per step and
+    per tensor (made by :func:`hybrid_traffic`; B batch, S tokens, H query heads, H_kv' K/V heads after
+    replication, D head size):
+
+    - each all-to-all sends (U - 1) / U of the rank's tensors of S/P tokens (it keeps the piece of its own
+      heads): ``q`` = (U-1)/U · B·(S/P)·H·D·itemsize bytes, and the same for ``out``, ``dout`` and ``dq``;
+      ``kv`` = (U-1)/U · B·(S/P)·H_kv'·D·itemsize for each of k, v, dk and dv. Forward: q, k, v in, out back;
+      backward: dout in, dq, dk, dv back.
+    - the ring over R ranks runs m = ``ring_steps`` steps (R, or fewer where documents or a window leave the
+      later blocks empty) on K/V shards of S/R tokens and H_kv'/U heads, ``kv_shard`` = 2·B·(S/R)·(H_kv'/U)·D·
+      itemsize (K and V): forward m - 1 shards; backward m - 1 shards and m dK/dV messages of as many elements
+      in the accumulator dtype (``dkv_message``), none when m = 1.
+    """
+
+    world: int
+    ulysses: int
+    ring_steps: int
+    q: int
+    """Bytes of q sent in the first all-to-all (also of out, dout and dq in theirs)."""
+    kv: int
+    """Bytes of k (and of v, dk, dv) sent in their all-to-all."""
+    kv_shard: int
+    dkv_message: int
+
+    @property
+    def ring(self) -> int:
+        """R, the ranks of a ring."""
+        return self.world // self.ulysses
+
+    @property
+    def forward_alltoall(self) -> int:
+        """q, k, v in and out back: :func:`alltoall_bytes`."""
+        return 2 * self.q + 2 * self.kv
+
+    @property
+    def forward_ring(self) -> int:
+        return (self.ring_steps - 1) * self.kv_shard
+
+    @property
+    def forward(self) -> int:
+        return self.forward_alltoall + self.forward_ring
+
+    @property
+    def backward_alltoall(self) -> int:
+        """dout in and dq, dk, dv back: the forward's count."""
+        return 2 * self.q + 2 * self.kv
+
+    @property
+    def backward_ring_kv(self) -> int:
+        return (self.ring_steps - 1) * self.kv_shard
+
+    @property
+    def backward_ring_dkv(self) -> int:
+        return self.ring_steps * self.dkv_message if self.ring_steps > 1 else 0
+
+    @property
+    def backward(self) -> int:
+        return self.backward_alltoall + self.backward_ring_kv + self.backward_ring_dkv
+
+    @property
+    def total(self) -> int:
+        """Forward and backward together."""
+        return self.forward + self.backward
+
+
+def hybrid_traffic(
+    batch: int,
+    seq_len: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    world_size: int,
+    ulysses: int,
+    ring_steps: int | None = None,
+) -> HybridTraffic:
+    """The :class:`HybridTraffic` of ``xcp.attention(..., ulysses=U)`` on ``world_size`` ranks over ``seq_len``
+    tokens: U = 1 is the ring alone (no all-to-all), U = P the all-to-all alone (a ring of one rank moves
+    nothing). ``ring_steps``: the steps the ring over R runs (default R)."""
+    u = check_ulysses(ulysses)
+    r = check_ulysses_divides(u, world_size)
+    check_ulysses_heads(u, heads)
+    m = r if ring_steps is None else ring_steps
+    kv = kv_heads * kv_replicas(heads, kv_heads, u)
+    item = torch.empty((), dtype=dtype).element_size()
+    acc = torch.empty((), dtype=accumulator_dtype(dtype)).element_size()
+    n = seq_len // world_size
+    ring_elements = 2 * batch * (seq_len // r) * (kv // u) * head_dim
+    return HybridTraffic(
+        world=world_size,
+        ulysses=u,
+        ring_steps=m,
+        q=(u - 1) * batch * n * heads * head_dim * item // u,
+        kv=(u - 1) * batch * n * kv * head_dim * item // u,
+        kv_shard=ring_elements * item,
+        dkv_message=ring_elements * acc,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -161,6 +264,132 @@ def _shaped(x: torch.Tensor, seq: int, heads: int) -> torch.Tensor:
     return x[:, :1, :1].expand(x.shape[0], seq, heads, x.shape[3])
 
 
+@dataclass(frozen=True)
+class HybridConfig:
+    """Everything one hybrid call needs besides the tensors (made by :func:`hybrid_config`).
+
+    :param head: this rank's head group (U consecutive ranks; this rank is ``head.rank() = r % U``).
+    :param ring: the configuration of the ring over the R ranks with this rank's ``r % U``, with the global
+        documents and window.
+    :param ulysses: U.
+    :param replicas: copies made of each K/V head (:func:`kv_replicas`; 1 when U divides the K/V heads).
+    """
+
+    head: Communicator
+    ring: RingConfig
+    ulysses: int
+    replicas: int = 1
+
+    def own_sinks(self, sinks: torch.Tensor | None) -> torch.Tensor | None:
+        """The sinks of this rank's H / U query heads (a slice), or None."""
+        if sinks is None:
+            return None
+        h = sinks.shape[0] // self.ulysses
+        g = self.head.rank()
+        return sinks[g * h : (g + 1) * h]
+
+    def replicate(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v with each K/V head repeated ``replicas`` times (as they are when 1)."""
+        if self.replicas == 1:
+            return k, v
+        return k.repeat_interleave(self.replicas, dim=2), v.repeat_interleave(self.replicas, dim=2)
+
+
+def hybrid_config(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    comm: Communicator,
+    backend: Any,
+    ulysses: int,
+    *,
+    causal: bool,
+    scale: float,
+    balance: str = schedule.DEFAULT_BALANCE,
+    slots: str = "bounded",
+    handoff: str | None = None,
+    cu_seqlens: Any = None,
+    window: tuple[int | None, int | None] | None = None,
+    sinks: torch.Tensor | None = None,
+) -> HybridConfig:
+    """Check what depends on U (U divides P and the heads; the ring's balance and documents), check on the
+    whole group that every rank passed the same configuration (first call of a configuration), and make
+    the head group and the ring. ``q`` and ``k`` are this rank's shards (their shapes are read); the other
+    arguments are checked by the caller, as :func:`xcp.attention` does."""
+    from .api import check_backend_serves, check_documents  # the api imports this module
+
+    world = comm.size()
+    u = ulysses
+    r = check_ulysses_divides(u, world, "the group's size")
+    n, heads, kv_heads = q.shape[1], q.shape[2], k.shape[2]
+    check_ulysses_heads(u, heads)
+    t = kv_replicas(heads, kv_heads, u)
+    h, hkv = heads // u, kv_heads * t // u
+    qv, kv = _shaped(q, u * n, h), _shaped(k, u * n, hkv)  # the shapes the ring will see, for the checks
+    documents = check_documents(cu_seqlens, qv, r, balance, window)
+    # the ranks agree on the call, ulysses included, before any group is made or any head group exchanges
+    agreed = types.SimpleNamespace(
+        causal=causal, balance=balance, scale=scale, documents=documents, window=window, ulysses=u
+    )
+    check_agreement(comm, backend, qv, kv, kv, agreed, sinks)
+    head, ring = hybrid_groups(comm, u)
+    check_backend_serves(backend, qv, ring, causal, balance)
+    ring_cfg = RingConfig(ring, backend, causal, scale, balance, slots, handoff, documents, window)
+    return HybridConfig(head, ring_cfg, u, t)
+
+
+class HybridState(NamedTuple):
+    """What :func:`hybrid_backward` needs of a forward: the ring's inputs and results, in the ring layout
+    (``[B, U·n, H/U, D]``; the K/V heads replicated where U does not divide them) and ``lse`` ``[B, H/U, U·n]``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+def hybrid_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: HybridConfig, sinks: torch.Tensor | None = None
+) -> tuple[torch.Tensor, HybridState]:
+    """This rank's output of the hybrid (all-to-all, ring over R ranks, all-to-all back) without autograd,
+    and the state :func:`hybrid_backward` takes: the hybrid's :func:`xcp.ring_forward`, for drivers of
+    virtual ranks on a GPU, where autograd runs every backward on one device thread (docs/architecture.md,
+    Autograd and virtual ranks). ``sinks`` [H]: the whole tensor (each rank applies its heads' slice)."""
+    out, state = _forward(q, k, v, cfg, sinks, keep=True)
+    assert state is not None
+    return out, state
+
+
+def _forward(q, k, v, cfg: HybridConfig, sinks, keep: bool) -> tuple[torch.Tensor, HybridState | None]:
+    backend = cfg.ring.backend
+    k, v = cfg.replicate(k, v)
+    qr, kr, vr = heads_to_tokens(cfg.head, backend, (q, k, v))
+    del k, v
+    out_r, lse_r = ring_forward(qr, kr, vr, cfg.ring, cfg.own_sinks(sinks))
+    state = HybridState(qr, kr, vr, out_r, lse_r) if keep else None
+    del qr, kr, vr, lse_r
+    return tokens_to_heads(cfg.head, backend, (out_r,))[0], state
+
+
+def hybrid_backward(
+    dout: torch.Tensor, state: HybridState, cfg: HybridConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of this rank's shards from the ``state`` of :func:`hybrid_forward`: dout goes
+    to the ring layout by an all-to-all, :func:`xcp.ring_backward` runs over the R ranks, dq, dk and dv come
+    back in one all-to-all, and the gradients of replicated K/V heads are summed. The sinks' gradient is not
+    computed here (as with :func:`xcp.ring_backward`)."""
+    backend = cfg.ring.backend
+    (dout_r,) = heads_to_tokens(cfg.head, backend, (dout.contiguous(),))
+    grads_r = ring_backward(dout_r, *state, cfg.ring)
+    del dout_r
+    dq, dk, dv = tokens_to_heads(cfg.head, backend, grads_r)
+    del grads_r
+    t = cfg.replicas
+    if t > 1:  # head i·t + j is copy j of K/V head i (repeat_interleave)
+        dk, dv = (g.unflatten(2, (g.shape[2] // t, t)).sum(3) for g in (dk, dv))
+    return dq, dk, dv
+
+
 def hybrid_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -180,35 +409,12 @@ def hybrid_attention(
 ) -> torch.Tensor:
     """This rank's output of :func:`xcp.attention` with ``ulysses`` > 1 (arguments checked by the caller,
     except those that depend on U: U divides P and the heads, and the ring's balance and documents)."""
-    from .api import check_backend_serves, check_documents  # the api imports this module
-
-    world, rank = comm.size(), comm.rank()
-    u = ulysses
-    r = check_ulysses_divides(u, world, "the group's size")
-    batch, n, heads, _ = q.shape
-    kv_heads = k.shape[2]
-    check_ulysses_heads(u, heads)
-    t = kv_replicas(heads, kv_heads, u)
-    h, hkv = heads // u, kv_heads * t // u
-    qv, kv = _shaped(q, u * n, h), _shaped(k, u * n, hkv)  # the shapes the ring will see, for the checks
-    documents = check_documents(cu_seqlens, qv, r, balance, window)
-    # the ranks agree on the call (ulysses included: it shows in the shapes the ring sees) before any
-    # group is made or any head group exchanges
-    agreed = types.SimpleNamespace(causal=causal, balance=balance, scale=scale, documents=documents, window=window)
-    check_agreement(comm, backend, qv, kv, kv, agreed, sinks)
-    head, ring = hybrid_groups(comm, u)
-    check_backend_serves(backend, qv, ring, causal, balance)
-    cfg = RingConfig(ring, backend, causal, scale, balance, slots, handoff, documents, window)
-    g = rank % u
-    if t > 1:
-        k, v = k.repeat_interleave(t, dim=2), v.repeat_interleave(t, dim=2)
-    own_sinks = None if sinks is None else sinks[g * h : (g + 1) * h]
+    cfg = hybrid_config(q, k, comm, backend, ulysses, causal=causal, scale=scale, balance=balance, slots=slots,
+                        handoff=handoff, cu_seqlens=cu_seqlens, window=window, sinks=sinks)  # fmt: skip
     needs_grad = any(x is not None and x.requires_grad for x in (q, k, v, sinks))
     if torch.is_grad_enabled() and needs_grad:
-        qr, kr, vr = HeadExchange.apply(head, backend, True, q, k, v)
-        out_r = RingAttention.apply(qr, kr, vr, own_sinks, cfg)
-        return HeadExchange.apply(head, backend, False, out_r)[0]
-    qr, kr, vr = heads_to_tokens(head, backend, (q, k, v))
-    out_r = ring_forward(qr, kr, vr, cfg, own_sinks)[0]
-    del qr, kr, vr
-    return tokens_to_heads(head, backend, (out_r,))[0]
+        k, v = cfg.replicate(k, v)  # autograd sums the replicas' gradients back
+        qr, kr, vr = HeadExchange.apply(cfg.head, backend, True, q, k, v)
+        out_r = RingAttention.apply(qr, kr, vr, cfg.own_sinks(sinks), cfg.ring)
+        return HeadExchange.apply(cfg.head, backend, False, out_r)[0]
+    return _forward(q, k, v, cfg, sinks, keep=False)[0]
