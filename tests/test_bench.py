@@ -512,3 +512,104 @@ def test_bench_host_refuses_what_it_does_not_measure(capsys, args, message):
     base = ["bench", "--host", "--device", "cpu", "--seqs", "16", "--worlds", "2", "--quiet"]
     assert main(base + args) == 2
     assert message in capsys.readouterr().err
+
+
+# --- the hybrid all-to-all + ring (issue 15): --ulysses ---
+
+ULYSSES_FLAGS = ["bench", "--device", "cpu", "--heads", "4", "--kv-heads", "1", "--head-dim", "4", "--dtype",
+                 "float64", "--reps", "1", "--warmup", "0", "--quiet", "--seqs", "32", "--worlds", "4", "--mask",
+                 "causal"]  # fmt: skip
+
+
+def test_cli_bench_ulysses_checks_times_and_counts_the_bytes_of_each_u(tmp_path, capsys):
+    """U = 1, 2, 4 over P = 4 (4 query heads over 1 K/V head, replicated for U = 2 and 4): each checked
+    against the whole-sequence kernel, timed, and every rank's bytes per tag what the formula says."""
+    path = tmp_path / "u.json"
+    code = main([*ULYSSES_FLAGS, "--ulysses", "1,2,4", "--json", str(path)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    data = json.loads(path.read_text())
+    assert data["timing"] == [] and data["memory"] == [] and data["meta"]["config"]["ulysses"] == [1, 2, 4]
+    rows = data["ulysses"]
+    assert [(r["ulysses"], r["ring"], r["seq"], r["world"], r["causal"]) for r in rows] == [
+        (1, 4, 32, 4, True), (2, 2, 32, 4, True), (4, 1, 32, 4, True)]  # fmt: skip
+    item, n = 8, 32 // 4  # float64 (dK/dV accumulate in float64 too); S/P tokens per rank
+    for r in rows:
+        u, ring = r["ulysses"], r["ring"]
+        for mode in ("fwd", "fwd_bwd"):
+            assert r[f"{mode}_check_ok"] and max(r[f"{mode}_errors"].values()) < 1e-12, r[f"{mode}_errors"]
+            assert math.isfinite(r[f"{mode}_ratio"]) and r[f"{mode}_ratio"] > 0
+        hkv = max(1, u)  # lcm(1, U): the one K/V head replicated U times
+        a2a = (u - 1) * n * (2 * 4 + 2 * hkv) * 4 * item // u  # q, k, v in and out back; the same backward
+        shard = 2 * (32 // ring) * (hkv // u) * 4 * item  # a K/V shard of the ring, and a dK/dV message
+        fwd = {"a2a": a2a, "kv": (ring - 1) * shard}
+        fwd_bwd = {"a2a": 2 * a2a, "kv": 2 * (ring - 1) * shard, "dkv": ring * shard if ring > 1 else 0}
+        assert r["sent_ok"] and r["sent_formula"] == {"fwd": dict(fwd, dkv=0), "fwd_bwd": fwd_bwd}
+        assert r["fwd_sent_bytes"] == [{k: b for k, b in fwd.items() if b}] * 4  # counted at every rank
+        assert r["fwd_bwd_sent_bytes"] == [{k: b for k, b in fwd_bwd.items() if b}] * 4
+    lines = [line.split() for line in text.splitlines() if line.strip().startswith("32 ")]
+    assert [line[:5] for line in lines] == [
+        ["32", "4", u, r, "causal"] for u, r in (("1", "4"), ("2", "2"), ("4", "1"))
+    ]
+    assert lines[0][14:16] == ["0", "B"] and all(line[-2] == "ok" for line in lines)  # U = 1: no all-to-all
+    assert [line[12] for line in lines] == [f"{r['fwd_bwd_ratio']:.3f}" for r in rows]
+
+
+def test_bench_ulysses_check_is_against_the_whole_sequence_kernel(monkeypatch, capsys):
+    """Given a yardstick that is not attention on the whole sequence (here: its output doubled), every U
+    fails its check and the command exits 1."""
+    from xcp.cli import bench
+    from xcp.cli.common import whole_kernel
+
+    def doubled(backend, full, causal, backward):
+        out, grads = whole_kernel(backend, full, causal, backward)
+        return 2 * out, grads
+
+    monkeypatch.setattr(bench, "whole_kernel", doubled)
+    assert main([*ULYSSES_FLAGS, "--ulysses", "2,4"]) == 1
+    assert capsys.readouterr().out.count("FAIL") == 2
+
+
+def test_bench_ulysses_bytes_are_measured_not_assumed(monkeypatch, capsys):
+    """Were the formula wrong (here: the all-to-all counting the rank's own piece too), the bytes counted at
+    the communicators would disagree, and the command exits 1."""
+    import dataclasses
+
+    from xcp.cli import bench
+
+    real = bench.hybrid_traffic
+
+    def own_piece_too(*args, **kw):
+        t = real(*args, **kw)
+        return dataclasses.replace(t, q=t.q * t.ulysses // (t.ulysses - 1)) if t.ulysses > 1 else t
+
+    monkeypatch.setattr(bench, "hybrid_traffic", own_piece_too)
+    assert main([*ULYSSES_FLAGS, "--ulysses", "1,2"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("bytes MEASURED OTHERWISE") == 1 and "FAIL" in out  # U = 1 sends no all-to-all
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ulysses", "3"], "--ulysses: expected divisors of every --worlds value (P = U x R); 3 does not divide 4"),
+        (["--ulysses", "2,4", "--worlds", "2,4"], "--ulysses: expected divisors of every --worlds value (P = U x R); "
+         "4 does not divide 2"),
+        (["--ulysses", "4", "--heads", "6", "--kv-heads", "2"], "--ulysses: expected divisors of --heads 6"),
+        (["--ulysses", "2", "--seqs", "12", "--worlds", "8", "--balance", "stripe"],
+         "--seqs: expected a multiple of 8 ranks with --ulysses 2 (each of the 4 ring shards is cut into 2 pieces); "
+         "got 12"),
+        (["--ulysses", "3", "--worlds", "6", "--heads", "6", "--seqs", "6"],
+         "--seqs: balance 'zigzag' over 2 ranks needs a positive multiple of 4; got 6"),
+        (["--ulysses", "2", "--window", "4,0"], "--window: not measured with --ulysses 2 yet; got '4,0'"),
+        (["--ulysses", "2", "--documents", "16,16"], "--documents: not measured with --ulysses 2 yet; got '16,16'"),
+        (["--ulysses", "2", "--host"], "--host: not measured with --ulysses 2 yet"),
+        (["--ulysses", "1,2", "--plot", "x.png"], "--plot: not measured with --ulysses 1,2 yet; got 'x.png'"),
+        (["--ulysses", "2", "--distributed"], "--ulysses: measured in one process (LocalWorld virtual ranks), not "
+         "with --distributed yet; got 2"),
+    ],
+)  # fmt: skip
+def test_bench_ulysses_bad_values_name_the_flag(capsys, args, message):
+    assert main([*ULYSSES_FLAGS, *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"xcp bench: error: {message}"), captured.err

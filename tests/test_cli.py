@@ -582,3 +582,262 @@ def test_unparsable_window_is_a_usage_error(capsys, tool, value):
     assert err.startswith(f"usage: xcp {tool} ")
     assert "argument --window: expected L,R: keys i-L..i+R for query i, each an integer >= 0 or none" in err
     assert f"got {value!r}" in err
+
+
+# --- the hybrid all-to-all + ring (issue 15): plan, run, sanitize with --ulysses ---
+
+
+def hybrid_rows(text):
+    """The bytes table of xcp plan --ulysses: [(pass, step, sends, bytes per step, steps, bytes)], the pass
+    repeated on every row."""
+    import re
+
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("  pass      step"))
+    cell = r"(?:[\d.]+ \w+ \((\d+) B\)|(\d+) B)"
+    rows, phase = [], None
+    for line in lines[start + 1 :]:
+        if line.startswith("  per rank"):
+            break
+        phase = line[2:12].strip() or phase
+        m = re.fullmatch(rf"\s*{cell}\s+(\d+)\s+{cell}", line[43:])
+        assert m, line
+        a, b, steps, c, d = m.groups()
+        rows.append((phase, line[12:32].strip(), line[32:43].strip(), int(a or b), int(steps), int(c or d)))
+    totals = {}
+    for line in lines[start + len(rows) + 2 : start + len(rows) + 5]:
+        name, cells = line[2:43].strip(), re.findall(cell, line[43:])
+        totals[name] = tuple(int(x or y) for x, y in cells)
+    return rows, totals
+
+
+def counted_hybrid_run(world, ulysses, seq, heads, kv_heads, dim, dtype, causal, balance, window):
+    """xcp.attention(ulysses=...) forward and backward on a LocalWorld, every exchange counted at the
+    communicator: per rank, the (pass, tag, bytes sent) of each exchange that sent something, in order (the
+    all-to-all sends U - 1 rows in one exchange; the agreement's fingerprint left out)."""
+    import threading
+
+    from xcp.comm import LocalGroup
+
+    gen = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, seq, heads, dim, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(1, seq, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    log: dict[str, list] = {}
+    phase = threading.local()
+    exchange = LocalGroup.exchange
+
+    def counting(self, sends, recvs, tag, backend, step=None):
+        sent = sum(t.numel() * t.element_size() for t, _ in sends)
+        if tag != "agree" and sent:
+            log.setdefault(threading.current_thread().name, []).append((phase.name, tag, sent))
+        return exchange(self, sends, recvs, tag, backend, step)
+
+    def rank_fn(group):
+        r = group.rank()
+        local = [xcp.shard(t, world, r, balance=balance, ulysses=ulysses).requires_grad_() for t in (q, k, v)]
+        phase.name = "forward"
+        out = xcp.attention(*local, causal=causal, group=group, balance=balance, ulysses=ulysses, window=window)
+        phase.name = "backward"
+        out.backward(xcp.shard(dout, world, r, balance=balance, ulysses=ulysses))
+        return threading.current_thread().name
+
+    LocalGroup.exchange = counting
+    try:
+        names = xcp.LocalWorld(world).run(rank_fn)
+    finally:
+        LocalGroup.exchange = exchange
+    return [log.get(name, []) for name in names]
+
+
+@pytest.mark.parametrize(
+    ("world", "ulysses", "heads", "kv_heads", "dtype", "causal", "balance", "window"),
+    [
+        (4, 2, 4, 2, "float64", True, "zigzag", None),
+        (8, 4, 8, 1, "float32", False, "stripe", None),  # K/V heads replicated 4x
+        (4, 4, 4, 2, "float64", True, "zigzag", None),  # pure Ulysses: a ring of one rank
+        (8, 2, 4, 2, "float32", True, "contiguous", (3, 0)),  # a window: 2 of 4 ring steps
+    ],
+)
+def test_plan_ulysses_bytes_per_step_are_the_formula_and_what_a_run_sends(
+    capsys, world, ulysses, heads, kv_heads, dtype, causal, balance, window
+):
+    """xcp plan --ulysses: the head groups and rings, and per step and tensor the bytes one rank sends, equal
+    to the formula written out here and to what each rank of a LocalWorld run of xcp.attention(ulysses=U)
+    sends at each exchange (forward and backward)."""
+    import math
+
+    seq, dim = 32, 8
+    r = world // ulysses
+    args = ["plan", "--world", str(world), "--ulysses", str(ulysses), "--seq", str(seq), "--heads", str(heads),
+            "--kv-heads", str(kv_heads), "--head-dim", str(dim), "--dtype", dtype, "--balance", balance]  # fmt: skip
+    args += ["--causal"] if causal else []
+    args += ["--window", f"{window[0]},{window[1]}"] if window else []
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert f"hybrid all-to-all + ring: world {world} = ulysses {ulysses} x ring {r}" in text
+    heads_line = " ".join("{" + ",".join(str(g * ulysses + j) for j in range(ulysses)) + "}" for g in range(r))
+    rings_line = " ".join("{" + ",".join(str(g + j * ulysses) for j in range(r)) + "}" for g in range(ulysses))
+    assert f"\n  {heads_line}\n" in text and f"\n  {rings_line}\n" in text
+    # the formula, written out
+    item = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    acc = 8 if dtype == "float64" else 4
+    hkv = math.lcm(kv_heads, ulysses)  # K/V heads after replication
+    q_bytes = (ulysses - 1) * (seq // world) * heads * dim * item // ulysses
+    kv_bytes = (ulysses - 1) * (seq // world) * hkv * dim * item // ulysses
+    shard, message = (2 * (seq // r) * (hkv // ulysses) * dim * x for x in (item, acc))
+    m = r if window is None else brute_force_steps(seq, r, balance, causal, window)
+    assert window is None or m < r
+    want = [("forward", "all-to-all in", "q", q_bytes, 1), ("forward", "all-to-all in", "k", kv_bytes, 1),
+            ("forward", "all-to-all in", "v", kv_bytes, 1)]  # fmt: skip
+    ring = "ring step 0" if m == 2 else f"ring steps 0..{m - 2}"
+    want += [("forward", ring, "K/V shard", shard, m - 1)] if m > 1 else [("forward", "ring step 0", "nothing", 0, 1)]
+    want += [("forward", "all-to-all out", "out", q_bytes, 1), ("backward", "all-to-all in", "dout", q_bytes, 1)]
+    if m > 1:
+        want += [
+            ("backward", ring, "K/V shard", shard, m - 1),
+            ("backward", f"ring steps 0..{m - 1}", "dK/dV", message, m),
+        ]
+    else:
+        want += [("backward", "ring step 0", "nothing", 0, 1)]
+    want += [("backward", "all-to-all out", x, n, 1) for x, n in (("dq", q_bytes), ("dk", kv_bytes), ("dv", kv_bytes))]
+    rows, totals = hybrid_rows(text)
+    assert [row[:5] for row in rows] == want
+    assert all(row[5] == row[3] * row[4] for row in rows)
+    forward = sum(row[5] for row in rows if row[0] == "forward")
+    backward = sum(row[5] for row in rows if row[0] == "backward")
+    assert totals["forward total"][0] == forward and totals["fwd+bwd total"][0] == forward + backward
+    flat = (world - 1) * 2 * (seq // world) * kv_heads * dim * item  # the ring alone over P (dense) forward
+    assert window is not None or totals["forward total"][1] == flat
+    # what a run sends, exchange by exchange: the all-to-all of one pass in one exchange, then each ring step
+    counted = counted_hybrid_run(world, ulysses, seq, heads, kv_heads, dim, getattr(torch, dtype), causal, balance,
+                                 window)  # fmt: skip
+    a2a_in, a2a_out = q_bytes + 2 * kv_bytes, q_bytes
+    expected = [("forward", "a2a", a2a_in), *[("forward", "kv", shard)] * (m - 1), ("forward", "a2a", a2a_out),
+                ("backward", "a2a", a2a_out)]  # fmt: skip
+    ring_bwd = [("backward", "kv", shard)] * (m - 1) + [("backward", "dkv", message)] * (m if m > 1 else 0)
+    for per_rank in counted:
+        got_ring = sorted(x for x in per_rank if x[0] == "backward" and x[1] != "a2a")
+        assert [x for x in per_rank if not (x[0] == "backward" and x[1] != "a2a")] == [
+            *expected, ("backward", "a2a", a2a_in)]  # fmt: skip
+        assert got_ring == sorted(ring_bwd)
+        assert sum(x[2] for x in per_rank if x[0] == "forward") == forward
+        assert sum(x[2] for x in per_rank if x[0] == "backward") == backward
+
+
+def test_plan_ulysses_without_seq_shows_groups_and_the_rings_plan(capsys):
+    assert main(["plan", "--world", "8", "--ulysses", "2", "--causal"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("hybrid all-to-all + ring: world 8 = ulysses 2 x ring 4\n")
+    assert "  {0,1} {2,3} {4,5} {6,7}\n" in text and "  {0,2,4,6} {1,3,5,7}\n" in text
+    assert "ring plan: world 4, causal attention, balance zigzag" in text
+    assert "give --seq (S) for the bytes each rank sends" in text
+    assert main(["plan", "--world", "8", "--ulysses", "1", "--causal"]) == 0  # U = 1: the ring alone, as before
+    alone = capsys.readouterr().out
+    assert main(["plan", "--world", "8", "--causal"]) == 0
+    assert alone == capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["plan", "--world", "8", "--ulysses", "3"], "--ulysses: expected a divisor of --world 8 (P = ulysses x ring "
+         "ranks); got 3"),
+        (["plan", "--world", "8", "--ulysses", "4", "--heads", "6", "--kv-heads", "2"],
+         "--ulysses: expected a divisor of --heads 6 (each rank of a head group takes heads / ulysses of the query "
+         "heads); got 4"),
+        (["plan", "--world", "8", "--ulysses", "2", "--seq", "20"],
+         "--seq: balance 'zigzag' over 4 ranks needs a positive multiple of 8; got 20"),
+        (["plan", "--world", "8", "--ulysses", "2", "--seq", "12", "--balance", "stripe"],
+         "--seq: expected a multiple of 8 ranks with --ulysses 2 (each of the 4 ring shards is cut into 2 pieces); "
+         "got 12"),
+        (["plan", "--world", "8", "--ulysses", "2", "--documents", "10,10"],
+         "--documents: expected lengths summing to a multiple of 8 (balance 'zigzag' over 4 ranks needs it)"),
+        (["run", "--world", "4", "--ulysses", "3"], "--ulysses: expected a divisor of --world 4"),
+        (["run", "--world", "4", "--ulysses", "4", "--heads", "6", "--kv-heads", "2"],
+         "--ulysses: expected a divisor of --heads 6"),
+        (["run", "--world", "4", "--ulysses", "2", "--seq", "6", "--balance", "stripe"],
+         "--seq: expected a multiple of 4 ranks with --ulysses 2 (each of the 2 ring shards is cut into 2 pieces); "
+         "got 6"),
+        (["sanitize", "--world", "4", "--ulysses", "3"], "--ulysses: expected a divisor of --world 4"),
+        (["sanitize", "--world", "4", "--ulysses", "4", "--heads", "6", "--kv-heads", "2"],
+         "--ulysses: expected a divisor of --heads 6"),
+    ],
+)  # fmt: skip
+def test_bad_ulysses_values_name_the_flag_the_expected_and_the_actual(capsys, args, message):
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"xcp {args[0]}: error: {message}")
+
+
+@pytest.mark.parametrize("tool", ["plan", "run", "sanitize", "bench"])
+def test_ulysses_below_one_is_a_usage_error(capsys, tool):
+    with pytest.raises(SystemExit) as exit_:
+        main([tool, "--ulysses", "0"] + (["--world", "4"] if tool == "plan" else []))
+    assert exit_.value.code == 2
+    assert "argument --ulysses: expected" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("world", "ulysses", "extra"),
+    [(4, 2, ["--heads", "4", "--kv-heads", "1"]), (4, 4, ["--dtype", "float64", "--no-causal", "--balance", "stripe"])],
+)
+def test_run_ulysses_checks_the_hybrid_against_the_whole_sequence(capsys, world, ulysses, extra):
+    import re
+
+    args = ["run", "--world", str(world), "--ulysses", str(ulysses), "--seq", "64", "--head-dim", "8", *extra]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert f"hybrid: world {world} = ulysses {ulysses} x ring {world // ulysses}" in text and "PASS" in text
+    tol = 1e-10 if "float64" in extra else 1e-4
+    for name in ("out", "dq", "dk", "dv"):
+        rel = float(re.search(rf"^{name}\s+\S+\s+(\S+)\s+\S+\s+ok$", text, re.M).group(1))
+        assert rel <= tol / 10, (name, rel)  # computed against the float64 whole sequence, well inside the bound
+
+
+def test_run_ulysses_on_the_path_of_virtual_gpu_ranks(reference):
+    """On a GPU xcp run drives each virtual rank through hybrid_forward/hybrid_backward (autograd's one device
+    thread would block): the same path, run here on the CPU, equals the whole sequence."""
+    from xcp.cli.common import random_inputs as tool_inputs
+    from xcp.cli.run import RunConfig, _rank_step
+
+    cfg = RunConfig(world=4, seq=32, heads=4, kv_heads=1, head_dim=8, dtype="float64", device="cpu", ulysses=2)
+    full = tool_inputs(cfg, cfg.seq, torch.device("cpu"))
+    results = xcp.LocalWorld(4).run(_rank_step, cfg, xcp.get_backend("cpu"), full, True)
+    want = reference(*full, True)
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        got = xcp.unshard([r[i] for r in results], ulysses=2)
+        torch.testing.assert_close(got, want.tensors()[name], atol=1e-10, rtol=0)
+
+
+def test_run_ulysses_under_torchrun_uses_the_process_group(tmp_path):
+    """2 gloo processes, --ulysses 2 (all-to-all alone: the head group is the default group): the shards are
+    placed, gathered and checked as on a LocalWorld (sub-groups of real processes: tests/test_gloo.py)."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "xcp.cli",
+           "run", "--seq", "64", "--heads", "4", "--kv-heads", "1", "--head-dim", "8", "--ulysses", "2"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "torch.distributed (gloo), rank 0 of 2" in proc.stdout
+    assert "hybrid: world 2 = ulysses 2 x ring 1" in proc.stdout and proc.stdout.count("PASS") == 1
+
+
+def test_sanitize_ulysses_runs_the_hybrid_and_sets_aside_only_the_peers_rows(capsys):
+    assert main(["sanitize", "--world", "6", "--ulysses", "3", "--heads", "6", "--kv-heads", "2", "--backward"]) == 0
+    text = capsys.readouterr().out
+    assert "ulysses=3" in text and "hybrid: world 6 = ulysses 3 x ring 2" in text and "no finding" in text
+    assert "all-to-all receive buffers peak" in text and "bound 4)" in text
+    import re
+
+    assert int(re.search(r"set aside: (\d+) report", text).group(1)) > 0  # U >= 3: peers' rows, set aside
+    # keep_all breaks the ring's bound inside the hybrid as it does in a ring of R = 4 ranks alone
+    assert main(["sanitize", "--world", "8", "--ulysses", "2", "--backward", "--policy", "keep_all"]) == 1
+    hybrid = capsys.readouterr().out
+    assert main(["sanitize", "--world", "4", "--backward", "--policy", "keep_all"]) == 1
+    alone = capsys.readouterr().out
+    peak = re.search(r"\[bound\] rank0: (\d+) received shards alive at once \(ledger\); bound 4", alone).group(0)
+    assert peak in hybrid and "set aside" not in hybrid  # U = 2: nothing to set aside

@@ -8,6 +8,11 @@ on its own stream, driving :func:`xcp.ring_forward` / :func:`xcp.ring_backward` 
 autograd runs every backward on one device thread, where a rank waiting for its neighbour would block the
 others). Nothing here asserts anything about time.
 
+``--ulysses U[,U...]`` times the hybrid all-to-all + ring (``xcp.attention(..., ulysses=U)``) the same way:
+each virtual rank drives :func:`xcp.hybrid.hybrid_forward` / ``hybrid_backward`` (U = 1: the ring alone),
+checked against the whole-sequence kernel before it is timed, with the bytes each rank sent in the
+all-to-alls and the ring, counted at its communicators and compared with :func:`xcp.hybrid.hybrid_traffic`.
+
 ``--host`` measures the host side alone: the microseconds one ring step of one rank costs on the host (Python,
 checks, launches, hand-offs, events, exchanges), with block kernels that return outputs computed once
 (:class:`NullKernels`), beside issue 14's targets; and, in the same run, a world of one (``xcp.attention``
@@ -17,6 +22,7 @@ without a group) against torch SDPA (``--world-of-one`` alone runs only that).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import math
 import platform
@@ -32,6 +38,7 @@ import torch
 from .. import schedule
 from ..comm import LocalWorld, SingleRank
 from ..documents import document_plan
+from ..hybrid import HybridConfig, hybrid_backward, hybrid_config, hybrid_forward, hybrid_traffic
 from ..lifetime import track_buffers
 from ..ring import RingConfig, ring_backward, ring_forward
 from . import packing, windows
@@ -39,6 +46,8 @@ from .common import (
     DTYPES,
     MEASUREMENT_FLAGS,
     REL_TOLERANCE,
+    ULYSSES_FLAG,
+    ULYSSES_HELP,
     Clock,
     Measurement,
     Problem,
@@ -46,6 +55,7 @@ from .common import (
     apply_size_defaults,
     attention_bytes,
     attention_flops,
+    check_hybrid_seq,
     check_memory,
     device_peak,
     error,
@@ -102,6 +112,9 @@ class BenchConfig(Measurement):
     """``--world-of-one`` (implied by ``host``): xcp.attention without a group against torch SDPA at ``seqs``."""
     host_tokens: int = HOST_TOKENS
     """Tokens per rank of the host figure (tiny: the figure is about the host, not the kernels)."""
+    ulysses: list[int] | None = None
+    """``--ulysses``: instead of the dense grid, the hybrid all-to-all + ring for each U (dividing every P of
+    ``worlds`` and ``heads``) against one whole-sequence kernel call, with the bytes each rank sends."""
 
     def window_sides(self) -> tuple[int | None, int | None] | None:
         if self.window is None:
@@ -129,6 +142,9 @@ class BenchConfig(Measurement):
         """Raise a ValueError naming the first field that cannot be measured."""
         if self.host or self.world_of_one:
             return self._validate_host()
+        if self.ulysses is not None and (self.documents is not None or self.window is not None):
+            name = packing.FLAG if self.documents is not None else windows.FLAG
+            raise ValueError(f"{name}: not measured with {ULYSSES_FLAG} yet; got {self.documents or self.window!r}")
         if self.balance not in windows.BALANCE_CHOICES:
             raise ValueError(f"--balance: expected one of {', '.join(windows.BALANCE_CHOICES)}; got {self.balance!r}")
         split_by = windows.check_balance(self.balance)  # auto: at least a multiple of P
@@ -159,6 +175,8 @@ class BenchConfig(Measurement):
             raise ValueError(f"kv_heads: expected a divisor of heads={self.heads}; got {self.kv_heads}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.ulysses is not None:
+            return self._validate_ulysses()
         for s in self.seqs:
             for p in self.worlds:
                 if split_by == "zigzag" and s % (2 * p):
@@ -167,6 +185,28 @@ class BenchConfig(Measurement):
                     multiple = schedule.required_multiple(p, split_by)
                     raise ValueError(f"seqs: {s} is not a multiple of {multiple} (balance {self.balance!r} over {p} "
                                      "ranks needs it)")  # fmt: skip
+
+    def _validate_ulysses(self) -> None:
+        """The checks of ``--ulysses``: every U divides every P and the heads, and every S can be placed by
+        ``xcp.shard(..., ulysses=U)`` (split by the balance over R = P/U, and by P)."""
+        values = self.ulysses
+        if not values or any(not isinstance(u, int) or u < 1 for u in values):
+            raise ValueError(f"{ULYSSES_FLAG}: expected a non-empty list of integers >= 1; got {values!r}")
+        for u in values:
+            for p in self.worlds:
+                if p % u:
+                    raise ValueError(
+                        f"{ULYSSES_FLAG}: expected divisors of every --worlds value (P = U x R); {u} does not divide "
+                        f"{p} (give --worlds with multiples of {u}, or leave {u} out)"
+                    )
+            if self.heads % u:
+                raise ValueError(f"{ULYSSES_FLAG}: expected divisors of --heads {self.heads} (each rank of a head "
+                                 f"group takes heads / U of them); got {u}")  # fmt: skip
+        for s in self.seqs:
+            for p in self.worlds:
+                for u in values:
+                    balance = windows.resolve_balance(self.balance, p // u, True, None, None)
+                    check_hybrid_seq(s, p, u, balance, "--seqs")
 
     def _validate_host(self) -> None:
         """The checks of ``--host`` / ``--world-of-one``: the dense grid's flags that do not apply are refused,
@@ -211,7 +251,9 @@ def ratio(ring_seconds: float, reference_seconds: float) -> float:
 
 
 class VirtualRing:
-    """P virtual ranks on one device, each a thread with its own stream, sharing pre-sharded inputs."""
+    """P virtual ranks on one device, each a thread with its own stream, sharing pre-sharded inputs. With
+    ``ulysses`` = U > 1 each rank runs the hybrid (:func:`xcp.hybrid.hybrid_forward` / ``hybrid_backward``:
+    head groups of U ranks, rings of R = P/U), the inputs sharded by ``xcp.shard(..., ulysses=U)``."""
 
     def __init__(
         self,
@@ -223,18 +265,19 @@ class VirtualRing:
         slots="bounded",
         documents: tuple[int, ...] | None = None,
         window: tuple[int, int | None] | None = None,
+        ulysses: int = 1,
     ):
         from ..api import shard
 
         self.backend, self.world_size, self.causal, self.balance, self.slots = backend, world, causal, balance, slots
-        self.window = window
+        self.window, self.ulysses = window, ulysses
         seq = full[0].shape[1]
         self.documents = (0, seq) if documents is None and window is not None else documents  # a window needs them
         self.sent: list[dict[str, int]] = [{} for _ in range(world)]
-        """Bytes each rank sent in the last run, per tag (``kv``, ``dkv``)."""
+        """Bytes each rank sent in the last run, per tag (``kv``, ``dkv``; ``a2a`` for the hybrid's all-to-alls)."""
         self.device = full[0].device
         self.world = LocalWorld(world, device=self.device)
-        self.shards = [tuple(shard(x, world, r, balance=balance) for x in full) for r in range(world)]
+        self.shards = [tuple(shard(x, world, r, balance=balance, ulysses=ulysses) for x in full) for r in range(world)]
         self.streams = [backend.new_stream(self.device) for _ in range(world)]
         self.scale = 1.0 / math.sqrt(full[0].shape[-1])
         self.ledgers: list[Any] = [None] * world
@@ -244,12 +287,28 @@ class VirtualRing:
         stream = self.streams[group.rank()]
         be.wait_stream(stream, main_stream)
         q, k, v, dout = self.shards[group.rank()]
+        if self.ulysses > 1:
+            return self._hybrid_rank(group, backward, stream, q, k, v, dout)
         comm = _Counted(group, self.sent[group.rank()])
         cfg = RingConfig(comm, be, self.causal, self.scale, self.balance, self.slots, documents=self.documents,
                          window=self.window)  # fmt: skip
         with be.stream_context(stream), track_buffers() as ledger:
             out, lse = ring_forward(q, k, v, cfg)
             grads = ring_backward(dout, q, k, v, out, lse, cfg) if backward else None
+        self.ledgers[group.rank()] = ledger
+        return stream, out, grads
+
+    def _hybrid_rank(self, group, backward: bool, stream, q, k, v, dout) -> Any:
+        be, sent = self.backend, self.sent[group.rank()]
+        with be.stream_context(stream), track_buffers() as ledger:
+            cfg = hybrid_config(q, k, group, be, self.ulysses, causal=self.causal, scale=self.scale,
+                                balance=self.balance, slots=self.slots, cu_seqlens=self.documents,
+                                window=self.window)  # fmt: skip
+            ring = dataclasses.replace(cfg.ring, comm=_Counted(cfg.ring.comm, sent))
+            cfg = HybridConfig(_Counted(cfg.head, sent), ring, cfg.ulysses, cfg.replicas)
+            out, state = hybrid_forward(q, k, v, cfg)
+            grads = hybrid_backward(dout, state, cfg) if backward else None
+            del state
         self.ledgers[group.rank()] = ledger
         return stream, out, grads
 
@@ -265,8 +324,9 @@ class VirtualRing:
 
 
 class _Counted:
-    """A rank's communicator that adds up the bytes it sends, per tag, into ``sent``; the rest is the
-    wrapped communicator's (the ring needs rank, size, rank_store and exchange)."""
+    """A rank's communicator that adds up the bytes it sends to other ranks, per tag, into ``sent``; the rest
+    is the wrapped communicator's (the ring needs rank, size, rank_store and exchange; the hybrid's head
+    group all_to_all, of whose U rows the rank sends U - 1 and keeps its own)."""
 
     def __init__(self, comm, sent: dict[str, int]) -> None:
         self._comm, self.sent = comm, sent
@@ -286,15 +346,21 @@ class _Counted:
             self.sent[tag] = self.sent.get(tag, 0) + tensor.numel() * tensor.element_size()
         return self._comm.exchange(sends, recvs, tag, backend, step)
 
+    def all_to_all(self, send, recv, tag, backend, step=None):
+        row = send[0].numel() * send.element_size()
+        self.sent[tag] = self.sent.get(tag, 0) + row * (send.shape[0] - 1)
+        return self._comm.all_to_all(send, recv, tag, backend, step)
+
 
 def check_againstwhole_kernel(ring: VirtualRing, results, whole_out, whole_grads) -> dict[str, float]:
     """Relative errors of the ring's out (and grads) against the whole-sequence kernel."""
     from ..api import unshard
 
-    errs = {"out": error(unshard([r[1] for r in results], balance=ring.balance), whole_out).rel}
+    u = ring.ulysses
+    errs = {"out": error(unshard([r[1] for r in results], balance=ring.balance, ulysses=u), whole_out).rel}
     if whole_grads is not None:
         for i, name in enumerate(("dq", "dk", "dv")):
-            errs[name] = error(unshard([r[2][i] for r in results], balance=ring.balance), whole_grads[i]).rel
+            errs[name] = error(unshard([r[2][i] for r in results], balance=ring.balance, ulysses=u), whole_grads[i]).rel
     return errs
 
 
@@ -336,6 +402,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True, checkpoint: str | None = 
     backend, device = tool_backend(cfg.device, 0)
     if cfg.host or cfg.world_of_one:
         return _run_host(cfg, backend, device, progress, checkpoint)
+    if cfg.ulysses is not None:
+        return _run_ulysses(cfg, backend, device, progress, checkpoint)
     if cfg.documents is not None or cfg.window is not None:
         return _run_documents(cfg, backend, device, progress, checkpoint)
     check_memory(backend, device, *estimate_bytes(cfg, device.type))
@@ -414,6 +482,106 @@ def _measure(cfg, clock, ring: VirtualRing, whole: Callable[[bool], Any], flops:
         row[f"{mode}_ring_tflops"] = flops[backward] / row[f"{mode}_ring_s"] / 1e12
         row[f"{mode}_sent_bytes"] = [dict(sent) for sent in ring.sent]  # per rank and tag, in the last run
     return row
+
+
+# ---------------------------------------------------------------------------------------- hybrid (--ulysses)
+def _run_ulysses(cfg: BenchConfig, backend, device, progress: bool, checkpoint: str | None) -> dict[str, Any]:
+    """The figures of ``--ulysses``: per (S, P, mask) and each U, the hybrid over P virtual ranks against one
+    whole-sequence kernel call, checked first, with the bytes each rank sent against the formula."""
+    quadratic = device.type == "cpu" or cfg.dtype == "float64"
+    problem = Problem(cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dtype)
+    seq = max(cfg.seqs)  # the whole-sequence call (and U = P, whose ranks each compute S x S for H/P heads)
+    shape = f"B={cfg.batch} H={cfg.heads}/{cfg.kv_heads} D={cfg.head_dim} {cfg.dtype}"
+    check_memory(backend, device, attention_bytes(problem, seq, 1, quadratic), f"fwd+bwd at S={seq}, {shape}")
+    clock = Clock(backend, device)
+    report: dict[str, Any] = {"meta": _meta(cfg, backend, device), "timing": [], "memory": [], "graph": None,
+                              "ulysses": []}  # fmt: skip
+    work: list[tuple[str, Callable[[], None]]] = []
+    assert cfg.ulysses is not None
+    for seq in cfg.seqs:
+        for causal in cfg.causal:
+            for world in cfg.worlds:
+                for u in cfg.ulysses:
+                    row = (cfg, backend, clock, device, seq, world, causal, u)
+                    work.append((f"S={seq} P={world} U={u} {'causal' if causal else 'full'}",
+                                 lambda r=row: report["ulysses"].append(_time_ulysses(*r))))  # fmt: skip
+    for step, (label, measure) in enumerate(work):
+        if progress:
+            _progress(step, len(work), label)
+        measure()
+        if checkpoint:
+            write_json(report, checkpoint)
+    if progress:
+        _progress(len(work), len(work), "done")
+    return report
+
+
+ULYSSES_TAGS = ("a2a", "kv", "dkv")
+"""What a rank of the hybrid sends: the all-to-alls (q, k, v, out; dout, dq, dk, dv), the ring's K/V shards
+and its dK/dV."""
+
+
+def ulysses_formula(t) -> dict[str, dict[str, int]]:
+    """Bytes per rank and tag of one forward (``fwd``) and one forward+backward (``fwd_bwd``) by the formula
+    (:class:`xcp.hybrid.HybridTraffic`)."""
+    fwd = {"a2a": t.forward_alltoall, "kv": t.forward_ring, "dkv": 0}
+    fwd_bwd = {"a2a": t.forward_alltoall + t.backward_alltoall, "kv": t.forward_ring + t.backward_ring_kv,
+               "dkv": t.backward_ring_dkv}  # fmt: skip
+    return {"fwd": fwd, "fwd_bwd": fwd_bwd}
+
+
+def _time_ulysses(cfg, backend, clock, device, seq, world, causal, ulysses) -> dict[str, Any]:
+    full = random_inputs(cfg, seq, device)
+    rings = world // ulysses
+    balance = windows.resolve_balance(cfg.balance, rings, causal, None, None)  # dense: auto is zigzag
+    ring = VirtualRing(backend, world, full, causal, balance, ulysses=ulysses)
+    t = hybrid_traffic(cfg.batch, seq, cfg.heads, cfg.kv_heads, cfg.head_dim, DTYPES[cfg.dtype], world, ulysses)
+    row: dict[str, Any] = {"seq": seq, "world": world, "ulysses": ulysses, "ring": rings, "causal": causal,
+                           "balance": balance, "sent_formula": ulysses_formula(t)}  # fmt: skip
+    flops = {b: attention_flops(cfg.batch, seq, cfg.heads, cfg.head_dim, causal, b) for b in (False, True)}
+    row = _measure(cfg, clock, ring, lambda b: whole_kernel(backend, full, causal, b), flops, row)
+    row["sent_ok"] = all(  # every rank sent what the formula says, per tag, in the last forward and fwd+bwd runs
+        sent.get(tag, 0) == row["sent_formula"][mode][tag] and set(sent) <= set(ULYSSES_TAGS)
+        for mode in ("fwd", "fwd_bwd")
+        for sent in row[f"{mode}_sent_bytes"]
+        for tag in ULYSSES_TAGS
+    )
+    return row
+
+
+def _format_ulysses(report: dict[str, Any]) -> list[str]:
+    """The table of the hybrid for each U against one whole-sequence kernel call, with the bytes per rank."""
+    rows = report["ulysses"]
+    lines = [
+        "",
+        *_wrap(
+            "hybrid all-to-all + ring (--ulysses): P virtual ranks = U x R (head groups of U consecutive ranks, "
+            "rings of R = P/U), each driving xcp.hybrid.hybrid_forward / hybrid_backward (U = 1: the ring alone), "
+            "checked against one whole-sequence kernel call before it is timed; ratio = hybrid / that call. Bytes: "
+            "what each rank sent in one fwd+bwd, counted at its communicators (the all-to-alls; the ring's K/V and "
+            "dK/dV), checked against xcp.hybrid.hybrid_traffic (as xcp plan --ulysses prints it)"
+        ),
+        "",
+        f"{'S':>8} {'P':>3} {'U':>3} {'R':>3} {'mask':>6} | {'fwd ref ms':>10} {'fwd ring ms':>11} {'ratio':>6} | "
+        f"{'f+b ref ms':>10} {'f+b ring ms':>11} {'ratio':>6} | {'a2a/rank':>10} {'ring/rank':>10} "
+        f"{'total/rank':>10} | check",
+    ]
+    for r in rows:
+        f = r["sent_formula"]["fwd_bwd"]
+        mask = "causal" if r["causal"] else "full"
+        lines.append(
+            f"{r['seq']:>8} {r['world']:>3} {r['ulysses']:>3} {r['ring']:>3} {mask:>6} | "
+            f"{r['fwd_ref_s'] * 1e3:>10.2f} {r['fwd_ring_s'] * 1e3:>11.2f} {r['fwd_ratio']:>6.3f} | "
+            f"{r['fwd_bwd_ref_s'] * 1e3:>10.2f} {r['fwd_bwd_ring_s'] * 1e3:>11.2f} {r['fwd_bwd_ratio']:>6.3f} | "
+            f"{human_bytes(f['a2a']):>10} {human_bytes(f['kv'] + f['dkv']):>10} "
+            f"{human_bytes(f['a2a'] + f['kv'] + f['dkv']):>10} | {_check_text(r)}"
+            + ("" if r.get("sent_ok", True) else " bytes MEASURED OTHERWISE")
+        )
+    lines += _wrap(
+        "check: out, dq, dk, dv against the whole-sequence call (relative 2-norm error), and every rank's bytes "
+        "per tag equal to the formula, in the forward and in the forward+backward"
+    )
+    return lines
 
 
 # ---------------------------------------------------------------------------------------- packed documents
@@ -1096,6 +1264,8 @@ def format_report(report: dict[str, Any]) -> str:
     """The human-readable tables of a report."""
     if report.get("host") is not None or report.get("world_of_one") is not None:
         return "\n".join(_header(report) + _format_host(report))
+    if report.get("ulysses") is not None:
+        return "\n".join(_header(report) + _format_ulysses(report))
     if report.get("documents") is not None and report["meta"]["config"].get("window") is not None:
         return "\n".join(_header(report) + _format_windows(report))
     if report.get("documents") is not None:
@@ -1245,6 +1415,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--host-tokens", type=positive, default=d.host_tokens,
                    help="tokens per rank of the --host figure (even for zigzag)")  # fmt: skip
+    p.add_argument(
+        ULYSSES_FLAG, type=positive_list, metavar="U[,U...]",
+        help=ULYSSES_HELP + ". Instead of the dense grid: for each U (dividing every --worlds value and --heads), "
+        "the hybrid's fwd and fwd+bwd over P virtual ranks against one whole-sequence kernel call, checked against "
+        "it before it is timed, with the bytes each rank sends (all-to-alls, ring K/V and dK/dV) counted and "
+        "checked against the formula",
+    )  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw ratio vs S and memory vs P")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -1335,9 +1512,31 @@ def _host_args(args: argparse.Namespace) -> str | None:
     return f"seqs {','.join(map(str, WORLD_OF_ONE_SEQS))} (the world of one's, on any device)"
 
 
+def _ulysses_args(args: argparse.Namespace) -> None:
+    """With --ulysses: refuse what it does not measure; the memory figure's length stays out of the size
+    defaults (there is no memory figure)."""
+    if args.ulysses is None:
+        return
+    given = " ".join(map(str, args.ulysses))
+    for flag, on, value in (
+        (packing.FLAG, args.documents is not None, args.documents and args.documents.text),
+        (windows.FLAG, args.window is not None, args.window and windows.text_of(args.window)),
+        ("--host", args.host, None),
+        ("--world-of-one", args.world_of_one, None),
+        ("--compare-dense", args.compare_dense, None),
+        ("--plot", args.plot is not None, args.plot),
+    ):
+        if on:
+            raise ValueError(f"{flag}: not measured with {ULYSSES_FLAG} {given.replace(' ', ',')} yet"
+                             + (f"; got {value!r}" if value is not None else ""))  # fmt: skip
+    if args.memory_seq is None:
+        args.memory_seq = 1
+
+
 def command(args: argparse.Namespace) -> int:
     backend, _ = tool_backend(args.device, 0)  # an unknown or unusable backend: the error and the table, first
     host_note = _host_args(args)
+    _ulysses_args(args)
     _document_sizes(args)
     note = apply_size_defaults(args, backend, SIZE_FLAGS)
     if host_note:
@@ -1356,6 +1555,7 @@ def command(args: argparse.Namespace) -> int:
         host=args.host,
         world_of_one=args.host or args.world_of_one,
         host_tokens=args.host_tokens,
+        ulysses=args.ulysses,
         **measurement_args(args),
     )
     report = run_bench(cfg, progress=not args.quiet, checkpoint=args.json)
@@ -1367,6 +1567,6 @@ def command(args: argparse.Namespace) -> int:
         plot_report(report, args.plot)
         print(f"plot written to {args.plot}")
     rows = report["timing"] + report.get("documents", []) + (report.get("host") or [])
-    rows += report.get("world_of_one") or []
+    rows += (report.get("world_of_one") or []) + (report.get("ulysses") or [])
     failed = [r for r in rows if not _row_ok(r)]
     return 1 if failed else 0

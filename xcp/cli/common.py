@@ -172,6 +172,41 @@ def measurement_args(args: argparse.Namespace) -> dict[str, Any]:
     return problem_args(args, (*MEASUREMENT_FLAGS, "seqs", "memory_seq", "warmup", "reps"))
 
 
+ULYSSES_FLAG = "--ulysses"
+ULYSSES_HELP = (
+    "U, the ranks of a head group (hybrid all-to-all + ring, xcp.attention(..., ulysses=U)): the P ranks form "
+    "head groups of U consecutive ranks, which exchange heads for tokens in an all-to-all, and rings of the "
+    "R = P/U ranks with equal r %% U; U divides P and --heads. 1: the ring alone; P: the all-to-all alone"
+)
+
+
+def check_ulysses_flag(ulysses: int, world: int, heads: int, world_flag: str = "--world") -> int:
+    """R = world // ulysses, for the ``--ulysses`` flag: a ValueError naming it, the expected and the actual
+    value unless it divides ``world`` (given by ``world_flag``) and ``heads``."""
+    if world % ulysses:
+        raise ValueError(
+            f"{ULYSSES_FLAG}: expected a divisor of {world_flag} {world} (P = ulysses x ring ranks); got {ulysses}"
+        )
+    if heads % ulysses:
+        raise ValueError(
+            f"{ULYSSES_FLAG}: expected a divisor of --heads {heads} (each rank of a head group takes heads / "
+            f"ulysses of the query heads); got {ulysses}"
+        )
+    return world // ulysses
+
+
+def check_hybrid_seq(seq: int, world: int, ulysses: int, balance: str, seq_flag: str = "--seq") -> None:
+    """A ValueError naming ``seq_flag`` unless ``seq`` tokens can be placed by ``xcp.shard(..., ulysses=U)``:
+    split by ``balance`` over the R = P/U ring positions, and each ring shard into U pieces (P divides S)."""
+    rings = world // ulysses
+    schedule.check_seq_len(seq, rings, balance, what=seq_flag)
+    if seq % world:
+        raise ValueError(
+            f"{seq_flag}: expected a multiple of {world} ranks with {ULYSSES_FLAG} {ulysses} (each of the {rings} "
+            f"ring shards is cut into {ulysses} pieces); got {seq}"
+        )
+
+
 def tool_device(backend, name: str, default_index: int | None = None) -> torch.device:
     """The torch device a tool runs on: the CPU, or the backend's device at the index ``name`` gives
     (``cuda:1``), else at ``default_index``."""
@@ -396,15 +431,16 @@ def _leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def gather_whole(shards: Sequence[torch.Tensor], world: int, balance: str) -> list[torch.Tensor]:
-    """Every rank's shard of each tensor, all-gathered and put back in sequence order on every rank."""
+def gather_whole(shards: Sequence[torch.Tensor], world: int, balance: str, ulysses: int = 1) -> list[torch.Tensor]:
+    """Every rank's shard of each tensor, all-gathered and put back in sequence order on every rank (shards
+    placed by ``xcp.shard`` with ``balance`` and ``ulysses``)."""
     import torch.distributed as dist
 
     whole = []
     for t in shards:
         parts = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(parts, t.contiguous())
-        whole.append(unshard(parts, balance=balance))
+        whole.append(unshard(parts, balance=balance, ulysses=ulysses))
     return whole
 
 

@@ -3,12 +3,25 @@ shard, and who sends to whom, can be read before anything runs."""
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 
 from .. import schedule
 from ..documents import document_plan
+from ..hybrid import hybrid_traffic, kv_replicas
 from . import packing, windows
-from .common import DTYPES, Problem, add_problem_flags, human_bytes, positive, pyplot
+from .common import (
+    DTYPES,
+    ULYSSES_FLAG,
+    ULYSSES_HELP,
+    Problem,
+    add_problem_flags,
+    check_hybrid_seq,
+    check_ulysses_flag,
+    human_bytes,
+    positive,
+    pyplot,
+)
 
 WIDTH = 100
 """Columns the table keeps within; wider worlds are printed in blocks of ranks."""
@@ -225,6 +238,11 @@ def document_table(
 
 
 # ---------------------------------------------------------------------------------------- steps and bytes
+def bytes_cell(n: int) -> str:
+    """``64.0 MiB (67108864 B)``, or ``512 B``: readable, with the exact count."""
+    return human_bytes(n) + (f" ({n} B)" if n >= 1024 else "")
+
+
 def cost_lines(seq: int, world_size: int, steps: int, kv_heads: int, head_dim: int, dtype: str) -> list[str]:
     """What a ring of ``steps`` of ``world_size`` steps over ``seq`` tokens costs each rank in bytes sent,
     next to the dense ring's (all P steps), and how they are counted (see :mod:`xcp.cli.windows`)."""
@@ -232,9 +250,7 @@ def cost_lines(seq: int, world_size: int, steps: int, kv_heads: int, head_dim: i
     ring = windows.traffic(seq, world_size, steps, kv_heads, head_dim, torch_dtype)
     dense = windows.traffic(seq, world_size, world_size, kv_heads, head_dim, torch_dtype)
 
-    def cell(n: int) -> str:
-        return human_bytes(n) + (f" ({n} B)" if n >= 1024 else "")
-
+    cell = bytes_cell
     rows = [
         ("steps", f"{steps} of {world_size}", f"{world_size} of {world_size}"),
         ("forward K/V", cell(ring.forward), cell(dense.forward)),
@@ -249,6 +265,143 @@ def cost_lines(seq: int, world_size: int, steps: int, kv_heads: int, head_dim: i
         f"  {'':<16}{'this ring':<{width}}dense ring (all P steps)",
         *(f"  {name:<16}{a:<{width}}{b}" for name, a, b in rows),
     ]
+
+
+# ---------------------------------------------------------------------------------------- hybrid (ulysses)
+def _groups_text(groups: list[list[int]], width: int) -> list[str]:
+    text = " ".join("{" + ",".join(map(str, g)) + "}" for g in groups)
+    return textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="  ")
+
+
+def hybrid_lines(world: int, ulysses: int, heads: int, kv_heads: int, width: int = WIDTH) -> list[str]:
+    """The head groups and rings of ``xcp.attention(..., ulysses=U)`` on ``world`` ranks, and what each rank
+    holds before the all-to-all and in the ring."""
+    u, r = ulysses, world // ulysses
+    t = kv_replicas(heads, kv_heads, u)
+    replicated = f" ({kv_heads} K/V heads replicated {t}x to {kv_heads * t})" if t > 1 else ""
+    return [
+        f"hybrid all-to-all + ring: world {world} = ulysses {u} x ring {r}",
+        f"head groups of U = {u} consecutive ranks (an all-to-all in each: heads scattered, tokens gathered):",
+        *_groups_text([list(range(g * u, (g + 1) * u)) for g in range(r)], width),
+        f"rings of R = {r} rank{'s' * (r > 1)} with equal r % {u} (rank r is ring position r // {u}):",
+        *_groups_text([list(range(g, world, u)) for g in range(u)], width),
+        *textwrap.wrap(
+            f"each rank holds S/P tokens (piece r % {u} of ring shard r // {u}) with all {heads} query and {kv_heads} "
+            f"K/V heads; in the ring it holds the whole ring shard r // {u} (S/R tokens) with {heads // u} query "
+            f"and {kv_heads * t // u} K/V heads{replicated}. The ring table below is every ring's: its columns "
+            f"{'r0' if r == 1 else f'r0..r{r - 1}'} are ring positions, not ranks",
+            width,
+        ),
+    ]
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """One row of the hybrid's bytes table: what one rank sends at one step (or at each of ``steps`` ring
+    steps) of a pass."""
+
+    phase: str  # forward, backward
+    step: str  # all-to-all in, ring steps 0..2, all-to-all out
+    what: str  # q, k, v, K/V shard, dK/dV, out, dout, dq, dk, dv
+    per_step: int
+    steps: int
+
+    @property
+    def total(self) -> int:
+        return self.per_step * self.steps
+
+
+def _ring_step(first: int, last: int) -> str:
+    return f"ring step {first}" if first == last else f"ring steps {first}..{last}"
+
+
+def hybrid_step_bytes(t) -> list[StepBytes]:
+    """The rows of :func:`hybrid_cost_lines` from a :class:`xcp.hybrid.HybridTraffic`."""
+    m = t.ring_steps
+    a2a_in, a2a_out = "all-to-all in", "all-to-all out"
+    rows = [StepBytes("forward", a2a_in, x, n, 1) for x, n in (("q", t.q), ("k", t.kv), ("v", t.kv))]
+    if m > 1:
+        rows.append(StepBytes("forward", _ring_step(0, m - 2), "K/V shard", t.kv_shard, m - 1))
+    else:
+        rows.append(StepBytes("forward", "ring step 0", "nothing", 0, 1))
+    rows.append(StepBytes("forward", a2a_out, "out", t.q, 1))
+    rows.append(StepBytes("backward", a2a_in, "dout", t.q, 1))
+    if m > 1:
+        rows.append(StepBytes("backward", _ring_step(0, m - 2), "K/V shard", t.kv_shard, m - 1))
+        rows.append(StepBytes("backward", _ring_step(0, m - 1), "dK/dV", t.dkv_message, m))
+    else:
+        rows.append(StepBytes("backward", "ring step 0", "nothing", 0, 1))
+    rows += [StepBytes("backward", a2a_out, x, n, 1) for x, n in (("dq", t.q), ("dk", t.kv), ("dv", t.kv))]
+    return rows
+
+
+def hybrid_cost_lines(
+    seq: int,
+    world: int,
+    ulysses: int,
+    steps: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    flat_steps: int | None,
+) -> list[str]:
+    """The bytes one rank sends at each step of the hybrid's forward and backward (all-to-alls and ring),
+    per tensor, how they are counted, and the totals next to the ring alone over all ``world`` ranks
+    (``flat_steps`` of them; None where the balance cannot place S over P ranks)."""
+    torch_dtype = DTYPES[dtype]
+    u, r = ulysses, world // ulysses
+    t = hybrid_traffic(1, seq, heads, kv_heads, head_dim, torch_dtype, world, u, steps)
+    hkv = kv_heads * kv_replicas(heads, kv_heads, u)
+    item = torch_dtype.itemsize
+    acc = "float64" if dtype == "float64" else "float32"
+    lines = [
+        f"bytes sent per rank, one forward and one backward (S = {seq}, H {heads}, Hkv {kv_heads}, D {head_dim}, "
+        f"{dtype}, batch 1):",
+        *textwrap.wrap(
+            f"all-to-all: each rank sends (U-1)/U of each of its tensors of S/P = {seq // world} tokens (it keeps "
+            f"its own heads' piece): q, out, dout, dq (U-1)/U·(S/P)·H·D·itemsize = {u - 1}/{u}·{seq // world}·"
+            f"{heads}·{head_dim}·{item} = {human_bytes(t.q)}; k, v, dk, dv the same with Hkv' = {hkv} K/V heads"
+            f"{' (replicated)' if hkv != kv_heads else ''}: {human_bytes(t.kv)}",
+            WIDTH - 2,
+            initial_indent="  ",
+            subsequent_indent="  ",
+        ),
+        *textwrap.wrap(
+            f"ring over R = {r} rank{'s' * (r > 1)}, {steps} of {r} steps: a K/V shard is "
+            f"2·(S/R)·(Hkv'/U)·D·itemsize = 2·{seq // r}·{hkv // u}·{head_dim}·{item} = {human_bytes(t.kv_shard)}; "
+            "forward m-1 K/V shards, "
+            f"backward m-1 K/V shards and m dK/dV messages ({acc} accumulators: {human_bytes(t.dkv_message)}); a "
+            "ring of 1 step sends nothing",
+            WIDTH - 2,
+            initial_indent="  ",
+            subsequent_indent="  ",
+        ),
+    ]
+    rows = hybrid_step_bytes(t)
+    per = max(len("bytes per step"), *(len(bytes_cell(x.per_step)) for x in rows)) + 2
+    lines.append(f"  {'pass':<10}{'step':<20}{'sends':<11}{'bytes per step':<{per}}{'steps':<7}bytes")
+    previous = None
+    for x in rows:
+        phase = x.phase if x.phase != previous else ""
+        previous = x.phase
+        lines.append(
+            f"  {phase:<10}{x.step:<20}{x.what:<11}{bytes_cell(x.per_step):<{per}}{x.steps:<7}{bytes_cell(x.total)}"
+        )
+    flat = None if flat_steps is None else hybrid_traffic(1, seq, heads, kv_heads, head_dim, torch_dtype, world, 1,
+                                                          flat_steps)  # fmt: skip
+    col = max(len(f"this hybrid (U = {u})"), *(len(bytes_cell(n)) for n in (t.forward, t.backward, t.total))) + 2
+    lines.append(f"  {'per rank':<41}{'this hybrid (U = ' + str(u) + ')':<{col}}"
+                 + ("" if flat is None else f"ring alone over P = {world} (U = 1)"))  # fmt: skip
+    for name, mine, alone in (
+        ("forward total", t.forward, None if flat is None else flat.forward),
+        ("backward total", t.backward, None if flat is None else flat.backward),
+        ("fwd+bwd total", t.total, None if flat is None else flat.total),
+    ):
+        lines.append(f"  {name:<41}{bytes_cell(mine):<{col}}" + ("" if alone is None else bytes_cell(alone)))
+    if flat is None:
+        lines.append(f"  (the ring alone cannot place S = {seq} over P = {world} ranks with this balance)")
+    return [line.rstrip() for line in lines]
 
 
 # ---------------------------------------------------------------------------------------- plots
@@ -348,45 +501,65 @@ def add_parser(sub) -> None:
                    help="global length S: with --documents (default: the sum of the lengths), with --window, or "
                    "alone to print the steps and bytes of the dense ring")  # fmt: skip
     add_problem_flags(p, Problem(), ["kv_heads", "head_dim", "dtype", "heads"])
+    p.add_argument(ULYSSES_FLAG, type=positive, default=1,
+                   help=ULYSSES_HELP + ". Shows the head groups and rings, the plan of the ring over R ranks and, "
+                   "with --seq, the bytes each rank sends at each step: the all-to-alls (q, k, v in and out back; "
+                   "dout in and dq, dk, dv back) and the ring's K/V and dK/dV")  # fmt: skip
     p.add_argument("--plot", metavar="FILE.png", help="also draw the plan into this file (needs matplotlib)")
 
 
 def command(args) -> int:
-    world, causal = args.world, args.causal
+    world, causal, u = args.world, args.causal, args.ulysses
+    ring = check_ulysses_flag(u, world, args.heads)  # the ring's ranks: P, or R = P/U with --ulysses
     window = windows.check(args.window, causal)
     if args.heads % args.kv_heads:
         raise ValueError(f"--kv-heads: expected a divisor of --heads {args.heads}; got {args.kv_heads}")
     cu = documents = None
     if args.documents is not None:
-        lengths, _ = packing.resolve_lengths(args.documents, args.seq, world, windows.check_balance(args.balance))
+        lengths, _ = packing.resolve_lengths(args.documents, args.seq, ring, windows.check_balance(args.balance))
         cu = documents = packing.boundaries(lengths)
     elif args.seq is not None:
-        schedule.check_seq_len(args.seq, world, windows.check_balance(args.balance), what="--seq")
+        schedule.check_seq_len(args.seq, ring, windows.check_balance(args.balance), what="--seq")
         cu = (0, args.seq)
     elif window is not None:
         raise ValueError(f"{windows.FLAG}: expected --seq (or --documents) too: a window's plan depends on S")
-    balance = windows.resolve_balance(args.balance, world, causal, window, documents, None if cu is None else cu[-1])
+    balance = windows.resolve_balance(args.balance, ring, causal, window, documents, None if cu is None else cu[-1])
     if args.balance == windows.AUTO:
         print(f"--balance auto: xcp.choose_balance recommends {balance}")
     if cu is not None and documents is None:
-        schedule.check_seq_len(cu[-1], world, balance, what="--seq")
+        schedule.check_seq_len(cu[-1], ring, balance, what="--seq")
     elif documents is not None:
-        packing.check_total(documents[-1], world, balance)
-    if documents is None and window is None:
-        print(plan_table(world, causal, balance))
-        if args.plot:
-            plot_plan(world, causal, balance, args.plot)
-    else:
-        print(document_table(cu, world, causal, balance, window=window))
-        if args.plot:
-            plot_documents(cu, world, causal, balance, args.plot, window)
-    if cu is not None:
-        steps = windows.ring_steps(cu, world, causal, balance, window)
+        packing.check_total(documents[-1], ring, balance)
+    if cu is not None and u > 1:
+        check_hybrid_seq(cu[-1], world, u, balance, "--seq" if documents is None else packing.FLAG)
+    if u > 1:
+        print("\n".join(hybrid_lines(world, u, args.heads, args.kv_heads)))
         print()
-        print("\n".join(cost_lines(cu[-1], world, steps, args.kv_heads, args.head_dim, args.dtype)))
+    if documents is None and window is None:
+        print(plan_table(ring, causal, balance))
+        if args.plot:
+            plot_plan(ring, causal, balance, args.plot)
+    else:
+        print(document_table(cu, ring, causal, balance, window=window))
+        if args.plot:
+            plot_documents(cu, ring, causal, balance, args.plot, window)
+    if cu is not None:
+        steps = windows.ring_steps(cu, ring, causal, balance, window)
+        print()
+        if u > 1:
+            flat = None
+            if cu[-1] % schedule.required_multiple(world, balance) == 0:
+                flat = windows.ring_steps(cu, world, causal, balance, window)
+            print("\n".join(hybrid_cost_lines(cu[-1], world, u, steps, args.heads, args.kv_heads, args.head_dim,
+                                               args.dtype, flat)))  # fmt: skip
+        else:
+            print("\n".join(cost_lines(cu[-1], world, steps, args.kv_heads, args.head_dim, args.dtype)))
         if documents is not None or window is not None:
             print()
-            print("\n".join(windows.balance_lines(cu, world, causal, window, balance)))
+            print("\n".join(windows.balance_lines(cu, ring, causal, window, balance)))
+    elif u > 1:
+        print()
+        print("give --seq (S) for the bytes each rank sends at each step of the all-to-alls and the ring")
     if args.plot:
         print(f"plot written to {args.plot}")
     return 0

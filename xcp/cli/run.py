@@ -2,7 +2,8 @@
 on their own device that the ring is exact before they trust it.
 
 It runs on a LocalWorld of virtual ranks (the default, on the CPU) or, under torchrun, on the real process
-group, and reports the error of out, dq, dk and dv, the time, and the peak received-KV bytes per rank.
+group, and reports the error of out, dq, dk and dv, the time, and the peak received-KV bytes per rank. With
+``--ulysses U`` it runs the hybrid all-to-all + ring (``xcp.attention(..., ulysses=U)``), checked alike.
 """
 
 from __future__ import annotations
@@ -16,13 +17,18 @@ import torch
 
 from ..api import attention, shard, unshard
 from ..comm import LocalWorld, resolve_group
+from ..hybrid import hybrid_backward, hybrid_config, hybrid_forward
 from ..lifetime import track_buffers
 from ..ring import RingConfig, ring_backward, ring_forward
 from .common import (
     DTYPES,
     REL_TOLERANCE,
+    ULYSSES_FLAG,
+    ULYSSES_HELP,
     Problem,
     add_problem_flags,
+    check_hybrid_seq,
+    check_ulysses_flag,
     error,
     gather_whole,
     join_process_group,
@@ -45,6 +51,8 @@ class RunConfig(Problem):
     seq: int = 3072
     causal: bool = True
     seed: int = 0
+    ulysses: int = 1
+    """U of the hybrid all-to-all + ring (1: the ring alone)."""
 
 
 # xcp run's defaults: small enough for a laptop CPU, large enough to cross several key tiles
@@ -74,6 +82,15 @@ class RunResult:
             f"xcp run: {self.mode}, world {c.world}, batch {c.batch}, seq {c.seq}, heads {c.heads}/{c.kv_heads} kv, "
             f"head_dim {c.head_dim}, {c.dtype}, {'causal' if c.causal else 'full'}, balance {c.balance}, "
             f"device {c.device}",
+            *(
+                [
+                    f"hybrid: world {c.world} = ulysses {c.ulysses} x ring {c.world // c.ulysses} (an all-to-all "
+                    f"over heads in each group of {c.ulysses} consecutive ranks, then the ring over the ranks with "
+                    f"equal r % {c.ulysses})"
+                ]
+                if c.ulysses > 1
+                else []
+            ),
             f"{'tensor':<8}{'max abs err':>14}{'rel err':>12}{'tolerance':>12}  result",
         ]
         for name, (abs_err, rel) in self.errors.items():
@@ -91,16 +108,24 @@ class RunResult:
 
 def _rank_step(group, cfg: RunConfig, backend, full: tuple[torch.Tensor, ...], functional: bool):
     """One rank's shard, forward and backward; returns (out, dq, dk, dv, seconds, ledger)."""
-    q, k, v, dout = (shard(x, group.size(), group.rank(), balance=cfg.balance) for x in full)
+    u = cfg.ulysses
+    q, k, v, dout = (shard(x, group.size(), group.rank(), balance=cfg.balance, ulysses=u) for x in full)
+    scale = 1.0 / math.sqrt(cfg.head_dim)
     with track_buffers() as ledger:
         start = time.perf_counter()
-        if functional:  # GPU threads cannot share autograd's one device worker: a waiting backward blocks it
-            ring = RingConfig(group, backend, cfg.causal, 1.0 / math.sqrt(cfg.head_dim), cfg.balance)
+        if functional and u > 1:  # the hybrid's ring_forward / ring_backward
+            hybrid = hybrid_config(q, k, group, backend, u, causal=cfg.causal, scale=scale, balance=cfg.balance)
+            out, state = hybrid_forward(q, k, v, hybrid)
+            dq, dk, dv = hybrid_backward(dout, state, hybrid)
+            del state
+        elif functional:  # GPU threads cannot share autograd's one device worker: a waiting backward blocks it
+            ring = RingConfig(group, backend, cfg.causal, scale, cfg.balance)
             out, lse = ring_forward(q, k, v, ring)
             dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ring)
         else:
             q, k, v = (x.requires_grad_() for x in (q, k, v))
-            out = attention(q, k, v, causal=cfg.causal, group=group, balance=cfg.balance, device=cfg.device)
+            out = attention(q, k, v, causal=cfg.causal, group=group, balance=cfg.balance, device=cfg.device,
+                            ulysses=u)  # fmt: skip
             out.backward(dout)
             dq, dk, dv = q.grad, k.grad, v.grad
         backend.synchronize(out.device)
@@ -121,7 +146,7 @@ def run_demo(cfg: RunConfig) -> RunResult:
     full = random_inputs(cfg, cfg.seq, device, cfg.seed)
     world = LocalWorld(cfg.world, device=device)
     results = world.run(_rank_step, cfg, backend, full, device.type != "cpu")
-    got = [unshard([r[i] for r in results], balance=cfg.balance) for i in range(4)]
+    got = [unshard([r[i] for r in results], balance=cfg.balance, ulysses=cfg.ulysses) for i in range(4)]
     return RunResult(
         cfg,
         _errors(cfg, full, got),
@@ -137,9 +162,11 @@ def _run_distributed(cfg: RunConfig) -> RunResult:
 
     backend, device, rank, world = join_process_group(cfg.device)
     cfg.world = world
+    check_ulysses_flag(cfg.ulysses, world, cfg.heads, "the torchrun world size")
+    check_hybrid_seq(cfg.seq, world, cfg.ulysses, cfg.balance)
     full = random_inputs(cfg, cfg.seq, device, cfg.seed)
     out, dq, dk, dv, seconds, ledger = _rank_step(resolve_group(None), cfg, backend, full, functional=False)
-    gathered = gather_whole((out, dq, dk, dv), world, cfg.balance)
+    gathered = gather_whole((out, dq, dk, dv), world, cfg.balance, cfg.ulysses)
     stats = torch.tensor([seconds, ledger.peak_bytes, ledger.peak_kv_shards], dtype=torch.float64, device=device)
     all_stats = [torch.empty_like(stats) for _ in range(world)]
     dist.all_gather(all_stats, stats)
@@ -163,11 +190,17 @@ def add_parser(sub) -> None:
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=d.causal, help="causal mask")
     add_problem_flags(p, d, ["balance", "device"])
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the random inputs")
+    p.add_argument(ULYSSES_FLAG, type=positive, default=d.ulysses,
+                   help=ULYSSES_HELP + " (under torchrun, U divides the world size)")  # fmt: skip
 
 
 def command(args: argparse.Namespace) -> int:
     tool_backend(args.device)  # an unknown or unusable backend: xcp's error and the backend table, first
-    cfg = RunConfig(world=args.world, seq=args.seq, causal=args.causal, seed=args.seed, **problem_args(args))
+    cfg = RunConfig(world=args.world, seq=args.seq, causal=args.causal, seed=args.seed, ulysses=args.ulysses,
+                    **problem_args(args))  # fmt: skip
+    if args.ulysses > 1 and not under_torchrun():  # under torchrun, once the world size is known
+        check_ulysses_flag(args.ulysses, args.world, args.heads)
+        check_hybrid_seq(args.seq, args.world, args.ulysses, args.balance)
     result = run_demo(cfg)
     print(result.table())
     return 0 if result.ok else 1

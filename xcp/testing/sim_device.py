@@ -164,6 +164,7 @@ class _Storage:
     external: bool
     marks: set[int] = field(default_factory=set)  # streams record_stream named
     comm: bool = False  # written by a peer-to-peer transfer (a received buffer)
+    alltoall: bool = False  # written by a peer's piece of an all-to-all (the hybrid's receive buffer; no slot)
     captured: bool = False  # allocated while capturing
 
 
@@ -265,6 +266,8 @@ class DeviceModel:
         self.findings: list[Finding] = []
         self.comm_live: dict[str, int] = {}
         self.comm_peak: dict[str, int] = {}
+        self.alltoall_live: dict[str, int] = {}
+        self.alltoall_peak: dict[str, int] = {}
         self.record_stream_calls = 0
 
     # -- threads
@@ -358,7 +361,8 @@ class DeviceModel:
     @contextlib.contextmanager
     def label(self, text: str) -> Iterator[None]:
         """Name the ops of the block (e.g. a peer-to-peer copy); a labelled ``p2p`` write marks a received buffer
-        (``p2p agree``, xcp.agreement's fingerprint, excepted)."""
+        (``p2p agree``, xcp.agreement's fingerprint, excepted; ``p2p a2a``, the hybrid's all-to-all, counted
+        apart)."""
         labels = self._state().labels
         labels.append(text)
         try:
@@ -406,10 +410,16 @@ class DeviceModel:
             for t, write in touched:
                 st = self._storage(t, stream)
                 self._check(t, st, stream, name, write)
-                # a shard slot, not the small fingerprint of xcp.agreement, which is no ring shard
-                shard = labels and labels[-1].startswith("p2p") and not labels[-1].startswith("p2p agree")
+                # a shard slot: not the small fingerprint of xcp.agreement, which is no ring shard, nor the
+                # hybrid's all-to-all receive buffer, which is no slot (counted on its own)
+                label = labels[-1] if labels else ""
+                shard = label.startswith("p2p") and not label.startswith(("p2p agree", "p2p a2a"))
                 if write and shard and not st.comm:
                     self._mark_comm(st, name, stream, t)
+                elif write and label.startswith("p2p a2a") and not st.alltoall:
+                    st.alltoall = True
+                    live = self.alltoall_live[st.owner] = self.alltoall_live.get(st.owner, 0) + st.nbytes
+                    self.alltoall_peak[st.owner] = max(self.alltoall_peak.get(st.owner, 0), live)
 
     def _mark_comm(self, st: _Storage, op: str, stream: SimStream, t: torch.Tensor) -> None:
         st.comm = True
@@ -508,6 +518,8 @@ class DeviceModel:
                 continue
             if st.comm:
                 self.comm_live[st.owner] -= st.nbytes
+            if st.alltoall:
+                self.alltoall_live[st.owner] -= st.nbytes
             block = st.block
             for sid in st.marks:  # work the marked streams issued by now is finished before any reuse
                 stream = self._streams.get(sid)
