@@ -81,6 +81,39 @@ def test_context_refuses_a_disagreeing_balance_or_group():
         xcp.context(group="world")
 
 
+def test_context_passes_ulysses_to_shard_unshard_and_attention():
+    """xcp.context(group, ulysses=U): shard and unshard place the sequence as xcp.shard/unshard(ulysses=U) do,
+    and attention runs the hybrid, equal to the whole sequence; a disagreeing ulysses and a bad one are named."""
+    q, k, v = torch.randn(1, 16, 4, 8), torch.randn(1, 16, 1, 8), torch.randn(1, 16, 1, 8)
+
+    def rank(group):
+        with xcp.context(group, "stripe", 2) as ctx:
+            assert ctx.ulysses == 2 and current() is ctx and "ulysses=2: rank" in repr(ctx)
+            local = [ctx.shard(t) for t in (q, k, v)]
+            assert torch.equal(local[0], xcp.shard(q, 4, group.rank(), balance="stripe", ulysses=2))
+            with pytest.raises(ValueError, match=r"ulysses: this xcp.context places the sequence with ulysses=2; "
+                               r"attention\(ulysses=1\) disagrees"):  # fmt: skip
+                ctx.attention(*local, causal=True, ulysses=1)
+            return ctx.attention(*local, causal=True, ulysses=2)  # the context's own value is accepted
+
+    outs = xcp.LocalWorld(4).run(rank)
+    out = Context(None, "stripe", 2).unshard(outs)
+    assert torch.equal(out, xcp.unshard(outs, balance="stripe", ulysses=2))
+    torch.testing.assert_close(out, xcp.attention(q, k, v, causal=True), atol=1e-6, rtol=1e-6)
+    assert xcp.context(None).ulysses == 1 and "ulysses" not in repr(xcp.context(None))
+    with pytest.raises(ValueError, match="ulysses: expected a positive integer"):
+        xcp.context(None, ulysses=0)
+    with pytest.raises(TypeError, match="ulysses: expected a positive integer"):
+        xcp.context(None, ulysses="2")
+
+    def uneven(group):
+        with xcp.context(group, ulysses=3) as ctx:
+            return ctx.shard(q)
+
+    with pytest.raises(RuntimeError, match="ulysses: expected a divisor of world_size 4"):
+        xcp.LocalWorld(4).run(uneven)
+
+
 def test_context_is_callable_whichever_way_xcp_context_was_imported():
     import subprocess
 
@@ -194,7 +227,8 @@ def single_device(model, ids, labels=None, position_ids=None):
     return out.logits.detach(), None if out.loss is None else out.loss.detach(), grads
 
 
-def context_parallel(model, ids, labels=None, world=P, balance="zigzag", shard_kw=None, call_kw=None, name="xcp"):
+def context_parallel(model, ids, labels=None, world=P, balance="zigzag", shard_kw=None, call_kw=None, name="xcp",
+                     ulysses=1):  # fmt: skip
     """The model on ``world`` virtual ranks (a copy each): unsharded logits, summed loss, summed gradients."""
     models = [copy.deepcopy(model) for _ in range(world)]
     for m in models:
@@ -204,7 +238,7 @@ def context_parallel(model, ids, labels=None, world=P, balance="zigzag", shard_k
     def rank(group):
         from xcp.integrations.transformers import shard_batch
 
-        with xcp.context(group, balance=balance):
+        with xcp.context(group, balance=balance, ulysses=ulysses):
             batch = shard_batch(ids, labels=labels, **(shard_kw or {}))
             out = models[group.rank()](**batch.model_kwargs(), **(call_kw or {}))
             if labels is not None:
@@ -212,7 +246,7 @@ def context_parallel(model, ids, labels=None, world=P, balance="zigzag", shard_k
             return out.logits.detach(), None if out.loss is None else out.loss.detach()
 
     results = xcp.LocalWorld(world).run(rank)
-    logits = xcp.unshard([r[0] for r in results], balance=balance)
+    logits = xcp.unshard([r[0] for r in results], balance=balance, ulysses=ulysses)
     loss = None if labels is None else sum(r[1] for r in results)
     grads = {}
     for n, _ in model.named_parameters():
@@ -265,6 +299,18 @@ def test_float64_matches_one_device(registered, float64_faithful, kind, balance)
     if kind in ("mistral", "gpt_oss"):  # the window (8 < S) changes the result: the test sees it
         wide = single_device(make_model(kind, sliding_window=S), ids, labels)
         assert rel(wide[0], ref[0]) > 1e-3
+
+
+@needs_transformers
+@pytest.mark.parametrize(("kind", "ulysses"), [("llama", 2), ("gpt_oss", 4)])
+def test_the_hybrid_through_the_context_matches_one_device(registered, float64_faithful, kind, ulysses):
+    """xcp.context(group, ulysses=U) runs the model's attention as the hybrid (GPT-OSS: sinks, a window, K/V
+    heads replicated for U = 4) with shard_batch's positions placed alike: logits, loss and gradients equal
+    one device's."""
+    model = float64_faithful(make_model(kind))
+    ids, labels = tokens()
+    ref = single_device(model, ids, labels)
+    assert_same(context_parallel(model, ids, labels, ulysses=ulysses), ref, 1e-10, f"{kind} ulysses={ulysses}")
 
 
 @needs_transformers

@@ -1,7 +1,8 @@
-"""One object that holds a rank's group and balance: ``xcp.context(group, balance)``.
+"""One object that holds a rank's group, balance and ulysses: ``xcp.context(group, balance, ulysses)``.
 
 ``shard``, ``unshard`` and ``attention`` must agree on how the sequence is placed on the ranks; a context
-holds the group and the balance once, and its methods pass both::
+holds the group, the balance and ``ulysses`` (the hybrid all-to-all + ring's head-group size; 1 for the ring
+alone) once, and its methods pass them::
 
     with xcp.context(group, balance="zigzag") as ctx:
         q_l = ctx.shard(q)
@@ -32,6 +33,7 @@ from .api import attention as _attention
 from .api import shard as _shard
 from .api import unshard as _unshard
 from .comm import resolve_group
+from .hybrid import check_ulysses
 
 _local = threading.local()
 
@@ -44,21 +46,26 @@ def _stack() -> list[Context]:
 
 
 class Context:
-    """A rank's group and balance, held once; a context manager (see the module's documentation).
+    """A rank's group, balance and ulysses, held once; a context manager (see the module's documentation).
 
     :param group: a torch.distributed ProcessGroup, a group from :class:`xcp.LocalWorld`, or None (the
         default process group when one is initialised at the time of use, else a world of one rank).
     :param balance: how the sequence is placed on the ranks (``zigzag``, ``contiguous`` or ``stripe``).
+    :param ulysses: U of the hybrid all-to-all + ring (see :func:`xcp.attention`): ``shard``, ``unshard``
+        and ``attention`` all pass it; 1 (default) is the ring alone. U must divide the group's size (checked
+        at use, when the group is known) and the heads.
     """
 
-    __slots__ = ("_group", "_balance")
+    __slots__ = ("_group", "_balance", "_ulysses")
 
-    def __init__(self, group: Any = None, balance: str = schedule.DEFAULT_BALANCE) -> None:
+    def __init__(self, group: Any = None, balance: str = schedule.DEFAULT_BALANCE, ulysses: int = 1) -> None:
         schedule.check_balance(balance)
+        ulysses = check_ulysses(ulysses)
         if group is not None:
             resolve_group(group)  # a TypeError naming group now, not at the first call
         self._group = group
         self._balance = balance
+        self._ulysses = ulysses
 
     # -- what it holds
     @property
@@ -70,6 +77,11 @@ class Context:
     def balance(self) -> str:
         """How the sequence is placed on the ranks."""
         return self._balance
+
+    @property
+    def ulysses(self) -> int:
+        """U of the hybrid all-to-all + ring (1: the ring alone)."""
+        return self._ulysses
 
     def _comm(self) -> Any:
         return resolve_group(self._group)
@@ -92,24 +104,31 @@ class Context:
 
     def __repr__(self) -> str:
         comm = self._comm()
-        return f"xcp.context(group={self._group!r}, balance={self._balance!r}: rank {comm.rank()} of {comm.size()})"
+        hybrid = f", ulysses={self._ulysses}" if self._ulysses != 1 else ""
+        where = f"rank {comm.rank()} of {comm.size()}"
+        return f"xcp.context(group={self._group!r}, balance={self._balance!r}{hybrid}: {where})"
 
-    # -- the three operations, with this context's group and balance
+    # -- the three operations, with this context's group, balance and ulysses
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's part of the whole sequence ``x`` along ``dim`` (see :func:`xcp.shard`)."""
         rank, size = self._rank_size()
-        return _shard(x, size, rank, dim=dim, balance=self._balance)
+        return _shard(x, size, rank, dim=dim, balance=self._balance, ulysses=self._ulysses)
 
     def unshard(self, shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
         """The whole sequence from the shards of ranks 0..P-1 (see :func:`xcp.unshard`)."""
-        return _unshard(shards, dim=dim, balance=self._balance)
+        return _unshard(shards, dim=dim, balance=self._balance, ulysses=self._ulysses)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """:func:`xcp.attention` on this rank's shards with this context's group and balance.
+        """:func:`xcp.attention` on this rank's shards with this context's group, balance and ulysses.
 
-        ``kwargs`` are those of :func:`xcp.attention` (``causal`` is required there too); a ``balance`` or
-        ``group`` that disagrees with the context's raises a ValueError naming both.
+        ``kwargs`` are those of :func:`xcp.attention` (``causal`` is required there too); a ``balance``,
+        ``group`` or ``ulysses`` that disagrees with the context's raises a ValueError naming both.
         """
+        if "ulysses" in kwargs and kwargs["ulysses"] != self._ulysses:
+            raise ValueError(
+                f"ulysses: this xcp.context places the sequence with ulysses={self._ulysses}; "
+                f"attention(ulysses={kwargs['ulysses']!r}) disagrees (leave ulysses= out inside a context)"
+            )
         if "balance" in kwargs and kwargs["balance"] != self._balance:
             raise ValueError(
                 f"balance: this xcp.context places the sequence with balance {self._balance!r}; "
@@ -120,7 +139,7 @@ class Context:
                 f"group: this xcp.context holds group {self._group!r}; attention(group={kwargs['group']!r}) "
                 "disagrees (leave group= out inside a context)"
             )
-        kwargs["balance"], kwargs["group"] = self._balance, self._group
+        kwargs["balance"], kwargs["group"], kwargs["ulysses"] = self._balance, self._group, self._ulysses
         return _attention(q, k, v, **kwargs)
 
     # -- the current context of this thread
@@ -187,8 +206,8 @@ class _ContextModule(types.ModuleType):
     """This module, callable: where ``import xcp.context`` made ``xcp.context`` the module rather than the
     class, ``xcp.context(group, balance)`` still builds a context."""
 
-    def __call__(self, group: Any = None, balance: str = schedule.DEFAULT_BALANCE) -> Context:
-        return Context(group, balance)
+    def __call__(self, group: Any = None, balance: str = schedule.DEFAULT_BALANCE, ulysses: int = 1) -> Context:
+        return Context(group, balance, ulysses)
 
 
 sys.modules[__name__].__class__ = _ContextModule

@@ -204,6 +204,7 @@ def _documents(ctx: Context, query: torch.Tensor, kwargs: dict, who: str) -> tup
         ctx.world_size,
         ctx.rank,
         ctx.balance,
+        ctx.ulysses,
         query.shape[2],
         None if pos is None else (id(pos), pos._version),
         None if cu_q is None else id(cu_q),
