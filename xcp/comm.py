@@ -19,6 +19,7 @@ the parent's threads and mailbox).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import math
@@ -402,8 +403,10 @@ class LocalWorld:
         self._rank_stores: dict[int, dict] = {}
         self._workers: list[_RankThread | None] = [None] * world_size
         self.cooperative = self.device.type != "cpu" if cooperative is None else bool(cooperative)
-        self._turn_lock = threading.Lock()
-        self._turn_holder: int | None = None
+        self._sched = threading.Lock()  # guards the turn: holder, runnable ranks, ranks waiting for an item
+        self._holder: threading.Event | None = None
+        self._runnable: collections.deque[threading.Event] = collections.deque()
+        self._waiting: dict[tuple, threading.Event] = {}
         weakref.finalize(self, _RankThread.stop_all, self._workers)
 
     def __repr__(self) -> str:
@@ -435,6 +438,9 @@ class LocalWorld:
         """
         self._boxes.clear()
         self._failure = None
+        with self._sched:  # nothing of an earlier run's turn survives
+            self._holder, self._waiting = None, {}
+            self._runnable.clear()
         results: list[Any] = [None] * self.world_size
         errors: list[BaseException | None] = [None] * self.world_size
 
@@ -513,7 +519,11 @@ class LocalWorld:
         if failure is not None and failure[0] != rank:
             raise RankAborted(f"rank {rank}: aborted because rank {failure[0]} failed")
 
-    # -- turns (cooperative worlds): one rank runs at a time and hands over only where it would wait
+    # -- turns (cooperative worlds): one rank runs at a time and hands over only where it would wait.
+    # A rank that must wait for a mailbox item registers for it and passes the turn to a rank that can run;
+    # the put of that item makes it runnable (queued, not woken), and it is woken only when the turn comes
+    # to it. So exactly one thread is awake, and a hand-over wakes exactly one: no wake-up that then waits
+    # for the interpreter lock held by a rank still running.
     @contextlib.contextmanager
     def _turn(self, rank: int):
         """Hold the world's turn for the body of a rank's job (cooperative worlds only)."""
@@ -524,55 +534,98 @@ class LocalWorld:
         try:
             yield
         finally:
-            self._give_turn()
+            with self._sched:
+                if self._holder is _waker():
+                    self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Give the turn to the next runnable rank, or leave it free (call with ``_sched`` held)."""
+        if self._runnable:
+            self._holder = self._runnable.popleft()
+            self._holder.set()
+        else:
+            self._holder = None
+
+    def _await_turn(self, rank: int, me: threading.Event, what: str, key: tuple | None = None) -> None:
+        """Block until the turn is handed to ``me``; on abort or timeout leave every queue and pass on a turn
+        that arrived meanwhile."""
+        deadline = time.monotonic() + self.timeout
+        while not me.wait(0.02):
+            try:
+                self._check_abort(rank)
+                if time.monotonic() > deadline:
+                    raise CommTimeout(f"rank {rank} waited {self.timeout:g} s for {what}")
+            except BaseException:
+                with self._sched:
+                    if key is not None and self._waiting.get(key) is me:
+                        del self._waiting[key]
+                    if me in self._runnable:
+                        self._runnable.remove(me)
+                    if self._holder is me:
+                        self._hand_over()
+                me.clear()
+                raise
+        me.clear()
 
     def _take_turn(self, rank: int) -> None:
-        deadline = time.monotonic() + self.timeout
-        while not self._turn_lock.acquire(timeout=0.02):
-            self._check_abort(rank)
-            if time.monotonic() > deadline:
-                raise CommTimeout(
-                    f"rank {rank} waited {self.timeout:g} s for its turn to run; another rank of this cooperative "
-                    "LocalWorld kept it (stuck outside an xcp wait?)"
-                )
-        self._turn_holder = threading.get_ident()
+        me = _waker()
+        with self._sched:
+            if self._holder is None and not self._runnable:
+                self._holder = me
+                return
+            self._runnable.append(me)
+        why = "its turn to run; another rank of this cooperative LocalWorld kept it (stuck outside an xcp wait?)"
+        self._await_turn(rank, me, why)
 
-    def _give_turn(self) -> bool:
-        """Hand the turn on if this thread holds it; whether it did."""
-        if self._turn_holder != threading.get_ident():
-            return False
-        self._turn_holder = None
-        self._turn_lock.release()
-        return True
-
-    def _wait_for(self, rank: int, what: str, poll: Callable[[float], Any]) -> Any:
-        got = poll(0.0)
-        if got is not None:  # already there: no hand-over
-            return got
-        handed = self.cooperative and self._give_turn()  # let the peers run while this rank waits
-        try:
-            deadline = time.monotonic() + self.timeout
-            while True:
-                self._check_abort(rank)
-                got = poll(0.02)
-                if got is not None:
-                    return got
-                if time.monotonic() > deadline:
-                    raise CommTimeout(f"rank {rank} waited {self.timeout:g} s for {what}; is a peer stuck or missing?")
-        finally:
-            if handed:
-                self._take_turn(rank)
+    def _put(self, key: tuple, item: Any) -> None:
+        """Put ``item`` in the mailbox ``key``; in a cooperative world, the rank waiting for it becomes runnable."""
+        self._box(key).put(item)
+        if self.cooperative:
+            with self._sched:
+                waiter = self._waiting.pop(key, None)
+                if waiter is not None:
+                    self._runnable.append(waiter)
+                    if self._holder is None:
+                        self._hand_over()
 
     def _take(self, rank: int, key: tuple, what: str) -> Any:
         box = self._box(key)
-
-        def poll(timeout: float) -> Any:
+        try:
+            return box.get_nowait()
+        except queue.Empty:
+            pass
+        if self.cooperative and self._holder is _waker():
+            me = _waker()
+            with self._sched:
+                if box.empty():  # puts register under this lock: the item cannot slip in unseen
+                    self._waiting[key] = me
+                    self._hand_over()
+                    registered = True
+                else:
+                    registered = False
+            if registered:
+                self._await_turn(rank, me, f"{what}; is a peer stuck or missing?", key)
+            return box.get_nowait()
+        deadline = time.monotonic() + self.timeout
+        while True:
+            self._check_abort(rank)
             try:
-                return box.get(timeout=timeout)
+                return box.get(timeout=0.02)
             except queue.Empty:
-                return None
+                pass
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"rank {rank} waited {self.timeout:g} s for {what}; is a peer stuck or missing?")
 
-        return self._wait_for(rank, what, poll)
+
+_wakers = threading.local()
+
+
+def _waker() -> threading.Event:
+    """This thread's event: set when the turn of a cooperative LocalWorld is handed to it."""
+    event = getattr(_wakers, "event", None)
+    if event is None:
+        event = _wakers.event = threading.Event()
+    return event
 
 
 class LocalGroup:
@@ -652,7 +705,7 @@ class LocalGroup:
             free = backend.new_event()
             backend.record_event(free, stream)
             for (buf, peer), i in zip(recvs, _channels(recvs)):
-                world._box(("post", peer, me, tag, i)).put(_Post(buf, free))
+                world._put(("post", peer, me, tag, i), _Post(buf, free))
         if sends:
             waited: list[Any] = []
             for (tensor, peer), i in zip(sends, _channels(sends)):
@@ -673,7 +726,7 @@ class LocalGroup:
             done = backend.new_event()
             backend.record_event(done, stream)
             for (_, peer), i in zip(sends, _channels(sends)):
-                world._box(("done", me, peer, tag, i)).put(done)
+                world._put(("done", me, peer, tag, i), done)
         works = [(buf.device, peer, i) for (buf, peer), i in zip(recvs, _channels(recvs))]
         return _LocalWork(self, backend, works, tag, step)
 
