@@ -6,6 +6,7 @@
 #   benchmarks/h200.sh window   # the 128K sliding-window bench
 #   benchmarks/h200.sh perf     # cuda tests, host profile, world of one vs SDPA, host µs per step, 64K, 16K
 #   benchmarks/h200.sh ulysses  # the hybrid all-to-all + ring: xcp run checks, the 128K bench for U = 1, 2, 4, 8
+#   benchmarks/h200.sh rings    # 16K and 64K over 8 virtual ranks, host µs per step
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -93,6 +94,16 @@ ulysses)
   timeout 420 xcp bench --ulysses 1,2,4,8 --seqs 131072 --worlds 8 --mask causal --reps 3 --quiet \
     --json "$out/ulysses.json" 2>&1 | tee "$out/ulysses.txt"
   ;;
-*) echo "usage: $0 checks|bench|masks|window|perf|ulysses" >&2; exit 2 ;;
+rings)
+  section "rings over 8 virtual ranks after the directed hand-over (16K, 64K; host µs per step)"
+  {
+    timeout 100 xcp bench --seqs 16384 --worlds 2,8 --reps 5 --no-graph --memory-seq 16384 --memory-worlds 8 --quiet \
+      2>&1 | grep -E "^ +16384 +[28] "
+    timeout 100 xcp bench --seqs 65536 --worlds 8 --reps 3 --no-graph --memory-seq 16384 --memory-worlds 8 --quiet \
+      2>&1 | grep -E "^ +65536 +8 "
+    timeout 100 xcp bench --host --worlds 8 --host-tokens 2048 --mask causal --seqs 1024 --quiet 2>&1 | grep -E "^ +8 causal"
+  } 2>&1 | tee "$out/rings.txt"
+  ;;
+*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings" >&2; exit 2 ;;
 esac
 section done
