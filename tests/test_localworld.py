@@ -214,3 +214,19 @@ def test_a_rank_that_keeps_the_turn_makes_its_peer_time_out():
         world.run(rank_fn)
     assert time.monotonic() - start < 3.0
     assert "its turn to run" in str(info.value) or "rank 0 to post receive kv0" in str(info.value)
+
+
+def test_the_hybrid_in_a_cooperative_world_equals_a_free_running_one():
+    """The all-to-alls of the hybrid (several peers per exchange) hand the turn over like the ring's P2P."""
+    q, k, v, dout = random_inputs(1, 32, 4, 2, 8, seed=7)
+
+    def rank_fn(group):
+        local = [xcp.shard(x, 4, group.rank(), ulysses=2).requires_grad_() for x in (q, k, v)]
+        out = xcp.attention(*local, causal=True, group=group, ulysses=2)
+        out.backward(xcp.shard(dout, 4, group.rank(), ulysses=2))
+        return out.detach(), *(x.grad for x in local)
+
+    coop = xcp.LocalWorld(4, cooperative=True).run(rank_fn)
+    free = xcp.LocalWorld(4, cooperative=False).run(rank_fn)
+    for a, b in zip(coop, free):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
