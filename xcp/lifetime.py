@@ -320,6 +320,7 @@ class RingCall:
         self._slots: list[ShardSlots] = []
         self._keep: list[torch.Tensor] = []
         self._clones: dict[str, Tokens] = {}
+        self._order_event: Any = None
 
     # -- rule 2: slots
     def slots(
@@ -372,9 +373,14 @@ class RingCall:
 
     # -- rule 2: the receive waits for the compute that last read its slot
     def comm_after_compute(self) -> None:
-        """Make M wait for everything issued on C so far (the last compute, and C's waits on receives)."""
+        """Make M wait for everything issued on C so far (the last compute, and C's waits on receives).
+
+        One event serves every call: a wait binds to the event's latest record when it is issued, and this
+        record is waited for at once, so re-recording it later never moves an earlier wait."""
         be = self.backend
-        event = be.new_event()
+        event = self._order_event
+        if event is None:
+            event = self._order_event = be.new_event()
         be.record_event(event, self.caller)
         be.wait_event(self.comm_stream, event)
 
