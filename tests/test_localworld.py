@@ -230,3 +230,15 @@ def test_the_hybrid_in_a_cooperative_world_equals_a_free_running_one():
     free = xcp.LocalWorld(4, cooperative=False).run(rank_fn)
     for a, b in zip(coop, free):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_thread_outside_the_turns_polls_a_cooperative_mailbox():
+    """Mail for a thread that does not hold the turn (not a rank's job) is polled: it arrives, or the
+    wait times out naming what it waited for."""
+    world = xcp.LocalWorld(2, timeout=0.3, cooperative=True)
+    timer = threading.Timer(0.05, world._put, args=(("post", 0, 1, "kv", 0), "item"))
+    timer.start()
+    assert world._take(0, ("post", 0, 1, "kv", 0), lambda: "the item") == "item"
+    timer.join()
+    with pytest.raises(CommTimeout, match=r"rank 0 waited 0\.3 s for the item; is a peer stuck or missing\?"):
+        world._take(0, ("post", 0, 1, "kv", 1), lambda: "the item")

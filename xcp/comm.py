@@ -407,6 +407,7 @@ class LocalWorld:
         self._holder: threading.Event | None = None
         self._runnable: collections.deque[threading.Event] = collections.deque()
         self._waiting: dict[tuple, threading.Event] = {}
+        self._mail: dict[tuple, collections.deque] = {}  # the mailboxes of a cooperative world
         weakref.finalize(self, _RankThread.stop_all, self._workers)
 
     def __repr__(self) -> str:
@@ -439,7 +440,7 @@ class LocalWorld:
         self._boxes.clear()
         self._failure = None
         with self._sched:  # nothing of an earlier run's turn survives
-            self._holder, self._waiting = None, {}
+            self._holder, self._waiting, self._mail = None, {}, {}
             self._runnable.clear()
         results: list[Any] = [None] * self.world_size
         errors: list[BaseException | None] = [None] * self.world_size
@@ -546,7 +547,7 @@ class LocalWorld:
         else:
             self._holder = None
 
-    def _await_turn(self, rank: int, me: threading.Event, what: str, key: tuple | None = None) -> None:
+    def _await_turn(self, rank: int, me: threading.Event, what: Callable[[], str], key: tuple | None = None) -> None:
         """Block until the turn is handed to ``me``; on abort or timeout leave every queue and pass on a turn
         that arrived meanwhile."""
         deadline = time.monotonic() + self.timeout
@@ -554,7 +555,7 @@ class LocalWorld:
             try:
                 self._check_abort(rank)
                 if time.monotonic() > deadline:
-                    raise CommTimeout(f"rank {rank} waited {self.timeout:g} s for {what}")
+                    raise CommTimeout(f"rank {rank} waited {self.timeout:g} s for {what()}")
             except BaseException:
                 with self._sched:
                     if key is not None and self._waiting.get(key) is me:
@@ -575,46 +576,69 @@ class LocalWorld:
                 return
             self._runnable.append(me)
         why = "its turn to run; another rank of this cooperative LocalWorld kept it (stuck outside an xcp wait?)"
-        self._await_turn(rank, me, why)
+        self._await_turn(rank, me, lambda: why)
 
     def _put(self, key: tuple, item: Any) -> None:
         """Put ``item`` in the mailbox ``key``; in a cooperative world, the rank waiting for it becomes runnable."""
-        self._box(key).put(item)
-        if self.cooperative:
-            with self._sched:
-                waiter = self._waiting.pop(key, None)
-                if waiter is not None:
-                    self._runnable.append(waiter)
-                    if self._holder is None:
-                        self._hand_over()
+        if not self.cooperative:
+            self._box(key).put(item)
+            return
+        with self._sched:  # one lock for the mail and the turn: a put cannot slip between a check and a wait
+            self._mail.setdefault(key, collections.deque()).append(item)
+            waiter = self._waiting.pop(key, None)
+            if waiter is not None:
+                self._runnable.append(waiter)
+                if self._holder is None:
+                    self._hand_over()
 
-    def _take(self, rank: int, key: tuple, what: str) -> Any:
+    def _take(self, rank: int, key: tuple, what: Callable[[], str]) -> Any:
+        """The next item of mailbox ``key``, waiting for it (``what()`` describes it in a timeout)."""
+        if self.cooperative:
+            me = _waker()
+            with self._sched:
+                box = self._mail.get(key)
+                if box:
+                    return box.popleft()
+                holder = self._holder is me
+                if holder:  # wait without the turn: pass it on, be made runnable by the put
+                    self._waiting[key] = me
+                    self._hand_over()
+            if holder:
+                self._await_turn(rank, me, lambda: f"{what()}; is a peer stuck or missing?", key)
+                with self._sched:
+                    return self._mail[key].popleft()
+            return self._poll(rank, what, lambda: self._pop_mail(key))
         box = self._box(key)
         try:
             return box.get_nowait()
         except queue.Empty:
             pass
-        if self.cooperative and self._holder is _waker():
-            me = _waker()
-            with self._sched:
-                if box.empty():  # puts register under this lock: the item cannot slip in unseen
-                    self._waiting[key] = me
-                    self._hand_over()
-                    registered = True
-                else:
-                    registered = False
-            if registered:
-                self._await_turn(rank, me, f"{what}; is a peer stuck or missing?", key)
-            return box.get_nowait()
-        deadline = time.monotonic() + self.timeout
-        while True:
-            self._check_abort(rank)
+
+        def get() -> Any:
             try:
                 return box.get(timeout=0.02)
             except queue.Empty:
-                pass
+                return None
+
+        return self._poll(rank, what, get)
+
+    def _pop_mail(self, key: tuple) -> Any:
+        with self._sched:
+            box = self._mail.get(key)
+            if box:
+                return box.popleft()
+        time.sleep(0.001)  # a thread outside the turns (not a rank's job): poll
+        return None
+
+    def _poll(self, rank: int, what: Callable[[], str], get: Callable[[], Any]) -> Any:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            self._check_abort(rank)
+            got = get()
+            if got is not None:
+                return got
             if time.monotonic() > deadline:
-                raise CommTimeout(f"rank {rank} waited {self.timeout:g} s for {what}; is a peer stuck or missing?")
+                raise CommTimeout(f"rank {rank} waited {self.timeout:g} s for {what()}; is a peer stuck or missing?")
 
 
 _wakers = threading.local()
@@ -709,9 +733,8 @@ class LocalGroup:
         if sends:
             waited: list[Any] = []
             for (tensor, peer), i in zip(sends, _channels(sends)):
-                post = world._take(
-                    me, ("post", me, peer, tag, i), f"rank {peer} to post receive {tag}{i}{_at_step(step)}"
-                )
+                key = ("post", me, peer, tag, i)
+                post = world._take(me, key, lambda p=peer, i=i: f"rank {p} to post receive {tag}{i}{_at_step(step)}")
                 if post.buf.shape != tensor.shape or post.buf.dtype != tensor.dtype:
                     raise RuntimeError(
                         f"rank {me}: sending {tag}{i} shaped {tuple(tensor.shape)} {tensor.dtype} to rank {peer}, "
@@ -760,7 +783,7 @@ class _LocalWork:
         waited: list[Any] = []
         for device, peer, i in self._recvs:
             key = ("done", peer, g._me, self._tag, i)
-            done = g.world._take(g._me, key, f"{self._tag}{i} from rank {peer}{_at_step(self._step)}")
+            done = g.world._take(g._me, key, lambda p=peer, i=i: f"{self._tag}{i} from rank {p}{_at_step(self._step)}")
             if not any(done is e for e in waited):
                 be.wait_event(be.current_stream(device), done)
                 waited.append(done)
