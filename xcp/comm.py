@@ -26,7 +26,6 @@ import math
 import numbers
 import os
 import queue
-import sys
 import threading
 import time
 import weakref
@@ -263,52 +262,6 @@ class _Post:
     free: Any  # event recorded on the receiver's current stream when it posted the buffer
 
 
-SWITCH_INTERVAL = 0.0
-"""The default of :class:`LocalWorld`'s ``switch_interval`` (0: Python's own)."""
-
-_switch_lock = threading.Lock()
-_switch_depth = 0
-_switch_saved = 0.0
-
-
-def _check_switch_interval(value: Any) -> float:
-    if value is None:
-        env = os.environ.get("XCP_SWITCH_INTERVAL")
-        if env in (None, ""):
-            return SWITCH_INTERVAL
-        try:
-            value = float(env)
-        except ValueError:
-            raise ValueError(f"XCP_SWITCH_INTERVAL: expected seconds (a number >= 0); got {env!r}") from None
-        what = "XCP_SWITCH_INTERVAL"
-    else:
-        what = "switch_interval"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{what}: expected seconds (a number >= 0, 0 for Python's own); got {value!r}")
-    return float(value)
-
-
-@contextlib.contextmanager
-def _switch_interval(seconds: float):
-    """Python's thread switch interval set to ``seconds`` while any LocalWorld runs (0: unchanged)."""
-    global _switch_depth, _switch_saved
-    if not seconds:
-        yield
-        return
-    with _switch_lock:
-        if _switch_depth == 0:
-            _switch_saved = sys.getswitchinterval()
-            sys.setswitchinterval(seconds)
-        _switch_depth += 1
-    try:
-        yield
-    finally:
-        with _switch_lock:
-            _switch_depth -= 1
-            if _switch_depth == 0:
-                sys.setswitchinterval(_switch_saved)
-
-
 class _Job:
     """One rank's part of a :meth:`LocalWorld.run`, with the join interface of a thread."""
 
@@ -377,21 +330,15 @@ class LocalWorld:
         world_size: int,
         device: str | torch.device = "cpu",
         timeout: float = 120.0,
-        switch_interval: float | None = None,
         cooperative: bool | None = None,
     ) -> None:
         """:param cooperative: run one rank at a time, handing over only where a rank waits for a peer
-            (default: on devices other than the CPU, where the ranks' threads only launch work). P threads
-            launching at once contend for the interpreter and the driver; taking turns at the ring's wait
-            points keeps the device fed with one thread's launch rate. A rank must then not wait for its
-            peers outside xcp (a ``threading.Barrier`` between ranks would never be passed).
-        :param switch_interval: seconds a rank's thread may hold the interpreter while others wait, set
-        with :func:`sys.setswitchinterval` for the duration of :meth:`run` (Python's own is 5 ms: with
-        ranks that hand work to each other at every ring step, each hand-over can wait that long). None:
-        ``XCP_SWITCH_INTERVAL``, else :data:`SWITCH_INTERVAL`; 0 leaves Python's setting alone."""
+        (default: on devices other than the CPU, where the ranks' threads only launch work). P threads
+        launching at once contend for the interpreter and the driver; taking turns at the ring's wait
+        points keeps the device fed with one thread's launch rate. A rank must then not wait for its
+        peers outside xcp (a ``threading.Barrier`` between ranks would never be passed)."""
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"world_size: expected an integer >= 1; got {world_size!r}")
-        self.switch_interval = _check_switch_interval(switch_interval)
         self.world_size = world_size
         self.device = torch.device(device)
         self.timeout = check_timeout(timeout)
@@ -456,9 +403,8 @@ class LocalWorld:
                     if self._failure is None and not isinstance(exc, RankAborted):
                         self._failure = (rank, exc)
 
-        with _switch_interval(self.switch_interval if self.world_size > 1 else 0.0):
-            threads = [self._worker(r).submit(body, r) for r in range(self.world_size)]
-            self._join(threads, errors)
+        threads = [self._worker(r).submit(body, r) for r in range(self.world_size)]
+        self._join(threads, errors)
         if self._failure is None and any(errors):
             rank = next(r for r, e in enumerate(errors) if e is not None)
             self._failure = (rank, errors[rank])
