@@ -1098,7 +1098,9 @@ def _format_host(report: dict[str, Any]) -> list[str]:
                 f"world of one: xcp.attention(q, k, v, causal=...) without a group against torch SDPA (q, k, v "
                 f"as [B, H, S, D] views, enable_gqa=True), {c['dtype']}; each checked against the other "
                 f"(relative 2-norm error of out, dq, dk, dv ≤ {w1[0]['tolerance']:.0e}) before it is timed; "
-                f"median of {w1[0]['reps']}, interleaved; ratio = xcp / SDPA"
+                f"median of {w1[0]['reps']}, interleaved; ratio = xcp / SDPA. xcp hands a world of one to the "
+                f"backend's whole_attention where it has one (cuda: torch SDPA itself), so the ratio is the cost "
+                f"of xcp's checks and dispatch around it"
             ),
             "",
             f"{'S':>8} {'mask':>6} | {'fwd SDPA ms':>11} {'fwd xcp ms':>10} {'ratio':>6} | "
