@@ -10,6 +10,7 @@ waits for its peers in other threads would never return.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -61,11 +62,12 @@ class RingConfig:
         steps = None if self.documents is None else len(self._document_plan().steps)
         return schedule.plan(self.comm.size(), self.comm.rank(), self.causal, self.balance, steps)
 
-    def block_calls(self, n: int) -> list[list[BlockCall]]:
-        """The kernel calls of each step for local shards of ``n`` tokens."""
+    def block_calls(self, n: int) -> tuple[tuple[BlockCall, ...], ...]:
+        """The kernel calls of each step for local shards of ``n`` tokens (made once per configuration)."""
         if self.documents is None:
-            return [[BlockCall(*_views(st, n), st.mask)] if st.computes else [] for st in self.plan.steps]
-        return [[BlockCall.of(r) for r in step] for step in self._document_plan().steps]
+            return _dense_calls(self.comm.size(), self.comm.rank(), self.causal, self.balance, n)
+        return _document_calls(self.documents, self.comm.size(), self.comm.rank(), self.causal, self.balance,
+                               self.window)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,18 @@ class BlockCall:
         if self.window is None:
             return backend.backward_varlen(dout, q, k, v, out, lse, *self.cu, causal, scale)
         return backend.backward_varlen(dout, q, k, v, out, lse, *self.cu, causal, scale, window=self.window)
+
+
+@functools.lru_cache(maxsize=1024)
+def _dense_calls(world: int, rank: int, causal: bool, balance: str, n: int) -> tuple[tuple[BlockCall, ...], ...]:
+    plan = schedule.plan(world, rank, causal, balance)
+    return tuple((BlockCall(*_views(st, n), st.mask),) if st.computes else () for st in plan.steps)
+
+
+@functools.lru_cache(maxsize=64)
+def _document_calls(documents, world: int, rank: int, causal: bool, balance: str, window):
+    steps = document_plan(documents, world, rank, causal, balance, window).steps
+    return tuple(tuple(BlockCall.of(r) for r in step) for step in steps)
 
 
 def _views(step: schedule.Step, n: int) -> tuple[slice, slice]:
@@ -234,6 +248,7 @@ def ring_backward(
     call = RingCall(comm, backend, q.device, cfg.slots, cfg.handoff)
     kv = _KVRing(call, comm, k, v, m)
     dkv_slots = call.slots("dkv", (k, v), dtype=acc, steps=range(m + 1))
+    views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
     with call:
         dkv_work = None
         for step, blocks in zip(plan.steps, calls):
@@ -242,8 +257,12 @@ def ring_backward(
             grads = []
             for b in blocks:
                 qs = b.qs
-                g = b.backward(backend, dout[:, qs], q[:, qs], *kv.views(b.ks), out[:, qs], lse[:, :, qs], cfg.scale)
-                dq[:, qs].add_(g[0])  # in place on the view: no write-back through __setitem__
+                rows = views.get((qs.start, qs.stop))
+                if rows is None:  # the rows' views, made once per call (a ring has two or three kinds)
+                    rows = views[qs.start, qs.stop] = (dout[:, qs], q[:, qs], out[:, qs], lse[:, :, qs], dq[:, qs])
+                g_out, g_q, g_o, g_lse, g_dq = rows
+                g = b.backward(backend, g_out, g_q, *kv.views(b.ks), g_o, g_lse, cfg.scale)
+                g_dq.add_(g[0])  # in place on the view: no write-back through __setitem__
                 grads.append((b.ks, g[1], g[2]))
                 del g
             if i == 0:
