@@ -364,6 +364,22 @@ def check_againstwhole_kernel(ring: VirtualRing, results, whole_out, whole_grads
     return errs
 
 
+def _run_work(
+    work: list[tuple[str, Callable[[], None]]], report: dict[str, Any], progress: bool, checkpoint: str | None
+) -> dict[str, Any]:
+    """Run each measurement of ``work`` in order, with the progress bar and the checkpoint after each; return
+    ``report`` (which the measurements fill)."""
+    for step, (label, measure) in enumerate(work):
+        if progress:
+            _progress(step, len(work), label)
+        measure()
+        if checkpoint:
+            write_json(report, checkpoint)
+    if progress:
+        _progress(len(work), len(work), "done")
+    return report
+
+
 def _progress(done: int, total: int, label: str) -> None:
     width = 30
     filled = int(width * done / max(total, 1))
@@ -422,15 +438,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, checkpoint: str | None = 
         row = (cfg, backend, clock, device, seq, world, causal)
         label = f"S={seq} P={world} {'causal' if causal else 'full'}"
         work.append((label, lambda r=row: report["timing"].append(_time_one(*r))))
-    for step, (label, measure) in enumerate(work):
-        if progress:
-            _progress(step, len(work), label)
-        measure()
-        if checkpoint:
-            write_json(report, checkpoint)
-    if progress:
-        _progress(len(work), len(work), "done")
-    return report
+    return _run_work(work, report, progress, checkpoint)
 
 
 def _meta(cfg: BenchConfig, backend, device: torch.device) -> dict[str, Any]:
@@ -505,15 +513,7 @@ def _run_ulysses(cfg: BenchConfig, backend, device, progress: bool, checkpoint: 
                     row = (cfg, backend, clock, device, seq, world, causal, u)
                     work.append((f"S={seq} P={world} U={u} {'causal' if causal else 'full'}",
                                  lambda r=row: report["ulysses"].append(_time_ulysses(*r))))  # fmt: skip
-    for step, (label, measure) in enumerate(work):
-        if progress:
-            _progress(step, len(work), label)
-        measure()
-        if checkpoint:
-            write_json(report, checkpoint)
-    if progress:
-        _progress(len(work), len(work), "done")
-    return report
+    return _run_work(work, report, progress, checkpoint)
 
 
 ULYSSES_TAGS = ("a2a", "kv", "dkv")
@@ -630,15 +630,7 @@ def _run_documents(cfg: BenchConfig, backend, device, progress: bool, checkpoint
                     row = (cfg, backend, clock, device, seq, world, causal)
                     work.append((f"dense S={seq} P={world} {mask}",
                                  lambda r=row: report["timing"].append(_time_one(*r))))  # fmt: skip
-    for step, (label, measure) in enumerate(work):
-        if progress:
-            _progress(step, len(work), label)
-        measure()
-        if checkpoint:
-            write_json(report, checkpoint)
-    if progress:
-        _progress(len(work), len(work), "done")
-    return report
+    return _run_work(work, report, progress, checkpoint)
 
 
 def _time_documents(cfg, backend, clock, device, seq, world, causal, spec) -> dict[str, Any]:
@@ -1038,15 +1030,7 @@ def _run_host(cfg: BenchConfig, backend, device, progress: bool, checkpoint: str
             row = (cfg, backend, clock, device, seq, causal)
             work.append((f"world of one S={seq} {'causal' if causal else 'full'}",
                          lambda r=row: report["world_of_one"].append(_world_of_one_one(*r))))  # fmt: skip
-    for step, (label, measure) in enumerate(work):
-        if progress:
-            _progress(step, len(work), label)
-        measure()
-        if checkpoint:
-            write_json(report, checkpoint)
-    if progress:
-        _progress(len(work), len(work), "done")
-    return report
+    return _run_work(work, report, progress, checkpoint)
 
 
 HOST_METHOD = (
