@@ -141,6 +141,11 @@ def heads_second(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().transpose(1, 2)
 
 
+def _backward_views(dout, q, k, v, out) -> tuple[torch.Tensor, ...]:
+    """dout, q, k, v, out as the dense backward ops take them: [B, H, S, D] views, dout and out in q's dtype."""
+    return tuple(heads_second(x) for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
+
+
 def lse_for_backward(lse: torch.Tensor) -> torch.Tensor:
     """The merged lse as the backward kernels read it: float32, contiguous, -inf rows mapped to +inf."""
     # one kernel (a fresh contiguous tensor); NaN, which no kernel writes, is left as it is
@@ -191,11 +196,7 @@ def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """aten flash backward from the merged out/lse: dq [B, Sq, H, D], dk, dv [B, Sk, Hkv, D] (inputs' dtype)."""
     seed, offset = _rng_placeholders(q.device, flash=True)
     dq, dk, dv = ATEN._scaled_dot_product_flash_attention_backward(
-        heads_second(dout.to(q.dtype)),
-        heads_second(q),
-        heads_second(k),
-        heads_second(v),
-        heads_second(out.to(q.dtype)),
+        *_backward_views(dout, q, k, v, out),
         lse_for_backward(lse),
         None,  # cum_seq_q: dense batch
         None,  # cum_seq_k
@@ -224,11 +225,7 @@ def cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """aten cuDNN backward from the merged out/lse: dq [B, Sq, H, D], dk, dv [B, Sk, Hkv, D]."""
     seed, offset = _rng_placeholders(q.device, flash=False)
     dq, dk, dv = ATEN._scaled_dot_product_cudnn_attention_backward(
-        heads_second(dout.to(q.dtype)),
-        heads_second(q),
-        heads_second(k),
-        heads_second(v),
-        heads_second(out.to(q.dtype)),
+        *_backward_views(dout, q, k, v, out),
         lse_for_backward(lse).unsqueeze(-1),  # [B, H, Sq, 1], as the forward returns it
         seed,  # read only when dropout_p > 0
         offset,
@@ -259,13 +256,14 @@ def efficient_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor
 def efficient_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """aten memory-efficient backward from the merged out/lse: dq, dk, dv shaped like q, k, v."""
     seed, offset = _rng_placeholders(q.device, flash=False)
+    d_bhsd, q_bhsd, k_bhsd, v_bhsd, out_bhsd = _backward_views(dout, q, k, v, out)
     res = ATEN._scaled_dot_product_efficient_attention_backward(
-        heads_second(dout.to(q.dtype)),
-        heads_second(q),
-        heads_second(k),
-        heads_second(v),
+        d_bhsd,
+        q_bhsd,
+        k_bhsd,
+        v_bhsd,
         None,  # attn_bias
-        heads_second(out.to(q.dtype)),
+        out_bhsd,
         pad_lse(lse_for_backward(lse)),
         seed,
         offset,
