@@ -12,33 +12,24 @@ kernels side by side (CUDA events, median of 15).
 # ruff: noqa: B023 - the timed closures are called inside the iteration that defines them
 from __future__ import annotations
 
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.device_varlen_check import timed as median_ms
+from xcp_cuda.kernels import heads_second
 
 ATEN = torch.ops.aten
 H, HKV, D = 32, 8, 128
 DT = torch.bfloat16
 
 
-def timed(fn, reps: int = 15) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def timed(fn) -> float:
+    return median_ms(fn, reps=15, warmup=3)
 
 
-def bhsd(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().transpose(1, 2)
+bhsd = heads_second  # [B, S, H, D] -> the [B, H, S, D] view the aten ops take
 
 
 def inputs(s: int, sk: int | None = None, seed: int = 0):

@@ -97,9 +97,10 @@ def error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / max(1.0, want.abs().max().item())).item()
 
 
-def timed(fn, reps: int = 5) -> float:
-    """Median milliseconds of ``fn`` on the current stream, after one warm-up."""
-    fn()
+def timed(fn, reps: int = 5, warmup: int = 1) -> float:
+    """Median milliseconds of ``fn`` on the current stream, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
