@@ -135,11 +135,12 @@ class HybridTraffic:
     @property
     def backward_alltoall(self) -> int:
         """dout in and dq, dk, dv back: the forward's count."""
-        return 2 * self.q + 2 * self.kv
+        return self.forward_alltoall
 
     @property
     def backward_ring_kv(self) -> int:
-        return (self.ring_steps - 1) * self.kv_shard
+        """The K/V shards travel as in the forward."""
+        return self.forward_ring
 
     @property
     def backward_ring_dkv(self) -> int:
