@@ -233,11 +233,7 @@ def ring_backward(
     two dKV slots per rank, whatever the number of ranks. ``out`` and ``lse`` are the final ones (with
     the sinks folded in, where there are sinks).
     """
-    comm, backend = cfg.comm, cfg.backend
-    if comm.size() == 1 and cfg.documents is None:  # one dense block: the kernel's backward as it is
-        g = backend.backward(dout, q, k, v, out, lse, "causal" if cfg.causal else "none", cfg.scale)
-        return tuple(x.to(like.dtype).contiguous() for x, like in zip(g, (q, k, v)))
-    plan = cfg.plan
+    comm, backend, plan = cfg.comm, cfg.backend, cfg.plan
     n = q.shape[1]
     calls = cfg.block_calls(n)
     m = len(plan.steps)
