@@ -115,3 +115,41 @@ def test_the_cuda_backends_whole_attention_is_sdpa(causal, dtype, tol):
     repeat = CUDABackend(gqa="repeat")
     repeat._capability = lambda device: (9, 0)
     assert repeat.whole_attention(q, k, v, causal, scale) is None
+
+
+@pytest.mark.parametrize(
+    "change,error,words",
+    [
+        (dict(causal=1), TypeError, "causal: expected a bool"),
+        (dict(scale=-1.0), ValueError, "scale: expected a positive finite number"),
+        (dict(scale=float("nan")), ValueError, "scale: expected a positive finite number"),
+        (dict(balance="spiral"), ValueError, "balance"),
+        (dict(slots="all"), ValueError, "slots"),
+        (dict(k=lambda k: k.float()), TypeError, "k: expected dtype torch.float64"),
+        (dict(v=lambda v: v[:, :6]), ValueError, "v: expected shape"),
+        (dict(q=lambda q: q[0]), ValueError, "q: expected 4 dims"),
+        (dict(q=lambda q: q[:, :, :3]), ValueError, "k: expected a number of heads that divides the 3 heads"),
+        (dict(q=lambda q: q.int()), TypeError, "q: expected a floating-point dtype"),
+    ],
+)
+def test_a_world_of_one_checks_every_argument_before_whole_attention(recording, change, error, words):
+    """The world of one's short path checks what the general path checks: a bad argument gets the general
+    path's error naming it, and whole_attention is never called."""
+    q, k, v, _ = _inputs(dtype=torch.float64)
+    args = {"q": q.detach(), "k": k.detach(), "v": v.detach()}
+    options = {"causal": True}
+    for name, value in change.items():
+        if name in args:
+            args[name] = value(args[name])
+        else:
+            options[name] = value
+    with pytest.raises(error, match=words):
+        xcp.attention(args["q"], args["k"], args["v"], device="whole-recording", **options)
+    assert recording.calls == []
+
+
+def test_arguments_the_short_path_leaves_to_the_general_one_still_reach_whole_attention(recording):
+    """An int scale is valid; the general path checks it and then asks whole_attention."""
+    q, k, v, _ = _inputs(dtype=torch.float64)
+    xcp.attention(q, k, v, causal=True, device="whole-recording", scale=1)
+    assert recording.calls == [((1, 12, 4, 16), True, 1.0)]

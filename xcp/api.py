@@ -12,11 +12,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import schedule
 from .comm import check_timeout, resolve_group
 from .documents import check_cu_seqlens, check_window
 from .hybrid import check_ulysses, check_ulysses_divides, hybrid_attention
+from .lifetime import SLOT_POLICIES as _SLOTS
 from .lifetime import check_handoff, check_slots
 from .ops import compiled_attention
 from .plugins import select_backend
@@ -143,6 +145,39 @@ def _check_sinks(sinks: Any, q: torch.Tensor) -> torch.Tensor | None:
     return sinks
 
 
+def _alone(q: Any, k: Any, v: Any, causal: Any, scale: Any, balance: Any, slots: Any, device: Any) -> Any:
+    """A world of one without documents, window or sinks, answered by the backend's whole-sequence
+    attention, or None where any check below fails or the backend has no such call.
+
+    The checks are :func:`attention`'s, each one comparison (which costs little next to the kernel at 1K
+    tokens); where one fails, the general path runs and its checks name what is wrong.
+    """
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return None
+    qs, ks = q.shape, k.shape
+    if len(qs) != 4 or len(ks) != 4 or v.shape != ks or min(qs) < 1:
+        return None
+    if ks[0] != qs[0] or ks[1] != qs[1] or ks[3] != qs[3] or ks[2] < 1 or qs[2] % ks[2]:
+        return None
+    dtype, dev = q.dtype, q.device
+    if k.dtype != dtype or v.dtype != dtype or k.device != dev or v.device != dev or not q.is_floating_point():
+        return None
+    if not (causal is True or causal is False) or type(balance) is not str or balance not in schedule.BALANCES:
+        return None
+    if type(slots) is not str or slots not in _SLOTS:
+        return None
+    if scale is None:
+        scale = 1.0 / math.sqrt(qs[3])
+    elif type(scale) is not float or not 0.0 < scale < math.inf:
+        return None
+    if torch.compiler.is_compiling() or (dist.is_available() and dist.is_initialized()):
+        return None
+    backend = select_backend(None if device is None else str(device), dev.type)
+    if backend.device_type != dev.type or dtype not in backend.dtypes:
+        return None
+    return backend.whole_attention(q, k, v, causal, scale)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -199,6 +234,11 @@ def attention(
         ``ulysses``. 1 (default) is the ring alone, U = P all-to-all alone (Ulysses).
     :returns: this rank's output, shaped and typed like q.
     """
+    if (group is None and cu_seqlens is None and sinks is None and window is None and handoff is None
+            and timeout is None and policy is None and type(ulysses) is int and ulysses == 1):  # fmt: skip
+        out = _alone(q, k, v, causal, scale, balance, slots, device)
+        if out is not None:
+            return out
     check_inputs(q, k, v)
     if not schedule.is_bool(causal):
         raise TypeError(f"causal: expected a bool (or numpy.bool_); got {type(causal).__name__}")
