@@ -30,7 +30,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -254,14 +253,6 @@ class _DistWork:
 # LocalWorld: virtual ranks as threads
 
 
-@dataclass
-class _Post:
-    """A receive buffer a rank offers to its peer, free to be written once ``free`` has completed."""
-
-    buf: torch.Tensor
-    free: Any  # event recorded on the receiver's current stream when it posted the buffer
-
-
 class _Job:
     """One rank's part of a :meth:`LocalWorld.run`, with the join interface of a thread."""
 
@@ -351,9 +342,9 @@ class LocalWorld:
         self._workers: list[_RankThread | None] = [None] * world_size
         self.cooperative = self.device.type != "cpu" if cooperative is None else bool(cooperative)
         self._sched = threading.Lock()  # guards the turn: holder, runnable ranks, ranks waiting for an item
-        self._holder: threading.Event | None = None
-        self._runnable: collections.deque[threading.Event] = collections.deque()
-        self._waiting: dict[tuple, threading.Event] = {}
+        self._holder: _Waker | None = None
+        self._runnable: collections.deque[_Waker] = collections.deque()
+        self._waiting: dict[tuple, _Waker] = {}
         self._mail: dict[tuple, collections.deque] = {}  # the mailboxes of a cooperative world
         weakref.finalize(self, _RankThread.stop_all, self._workers)
 
@@ -493,7 +484,7 @@ class LocalWorld:
         else:
             self._holder = None
 
-    def _await_turn(self, rank: int, me: threading.Event, what: Callable[[], str], key: tuple | None = None) -> None:
+    def _await_turn(self, rank: int, me: _Waker, what: Callable[[], str], key: tuple | None = None) -> None:
         """Block until the turn is handed to ``me``; on abort or timeout leave every queue and pass on a turn
         that arrived meanwhile."""
         deadline = time.monotonic() + self.timeout
@@ -512,7 +503,6 @@ class LocalWorld:
                         self._hand_over()
                 me.clear()
                 raise
-        me.clear()
 
     def _take_turn(self, rank: int) -> None:
         me = _waker()
@@ -587,14 +577,39 @@ class LocalWorld:
                 raise CommTimeout(f"rank {rank} waited {self.timeout:g} s for {what()}; is a peer stuck or missing?")
 
 
+class _Waker:
+    """A thread's turn signal in a cooperative LocalWorld: a lock held while the turn is elsewhere.
+
+    ``set`` releases it, ``wait`` takes it (and so consumes the signal). A hand-over is two calls into
+    the lock, where a ``threading.Event`` adds a Condition and a fresh waiter lock per wait.
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        if self._lock.locked():
+            self._lock.release()
+
+    def wait(self, timeout: float) -> bool:
+        """True (and the signal consumed) once set; False after ``timeout`` seconds."""
+        return self._lock.acquire(timeout=timeout)
+
+    def clear(self) -> None:
+        self._lock.acquire(blocking=False)
+
+
 _wakers = threading.local()
 
 
-def _waker() -> threading.Event:
-    """This thread's event: set when the turn of a cooperative LocalWorld is handed to it."""
+def _waker() -> _Waker:
+    """This thread's turn signal: set when the turn of a cooperative LocalWorld is handed to it."""
     event = getattr(_wakers, "event", None)
     if event is None:
-        event = _wakers.event = threading.Event()
+        event = _wakers.event = _Waker()
     return event
 
 
@@ -664,40 +679,38 @@ class LocalGroup:
         if tag not in _TAGS:
             raise ValueError(f"tag: expected one of {', '.join(_TAGS)}; got {tag!r}")
         world, me = self.world, self._me
-        # peers as world ranks; the i-th tensor to (or from) one peer is channel i of that pair
-        sends = [(t, self._world_rank(p)) for t, p in sends]
-        recvs = [(b, self._world_rank(p)) for b, p in recvs]
-        if not sends and not recvs:
-            return _LocalWork(self, backend, [], tag, step)
+        # one mailbox item per peer and direction: the i-th tensor to (or from) a peer is channel i of the pair
+        send_to = _by_peer(sends, self._members)
+        recv_from = _by_peer(recvs, self._members)
+        if not send_to and not recv_from:
+            return _LocalWork(self, backend, (), tag, step)
         device = (sends[0][0] if sends else recvs[0][0]).device
         stream = backend.current_stream(device)
-        if recvs:
+        if recv_from:
             free = backend.new_event()
             backend.record_event(free, stream)
-            for (buf, peer), i in zip(recvs, _channels(recvs)):
-                world._put(("post", peer, me, tag, i), _Post(buf, free))
-        if sends:
+            for peer, bufs in recv_from.items():
+                world._put(("post", peer, me, tag), (bufs, free))
+        if send_to:
             waited: list[Any] = []
-            for (tensor, peer), i in zip(sends, _channels(sends)):
-                key = ("post", me, peer, tag, i)
-                post = world._take(me, key, lambda p=peer, i=i: f"rank {p} to post receive {tag}{i}{_at_step(step)}")
-                if post.buf.shape != tensor.shape or post.buf.dtype != tensor.dtype:
-                    raise RuntimeError(
-                        f"rank {me}: sending {tag}{i} shaped {tuple(tensor.shape)} {tensor.dtype} to rank {peer}, "
-                        f"which expects {tuple(post.buf.shape)} {post.buf.dtype} (do all ranks pass equal shapes?)"
-                    )
-                if not any(post.free is e for e in waited):
-                    backend.wait_event(stream, post.free)
-                    waited.append(post.free)
-                with backend.label(f"p2p {tag}{i} rank {me}->{peer}"):
-                    post.buf.copy_(tensor)
-                del post
+            for peer, tensors in send_to.items():
+                names = _channels(tag, len(tensors))
+                what = lambda p=peer, c=names: f"rank {p} to post receive {c}{_at_step(step)}"  # noqa: E731
+                bufs, free = world._take(me, ("post", me, peer, tag), what)
+                _check_posted(me, peer, tag, tensors, bufs)
+                if not any(free is e for e in waited):
+                    backend.wait_event(stream, free)
+                    waited.append(free)
+                for i, (tensor, buf) in enumerate(zip(tensors, bufs)):
+                    with backend.label(f"p2p {tag}{i} rank {me}->{peer}"):
+                        buf.copy_(tensor)
+                del bufs
             done = backend.new_event()
             backend.record_event(done, stream)
-            for (_, peer), i in zip(sends, _channels(sends)):
-                world._put(("done", me, peer, tag, i), done)
-        works = [(buf.device, peer, i) for (buf, peer), i in zip(recvs, _channels(recvs))]
-        return _LocalWork(self, backend, works, tag, step)
+            for peer in send_to:
+                world._put(("done", me, peer, tag), done)
+        recvs_by_peer = tuple((bufs[0].device, peer, len(bufs)) for peer, bufs in recv_from.items())
+        return _LocalWork(self, backend, recvs_by_peer, tag, step)
 
     def all_to_all(
         self, send: torch.Tensor, recv: torch.Tensor, tag: str, backend: Any, step: int | None = None
@@ -711,9 +724,6 @@ class LocalGroup:
         peers = [j for j in range(n) if j != me]
         return self.exchange([(send[j], j) for j in peers], [(recv[j], j) for j in peers], tag, backend, step)
 
-    def _world_rank(self, peer: int) -> int:
-        return peer if self._members is None else self._members[peer]
-
 
 class _LocalWork:
     def __init__(self, group: LocalGroup, backend: Any, recvs: list, tag: str, step: int | None) -> None:
@@ -725,24 +735,42 @@ class _LocalWork:
         if self._waited:
             return
         self._waited = True
-        g, be = self._group, self._backend
+        g, be, tag = self._group, self._backend, self._tag
         waited: list[Any] = []
-        for device, peer, i in self._recvs:
-            key = ("done", peer, g._me, self._tag, i)
-            done = g.world._take(g._me, key, lambda p=peer, i=i: f"{self._tag}{i} from rank {p}{_at_step(self._step)}")
+        for device, peer, n in self._recvs:
+            what = lambda p=peer, n=n: f"{_channels(tag, n)} from rank {p}{_at_step(self._step)}"  # noqa: E731
+            done = g.world._take(g._me, ("done", peer, g._me, tag), what)
             if not any(done is e for e in waited):
                 be.wait_event(be.current_stream(device), done)
                 waited.append(done)
 
 
-def _channels(items: Sequence[tuple[torch.Tensor, int]]) -> list[int]:
-    """For each ``(tensor, peer)``: how many earlier items go to (come from) the same peer."""
-    seen: dict[int, int] = {}
-    out = []
-    for _, peer in items:
-        out.append(seen.get(peer, 0))
-        seen[peer] = out[-1] + 1
+def _by_peer(items: Sequence[tuple[torch.Tensor, int]], members: tuple[int, ...] | None) -> dict[int, list]:
+    """The tensors of ``items`` (``(tensor, group peer)``) grouped by world rank, in order: channels 0, 1, ..."""
+    out: dict[int, list] = {}
+    for tensor, peer in items:
+        out.setdefault(peer if members is None else members[peer], []).append(tensor)
     return out
+
+
+def _channels(tag: str, n: int) -> str:
+    """The names of the n channels of one exchange between two ranks, for messages: kv0, or kv0..kv1."""
+    return f"{tag}0" if n == 1 else f"{tag}0..{tag}{n - 1}"
+
+
+def _check_posted(me: int, peer: int, tag: str, tensors: list[torch.Tensor], bufs: list[torch.Tensor]) -> None:
+    """Raise when the buffers ``peer`` posted do not take the tensors sent to it, naming the channel."""
+    if len(bufs) != len(tensors):
+        raise RuntimeError(
+            f"rank {me}: sending {len(tensors)} {tag} tensors to rank {peer}, which posted {len(bufs)} receive "
+            "buffers (do all ranks make the same calls?)"
+        )
+    for i, (tensor, buf) in enumerate(zip(tensors, bufs)):
+        if buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+            raise RuntimeError(
+                f"rank {me}: sending {tag}{i} shaped {tuple(tensor.shape)} {tensor.dtype} to rank {peer}, "
+                f"which expects {tuple(buf.shape)} {buf.dtype} (do all ranks pass equal shapes?)"
+            )
 
 
 def _check_all_to_all(send: torch.Tensor, recv: torch.Tensor, size: int) -> None:
