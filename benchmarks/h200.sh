@@ -7,6 +7,7 @@
 #   benchmarks/h200.sh perf     # cuda tests, world of one vs SDPA, 16K/64K rings, host µs per step, GPU time by kind
 #   benchmarks/h200.sh ulysses  # the hybrid all-to-all + ring: xcp run checks, the 128K bench for U = 1, 2, 4, 8
 #   benchmarks/h200.sh rings    # 16K and 64K over 8 virtual ranks, host µs per step
+#   benchmarks/h200.sh turns    # LocalWorld tests, world of one, 16K over 8 ranks, host per step, world_profile.py
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -109,6 +110,21 @@ rings)
     timeout 100 xcp bench --host --worlds 8 --host-tokens 2048 --mask causal --seqs 1024 --quiet 2>&1 | grep -E "^ +8 causal"
   } 2>&1 | tee "$out/rings.txt"
   ;;
-*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings" >&2; exit 2 ;;
+turns)
+  section "LocalWorld tests on cuda"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_localworld.py tests/test_lifetime_cuda.py 2>&1 | tail -3 \
+    | tee "$out/tests.txt"
+  section "xcp bench --world-of-one (S = 1K, 4K; against torch SDPA)"
+  timeout 150 xcp bench --world-of-one --reps 9 --quiet 2>&1 | grep -E "^ +[0-9]+ +(full|causal) " | tee "$out/world_of_one.txt"
+  section "16K over 2 and 8 virtual ranks; host µs per step"
+  {
+    timeout 100 xcp bench --seqs 16384 --worlds 2,8 --reps 5 --no-graph --memory-seq 16384 --memory-worlds 8 --quiet \
+      2>&1 | grep -E "^ +16384 +[28] +(full|causal)"
+    timeout 100 xcp bench --host --worlds 8 --host-tokens 2048 --mask causal --seqs 1024 --quiet 2>&1 | grep -E "^ +8 causal"
+  } 2>&1 | tee "$out/rings16k.txt"
+  section "a ring step alone and among 8 cooperative ranks, under cProfile"
+  timeout 120 python3 benchmarks/world_profile.py --top 30 2>&1 | tee "$out/world_profile.txt"
+  ;;
+*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns" >&2; exit 2 ;;
 esac
 section done

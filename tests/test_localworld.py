@@ -3,6 +3,7 @@ is reported by rank and never leaves the others hanging."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -195,6 +196,22 @@ def test_cooperative_ranks_take_turns_and_compute_the_same(cooperative):
     if cooperative:
         assert overlap == 1
     assert xcp.LocalWorld(2, device="cpu").cooperative is False  # CPU ranks compute: they run free
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux's per-thread CPU affinity")
+def test_a_cooperative_world_runs_its_ranks_on_one_cpu_and_a_free_one_leaves_them():
+    """Ranks that take turns share one CPU (pinned once, when their threads start); free-running ranks, or a
+    world made with pin=False, keep the process's CPUs."""
+    allowed = os.sched_getaffinity(0)
+
+    def where(group):
+        return os.sched_getaffinity(0)
+
+    pinned = xcp.LocalWorld(3, cooperative=True).run(where)
+    assert all(len(cpus) == 1 and cpus <= allowed for cpus in pinned) and len(set(map(frozenset, pinned))) == 1
+    assert xcp.LocalWorld(3, cooperative=True, pin=False).run(where) == [allowed] * 3
+    assert xcp.LocalWorld(3, cooperative=False).run(where) == [allowed] * 3
+    assert os.sched_getaffinity(0) == allowed  # the caller's thread is left alone
 
 
 def test_a_rank_that_keeps_the_turn_makes_its_peer_time_out():

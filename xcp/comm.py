@@ -270,9 +270,11 @@ class _Job:
 class _RankThread:
     """A daemon thread that runs the jobs of one virtual rank, one after another, until stopped."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, cpu: int | None = None) -> None:
+        """:param cpu: the one CPU the thread runs on (Linux), or None to leave it to the scheduler."""
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.busy = False
+        self.cpu = cpu
         threading.Thread(target=self._loop, name=name, daemon=True).start()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> _Job:
@@ -282,6 +284,9 @@ class _RankThread:
         return job
 
     def _loop(self) -> None:
+        if self.cpu is not None:
+            with contextlib.suppress(OSError):  # a CPU taken away meanwhile: run unpinned
+                os.sched_setaffinity(0, {self.cpu})  # 0: this thread (Linux)
         while (job := self.jobs.get()) is not None:
             try:
                 job.fn(*job.args)  # the job catches its own exceptions (LocalWorld.run's body)
@@ -322,12 +327,17 @@ class LocalWorld:
         device: str | torch.device = "cpu",
         timeout: float = 120.0,
         cooperative: bool | None = None,
+        pin: bool | None = None,
     ) -> None:
         """:param cooperative: run one rank at a time, handing over only where a rank waits for a peer
         (default: on devices other than the CPU, where the ranks' threads only launch work). P threads
         launching at once contend for the interpreter and the driver; taking turns at the ring's wait
         points keeps the device fed with one thread's launch rate. A rank must then not wait for its
-        peers outside xcp (a ``threading.Barrier`` between ranks would never be passed)."""
+        peers outside xcp (a ``threading.Barrier`` between ranks would never be passed).
+        :param pin: run every rank's thread on one CPU, the one the creating thread runs on (default: in
+            cooperative worlds, on Linux). Ranks that take turns never run at once, and a hand-over that stays
+            on one core finds its caches warm and wakes no other core: 8 virtual ranks on 2 CPUs spent about
+            half the host time per ring step (benchmarks/world_profile.py)."""
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"world_size: expected an integer >= 1; got {world_size!r}")
         self.world_size = world_size
@@ -341,6 +351,7 @@ class LocalWorld:
         self._rank_stores: dict[int, dict] = {}
         self._workers: list[_RankThread | None] = [None] * world_size
         self.cooperative = self.device.type != "cpu" if cooperative is None else bool(cooperative)
+        self._cpu = _current_cpu() if (self.cooperative if pin is None else bool(pin)) else None
         self._sched = threading.Lock()  # guards the turn: holder, runnable ranks, ranks waiting for an item
         self._holder: _Waker | None = None
         self._runnable: collections.deque[_Waker] = collections.deque()
@@ -409,7 +420,7 @@ class LocalWorld:
         """Rank ``rank``'s thread; a new one where the last is still busy (left stuck by a failed run)."""
         worker = self._workers[rank]
         if worker is None or worker.busy:
-            worker = self._workers[rank] = _RankThread(f"xcp-rank-{rank}")
+            worker = self._workers[rank] = _RankThread(f"xcp-rank-{rank}", self._cpu)
         return worker
 
     def _join(self, threads: list[_Job], errors: list[BaseException | None]) -> None:
@@ -575,6 +586,20 @@ class LocalWorld:
                 return got
             if time.monotonic() > deadline:
                 raise CommTimeout(f"rank {rank} waited {self.timeout:g} s for {what()}; is a peer stuck or missing?")
+
+
+def _current_cpu() -> int | None:
+    """The CPU this thread runs on now, where the platform can pin threads (Linux), else None."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    try:
+        import ctypes
+
+        cpu = int(ctypes.CDLL(None).sched_getcpu())
+    except (OSError, AttributeError, TypeError, ValueError):
+        cpu = -1
+    allowed = os.sched_getaffinity(0)
+    return cpu if cpu in allowed else min(allowed, default=None)
 
 
 class _Waker:
