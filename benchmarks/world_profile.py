@@ -12,6 +12,7 @@ import argparse
 import cProfile
 import math
 import pstats
+import sys
 import time
 
 import torch
@@ -76,15 +77,19 @@ def main() -> None:
     streams = [backend.new_stream(device) for _ in range(p)]
     profs: dict[int, cProfile.Profile] = {}
 
+    # Python >= 3.12 profiles through sys.monitoring, which sees every thread: one profiler around the run;
+    # before, a profiler sees its own thread: one per rank
+    per_thread = sys.version_info < (3, 12)
+
     def rank(group, calls, profiled):
         r = group.rank()
         cfg = RingConfig(group, null, True, scale, "zigzag")
         with null.stream_context(streams[r]):
-            if profiled:
+            if profiled and per_thread:
                 profs[r] = pr = cProfile.Profile()
                 pr.enable()
             loop(cfg, *shards[r], calls)
-            if profiled:
+            if profiled and per_thread:
                 pr.disable()
 
     world.run(rank, 3, False)
@@ -93,10 +98,16 @@ def main() -> None:
     world.run(rank, args.calls, False)
     backend.synchronize(device)
     world_wall = (time.perf_counter() - t0) / steps / p * 1e6
-    world.run(rank, args.calls, True)
+    if per_thread:
+        world.run(rank, args.calls, True)
+    else:
+        profs[0] = pr = cProfile.Profile()
+        pr.enable()
+        world.run(rank, args.calls, True)
+        pr.disable()
     backend.synchronize(device)
     stats = pstats.Stats(profs[0])
-    for r in range(1, p):
+    for r in range(1, len(profs)):
         stats.add(profs[r])
     in_world = {k: v / p for k, v in own_times(stats, steps).items()}
 
