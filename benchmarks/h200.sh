@@ -4,7 +4,7 @@
 #   benchmarks/h200.sh bench    # the full xcp bench grid (issue 5) with JSON and plot
 #   benchmarks/h200.sh masks    # documents, windows, sinks, compile: checks and the 128K documents bench
 #   benchmarks/h200.sh window   # the 128K sliding-window bench
-#   benchmarks/h200.sh perf     # cuda tests, world of one vs SDPA, 16K/64K rings, host µs per step, GPU time by kind
+#   benchmarks/h200.sh perf     # cuda tests, world of one vs SDPA, 16K/64K rings, host µs per step, GPU and host profiles
 #   benchmarks/h200.sh ulysses  # the hybrid all-to-all + ring: xcp run checks, the 128K bench for U = 1, 2, 4, 8
 #   benchmarks/h200.sh rings    # 16K and 64K over 8 virtual ranks, host µs per step
 #   benchmarks/h200.sh turns    # LocalWorld tests, world of one, 16K over 8 ranks, host per step, world_profile.py
@@ -61,13 +61,14 @@ window)
     --reps 3 --quiet --json "$out/documents_stripe.json" 2>&1 | tee "$out/documents_stripe.txt"
   ;;
 perf)
-  section "cuda tests: stand-ins, cuDNN and flash blocks on the GPU, lifetime rules (CSAN, graphs), LocalWorld"
+  section "cuda tests: stand-ins, cuDNN and flash blocks on the GPU, lifetime rules (CSAN, graphs), LocalWorld, merge"
   timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_cuda_backend.py tests/test_lifetime_cuda.py \
     tests/test_world_of_one.py tests/test_localworld.py 2>&1 | tail -40 | tee "$out/cuda_tests.txt"
   timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_device_backends.py -k cuda 2>&1 | tail -3 \
     | tee -a "$out/cuda_tests.txt"
+  timeout 60 python3 benchmarks/merge_check.py 2>&1 | tee -a "$out/cuda_tests.txt"
   section "xcp bench --world-of-one (S = 1K, 4K; against torch SDPA)"
-  timeout 150 xcp bench --world-of-one --reps 9 --quiet --json "$out/world_of_one.json" 2>&1 | tee "$out/world_of_one.txt"
+  timeout 150 xcp bench --world-of-one --reps 9 --quiet 2>&1 | tee "$out/world_of_one.txt"
   section "rings over virtual ranks: 16K (P = 2, 8), 64K (P = 2, 8), both masks"
   {
     timeout 100 xcp bench --seqs 16384 --worlds 2,8 --reps 5 --no-graph --memory-seq 16384 --memory-worlds 8 --quiet \
@@ -76,17 +77,13 @@ perf)
       2>&1 | grep -E "^ +65536 +[28] |KV shards|MiB"
   } 2>&1 | tee "$out/rings.txt"
   section "xcp bench --host (host µs per ring step at 2K tokens per rank)"
-  timeout 150 xcp bench --host --worlds 2,8 --host-tokens 2048 --mask causal --seqs 1024 --quiet \
-    --json "$out/host.json" 2>&1 | tee "$out/host.txt"
+  timeout 150 xcp bench --host --worlds 2,8 --host-tokens 2048 --mask causal --seqs 1024 --quiet 2>&1 | tee "$out/host.txt"
   section "device time by kind: 64K over 8 virtual ranks, causal and full, against one whole-sequence call"
   for m in causal full; do
     timeout 120 python3 benchmarks/ring_profile.py --seq 65536 --world 8 --mask $m 2>&1 | tee -a "$out/ring_profile.txt"
   done
-  section "128K causal over 8 virtual ranks (keep)"
-  timeout 150 xcp bench --seqs 131072 --worlds 8 --mask causal --reps 3 --no-graph --memory-seq 16384 --memory-worlds 8 \
-    --quiet 2>&1 | grep -E "^ +131072" | tee "$out/causal128k.txt"
-  section "host profile (one rank's loop alone, kernels not run; world of one vs SDPA)"
-  timeout 60 python3 benchmarks/host_profile.py --top 25 2>&1 | tee "$out/host_profile.txt" | head -40
+  section "a ring step alone and among 8 cooperative ranks, under cProfile"
+  timeout 120 python3 benchmarks/world_profile.py --top 30 2>&1 | tee "$out/world_profile.txt"
   ;;
 ulysses)
   section "xcp run --ulysses on cuda (the hybrid's virtual ranks checked against float64)"

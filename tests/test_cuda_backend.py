@@ -1026,3 +1026,99 @@ def test_the_stream_switch_restores_the_stream_and_the_device_on_a_gpu():
         with backend.stream_context(other):
             assert torch.cuda.current_stream(1 - device) == other
         assert torch.cuda.current_device() == device and torch.cuda.current_stream() == before
+
+
+class _FakeJit:
+    """Stands in for the Triton merge kernel: records ``kernel[grid](...)`` (Triton's own path) and returns a
+    compiled kernel that records its direct launches."""
+
+    def __init__(self) -> None:
+        self.jit_calls: list[tuple] = []
+        self.direct_calls: list[tuple] = []
+
+    def __getitem__(self, grid):
+        def run(*params, BLOCK_R, BLOCK_D):  # noqa: N803 - Triton's constexpr names
+            self.jit_calls.append((grid, *params, BLOCK_R, BLOCK_D))
+            fake = self
+
+            class Compiled:
+                def __getitem__(self, g):
+                    return lambda *args: fake.direct_calls.append((g, *args))
+
+            return Compiled()
+
+        return run
+
+
+def _merge_inputs(rows: int = 12, offset: int = 0, dtype=torch.bfloat16):
+    out = torch.zeros(1, rows + offset, 4, 16)
+    lse = torch.full((1, 4, rows + offset), -math.inf)
+    block_out = torch.randn(1, rows, 4, 16).to(dtype)
+    block_lse = torch.randn(1, 4, rows)
+    return out, lse, block_out, block_lse, slice(offset, offset + rows)
+
+
+def test_the_merge_launches_a_signature_seen_before_directly_and_a_new_one_through_triton(monkeypatch):
+    """The key of a compiled merge holds every int argument exactly, the dtypes and the pointers' 16-byte
+    alignment: a repeat goes straight to the compiled kernel with the same arguments; a different stride,
+    dtype or alignment goes through Triton, which specialises on them; XCP_CUDA_FAST_LAUNCH=0 always does."""
+    fake = _FakeJit()
+    monkeypatch.setattr(kernels, "_KERNEL", fake)
+    monkeypatch.setattr(kernels, "_COMPILED", {})
+    monkeypatch.setattr(kernels, "FAST_LAUNCH", True)
+    kernels.fused_merge_(*_merge_inputs())
+    assert len(fake.jit_calls) == 1 and not fake.direct_calls
+    kernels.fused_merge_(*_merge_inputs())  # same shapes, strides, dtypes; fresh tensors, 16-byte aligned
+    assert len(fake.jit_calls) == 1 and len(fake.direct_calls) == 1
+    assert fake.direct_calls[0][0] == fake.jit_calls[0][0]  # the grid
+    assert fake.direct_calls[0][5:] == fake.jit_calls[0][5:]  # the ints, then the block sizes
+    kernels.fused_merge_(*_merge_inputs(rows=20))  # other ints: Triton
+    kernels.fused_merge_(*_merge_inputs(dtype=torch.float32))  # another dtype: Triton
+    kernels.fused_merge_(*_merge_inputs(offset=1))  # rows from 1: other strides and a misaligned pointer
+    assert len(fake.jit_calls) == 4 and len(fake.direct_calls) == 1
+    out, lse, bo, bl, rows = _merge_inputs(offset=1)
+    unaligned = torch.empty(bo.numel() + 1, dtype=bo.dtype)[1:].view_as(bo).copy_(bo)
+    assert unaligned.data_ptr() % 16 and unaligned.stride() == bo.stride()
+    kernels.fused_merge_(out, lse, unaligned, bl, rows)  # same ints and dtypes, block_out misaligned: Triton
+    assert len(fake.jit_calls) == 5
+    monkeypatch.setattr(kernels, "FAST_LAUNCH", False)
+    kernels.fused_merge_(*_merge_inputs())
+    assert len(fake.jit_calls) == 6 and len(fake.direct_calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_the_direct_merge_launch_equals_tritons_own_on_a_gpu(monkeypatch, dtype, offset):
+    """On a GPU: the merge launched directly (a signature seen before) writes exactly what Triton's own
+    launch writes, and both equal the eager merge (float32 accumulators: to 1e-6)."""
+    backend = CUDABackend()
+    ok, reason = backend.available()
+    if not ok:
+        pytest.skip(f"needs a CUDA GPU ({reason})")
+    from xcp.kernels.merge import merge_
+
+    monkeypatch.setattr(kernels, "_COMPILED", {})
+    g = torch.Generator(device="cuda").manual_seed(offset)
+    n = 333
+    out = torch.randn(2, n + offset, 8, 64, device="cuda", generator=g)
+    lse = torch.randn(2, 8, n + offset, device="cuda", generator=g)
+    lse[:, :, :5] = -math.inf  # rows nothing was merged into yet
+    blocks = [
+        (torch.randn(2, n, 8, 64, device="cuda", generator=g).to(dtype), torch.randn(2, 8, n, device="cuda"))
+        for _ in range(3)
+    ]
+    rows = slice(offset, offset + n)
+    results = []
+    for fast in (False, True):
+        monkeypatch.setattr(kernels, "FAST_LAUNCH", fast)
+        o, lo = out.clone(), lse.clone()
+        for bo, bl in blocks:  # the second and third launches of the fast run go direct
+            kernels.fused_merge_(o, lo, bo, bl, rows)
+        results.append((o, lo))
+    assert len(kernels._COMPILED) == 1
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    o, lo = out.clone(), lse.clone()
+    for bo, bl in blocks:
+        merge_(o, lo, bo, bl, rows)
+    torch.testing.assert_close(results[1][0], o, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[1][1], lo, rtol=1e-6, atol=1e-6)

@@ -69,6 +69,7 @@ which makes P = 0 and every gradient of the row 0, so :func:`lse_for_backward` m
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -510,8 +511,6 @@ def fused_merge_(
     global _KERNEL
     if _KERNEL is None:
         _KERNEL = _build()
-    import triton
-
     o = out[:, rows]
     lo = lse[:, :, rows]
     bsz, seq, heads, dim = o.shape
@@ -522,15 +521,48 @@ def fused_merge_(
         )
     block_lse = block_lse.float()
     n_rows = bsz * seq * heads
-    block_d = triton.next_power_of_2(dim)
+    block_d = 1 << (dim - 1).bit_length()  # the next power of 2
     block_r = max(1, 4096 // block_d)
-    grid = (triton.cdiv(n_rows, block_r),)
-    _KERNEL[grid](
+    grid = (-(-n_rows // block_r),)
+    args = (
         o, lo, block_out, block_lse,
         n_rows, seq, heads, dim,
-        o.stride(0), o.stride(1), o.stride(2),
-        lo.stride(0), lo.stride(1), lo.stride(2),
-        block_out.stride(0), block_out.stride(1), block_out.stride(2),
-        block_lse.stride(0), block_lse.stride(1), block_lse.stride(2),
-        BLOCK_R=block_r, BLOCK_D=block_d,
+        *o.stride()[:3], *lo.stride(), *block_out.stride()[:3], *block_lse.stride()[:3],
+        block_r, block_d,
     )  # fmt: skip
+    _launch(grid, args)
+
+
+_COMPILED: dict[tuple, Any] = {}
+"""The merge kernel as Triton compiled it, per launch signature (see :func:`_launch`)."""
+
+FAST_LAUNCH = os.environ.get("XCP_CUDA_FAST_LAUNCH", "1") != "0"
+"""Whether a merge whose signature was launched before skips Triton's per-call binding (``_launch``)."""
+
+
+def _launch(grid: tuple[int], args: tuple) -> None:
+    """Launch the merge kernel on ``args`` (its parameters in order, the two block sizes last).
+
+    Triton's ``kernel[grid](...)`` binds and specialises every argument on each call, about as long as the
+    rest of a ring step's host work. A compiled kernel depends only on the argument values (ints equal to 1
+    or divisible by 16 are specialised), the tensors' dtypes and the pointers' 16-byte alignment, so the
+    key below, which holds the ints exactly, never maps two launches that Triton would compile apart to
+    one kernel; a key seen before launches that kernel directly (``CompiledKernel[grid]``). The first
+    launch of a key, a Triton that returns no compiled kernel, or ``XCP_CUDA_FAST_LAUNCH=0`` take
+    Triton's own path.
+    """
+    tensors = args[:4]
+    key = (
+        tensors[0].device.index,
+        *(t.dtype for t in tensors),
+        *(t.data_ptr() % 16 == 0 for t in tensors),
+        *args[4:],
+    )
+    compiled = _COMPILED.get(key) if FAST_LAUNCH else None
+    if compiled is not None:
+        compiled[grid](*args)
+        return
+    *params, block_r, block_d = args
+    compiled = _KERNEL[grid](*params, BLOCK_R=block_r, BLOCK_D=block_d)
+    if FAST_LAUNCH and hasattr(compiled, "__getitem__") and len(_COMPILED) < 1024:
+        _COMPILED[key] = compiled
