@@ -1043,6 +1043,7 @@ class _FakeJit:
 
             class Compiled:
                 def __getitem__(self, g):
+                    assert len(g) == 3, f"a compiled Triton kernel takes a grid of three dims; got {g}"
                     return lambda *args: fake.direct_calls.append((g, *args))
 
             return Compiled()
@@ -1070,7 +1071,7 @@ def test_the_merge_launches_a_signature_seen_before_directly_and_a_new_one_throu
     assert len(fake.jit_calls) == 1 and not fake.direct_calls
     kernels.fused_merge_(*_merge_inputs())  # same shapes, strides, dtypes; fresh tensors, 16-byte aligned
     assert len(fake.jit_calls) == 1 and len(fake.direct_calls) == 1
-    assert fake.direct_calls[0][0] == fake.jit_calls[0][0]  # the grid
+    assert fake.direct_calls[0][0] == (*fake.jit_calls[0][0], 1, 1)  # the grid
     assert fake.direct_calls[0][5:] == fake.jit_calls[0][5:]  # the ints, then the block sizes
     kernels.fused_merge_(*_merge_inputs(rows=20))  # other ints: Triton
     kernels.fused_merge_(*_merge_inputs(dtype=torch.float32))  # another dtype: Triton

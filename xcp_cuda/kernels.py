@@ -560,7 +560,7 @@ def _launch(grid: tuple[int], args: tuple) -> None:
     )
     compiled = _COMPILED.get(key) if FAST_LAUNCH else None
     if compiled is not None:
-        compiled[grid](*args)
+        compiled[(grid[0], 1, 1)](*args)  # a compiled kernel takes the grid in three dims
         return
     *params, block_r, block_d = args
     compiled = _KERNEL[grid](*params, BLOCK_R=block_r, BLOCK_D=block_d)
