@@ -1123,3 +1123,28 @@ def test_the_direct_merge_launch_equals_tritons_own_on_a_gpu(monkeypatch, dtype,
         merge_(o, lo, bo, bl, rows)
     torch.testing.assert_close(results[1][0], o, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(results[1][1], lo, rtol=1e-6, atol=1e-6)
+
+
+def test_current_stream_is_torchs_current_stream_on_a_gpu():
+    """The backend's cached current_stream answers what torch.cuda.current_stream answers: by default, under
+    torch.cuda.stream, under the backend's own stream_context, for a device given with or without index."""
+    backend = CUDABackend()
+    ok, reason = backend.available()
+    if not ok:
+        pytest.skip(f"needs a CUDA GPU ({reason})")
+    side, other = torch.cuda.Stream(), torch.cuda.Stream()
+    cases = [None, torch.device("cuda"), torch.device("cuda", torch.cuda.current_device())]
+
+    def same() -> None:
+        for device in cases:
+            got, want = backend.current_stream(device), torch.cuda.current_stream(device)
+            assert got == want and got.cuda_stream == want.cuda_stream, (device, got, want)
+
+    same()
+    with torch.cuda.stream(side):
+        same()
+        with backend.stream_context(other):
+            same()
+        same()
+    same()
+    assert backend.current_stream() is backend.current_stream()  # one object per stream, kept

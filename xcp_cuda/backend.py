@@ -101,6 +101,7 @@ class CUDABackend(FusedKernelBackend):
         self._flash_attn: Any = None
         self._flash_attn_error: str | None = None
         self._capabilities: dict[int, tuple[int, int]] = {}
+        self._streams: dict[tuple, Any] = {}  # current_stream's Stream objects, by (stream_id, device, type)
         # XCP_CUDA_FUSED_MERGE=0 selects the eager merge (for comparisons and as a fallback)
         self.fused_merge = _env_flag("XCP_CUDA_FUSED_MERGE", importlib.util.find_spec("triton") is not None)
 
@@ -123,6 +124,25 @@ class CUDABackend(FusedKernelBackend):
         if _GET_STREAM is None or _SET_STREAM is None or _GET_DEVICE is None:
             return torch.cuda.stream(stream)
         return _StreamSwitch(stream)
+
+    def current_stream(self, device: Any = None) -> Any:
+        """``torch.cuda.current_stream(device)``, its Stream objects kept per stream: torch builds a new
+        one and normalises the device on every call, several times a ring step's cost of this lookup."""
+        if _GET_STREAM is None or _GET_DEVICE is None:
+            return torch.cuda.current_stream(device)
+        if device is None:
+            index = _GET_DEVICE()
+        elif isinstance(device, torch.device) and device.type == "cuda":
+            index = _GET_DEVICE() if device.index is None else device.index
+        else:
+            return torch.cuda.current_stream(device)
+        key = _GET_STREAM(index)  # (stream_id, device_index, device_type), as torch.cuda.current_stream reads it
+        stream = self._streams.get(key)
+        if stream is None:
+            if len(self._streams) >= 1024:  # streams made and dropped by a caller: never grow without bound
+                self._streams.clear()
+            stream = self._streams[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        return stream
 
     def is_capturing(self) -> bool:
         """True while the current CUDA stream is being captured into a CUDA graph."""
