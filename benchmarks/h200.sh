@@ -7,6 +7,7 @@
 #   benchmarks/h200.sh perf     # cuda tests, world of one vs SDPA, 16K/64K rings, host µs per step, GPU and host profiles
 #   benchmarks/h200.sh ulysses  # the hybrid all-to-all + ring: xcp run checks, the 128K bench for U = 1, 2, 4, 8
 #   benchmarks/h200.sh rings    # 16K and 64K over 8 virtual ranks, host µs per step
+#   benchmarks/h200.sh quick    # cuda and LocalWorld tests, 16K over 2 and 8 ranks, host µs per step
 #   benchmarks/h200.sh turns    # LocalWorld tests, world of one, 16K over 8 ranks, host per step, world_profile.py
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
@@ -124,6 +125,20 @@ turns)
   section "accumulating bf16 gradients into float32"
   timeout 60 python3 benchmarks/accumulate_probe.py 2>&1 | tee "$out/accumulate.txt"
   ;;
-*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns" >&2; exit 2 ;;
+quick)
+  section "cuda tests: backend, lifetime rules (CSAN, graphs), LocalWorld"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_cuda_backend.py tests/test_lifetime_cuda.py \
+    tests/test_localworld.py 2>&1 | tail -5 | tee "$out/cuda_tests.txt"
+  timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests/test_device_backends.py -k cuda 2>&1 | tail -2 \
+    | tee -a "$out/cuda_tests.txt"
+  section "16K over 2 and 8 virtual ranks; host µs per step"
+  {
+    timeout 100 xcp bench --seqs 16384 --worlds 2,8 --reps 5 --no-graph --memory-seq 16384 --memory-worlds 8 --quiet \
+      2>&1 | grep -E "^ +16384 +[28] +(full|causal)"
+    timeout 100 xcp bench --host --worlds 2,8 --host-tokens 2048 --mask causal --seqs 1024 --quiet 2>&1 \
+      | grep -E "^ +[28] causal|^ +1024 causal"
+  } 2>&1 | tee "$out/rings16k.txt"
+  ;;
+*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick" >&2; exit 2 ;;
 esac
 section done
