@@ -159,7 +159,7 @@ class _KVRing:
 
     def views(self, keys: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows ``keys`` of the shard held now (pass them on, do not keep them: a kept view keeps
-        the slot's memory alive past its hand-back)."""
+        the slot's memory alive past its hand-back; so they are made anew each step, never cached)."""
         return self.current[0][:, keys], self.current[1][:, keys]
 
     def end(self) -> None:
@@ -194,11 +194,15 @@ def ring_forward(
     moves = len(plan.steps) > 1
     call = RingCall(comm, backend, q.device, cfg.slots, cfg.handoff) if moves else None
     kv = _KVRing(call, comm, k, v, len(plan.steps))
+    q_views: dict[tuple[int, int], torch.Tensor] = {}
     with call or contextlib.nullcontext():
         for step, blocks in zip(plan.steps, cfg.block_calls(n)):
             kv.begin(step)
             for b in blocks:
-                block_out, block_lse = b.forward(backend, q[:, b.qs], *kv.views(b.ks), cfg.scale)
+                q_rows = q_views.get((b.qs.start, b.qs.stop))
+                if q_rows is None:  # made once per call: a ring has two or three kinds of rows
+                    q_rows = q_views[b.qs.start, b.qs.stop] = q[:, b.qs]
+                block_out, block_lse = b.forward(backend, q_rows, *kv.views(b.ks), cfg.scale)
                 if out is None and b.qs == slice(0, n):  # nothing to merge into yet
                     acc = accumulator_dtype(q.dtype)
                     contiguous = torch.contiguous_format
@@ -266,7 +270,7 @@ def ring_backward(
             else:
                 dkv_work.wait()  # the dK/dV of src, from the previous rank, are in slot i
                 dk_acc, dv_acc = dkv_slots.slot(i)
-            for ks, gk, gv in grads:
+            for ks, gk, gv in grads:  # slot views made anew each step: a kept view would keep a slot alive
                 dk_acc[:, ks].add_(gk)
                 dv_acc[:, ks].add_(gv)
             del grads
