@@ -7,22 +7,14 @@ D = 128). Prints µs per add (CUDA events, median of 20) and the bytes moved per
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
+from benchmarks.device_varlen_check import timed as median_ms
 
-def timed(fn, reps: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+
+def timed(fn) -> float:
+    """Median µs of ``fn`` (CUDA events, 20 repetitions after one warm-up)."""
+    return median_ms(fn, reps=20, warmup=1) * 1e3
 
 
 def main() -> None:

@@ -123,7 +123,7 @@ turns)
   section "a ring step alone and among 8 cooperative ranks, under cProfile"
   timeout 120 python3 benchmarks/world_profile.py --top 30 2>&1 | tee "$out/world_profile.txt"
   section "accumulating bf16 gradients into float32"
-  timeout 60 python3 benchmarks/accumulate_probe.py 2>&1 | tee "$out/accumulate.txt"
+  PYTHONPATH=. timeout 60 python3 benchmarks/accumulate_probe.py 2>&1 | tee "$out/accumulate.txt"
   ;;
 quick)
   section "cuda tests: backend, lifetime rules (CSAN, graphs), LocalWorld"
