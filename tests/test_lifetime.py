@@ -293,6 +293,20 @@ def test_local_world_names_a_shape_mismatch():
         world.run(rank)
 
 
+def test_local_world_names_a_count_mismatch():
+    """A rank that sends two tensors to a peer which posted one buffer is told so at once, not after a timeout."""
+    world = LocalWorld(2, timeout=5)
+
+    def rank(g):
+        if g.rank() == 0:
+            g.exchange([(torch.zeros(3), 1), (torch.zeros(3), 1)], [], "kv", CPUBackend())
+        else:
+            g.exchange([], [(torch.zeros(3), 0)], "kv", CPUBackend()).wait()
+
+    with pytest.raises(RuntimeError, match="sending 2 kv tensors to rank 1, which posted 1 receive buffers"):
+        world.run(rank)
+
+
 def test_local_world_times_out_naming_the_missing_peer():
     world = LocalWorld(2, timeout=0.2)
 
