@@ -28,6 +28,7 @@ from xcp.hybrid import (
     kv_replicas,
     tokens_to_heads,
 )
+from xcp.traffic import ring_traffic
 
 FACTORISATIONS = [(p, u) for p in (2, 4, 8) for u in (1, 2, 4, 8) if p % u == 0]
 TOL = 1e-10
@@ -182,6 +183,9 @@ def test_hybrid_traffic_is_the_formula():
     assert t.forward_alltoall == t.backward_alltoall == alltoall_bytes(2, 64, 8, 2, 16, item, 8, 4)
     flat = hybrid_traffic(1, 64, 8, 2, 16, torch.bfloat16, 8, 1)
     assert flat.forward_alltoall == 0 and flat.forward == 7 * flat.kv_shard and flat.dkv_message == 2 * flat.kv_shard
+    ring = ring_traffic(64, 8, 8, 2, 16, torch.bfloat16)  # U = 1: the ring alone, as the tools count it
+    assert flat.ring_part == ring and (flat.forward, flat.backward) == (ring.forward, ring.backward)
+    assert ring.kv_shard == 2 * 8 * 2 * 16 * 2 and ring.backward == 7 * ring.kv_shard + 8 * ring.dkv_message
     alone = hybrid_traffic(1, 64, 8, 2, 16, torch.float64, 8, 8)  # a ring of one rank moves nothing
     assert alone.forward_ring == alone.backward_ring_kv == alone.backward_ring_dkv == 0 and alone.total > 0
     with pytest.raises(ValueError, match="ulysses: expected a divisor of the world size 8"):

@@ -34,8 +34,8 @@ from torch.autograd.function import once_differentiable
 from . import schedule
 from .agreement import check_agreement
 from .comm import Communicator, hybrid_groups
-from .kernels.merge import accumulator_dtype
 from .ring import RingAttention, RingConfig, ring_backward, ring_forward
+from .traffic import RingTraffic, ring_traffic
 
 
 def check_ulysses(ulysses: Any) -> int:
@@ -106,18 +106,29 @@ class HybridTraffic:
 
     world: int
     ulysses: int
-    ring_steps: int
     q: int
     """Bytes of q sent in the first all-to-all (also of out, dout and dq in theirs)."""
     kv: int
     """Bytes of k (and of v, dk, dv) sent in their all-to-all."""
-    kv_shard: int
-    dkv_message: int
+    ring_part: RingTraffic
+    """The ring over R ranks (:func:`xcp.traffic.ring_traffic`: shards of S/R tokens, H_kv'/U heads)."""
 
     @property
     def ring(self) -> int:
         """R, the ranks of a ring."""
         return self.world // self.ulysses
+
+    @property
+    def ring_steps(self) -> int:
+        return self.ring_part.steps
+
+    @property
+    def kv_shard(self) -> int:
+        return self.ring_part.kv_shard
+
+    @property
+    def dkv_message(self) -> int:
+        return self.ring_part.dkv_message
 
     @property
     def forward_alltoall(self) -> int:
@@ -126,7 +137,7 @@ class HybridTraffic:
 
     @property
     def forward_ring(self) -> int:
-        return (self.ring_steps - 1) * self.kv_shard
+        return self.ring_part.forward
 
     @property
     def forward(self) -> int:
@@ -140,11 +151,11 @@ class HybridTraffic:
     @property
     def backward_ring_kv(self) -> int:
         """The K/V shards travel as in the forward."""
-        return self.forward_ring
+        return self.ring_part.backward_kv
 
     @property
     def backward_ring_dkv(self) -> int:
-        return self.ring_steps * self.dkv_message if self.ring_steps > 1 else 0
+        return self.ring_part.backward_dkv
 
     @property
     def backward(self) -> int:
@@ -176,17 +187,13 @@ def hybrid_traffic(
     m = r if ring_steps is None else ring_steps
     kv = kv_heads * kv_replicas(heads, kv_heads, u)
     item = torch.empty((), dtype=dtype).element_size()
-    acc = torch.empty((), dtype=accumulator_dtype(dtype)).element_size()
     n = seq_len // world_size
-    ring_elements = 2 * batch * (seq_len // r) * (kv // u) * head_dim
     return HybridTraffic(
         world=world_size,
         ulysses=u,
-        ring_steps=m,
         q=(u - 1) * batch * n * heads * head_dim * item // u,
         kv=(u - 1) * batch * n * kv * head_dim * item // u,
-        kv_shard=ring_elements * item,
-        dkv_message=ring_elements * acc,
+        ring_part=ring_traffic(seq_len, r, m, kv // u, head_dim, dtype, batch),
     )
 
 

@@ -5,26 +5,21 @@ rank sends, and which balance :func:`xcp.choose_balance` recommends and why.
 unbounded; with a causal mask R must be 0 or none. A window needs batch 1 (the ring plans it as one packed
 sequence, ``(0, S)``, or over ``--documents``).
 
-Bytes a rank sends (batch 1), for a ring that runs m of P steps (:func:`traffic`):
-
-- a K/V shard is ``2·(S/P)·Hkv·D·itemsize`` bytes (K and V);
-- the forward forwards the shard it holds m - 1 times: ``(m - 1)`` K/V shards;
-- the backward forwards K/V the same m - 1 times, and sends the dK/dV it accumulated once per step (one
-  step behind the K/V, the last hop going home): ``m`` dK/dV messages of ``2·(S/P)·Hkv·D`` elements in the
-  accumulator dtype (float32 for bf16/fp16/fp32, float64 for float64). A ring of one step sends nothing.
+The bytes a rank sends, for a ring that runs m of P steps: :func:`traffic`, the formula of
+:mod:`xcp.traffic` (K/V shards of S/P tokens).
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from .. import schedule
 from ..documents import balance_costs, check_window, choose_balance, document_plan, ring_segments
 from ..kernels.merge import accumulator_dtype
+from ..traffic import RingTraffic, ring_traffic
 from .common import human_bytes
 
 FLAG = "--window"
@@ -109,46 +104,11 @@ def rank_pairs(cu: tuple[int, ...], world: int, causal: bool, balance: str, wind
     return [sum(document_plan(cu, world, r, causal, balance, window).pairs) for r in range(world)]
 
 
-@dataclass(frozen=True)
-class Traffic:
-    """The bytes one rank sends in a ring of ``steps`` of ``world`` steps (see the module docstring)."""
+Traffic = RingTraffic
+"""The bytes one rank sends in a ring (:class:`xcp.traffic.RingTraffic`)."""
 
-    world: int
-    steps: int
-    kv_shard: int
-    """Bytes of one K/V shard: 2·(S/P)·Hkv·D·itemsize (K and V)."""
-    dkv_message: int
-    """Bytes of one dK/dV message: 2·(S/P)·Hkv·D·(accumulator itemsize)."""
-
-    @property
-    def forward(self) -> int:
-        return (self.steps - 1) * self.kv_shard
-
-    @property
-    def backward_kv(self) -> int:
-        return (self.steps - 1) * self.kv_shard
-
-    @property
-    def backward_dkv(self) -> int:
-        return self.steps * self.dkv_message if self.steps > 1 else 0
-
-    @property
-    def backward(self) -> int:
-        return self.backward_kv + self.backward_dkv
-
-    @property
-    def total(self) -> int:
-        """Forward and backward together."""
-        return self.forward + self.backward
-
-
-def traffic(seq: int, world: int, steps: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-            batch: int = 1) -> Traffic:  # fmt: skip
-    """The :class:`Traffic` of a ring of ``steps`` of ``world`` steps over ``seq`` tokens."""
-    elements = 2 * batch * (seq // world) * kv_heads * head_dim
-    item = torch.empty((), dtype=dtype).element_size()
-    acc = torch.empty((), dtype=accumulator_dtype(dtype)).element_size()
-    return Traffic(world, steps, elements * item, elements * acc)
+traffic = ring_traffic
+"""``traffic(seq, world, steps, kv_heads, head_dim, dtype, batch=1)``: :func:`xcp.traffic.ring_traffic`."""
 
 
 def formula_lines(t: Traffic, local: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> list[str]:
