@@ -214,6 +214,24 @@ def test_a_cooperative_world_runs_its_ranks_on_one_cpu_and_a_free_one_leaves_the
     assert os.sched_getaffinity(0) == allowed  # the caller's thread is left alone
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux's per-thread CPU affinity")
+def test_the_pinned_cpu_falls_back_to_an_allowed_one(monkeypatch):
+    """Without libc's sched_getcpu (or with an answer outside the process's CPUs) the ranks go to the lowest
+    allowed CPU; a CPU taken away before the thread starts leaves the rank unpinned, not failed."""
+    import ctypes
+
+    from xcp import comm
+
+    def no_libc(*args, **kwargs):
+        raise OSError("no libc here")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_libc)
+    assert comm._current_cpu() == min(os.sched_getaffinity(0))
+    world = xcp.LocalWorld(2, cooperative=True)
+    world._cpu = 10**6  # not a CPU of this machine: sched_setaffinity raises, the rank runs unpinned
+    assert world.run(lambda g: os.sched_getaffinity(0)) == [os.sched_getaffinity(0)] * 2
+
+
 def test_a_rank_that_keeps_the_turn_makes_its_peer_time_out():
     world = xcp.LocalWorld(2, timeout=0.3, cooperative=True)
     x = torch.zeros(3)
