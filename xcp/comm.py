@@ -346,17 +346,16 @@ class LocalWorld:
         if self.timeout is None:
             raise ValueError("timeout: expected a positive finite number of seconds; got None")
         self._lock = threading.Lock()
-        self._boxes: dict[tuple, queue.Queue] = {}
         self._failure: tuple[int, BaseException] | None = None
         self._rank_stores: dict[int, dict] = {}
         self._workers: list[_RankThread | None] = [None] * world_size
         self.cooperative = self.device.type != "cpu" if cooperative is None else bool(cooperative)
         self._cpu = _current_cpu() if (self.cooperative if pin is None else bool(pin)) else None
-        self._sched = threading.Lock()  # guards the turn: holder, runnable ranks, ranks waiting for an item
+        self._sched = threading.Lock()  # guards the mail and the turn: holder, runnable ranks, ranks waiting
         self._holder: _Waker | None = None
         self._runnable: collections.deque[_Waker] = collections.deque()
-        self._waiting: dict[tuple, _Waker] = {}
-        self._mail: dict[tuple, collections.deque] = {}  # the mailboxes of a cooperative world
+        self._waiting: dict[tuple, tuple[_Waker, bool]] = {}  # key -> (waiter, whether it gave up the turn)
+        self._mail: dict[tuple, collections.deque] = {}  # the mailboxes, by key
         weakref.finalize(self, _RankThread.stop_all, self._workers)
 
     def __repr__(self) -> str:
@@ -386,9 +385,8 @@ class LocalWorld:
         can time out) is named in a RuntimeError, aborted at its next xcp wait, and left behind as a daemon
         thread.
         """
-        self._boxes.clear()
         self._failure = None
-        with self._sched:  # nothing of an earlier run's turn survives
+        with self._sched:  # nothing of an earlier run's mail or turn survives
             self._holder, self._waiting, self._mail = None, {}, {}
             self._runnable.clear()
         results: list[Any] = [None] * self.world_size
@@ -451,14 +449,6 @@ class LocalWorld:
             f"{2 * self.timeout:g} s (twice the world's timeout) after rank {finished[0]} finished{why}"
         ) from (cause[1] if cause is not None else None)
 
-    # -- mailbox
-    def _box(self, key: tuple) -> queue.Queue:
-        with self._lock:
-            box = self._boxes.get(key)
-            if box is None:
-                box = self._boxes[key] = queue.Queue()
-            return box
-
     def _rank_store(self, rank: int) -> dict:
         with self._lock:
             return self._rank_stores.setdefault(rank, {})
@@ -495,9 +485,9 @@ class LocalWorld:
         else:
             self._holder = None
 
-    def _await_turn(self, rank: int, me: _Waker, what: Callable[[], str], key: tuple | None = None) -> None:
-        """Block until the turn is handed to ``me``; on abort or timeout leave every queue and pass on a turn
-        that arrived meanwhile."""
+    def _await_wake(self, rank: int, me: _Waker, what: Callable[[], str], key: tuple | None = None) -> None:
+        """Block until ``me`` is set (the turn handed to it, or the mail it waits for put); on abort or timeout
+        leave every queue and pass on a turn that arrived meanwhile."""
         deadline = time.monotonic() + self.timeout
         while not me.wait(0.02):
             try:
@@ -506,7 +496,7 @@ class LocalWorld:
                     raise CommTimeout(f"rank {rank} waited {self.timeout:g} s for {what()}")
             except BaseException:
                 with self._sched:
-                    if key is not None and self._waiting.get(key) is me:
+                    if key is not None and self._waiting.get(key, (None,))[0] is me:
                         del self._waiting[key]
                     if me in self._runnable:
                         self._runnable.remove(me)
@@ -523,69 +513,39 @@ class LocalWorld:
                 return
             self._runnable.append(me)
         why = "its turn to run; another rank of this cooperative LocalWorld kept it (stuck outside an xcp wait?)"
-        self._await_turn(rank, me, lambda: why)
+        self._await_wake(rank, me, lambda: why)
 
+    # -- mailboxes: one deque per key under ``_sched``, for both kinds of world
     def _put(self, key: tuple, item: Any) -> None:
-        """Put ``item`` in the mailbox ``key``; in a cooperative world, the rank waiting for it becomes runnable."""
-        if not self.cooperative:
-            self._box(key).put(item)
-            return
+        """Put ``item`` in the mailbox ``key`` and wake the thread waiting for it: directly, or (a rank that
+        passed on the turn of a cooperative world to wait) by making it runnable."""
         with self._sched:  # one lock for the mail and the turn: a put cannot slip between a check and a wait
             self._mail.setdefault(key, collections.deque()).append(item)
-            waiter = self._waiting.pop(key, None)
-            if waiter is not None:
+            waiting = self._waiting.pop(key, None)
+            if waiting is not None:
+                waiter, gave_turn = waiting
+                if not gave_turn:
+                    waiter.set()
+                    return
                 self._runnable.append(waiter)
                 if self._holder is None:
                     self._hand_over()
 
     def _take(self, rank: int, key: tuple, what: Callable[[], str]) -> Any:
-        """The next item of mailbox ``key``, waiting for it (``what()`` describes it in a timeout)."""
-        if self.cooperative:
-            me = _waker()
-            with self._sched:
-                box = self._mail.get(key)
-                if box:
-                    return box.popleft()
-                holder = self._holder is me
-                if holder:  # wait without the turn: pass it on, be made runnable by the put
-                    self._waiting[key] = me
-                    self._hand_over()
-            if holder:
-                self._await_turn(rank, me, lambda: f"{what()}; is a peer stuck or missing?", key)
-                with self._sched:
-                    return self._mail[key].popleft()
-            return self._poll(rank, what, lambda: self._pop_mail(key))
-        box = self._box(key)
-        try:
-            return box.get_nowait()
-        except queue.Empty:
-            pass
-
-        def get() -> Any:
-            try:
-                return box.get(timeout=0.02)
-            except queue.Empty:
-                return None
-
-        return self._poll(rank, what, get)
-
-    def _pop_mail(self, key: tuple) -> Any:
+        """The next item of mailbox ``key``, waiting for it (``what()`` describes it in a timeout). A rank
+        holding the turn of a cooperative world passes the turn on while it waits."""
+        me = _waker()
         with self._sched:
             box = self._mail.get(key)
             if box:
                 return box.popleft()
-        time.sleep(0.001)  # a thread outside the turns (not a rank's job): poll
-        return None
-
-    def _poll(self, rank: int, what: Callable[[], str], get: Callable[[], Any]) -> Any:
-        deadline = time.monotonic() + self.timeout
-        while True:
-            self._check_abort(rank)
-            got = get()
-            if got is not None:
-                return got
-            if time.monotonic() > deadline:
-                raise CommTimeout(f"rank {rank} waited {self.timeout:g} s for {what()}; is a peer stuck or missing?")
+            gave_turn = self.cooperative and self._holder is me
+            self._waiting[key] = (me, gave_turn)
+            if gave_turn:
+                self._hand_over()
+        self._await_wake(rank, me, lambda: f"{what()}; is a peer stuck or missing?", key)
+        with self._sched:
+            return self._mail[key].popleft()
 
 
 def _current_cpu() -> int | None:
