@@ -267,9 +267,9 @@ def test_the_hybrid_in_a_cooperative_world_equals_a_free_running_one():
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_a_thread_outside_the_turns_polls_a_cooperative_mailbox():
-    """Mail for a thread that does not hold the turn (not a rank's job) is polled: it arrives, or the
-    wait times out naming what it waited for."""
+def test_a_thread_outside_the_turns_waits_for_a_cooperative_mailbox():
+    """Mail for a thread that does not hold the turn (not a rank's job) wakes it when put, or the wait
+    times out naming what it waited for."""
     world = xcp.LocalWorld(2, timeout=0.3, cooperative=True)
     timer = threading.Timer(0.05, world._put, args=(("post", 0, 1, "kv", 0), "item"))
     timer.start()
