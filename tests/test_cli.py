@@ -542,6 +542,13 @@ def test_sanitize_window_runs_the_short_ring_and_says_so(capsys):
     assert "the ring ran 4 of 4 steps" in text and "with the banded document mask" in text
 
 
+def _fails_with_usage_error(capsys, args: list[str], message: str) -> None:
+    """``xcp args`` exits 2, prints nothing on stdout, and its stderr starts with the tool's usage error."""
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"xcp {args[0]}: error: {message}")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -567,9 +574,7 @@ def test_sanitize_window_runs_the_short_ring_and_says_so(capsys):
     ],
 )  # fmt: skip
 def test_bad_window_values_name_the_flag(capsys, args, message):
-    assert main(args) == 2
-    captured = capsys.readouterr()
-    assert captured.out == "" and captured.err.startswith(f"xcp {args[0]}: error: {message}")
+    _fails_with_usage_error(capsys, args, message)
 
 
 @pytest.mark.parametrize("tool", ["plan", "sanitize", "bench"])
@@ -765,9 +770,7 @@ def test_plan_ulysses_without_seq_shows_groups_and_the_rings_plan(capsys):
     ],
 )  # fmt: skip
 def test_bad_ulysses_values_name_the_flag_the_expected_and_the_actual(capsys, args, message):
-    assert main(args) == 2
-    captured = capsys.readouterr()
-    assert captured.out == "" and captured.err.startswith(f"xcp {args[0]}: error: {message}")
+    _fails_with_usage_error(capsys, args, message)
 
 
 @pytest.mark.parametrize("tool", ["plan", "run", "sanitize", "bench"])
