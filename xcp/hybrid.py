@@ -82,10 +82,16 @@ def alltoall_bytes(
     and sends ``(U - 1) / U`` of it: ``(U - 1) · B · (S / P) · D · itemsize · (2·H + 2·H_kv') / U`` with
     ``H_kv' = H_kv · kv_replicas`` (K/V heads replicated for GQA with fewer K/V heads than U). 0 when U = 1.
     """
-    u = ulysses
-    kv = kv_heads * kv_replicas(heads, kv_heads, u)
+    kv = kv_heads * kv_replicas(heads, kv_heads, ulysses)
     n = seq_len // world_size
-    return (u - 1) * batch * n * head_dim * itemsize * (2 * heads + 2 * kv) // u
+    q_bytes, kv_bytes = (_alltoall_sent(ulysses, batch, n, h, head_dim, itemsize) for h in (heads, kv))
+    return 2 * q_bytes + 2 * kv_bytes
+
+
+def _alltoall_sent(ulysses: int, batch: int, tokens: int, heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes a rank sends of one [B, tokens, heads, D] tensor in a head group's all-to-all: all but the piece
+    of its own heads, (U - 1) / U of it (U divides ``heads``, so the division is exact)."""
+    return (ulysses - 1) * batch * tokens * heads * head_dim * itemsize // ulysses
 
 
 @dataclass(frozen=True)
@@ -191,8 +197,8 @@ def hybrid_traffic(
     return HybridTraffic(
         world=world_size,
         ulysses=u,
-        q=(u - 1) * batch * n * heads * head_dim * item // u,
-        kv=(u - 1) * batch * n * kv * head_dim * item // u,
+        q=_alltoall_sent(u, batch, n, heads, head_dim, item),
+        kv=_alltoall_sent(u, batch, n, kv, head_dim, item),
         ring_part=ring_traffic(seq_len, r, m, kv // u, head_dim, dtype, batch),
     )
 
