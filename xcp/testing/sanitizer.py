@@ -27,7 +27,14 @@ from .. import plugins, schedule
 from ..api import shard, unshard
 from ..comm import LocalWorld
 from ..documents import check_window, document_plan
-from ..hybrid import hybrid_backward, hybrid_config, hybrid_forward, kv_replicas
+from ..hybrid import (
+    check_ulysses_divides,
+    check_ulysses_heads,
+    hybrid_backward,
+    hybrid_config,
+    hybrid_forward,
+    kv_replicas,
+)
 from ..kernels.merge import accumulator_dtype
 from ..lifetime import check_handoff, check_slots, track_buffers
 from ..ring import RingConfig, ring_backward, ring_forward
@@ -297,11 +304,8 @@ def sanitize_ring(
     _check_int("ulysses", ulysses, 1)
     if heads % kv_heads:
         raise ValueError(f"kv_heads: expected a divisor of heads={heads}; got {kv_heads}")
-    if world % ulysses:
-        raise ValueError(f"ulysses: expected a divisor of world={world} (P = ulysses x ring ranks); got {ulysses}")
-    if heads % ulysses:
-        raise ValueError(f"ulysses: expected a divisor of heads={heads}; got {ulysses}")
-    ring = world // ulysses  # the ranks of a ring (P without ulysses)
+    ring = check_ulysses_divides(ulysses, world, "world")  # the ranks of a ring (P without ulysses)
+    check_ulysses_heads(ulysses, heads)
     if not isinstance(causal, bool) or not isinstance(backward, bool):
         raise TypeError("causal and backward: expected bools")
     if dtype not in TOLERANCE:
