@@ -35,9 +35,9 @@ from ..hybrid import (
     hybrid_forward,
     kv_replicas,
 )
-from ..kernels.merge import accumulator_dtype
 from ..lifetime import check_handoff, check_slots, track_buffers
 from ..ring import RingConfig, ring_backward, ring_forward
+from ..traffic import ring_traffic
 from .reference import sdpa_reference
 from .sim_backend import SimBackend, SimPlugin
 from .sim_device import DeviceModel, Finding
@@ -363,11 +363,10 @@ def sanitize_ring(
         refs.update(zip(("dq", "dk", "dv"), torch.autograd.grad(ref, leaves, dout.double())))
 
     bound = BACKWARD_BOUND if backward else FORWARD_BOUND
-    local = seq // ring  # a ring shard: S/R tokens with H_kv'/U K/V heads (S/P and H_kv without ulysses)
+    # a ring shard: S/R tokens with H_kv'/U K/V heads (S/P and H_kv without ulysses)
     ring_kv_heads = kv_heads * kv_replicas(heads, kv_heads, ulysses) // ulysses
-    kv_bytes = 2 * batch * local * ring_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    dkv_bytes = 2 * batch * local * ring_kv_heads * head_dim * accumulator_dtype(dtype).itemsize
-    bound_bytes = 2 * kv_bytes + (2 * dkv_bytes if backward else 0)
+    sent = ring_traffic(seq, ring, ring, ring_kv_heads, head_dim, dtype, batch)
+    bound_bytes = 2 * sent.kv_shard + (2 * sent.dkv_message if backward else 0)
     config = {
         "world": world, "causal": causal, "balance": balance, "handoff": handoff or SimBackend.handoff_policy,
         "backward": backward, "dtype": str(dtype).replace("torch.", ""), "heads": heads, "kv_heads": kv_heads,
@@ -411,7 +410,7 @@ def sanitize_ring(
         lw.release_buffers()
         del lw
         set_aside = [f for f in san.findings if ulysses > 1 and peers_rows(f)]
-        findings.extend(f for f in san.findings if not (ulysses > 1 and peers_rows(f)))
+        findings.extend(f for f in san.findings if not any(f is a for a in set_aside))
         for r, ledger in enumerate(ledgers):
             if ledger.live_bytes:
                 findings.append(Finding("leak", f"rank{r}: the ledger counts {ledger.live_bytes} B after the calls"))
