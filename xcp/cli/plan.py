@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from .. import schedule
 from ..documents import document_plan
 from ..hybrid import hybrid_traffic, kv_replicas
+from ..kernels.merge import accumulator_dtype
 from . import packing, windows
 from .common import (
     DTYPES,
@@ -354,7 +355,7 @@ def hybrid_cost_lines(
     t = hybrid_traffic(1, seq, heads, kv_heads, head_dim, torch_dtype, world, u, steps)
     hkv = kv_heads * kv_replicas(heads, kv_heads, u)
     item = torch_dtype.itemsize
-    acc = "float64" if dtype == "float64" else "float32"
+    acc = str(accumulator_dtype(torch_dtype)).replace("torch.", "")
     lines = [
         f"bytes sent per rank, one forward and one backward (S = {seq}, H {heads}, Hkv {kv_heads}, D {head_dim}, "
         f"{dtype}, batch 1):",
