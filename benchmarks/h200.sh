@@ -9,6 +9,7 @@
 #   benchmarks/h200.sh rings    # 16K and 64K over 8 virtual ranks, host µs per step
 #   benchmarks/h200.sh quick    # cuda and LocalWorld tests, 16K over 2 and 8 ranks, host µs per step
 #   benchmarks/h200.sh turns    # LocalWorld tests, world of one, 16K over 8 ranks, host per step, world_profile.py
+#   benchmarks/h200.sh replay   # cuda tests, then 16K/64K/128K rings and the hybrid at 16K, eager and replayed as graphs
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -139,6 +140,20 @@ quick)
       | grep -E "^ +[28] causal|^ +1024 causal"
   } 2>&1 | tee "$out/rings16k.txt"
   ;;
-*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick" >&2; exit 2 ;;
+replay)
+  section "cuda tests: backend (one graph for a whole LocalWorld included), lifetime rules (CSAN, graphs), LocalWorld"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_cuda_backend.py tests/test_lifetime_cuda.py \
+    tests/test_localworld.py 2>&1 | tail -5 | tee "$out/cuda_tests.txt"
+  section "16K and 64K over 2 and 8 virtual ranks, eager and replayed"
+  timeout 240 xcp bench --replay --seqs 16384,65536 --worlds 2,8 --reps 5 --no-graph --memory-seq 65536 \
+    --memory-worlds 8 --quiet --json "$out/replay.json" 2>&1 | tee "$out/replay.txt"
+  section "128K causal over 8 virtual ranks, eager and replayed"
+  timeout 120 xcp bench --replay --seqs 131072 --worlds 8 --mask causal --reps 5 --no-graph --memory-seq 16384 \
+    --memory-worlds 8 --quiet 2>&1 | tee "$out/replay128k.txt"
+  section "the hybrid at 16K over 8 ranks, eager and replayed"
+  timeout 120 xcp bench --replay --ulysses 1,2,4,8 --seqs 16384 --worlds 8 --mask causal --reps 5 --quiet 2>&1 \
+    | tee "$out/replay_ulysses.txt"
+  ;;
+*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay" >&2; exit 2 ;;
 esac
 section done

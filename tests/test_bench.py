@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -613,3 +614,132 @@ def test_bench_ulysses_bad_values_name_the_flag(capsys, args, message):
     assert main([*ULYSSES_FLAGS, *args]) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith(f"xcp bench: error: {message}"), captured.err
+
+
+# --- --replay (issue 14): each ring replayed as one device graph holding every rank's work ---
+
+
+class _Graph:
+    """A stand-in device graph for the CPU: the capture runs the work eagerly, a replay only counts."""
+
+    def __init__(self) -> None:
+        self.captures = self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+def _graph_backend(name: str):
+    """A CPU backend with stand-in graphs, capturing while inside ``capture_graph`` (so the ring takes its
+    capture paths: slots from the workspace, event hand-offs, no agreement exchange)."""
+    import contextlib
+
+    from xcp.cpu import CPUBackend
+
+    class GraphCPU(CPUBackend):
+        graphs: list[_Graph] = []
+        capturing = False
+
+        def is_capturing(self) -> bool:
+            return self.capturing
+
+        def new_graph(self) -> _Graph:
+            self.graphs.append(_Graph())
+            return self.graphs[-1]
+
+        @contextlib.contextmanager
+        def capture_graph(self, graph):
+            graph.captures += 1
+            type(self).capturing = True
+            try:
+                yield
+            finally:
+                type(self).capturing = False
+
+    GraphCPU.name = name
+    return GraphCPU
+
+
+@contextlib.contextmanager
+def _registered(backend_class):
+    from xcp.hookspecs import hookimpl
+    from xcp.plugins import register_plugin, unregister_plugin
+
+    class Plugin:
+        @hookimpl
+        def xcp_register_backends(self, register):
+            register(backend_class())
+
+    plugin = Plugin()
+    register_plugin(plugin, backend_class.name)
+    try:
+        yield
+    finally:
+        unregister_plugin(plugin)
+
+
+REPLAY_FLAGS = ["bench", "--heads", "2", "--kv-heads", "1", "--head-dim", "4", "--dtype", "float64", "--reps", "2",
+                "--warmup", "1", "--quiet", "--seqs", "16", "--worlds", "2", "--memory-worlds", "2", "--memory-seq",
+                "16", "--no-graph", "--replay"]  # fmt: skip
+
+
+@pytest.mark.parametrize("extra", [[], ["--documents", "6,10"], ["--window", "4,0", "--mask", "causal"],
+                                   ["--ulysses", "1,2", "--worlds", "2"]])  # fmt: skip
+def test_cli_bench_replay_checks_and_times_each_ring_as_graphs(tmp_path, capsys, extra):
+    """--replay captures the whole-sequence call and the ring (every rank) into graphs after the eager
+    warm-up, checks what the capture produced and times the replays: per mode, two graphs, each captured once
+    and replayed 1 + reps times; the rows carry the replayed times, ratios and checks, the text a table."""
+    backend_class = _graph_backend("bench-graph-cpu")
+    path = tmp_path / "r.json"
+    with _registered(backend_class):
+        code = main(REPLAY_FLAGS + ["--device", "bench-graph-cpu", "--json", str(path)] + extra)
+    text = capsys.readouterr().out
+    assert code == 0, text
+    report = json.loads(path.read_text())
+    rows = report["timing"] + (report.get("documents") or []) + (report.get("ulysses") or [])
+    assert rows and all(r["fwd_replay_check_ok"] and r["fwd_bwd_replay_check_ok"] for r in rows)
+    for r in rows:
+        for mode in ("fwd", "fwd_bwd"):
+            assert r[f"{mode}_replay_ratio"] == pytest.approx(r[f"{mode}_replay_ring_s"] / r[f"{mode}_replay_ref_s"])
+            assert set(r[f"{mode}_replay_errors"]) == ({"out"} if mode == "fwd" else {"out", "dq", "dk", "dv"})
+    graphs = [g for g in backend_class.graphs if g.captures or g.replays]  # the others: asked whether it has any
+    assert len(graphs) == 4 * len(rows) and all(g.captures == 1 and g.replays == 3 for g in graphs)
+    assert "replayed as device graphs" in text and "FAIL" not in text
+
+
+def test_bench_replay_check_catches_a_captured_ring_that_is_wrong(monkeypatch, capsys):
+    """A ring whose captured run writes wrong outputs fails the replay check (the eager one passing), and the
+    bench exits 1."""
+    from xcp.cli import bench
+
+    backend_class = _graph_backend("bench-graph-cpu-wrong")
+    run = bench.VirtualRing.run
+
+    def wrong_when_captured(self, backward):
+        results = run(self, backward)
+        if backend_class.capturing:
+            for _, out, _ in results:
+                out.add_(1.0)
+        return results
+
+    monkeypatch.setattr(bench.VirtualRing, "run", wrong_when_captured)
+    with _registered(backend_class):
+        code = main(REPLAY_FLAGS + ["--device", "bench-graph-cpu-wrong"])
+    text = capsys.readouterr().out
+    assert code == 1
+    replayed = text[text.index("replayed as device graphs") :]
+    assert "FAIL" in replayed and "FAIL" not in text[: text.index("replayed as device graphs")].split("check")[-1]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--device", "cpu"], "--replay: needs a backend with device graphs (cuda has them); backend 'cpu' has none"),
+        (["--device", "cpu", "--host"], "--replay: applies to the ring timings, not to --host"),
+        (["--device", "cpu", "--world-of-one"], "--replay: applies to the ring timings, not to --world-of-one"),
+        (["--device", "cpu", "--distributed"], "--replay: measured in one process"),
+    ],
+)
+def test_bench_replay_refuses_what_it_cannot_measure(capsys, args, message):
+    assert main(REPLAY_FLAGS + args) == 2
+    assert message in capsys.readouterr().err

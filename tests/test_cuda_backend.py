@@ -1148,3 +1148,39 @@ def test_current_stream_is_torchs_current_stream_on_a_gpu():
         same()
     same()
     assert backend.current_stream() is backend.current_stream()  # one object per stream, kept
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_rank_of_a_localworld_replays_from_one_graph_on_a_gpu(causal):
+    """On a GPU: the ring forward and backward of all 4 virtual ranks of a LocalWorld (threads taking turns,
+    each on its own stream), captured into one graph from the calling thread, replay on new inputs written
+    into the same tensors and match float64 SDPA on them (bf16's tolerance); the capture allocated no ring
+    buffer (rule 4: the slots came from the workspace) and kept 2 K/V + 2 dK/dV shards per rank."""
+    backend = CUDABackend()
+    ok, reason = backend.available()
+    if not ok:
+        pytest.skip(f"needs a CUDA GPU ({reason})")
+    from xcp.cli.bench import VirtualRing
+    from xcp.cli.common import REL_TOLERANCE, error, reference
+
+    g = torch.Generator(device="cuda").manual_seed(int(causal))
+    shapes = ((1, 256, 4, 64), (1, 256, 2, 64), (1, 256, 2, 64), (1, 256, 4, 64))  # q, k, v, dout
+    full = tuple(torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16) for s in shapes)
+    ring = VirtualRing(backend, 4, full, causal, "zigzag")
+    for _ in range(2):  # warm-up: builds the kernels and fills every rank's workspace
+        ring.run(True)
+    graph = backend.new_graph()
+    with backend.capture_graph(graph):
+        captured = ring.run(True)
+    assert all(led.allocations == 0 and led.peak_kv_shards == 4 for led in ring.ledgers)
+    for shards in ring.shards:
+        for x in shards:
+            x.copy_(torch.randn(x.shape, generator=g, device="cuda", dtype=x.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    inputs = [xcp.unshard([s[i] for s in ring.shards], balance="zigzag") for i in range(4)]
+    want = reference(*inputs, causal)
+    got = [xcp.unshard([r[1] for r in captured], balance="zigzag")]
+    got += [xcp.unshard([r[2][i] for r in captured], balance="zigzag") for i in range(3)]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert error(a, b).rel <= REL_TOLERANCE[torch.bfloat16], name

@@ -127,7 +127,8 @@ class Backend:
 
     def capture_graph(self, graph: Any) -> contextlib.AbstractContextManager:
         """A context that captures the work issued on the current stream into ``graph`` (``graph.replay()``
-        runs it again)."""
+        runs it again), including work other threads issue on streams that wait for it (``xcp bench
+        --replay`` captures every virtual rank of a LocalWorld, each a thread, into one graph)."""
         raise NotImplementedError(f"backend {self.name!r} has no device graphs")
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:

@@ -153,8 +153,11 @@ class CUDABackend(FusedKernelBackend):
         return torch.cuda.CUDAGraph()
 
     def capture_graph(self, graph: Any) -> Any:
-        """``torch.cuda.graph(graph)``: capture on a side stream the context makes current."""
-        return torch.cuda.graph(graph)
+        """``torch.cuda.graph(graph)``: capture on a side stream the context makes current, in the
+        ``thread_local`` error mode: the capturing thread is still checked for calls a capture forbids, while
+        other threads may issue work onto streams that joined the capture (a LocalWorld's virtual ranks, which
+        ``xcp bench --replay`` captures into one graph); the default ``global`` mode would fail their calls."""
+        return torch.cuda.graph(graph, capture_error_mode="thread_local")
 
     # ------------------------------------------------------------------ memory
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int] | None:

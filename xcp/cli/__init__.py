@@ -133,6 +133,9 @@ def _cmd_bench(args) -> int:
     if args.distributed and args.ulysses is not None:
         raise ValueError(f"{ULYSSES_FLAG}: measured in one process (LocalWorld virtual ranks), not with --distributed "
                          f"yet; got {','.join(map(str, args.ulysses))}")  # fmt: skip
+    if args.distributed and args.replay:
+        raise ValueError(f"{bench.REPLAY_FLAG}: measured in one process (every virtual rank's work in one graph), not "
+                         "with --distributed yet")  # fmt: skip
     if args.distributed and args.balance != "zigzag":
         raise ValueError(f"--balance: --distributed measures zigzag only yet; got {args.balance!r}")
     return (bench_dist if args.distributed else bench).command(args)

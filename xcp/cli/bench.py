@@ -85,6 +85,14 @@ HOST_MIN_REPS = 5
 WORLD_OF_ONE_SEQS = [1024, 4096]
 """``--seqs`` of the world-of-one figure when none are given (on a device and on the CPU alike)."""
 
+REPLAY_FLAG = "--replay"
+REPLAY_HELP = (
+    "besides the eager times, replay each ring as one device graph that holds every rank's work (the ranks' "
+    "threads issue it on their streams, which fork from the capture stream and join it) against the "
+    "whole-sequence call replayed as a graph too, checked first: the ring's device time without the host, "
+    "what ranks whose host keeps ahead of the device (or that replay captured step loops) would see"
+)
+
 
 @dataclass
 class BenchConfig(Measurement):
@@ -115,6 +123,9 @@ class BenchConfig(Measurement):
     ulysses: list[int] | None = None
     """``--ulysses``: instead of the dense grid, the hybrid all-to-all + ring for each U (dividing every P of
     ``worlds`` and ``heads``) against one whole-sequence kernel call, with the bytes each rank sends."""
+    replay: bool = False
+    """``--replay``: besides the eager times, each ring row replayed as one device graph holding every rank's
+    work, against the whole-sequence call replayed as a graph too (the ring's device time without the host)."""
 
     def window_sides(self) -> tuple[int | None, int | None] | None:
         if self.window is None:
@@ -140,6 +151,10 @@ class BenchConfig(Measurement):
 
     def validate(self) -> None:
         """Raise a ValueError naming the first field that cannot be measured."""
+        if self.replay and (self.host or self.world_of_one):
+            flag = "--host" if self.host else "--world-of-one"
+            raise ValueError(f"{REPLAY_FLAG}: applies to the ring timings, not to {flag} (a replay has no host "
+                             "work to measure)")  # fmt: skip
         if self.host or self.world_of_one:
             return self._validate_host()
         if self.ulysses is not None and (self.documents is not None or self.window is not None):
@@ -416,6 +431,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True, checkpoint: str | None = 
     """
     cfg.validate()
     backend, device = tool_backend(cfg.device, 0)
+    if cfg.replay and backend.new_graph() is None:
+        raise ValueError(f"{REPLAY_FLAG}: needs a backend with device graphs (cuda has them); backend "
+                         f"{backend.name!r} has none")  # fmt: skip
     if cfg.host or cfg.world_of_one:
         return _run_host(cfg, backend, device, progress, checkpoint)
     if cfg.ulysses is not None:
@@ -489,7 +507,37 @@ def _measure(cfg, clock, ring: VirtualRing, whole: Callable[[bool], Any], flops:
         row[f"{mode}_ratio"] = ratio(row[f"{mode}_ring_s"], row[f"{mode}_ref_s"])
         row[f"{mode}_ring_tflops"] = flops[backward] / row[f"{mode}_ring_s"] / 1e12
         row[f"{mode}_sent_bytes"] = [dict(sent) for sent in ring.sent]  # per rank and tag, in the last run
+        if cfg.replay:
+            _measure_replay(cfg, clock, ring, whole, backward, row, mode)
     return row
+
+
+def _measure_replay(cfg, clock, ring: VirtualRing, whole: Callable[[bool], Any], backward: bool, row, mode: str):
+    """The ring and ``whole`` each captured into a device graph and replayed: checked like the eager run, then
+    timed, interleaved, into ``row`` (``{mode}_replay_...``). The graph of the ring holds every rank's work:
+    the ranks' threads issue it on their streams, which fork from the capture stream and join it again, as
+    they fork from and join the caller's stream eagerly. Called after the eager warm-up, so the ring's slots
+    are in the workspace and the kernels are built (nothing is allocated or compiled while capturing)."""
+    be = ring.backend
+    whole_graph, ring_graph = be.new_graph(), be.new_graph()
+    with be.capture_graph(whole_graph):
+        whole_out, whole_grads = whole(backward)
+    with be.capture_graph(ring_graph):
+        results = ring.run(backward)
+    whole_graph.replay()
+    ring_graph.replay()
+    if cfg.check:
+        errs = check_againstwhole_kernel(ring, results, whole_out, whole_grads)
+        row[f"{mode}_replay_errors"] = errs
+        row[f"{mode}_replay_check_ok"] = all(math.isfinite(e) and e <= cfg.check_tolerance for e in errs.values())
+    del whole_out, whole_grads, results
+    ref_t, ring_t = [], []
+    for _ in range(cfg.reps):
+        ref_t.append(clock.time(whole_graph.replay))
+        ring_t.append(clock.time(ring_graph.replay))
+    row[f"{mode}_replay_ref_s"] = median(ref_t)
+    row[f"{mode}_replay_ring_s"] = median(ring_t)
+    row[f"{mode}_replay_ratio"] = ratio(row[f"{mode}_replay_ring_s"], row[f"{mode}_replay_ref_s"])
 
 
 # ---------------------------------------------------------------------------------------- hybrid (--ulysses)
@@ -1122,17 +1170,26 @@ def _header(report: dict[str, Any]) -> list[str]:
     ]
 
 
-def _row_ok(r: dict[str, Any]) -> bool:
-    """The row's checks passed: out and grads against the yardstick, and (with a window) the bytes each rank
-    sent against the formula."""
-    checks = all(r.get(f"{m}_check_ok", True) for m in ("fwd", "fwd_bwd"))
+EAGER_RUNS = ("fwd", "fwd_bwd")
+REPLAY_RUNS = ("fwd_replay", "fwd_bwd_replay")
+"""The runs of a row checked against the yardstick: eager, and replayed as graphs (``--replay``)."""
+
+
+def _row_ok(r: dict[str, Any], runs: tuple[str, ...] = EAGER_RUNS + REPLAY_RUNS) -> bool:
+    """The row's checks passed: out and grads against the yardstick in ``runs`` (all: eager and replayed),
+    and (with a window) the bytes each rank sent against the formula."""
+    checks = all(r.get(f"{m}_check_ok", True) for m in runs)
     return checks and r.get("sent_ok", True) and r.get("calls_ok", True)
 
 
-def _check_text(r: dict[str, Any]) -> str:
-    ok = _row_ok(r)
-    worst = max([e for m in ("fwd", "fwd_bwd") for e in r.get(f"{m}_errors", {}).values()] or [float("nan")])
-    return f"{'ok' if ok else 'FAIL'} ({worst:.1e})"
+def _worst_error(r: dict[str, Any], runs: tuple[str, ...]) -> float:
+    """The largest relative error of the row's ``runs`` against the yardstick; NaN where none was checked."""
+    return max([e for m in runs for e in r.get(f"{m}_errors", {}).values()] or [float("nan")])
+
+
+def _check_text(r: dict[str, Any], runs: tuple[str, ...] = EAGER_RUNS) -> str:
+    """``ok (worst error)`` or ``FAIL (...)`` for the row's ``runs`` (the replayed ones have their own table)."""
+    return f"{'ok' if _row_ok(r, runs) else 'FAIL'} ({_worst_error(r, runs):.1e})"
 
 
 def _versus_table(report: dict[str, Any], fourth: tuple, last: tuple) -> list[str]:
@@ -1246,16 +1303,37 @@ def _format_windows(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _format_replay(rows: list[dict[str, Any]]) -> list[str]:
+    """The ``--replay`` table: the ring and the whole-sequence call each replayed as a device graph."""
+    rows = [r for r in rows if "fwd_replay_ratio" in r]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "replayed as device graphs (every rank's work in one graph; the whole-sequence call in another): device time",
+        f"{'S':>8} {'P':>3} {'U':>2} {'mask':>6} | {'fwd ref ms':>10} {'fwd ring ms':>11} {'ratio':>6} | "
+        f"{'f+b ref ms':>10} {'f+b ring ms':>11} {'ratio':>6} | check",
+    ]
+    for r in rows:
+        check = _check_text(r, REPLAY_RUNS) if "fwd_replay_errors" in r else "not checked"
+        times = [f"{r[f'{m}_replay_ref_s'] * 1e3:>10.2f} {r[f'{m}_replay_ring_s'] * 1e3:>11.2f} "
+                 f"{r[f'{m}_replay_ratio']:>6.3f}" for m in ("fwd", "fwd_bwd")]  # fmt: skip
+        what = f"{r['seq']:>8} {r['world']:>3} {r.get('ulysses', 1):>2} {'causal' if r['causal'] else 'full':>6}"
+        lines.append(f"{what} | {' | '.join(times)} | {check}")
+    return lines
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The human-readable tables of a report."""
     if report.get("host") is not None or report.get("world_of_one") is not None:
         return "\n".join(_header(report) + _format_host(report))
     if report.get("ulysses") is not None:
-        return "\n".join(_header(report) + _format_ulysses(report))
+        return "\n".join(_header(report) + _format_ulysses(report) + _format_replay(report["ulysses"]))
+    replayed = _format_replay(report["timing"] + (report.get("documents") or []))
     if report.get("documents") is not None and report["meta"]["config"].get("window") is not None:
-        return "\n".join(_header(report) + _format_windows(report))
+        return "\n".join(_header(report) + _format_windows(report) + replayed)
     if report.get("documents") is not None:
-        return "\n".join(_header(report) + _format_documents(report))
+        return "\n".join(_header(report) + _format_documents(report) + replayed)
     lines = [
         *_header(report),
         "",
@@ -1280,6 +1358,7 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{r['seq']:>8} {r['world']:>3} {r['policy']:>9} | {r['peak_kv_shards']:>14} "
                 f"{r['peak_ring_bytes_per_rank'] / 2**20:>13.1f} {'-' if dev is None else f'{dev / 2**20:.1f}':>10}"
             )
+    lines += replayed
     g = report.get("graph")
     if g:
         lines += [
@@ -1408,6 +1487,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "it before it is timed, with the bytes each rank sends (all-to-alls, ring K/V and dK/dV) counted and "
         "checked against the formula",
     )  # fmt: skip
+    p.add_argument(REPLAY_FLAG, action="store_true", help=REPLAY_HELP)
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw ratio vs S and memory vs P")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -1542,6 +1622,7 @@ def command(args: argparse.Namespace) -> int:
         world_of_one=args.host or args.world_of_one,
         host_tokens=args.host_tokens,
         ulysses=args.ulysses,
+        replay=args.replay,
         **measurement_args(args),
     )
     report = run_bench(cfg, progress=not args.quiet, checkpoint=args.json)
