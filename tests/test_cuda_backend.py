@@ -1037,8 +1037,8 @@ class _FakeJit:
         self.direct_calls: list[tuple] = []
 
     def __getitem__(self, grid):
-        def run(*params, BLOCK_R, BLOCK_D):  # noqa: N803 - Triton's constexpr names
-            self.jit_calls.append((grid, *params, BLOCK_R, BLOCK_D))
+        def run(*params, BLOCK_R, BLOCK_D, **fresh):  # noqa: N803 - Triton's constexpr names
+            self.jit_calls.append((grid, *params, BLOCK_R, BLOCK_D, *fresh.values()))
             fake = self
 
             class Compiled:
@@ -1085,6 +1085,75 @@ def test_the_merge_launches_a_signature_seen_before_directly_and_a_new_one_throu
     monkeypatch.setattr(kernels, "FAST_LAUNCH", False)
     kernels.fused_merge_(*_merge_inputs())
     assert len(fake.jit_calls) == 6 and len(fake.direct_calls) == 1
+
+
+def test_a_pair_merge_launches_like_a_merge_with_fresh_in_its_signature(monkeypatch):
+    """The pair kernel goes through Triton the first time a signature is seen (FRESH among its constexprs)
+    and directly after; fresh and not fresh are two signatures, and a pair never takes a merge's kernel."""
+    fake, single = _FakeJit(), _FakeJit()
+    monkeypatch.setattr(kernels, "_PAIR_KERNEL", fake)
+    monkeypatch.setattr(kernels, "_KERNEL", single)
+    monkeypatch.setattr(kernels, "_COMPILED", {})
+    monkeypatch.setattr(kernels, "FAST_LAUNCH", True)
+
+    def pair(fresh: bool) -> None:
+        out, lse, bo, bl, rows = _merge_inputs()
+        kernels.fused_merge_pair_(out, lse, (bo, bl), (bo.clone(), bl.clone()), rows, fresh)
+
+    pair(False)
+    assert len(fake.jit_calls) == 1 and fake.jit_calls[0][-1] == 0 and not fake.direct_calls
+    pair(False)
+    assert len(fake.jit_calls) == 1 and len(fake.direct_calls) == 1
+    assert fake.direct_calls[0][7:] == fake.jit_calls[0][7:]  # the ints, then BLOCK_R, BLOCK_D, FRESH
+    pair(True)
+    assert len(fake.jit_calls) == 2 and fake.jit_calls[1][-1] == 1
+    kernels.fused_merge_(*_merge_inputs())
+    assert len(single.jit_calls) == 1 and len(fake.jit_calls) == 2
+    out, lse, bo, bl, rows = _merge_inputs()
+    with pytest.raises(ValueError, match="second: expected block_out of shape"):
+        kernels.fused_merge_pair_(out, lse, (bo, bl), (bo[:, 1:], bl[:, :, 1:]), rows, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("offset", [0, 3])
+@pytest.mark.parametrize("fresh", [False, True])
+def test_the_pair_merge_equals_two_eager_merges_on_a_gpu(dtype, offset, fresh):
+    """On a GPU: the pair kernel writes what two eager merges write (float32: to 1e-6), rows that no block
+    reached staying 0 / -inf; fresh (nothing folded yet, every row) equals merging into zeros / -inf, and
+    reads nothing of the uninitialised accumulators (NaN there)."""
+    backend = CUDABackend()
+    ok, reason = backend.available()
+    if not ok:
+        pytest.skip(f"needs a CUDA GPU ({reason})")
+    from xcp.kernels.merge import merge_
+
+    offset = 0 if fresh else offset
+    g = torch.Generator(device="cuda").manual_seed(offset + 7 * fresh)
+    n = 333
+    if fresh:
+        out = torch.full((2, n, 8, 64), math.nan, device="cuda")
+        lse = torch.full((2, 8, n), math.nan, device="cuda")
+        want_out, want_lse = torch.zeros_like(out), torch.full_like(lse, -math.inf)
+    else:
+        out = torch.randn(2, n + offset, 8, 64, device="cuda", generator=g)
+        lse = torch.randn(2, 8, n + offset, device="cuda", generator=g)
+        lse[:, :, :5] = -math.inf
+        out[:, :5] = 0.0
+        want_out, want_lse = out.clone(), lse.clone()
+    blocks = []
+    for _ in range(2):
+        bo = torch.randn(2, n, 8, 64, device="cuda", generator=g)
+        bl = torch.randn(2, 8, n, device="cuda", generator=g)
+        bl[:, :, :5] = -math.inf  # rows that saw no key in either block
+        bo[:, :5] = 0.0
+        blocks.append((bo.to(dtype), bl))
+    rows = slice(offset, offset + n)
+    assert backend.fused_merge_pair_(out, lse, blocks[0], blocks[1], rows, fresh)
+    for bo, bl in blocks:
+        merge_(want_out, want_lse, bo, bl, rows)
+    torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+    assert not out.isnan().any() and not lse.isnan().any()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -253,6 +253,27 @@ class Backend:
         these tensors; return False to let the ring use its generic merge (the default)."""
         return False
 
+    def fused_merge_pair_(
+        self,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        first: tuple[torch.Tensor, torch.Tensor],
+        second: tuple[torch.Tensor, torch.Tensor],
+        rows: slice,
+        fresh: bool,
+    ) -> bool:
+        """Fold two blocks of the same query rows into the running (out, lse) in one pass over them, if the
+        backend has a kernel that serves these tensors; return False (the default) to let the ring fold
+        the blocks one at a time from then on.
+
+        :param first: ``(block_out, block_lse)`` of the earlier block; ``second`` of the later one.
+        :param rows: the query rows both blocks cover.
+        :param fresh: True when ``out`` and ``lse`` hold nothing yet (uninitialised memory, every row covered
+            by ``rows``): the result is the two blocks' merge alone, and nothing of ``out`` may be read.
+        :returns: True when the blocks were folded in.
+        """
+        return False
+
     def whole_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
     ) -> torch.Tensor | None:

@@ -131,6 +131,80 @@ def merge_block(backend: Backend, out, lse, block_out, block_lse, rows: slice = 
         merge_(out, lse, block_out, block_lse, rows)
 
 
+class _Running:
+    """The running (out, lse) of a forward, blocks folded in as they come.
+
+    A merge reads and writes the float32 accumulators of its rows, which at short shards costs about as much
+    as the block itself. So a block is held until the next one: if that covers the same rows, the two fold
+    in one pass (``backend.fused_merge_pair_``), else the held one folds alone. A backend without a pair
+    kernel says so at the first pair, and blocks fold one at a time from then on. The first fold into rows
+    covering the whole shard writes the accumulators instead of merging into zeros. Holding keeps at most
+    one block output alive besides the kernel's current one.
+    """
+
+    def __init__(self, backend: Backend, q: torch.Tensor) -> None:
+        self.backend, self.q, self.n = backend, q, q.shape[1]
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+        self.held: tuple[torch.Tensor, torch.Tensor, slice] | None = None
+        self.pairs = True
+
+    def add(self, block_out: torch.Tensor, block_lse: torch.Tensor, rows: slice) -> None:
+        held = self.held
+        if held is not None and held[2] == rows:
+            self.held = None
+            self._fold_pair((held[0], held[1]), (block_out, block_lse), rows)
+            return
+        self._flush()
+        if self.pairs:
+            self.held = (block_out, block_lse, rows)
+        else:
+            self._fold(block_out, block_lse, rows)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The accumulators with every block folded in (zeros / -inf where no block came)."""
+        self._flush()
+        if self.out is None or self.lse is None:
+            self.out, self.lse = new_accumulators(self.q)
+        return self.out, self.lse
+
+    def _flush(self) -> None:
+        if self.held is not None:
+            block_out, block_lse, rows = self.held
+            self.held = None
+            self._fold(block_out, block_lse, rows)
+
+    def _whole(self, rows: slice) -> bool:
+        return rows.start == 0 and rows.stop == self.n
+
+    def _fold(self, block_out: torch.Tensor, block_lse: torch.Tensor, rows: slice) -> None:
+        if self.out is None and self._whole(rows):  # nothing to merge into yet: the block is the result so far
+            acc = accumulator_dtype(self.q.dtype)
+            self.out = block_out.to(acc, memory_format=torch.contiguous_format, copy=True)
+            self.lse = block_lse.to(acc, memory_format=torch.contiguous_format, copy=True)
+            return
+        if self.out is None or self.lse is None:
+            self.out, self.lse = new_accumulators(self.q)
+        merge_block(self.backend, self.out, self.lse, block_out, block_lse, rows)
+
+    def _fold_pair(self, first: tuple, second: tuple, rows: slice) -> None:
+        fresh = self.out is None and self._whole(rows)
+        if fresh:
+            out, lse = new_accumulators(self.q, empty=True)
+        elif self.out is None or self.lse is None:
+            out, lse = new_accumulators(self.q)
+        else:
+            out, lse = self.out, self.lse
+        if self.backend.fused_merge_pair_(out, lse, first, second, rows, fresh):
+            self.out, self.lse = out, lse
+            return
+        self.pairs = False  # no pair kernel for these tensors: one at a time from now on
+        if not fresh:
+            self.out, self.lse = out, lse
+        self._fold(*first, rows)
+        self._fold(*second, rows)
+
+
 class _KVRing:
     """The K/V shards of a ring call, step by step: rule 2 of xcp.lifetime around one exchange per step.
 
@@ -189,7 +263,7 @@ def ring_forward(
         return _local_forward(q, k, v, cfg, sinks)
     check_agreement(comm, backend, q, k, v, cfg, sinks)
     n = q.shape[1]
-    out = lse = None  # made by the first block: its copy when it covers every row, else zeros/-inf
+    running = _Running(backend, q)
     plan = cfg.plan
     moves = len(plan.steps) > 1
     call = RingCall(comm, backend, q.device, cfg.slots, cfg.handoff) if moves else None
@@ -202,20 +276,9 @@ def ring_forward(
                 q_rows = q_views.get((b.qs.start, b.qs.stop))
                 if q_rows is None:  # made once per call: a ring has two or three kinds of rows
                     q_rows = q_views[b.qs.start, b.qs.stop] = q[:, b.qs]
-                block_out, block_lse = b.forward(backend, q_rows, *kv.views(b.ks), cfg.scale)
-                if out is None and b.qs == slice(0, n):  # nothing to merge into yet
-                    acc = accumulator_dtype(q.dtype)
-                    contiguous = torch.contiguous_format
-                    out = block_out.to(acc, memory_format=contiguous, copy=True)
-                    lse = block_lse.to(acc, memory_format=contiguous, copy=True)
-                else:
-                    if out is None:
-                        out, lse = new_accumulators(q)
-                    merge_block(backend, out, lse, block_out, block_lse, b.qs)
-                del block_out, block_lse
+                running.add(*b.forward(backend, q_rows, *kv.views(b.ks), cfg.scale), b.qs)
             kv.end()
-    if out is None:  # no block at all (documents that see nothing of this rank's rows)
-        out, lse = new_accumulators(q)
+        out, lse = running.result()  # inside the call: a held block folds on the caller's stream before the join
     if sinks is not None:
         apply_sinks_(out, lse, sinks)
     return out.to(q.dtype), lse

@@ -175,6 +175,14 @@ class CUDABackend(FusedKernelBackend):
             return True
         return False
 
+    def fused_merge_pair_(self, out, lse, first, second, rows, fresh) -> bool:
+        """Both blocks in one Triton kernel where it applies (fp32 accumulators); False lets the ring fold
+        them one at a time."""
+        if self.fused_merge and all(kernels.fused_merge_supported(out, block[0]) for block in (first, second)):
+            kernels.fused_merge_pair_(out, lse, first, second, rows, fresh)
+            return True
+        return False
+
     def kernel_for(self, q: torch.Tensor) -> str:
         """The aten kernel that serves blocks shaped and typed like ``q`` on its device."""
         return kernels.choose_kernel(q.dtype, q.shape[-1], self._capability(q.device))

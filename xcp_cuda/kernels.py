@@ -493,6 +493,67 @@ def _build():
     return merge_kernel
 
 
+_PAIR_KERNEL = None
+
+
+def _build_pair():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def merge_pair_kernel(
+        out_ptr, lse_ptr, ao_ptr, al_ptr, bo_ptr, bl_ptr,
+        n_rows, seq, heads, dim,
+        o_sb, o_ss, o_sh,
+        l_sb, l_sh, l_ss,
+        a_sb, a_ss, a_sh,
+        al_sb, al_sh, al_ss,
+        b_sb, b_ss, b_sh,
+        bl_sb, bl_sh, bl_ss,
+        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, FRESH: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+        rmask = rows < n_rows
+        h = rows % heads
+        t = rows // heads
+        i = t % seq
+        b = t // seq
+        neg_inf = float("-inf")
+        la = tl.load(al_ptr + b * al_sb + h * al_sh + i * al_ss, mask=rmask, other=neg_inf)
+        lb = tl.load(bl_ptr + b * bl_sb + h * bl_sh + i * bl_ss, mask=rmask, other=neg_inf)
+        l_ptrs = lse_ptr + b * l_sb + h * l_sh + i * l_ss
+        if FRESH:
+            lo = tl.full([BLOCK_R], neg_inf, tl.float32)
+        else:
+            lo = tl.load(l_ptrs, mask=rmask, other=neg_inf)
+        m = tl.maximum(tl.maximum(lo, la), lb)
+        empty = m == neg_inf
+        m_safe = tl.where(empty, 0.0, m)
+        e_old = tl.exp(lo - m_safe)
+        e_a = tl.exp(la - m_safe)
+        e_b = tl.exp(lb - m_safe)
+        total = tl.where(empty, 1.0, e_old + e_a + e_b)
+        new_l = tl.where(empty, neg_inf, m_safe + tl.log(total))
+        w_a = tl.where(empty, 0.0, e_a / total)
+        w_b = tl.where(empty, 0.0, e_b / total)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < dim
+        mask2 = rmask[:, None] & dmask[None, :]
+        o_ptrs = out_ptr + (b * o_sb + i * o_ss + h * o_sh)[:, None] + d[None, :]
+        oa = tl.load(ao_ptr + (b * a_sb + i * a_ss + h * a_sh)[:, None] + d[None, :], mask=mask2, other=0.0)
+        ob = tl.load(bo_ptr + (b * b_sb + i * b_ss + h * b_sh)[:, None] + d[None, :], mask=mask2, other=0.0)
+        o = w_a[:, None] * oa.to(tl.float32) + w_b[:, None] * ob.to(tl.float32)
+        if not FRESH:  # rows where all three are -inf keep the running output (zeros)
+            old = tl.load(o_ptrs, mask=mask2, other=0.0)
+            w_old = tl.where(empty, 1.0, e_old / total)
+            o = o + w_old[:, None] * old
+        tl.store(o_ptrs, o, mask=mask2)
+        tl.store(l_ptrs, new_l, mask=rmask)
+
+    return merge_pair_kernel
+
+
 def fused_merge_supported(out: torch.Tensor, block_out: torch.Tensor) -> bool:
     """True where the Triton kernel applies: fp32 accumulators, unit stride on head_dim, D <= 256."""
     return (
@@ -533,6 +594,45 @@ def fused_merge_(
     _launch(grid, args)
 
 
+def fused_merge_pair_(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    first: tuple[torch.Tensor, torch.Tensor],
+    second: tuple[torch.Tensor, torch.Tensor],
+    rows: slice,
+    fresh: bool,
+) -> None:
+    """In-place merge of two blocks ``(block_out, block_lse)`` into (out, lse) on query rows ``rows`` in one
+    kernel: the running output is read and written once for both (with ``fresh``, not read at all: out and lse
+    are then written from the two blocks alone)."""
+    global _PAIR_KERNEL
+    if _PAIR_KERNEL is None:
+        _PAIR_KERNEL = _build_pair()
+    o = out[:, rows]
+    lo = lse[:, :, rows]
+    bsz, seq, heads, dim = o.shape
+    for name, (block_out, block_lse) in (("first", first), ("second", second)):
+        if block_out.shape != o.shape or tuple(block_lse.shape) != (bsz, heads, seq):
+            raise ValueError(
+                f"{name}: expected block_out of shape {tuple(o.shape)} and block_lse {(bsz, heads, seq)}; "
+                f"got {tuple(block_out.shape)} and {tuple(block_lse.shape)}"
+            )
+    a_out, a_lse = first[0], first[1].float()
+    b_out, b_lse = second[0], second[1].float()
+    n_rows = bsz * seq * heads
+    block_d = 1 << (dim - 1).bit_length()
+    block_r = max(1, 4096 // block_d)
+    grid = (-(-n_rows // block_r),)
+    args = (
+        o, lo, a_out, a_lse, b_out, b_lse,
+        n_rows, seq, heads, dim,
+        *o.stride()[:3], *lo.stride(), *a_out.stride()[:3], *a_lse.stride()[:3], *b_out.stride()[:3],
+        *b_lse.stride()[:3],
+        block_r, block_d, int(bool(fresh)),
+    )  # fmt: skip
+    _launch(grid, args, pair=True)
+
+
 _COMPILED: dict[tuple, Any] = {}
 """The merge kernel as Triton compiled it, per launch signature (see :func:`_launch`)."""
 
@@ -540,8 +640,9 @@ FAST_LAUNCH = os.environ.get("XCP_CUDA_FAST_LAUNCH", "1") != "0"
 """Whether a merge whose signature was launched before skips Triton's per-call binding (``_launch``)."""
 
 
-def _launch(grid: tuple[int], args: tuple) -> None:
-    """Launch the merge kernel on ``args`` (its parameters in order, the two block sizes last).
+def _launch(grid: tuple[int], args: tuple, pair: bool = False) -> None:
+    """Launch the merge kernel (``pair``: the pair kernel) on ``args``: its parameters in order, then its
+    constexprs (the two block sizes; and FRESH for the pair).
 
     Triton's ``kernel[grid](...)`` binds and specialises every argument on each call, about as long as the
     rest of a ring step's host work. A compiled kernel depends only on the argument values (ints equal to 1
@@ -551,18 +652,24 @@ def _launch(grid: tuple[int], args: tuple) -> None:
     launch of a key, a Triton that returns no compiled kernel, or ``XCP_CUDA_FAST_LAUNCH=0`` take
     Triton's own path.
     """
-    tensors = args[:4]
+    n_tensors = 6 if pair else 4
+    tensors = args[:n_tensors]
     key = (
+        pair,
         tensors[0].device.index,
         *(t.dtype for t in tensors),
         *(t.data_ptr() % 16 == 0 for t in tensors),
-        *args[4:],
+        *args[n_tensors:],
     )
     compiled = _COMPILED.get(key) if FAST_LAUNCH else None
     if compiled is not None:
         compiled[(grid[0], 1, 1)](*args)  # a compiled kernel takes the grid in three dims
         return
-    *params, block_r, block_d = args
-    compiled = _KERNEL[grid](*params, BLOCK_R=block_r, BLOCK_D=block_d)
+    if pair:
+        *params, block_r, block_d, fresh = args
+        compiled = _PAIR_KERNEL[grid](*params, BLOCK_R=block_r, BLOCK_D=block_d, FRESH=fresh)
+    else:
+        *params, block_r, block_d = args
+        compiled = _KERNEL[grid](*params, BLOCK_R=block_r, BLOCK_D=block_d)
     if FAST_LAUNCH and hasattr(compiled, "__getitem__") and len(_COMPILED) < 1024:
         _COMPILED[key] = compiled

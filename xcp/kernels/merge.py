@@ -21,10 +21,13 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Running output [B, S, H, D] (zeros) and log-sum-exp [B, H, S] (-inf) for queries ``q``."""
+def new_accumulators(q: torch.Tensor, empty: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Running output [B, S, H, D] (zeros) and log-sum-exp [B, H, S] (-inf) for queries ``q``; with
+    ``empty``, uninitialised (for a kernel that writes every element without reading any)."""
     acc = accumulator_dtype(q.dtype)
     b, s, h, d = q.shape
+    if empty:
+        return torch.empty((b, s, h, d), dtype=acc, device=q.device), torch.empty((b, h, s), dtype=acc, device=q.device)
     out = torch.zeros((b, s, h, d), dtype=acc, device=q.device)
     lse = torch.full((b, h, s), NEG_INF, dtype=acc, device=q.device)
     return out, lse
