@@ -10,7 +10,7 @@
 #   benchmarks/h200.sh quick    # cuda and LocalWorld tests, 16K over 2 and 8 ranks, host µs per step
 #   benchmarks/h200.sh turns    # LocalWorld tests, world of one, 16K over 8 ranks, host per step, world_profile.py
 #   benchmarks/h200.sh replay   # cuda tests, then 16K/64K/128K rings and the hybrid at 16K, eager and replayed as graphs
-#   benchmarks/h200.sh pairs    # cuda backend tests, 16K/64K over 8 ranks with and without the pair merge, GPU profile
+#   benchmarks/h200.sh pairs    # cuda tests, 16K/64K over 8 ranks with and without the pair kernels, GPU profile
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -157,8 +157,8 @@ replay)
   ;;
 pairs)
   section "cuda backend tests (the pair merge kernel included)"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_cuda_backend.py tests/test_pair_merge.py \
-    2>&1 | tail -5 | tee "$out/cuda_tests.txt"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_cuda_backend.py tests/test_pair_merge.py \
+    tests/test_lifetime_cuda.py tests/test_localworld.py 2>&1 | tail -5 | tee "$out/cuda_tests.txt"
   for pair in 1 0; do
     section "16K and 64K over 8 virtual ranks, XCP_CUDA_PAIR_MERGE=$pair, eager and replayed"
     XCP_CUDA_PAIR_MERGE=$pair timeout 200 xcp bench --replay --seqs 16384,65536 --worlds 8 --reps 5 --no-graph \

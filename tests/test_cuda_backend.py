@@ -1064,7 +1064,7 @@ def test_the_merge_launches_a_signature_seen_before_directly_and_a_new_one_throu
     alignment: a repeat goes straight to the compiled kernel with the same arguments; a different stride,
     dtype or alignment goes through Triton, which specialises on them; XCP_CUDA_FAST_LAUNCH=0 always does."""
     fake = _FakeJit()
-    monkeypatch.setattr(kernels, "_KERNEL", fake)
+    monkeypatch.setattr(kernels, "_JIT", {"merge": fake})
     monkeypatch.setattr(kernels, "_COMPILED", {})
     monkeypatch.setattr(kernels, "FAST_LAUNCH", True)
     kernels.fused_merge_(*_merge_inputs())
@@ -1091,8 +1091,7 @@ def test_a_pair_merge_launches_like_a_merge_with_fresh_in_its_signature(monkeypa
     """The pair kernel goes through Triton the first time a signature is seen (FRESH among its constexprs)
     and directly after; fresh and not fresh are two signatures, and a pair never takes a merge's kernel."""
     fake, single = _FakeJit(), _FakeJit()
-    monkeypatch.setattr(kernels, "_PAIR_KERNEL", fake)
-    monkeypatch.setattr(kernels, "_KERNEL", single)
+    monkeypatch.setattr(kernels, "_JIT", {"pair": fake, "merge": single})
     monkeypatch.setattr(kernels, "_COMPILED", {})
     monkeypatch.setattr(kernels, "FAST_LAUNCH", True)
 
@@ -1154,6 +1153,30 @@ def test_the_pair_merge_equals_two_eager_merges_on_a_gpu(dtype, offset, fresh):
     torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
     assert not out.isnan().any() and not lse.isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_the_dq_add_pair_equals_two_adds_on_a_gpu(dtype, offset):
+    """On a GPU: ``acc[rows] += a + b`` in one kernel equals two in-place adds (float32: to 1e-6), for a view
+    of rows from ``offset`` and addends laid out as cuDNN returns them (heads before sequence in memory);
+    rows outside the view are untouched."""
+    backend = CUDABackend()
+    ok, reason = backend.available()
+    if not ok:
+        pytest.skip(f"needs a CUDA GPU ({reason})")
+    g = torch.Generator(device="cuda").manual_seed(offset)
+    n = 333
+    acc = torch.randn(2, n + offset, 8, 64, device="cuda", generator=g)
+    a = torch.randn(2, 8, n, 64, device="cuda", generator=g).to(dtype).transpose(1, 2)  # [B, S, H, D] view
+    b = torch.randn(2, n, 8, 64, device="cuda", generator=g).to(dtype)
+    want = acc.clone()
+    want[:, offset:].add_(a).add_(b)
+    got = acc.clone()
+    assert backend.fused_add_pair_(got[:, offset:], a, b)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[:, :offset], acc[:, :offset])
+    assert not backend.fused_add_pair_(got[:, offset:].double(), a, b)  # not float32: the ring adds eagerly
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

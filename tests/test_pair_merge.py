@@ -1,4 +1,5 @@
-"""The forward folds blocks two at a time where the backend has a pair kernel (``_Running`` in xcp/ring.py).
+"""The forward folds blocks two at a time where the backend has a pair kernel (``_Running`` in xcp/ring.py),
+and the backward adds two blocks' dQ at a time (``_PairedAdds``).
 
 A block is held until the next: two blocks of the same rows fold in one ``backend.fused_merge_pair_`` call
 (``fresh`` when nothing was folded yet and the rows are the whole shard), else the held one folds alone. A
@@ -32,6 +33,7 @@ class PairCPU(CPUBackend):
         super().__init__()
         self.name, self.answer = name, answer
         self.calls: list[tuple[int, int, bool, int]] = []  # rows start, stop, fresh, shard length
+        self.adds: list[int] = []  # rows of each dQ pair offered
 
     def fused_merge_pair_(self, out, lse, first, second, rows, fresh) -> bool:
         self.calls.append((rows.start, rows.stop, fresh, out.shape[1]))
@@ -44,6 +46,14 @@ class PairCPU(CPUBackend):
         else:
             merge_(out, lse, *first, rows)
         merge_(out, lse, *second, rows)
+        return True
+
+    def fused_add_pair_(self, acc, first, second) -> bool:
+        self.adds.append(acc.shape[1])
+        if not self.answer:
+            return False
+        acc.add_(first)
+        acc.add_(second)
         return True
 
 
@@ -80,9 +90,11 @@ def test_pairs_fold_like_single_blocks(reference, ring, world, causal, balance):
         got = ring(q, k, v, dout, world, causal, balance, device=backend.name)
     assert_close(got, reference(q, k, v, dout, causal))
     assert backend.calls, "no pair was folded"
+    assert backend.adds, "no dQ pair was added"
     if not causal:
         assert len(backend.calls) == world * (world // 2)
         assert sum(fresh for _, _, fresh, _ in backend.calls) == world  # one fresh start per rank
+        assert len(backend.adds) == world * (world // 2)
 
 
 @given(case=ring_cases())
@@ -95,14 +107,14 @@ def test_pairs_fold_like_single_blocks_in_random_configurations(reference, ring,
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_a_backend_without_a_pair_kernel_folds_one_at_a_time_after_its_first_answer(reference, ring, causal):
-    """The first pair is offered once per rank and forward; after False every block folds alone, and the
-    result is the same."""
+    """The first pair (of blocks, and of dQ) is offered once per rank and pass; after False every block folds
+    (and adds) alone, and the result is the same."""
     world = 4
     q, k, v, dout = random_inputs(1, 48, 4, 2, 8, seed=7)
     with installed(PairCPU(f"cpu-no-pairs-{causal}", answer=False)) as backend:
         got = ring(q, k, v, dout, world, causal, "zigzag", device=backend.name)
     assert_close(got, reference(q, k, v, dout, causal))
-    assert len(backend.calls) == world
+    assert len(backend.calls) == world and len(backend.adds) == world
 
 
 def test_pairs_in_low_precision_match_the_reference(reference, ring):

@@ -274,6 +274,16 @@ class Backend:
         """
         return False
 
+    def fused_add_pair_(self, acc: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> bool:
+        """``acc += first + second`` in one pass over ``acc`` (the backward's dQ accumulator, a view of its
+        rows, float32 or float64; ``first`` and ``second`` two blocks' dQ of those rows), if the backend has a
+        kernel that serves these tensors; return False (the default) to let the ring add one at a time from
+        then on.
+
+        :returns: True when both were added.
+        """
+        return False
+
     def whole_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
     ) -> torch.Tensor | None:

@@ -131,6 +131,41 @@ def merge_block(backend: Backend, out, lse, block_out, block_lse, rows: slice = 
         merge_(out, lse, block_out, block_lse, rows)
 
 
+class _PairedAdds:
+    """The backward's additions into the dQ accumulator, two blocks' at a time where the backend has a kernel
+    for it (``backend.fused_add_pair_``): like the forward's merges (:class:`_Running`), each addition reads
+    and writes the float32 rows, so a block's dQ is held until the next; the same rows add together, other
+    rows add the held one alone. A backend without the kernel says so at the first pair."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.held: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
+        self.pairs = True
+
+    def add(self, key: tuple[int, int], acc: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add ``grad`` into ``acc`` (the accumulator's view of rows ``key``), now or with the next."""
+        held = self.held
+        if held is not None and held[0] == key:
+            self.held = None
+            if self.backend.fused_add_pair_(acc, held[2], grad):
+                return
+            self.pairs = False  # no kernel for these tensors: one at a time from now on
+            acc.add_(held[2])
+            acc.add_(grad)
+            return
+        self.flush()
+        if self.pairs:
+            self.held = (key, acc, grad)
+        else:
+            acc.add_(grad)  # in place on the view: no write-back through __setitem__
+
+    def flush(self) -> None:
+        if self.held is not None:
+            _, acc, grad = self.held
+            self.held = None
+            acc.add_(grad)
+
+
 class _Running:
     """The running (out, lse) of a forward, blocks folded in as they come.
 
@@ -312,6 +347,7 @@ def ring_backward(
     kv = _KVRing(call, comm, k, v, m)
     dkv_slots = call.slots("dkv", (k, v), dtype=acc, steps=range(m + 1))
     views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+    dq_adds = _PairedAdds(backend)
     with call:
         dkv_work = None
         for step, blocks in zip(plan.steps, calls):
@@ -325,7 +361,7 @@ def ring_backward(
                     rows = views[qs.start, qs.stop] = (dout[:, qs], q[:, qs], out[:, qs], lse[:, :, qs], dq[:, qs])
                 g_out, g_q, g_o, g_lse, g_dq = rows
                 g = b.backward(backend, g_out, g_q, *kv.views(b.ks), g_o, g_lse, cfg.scale)
-                g_dq.add_(g[0])  # in place on the view: no write-back through __setitem__
+                dq_adds.add((qs.start, qs.stop), g_dq, g[0])
                 grads.append((b.ks, g[1], g[2]))
                 del g
             if i == 0:
@@ -345,6 +381,7 @@ def ring_backward(
                 )
             del send
             kv.end()
+        dq_adds.flush()
         dkv_work.wait()
         dk_acc, dv_acc = dkv_slots.slot(m)
         # fresh tensors: results never alias the slots, which the workspace keeps for the next call

@@ -444,10 +444,7 @@ def with_repeated_kv_backward(backward_op):
 #     m = max(L, L_b);  e = exp(L - m), e_b = exp(L_b - m)
 #     L' = m + log(e + e_b);  O' = O + (e_b / (e + e_b)) * (O_b - O)
 # and rows where both are -inf stay at L = -inf, O unchanged (0).
-_KERNEL = None
-
-
-def _build():
+def _build_merge():
     import triton
     import triton.language as tl
 
@@ -491,9 +488,6 @@ def _build():
         tl.store(lse_ptr + b * l_sb + h * l_sh + i * l_ss, new_l, mask=rmask)
 
     return merge_kernel
-
-
-_PAIR_KERNEL = None
 
 
 def _build_pair():
@@ -554,6 +548,56 @@ def _build_pair():
     return merge_pair_kernel
 
 
+def _build_add_pair():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_pair_kernel(
+        acc_ptr, a_ptr, b_ptr,
+        n_rows, seq, heads, dim,
+        c_sb, c_ss, c_sh,
+        a_sb, a_ss, a_sh,
+        b_sb, b_ss, b_sh,
+        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+        rmask = rows < n_rows
+        h = rows % heads
+        t = rows // heads
+        i = t % seq
+        b = t // seq
+        d = tl.arange(0, BLOCK_D)
+        mask2 = rmask[:, None] & (d < dim)[None, :]
+        c_ptrs = acc_ptr + (b * c_sb + i * c_ss + h * c_sh)[:, None] + d[None, :]
+        x = tl.load(a_ptr + (b * a_sb + i * a_ss + h * a_sh)[:, None] + d[None, :], mask=mask2, other=0.0)
+        y = tl.load(b_ptr + (b * b_sb + i * b_ss + h * b_sh)[:, None] + d[None, :], mask=mask2, other=0.0)
+        c = tl.load(c_ptrs, mask=mask2, other=0.0)
+        tl.store(c_ptrs, c + (x.to(tl.float32) + y.to(tl.float32)), mask=mask2)
+
+    return add_pair_kernel
+
+
+_BUILDERS = {"merge": _build_merge, "pair": _build_pair, "add_pair": _build_add_pair}
+_CONSTEXPRS = {
+    "merge": ("BLOCK_R", "BLOCK_D"),
+    "pair": ("BLOCK_R", "BLOCK_D", "FRESH"),
+    "add_pair": ("BLOCK_R", "BLOCK_D"),
+}
+"""Each kernel's constexpr parameters, last in its launch arguments."""
+_TENSORS = {"merge": 4, "pair": 6, "add_pair": 3}
+"""How many tensors each kernel's launch arguments start with."""
+_JIT: dict[str, Any] = {}
+"""The Triton kernels by name, built on first use."""
+
+
+def _block_sizes(dim: int) -> tuple[int, int]:
+    """Rows per program and the head_dim tile (the next power of 2) of the row-wise kernels here."""
+    block_d = 1 << (dim - 1).bit_length()
+    return max(1, 4096 // block_d), block_d
+
+
 def fused_merge_supported(out: torch.Tensor, block_out: torch.Tensor) -> bool:
     """True where the Triton kernel applies: fp32 accumulators, unit stride on head_dim, D <= 256."""
     return (
@@ -569,9 +613,6 @@ def fused_merge_(
     out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor, rows: slice = slice(None)
 ) -> None:
     """In-place merge of (block_out, block_lse) into (out, lse) on query rows ``rows`` (one kernel)."""
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _build()
     o = out[:, rows]
     lo = lse[:, :, rows]
     bsz, seq, heads, dim = o.shape
@@ -582,8 +623,7 @@ def fused_merge_(
         )
     block_lse = block_lse.float()
     n_rows = bsz * seq * heads
-    block_d = 1 << (dim - 1).bit_length()  # the next power of 2
-    block_r = max(1, 4096 // block_d)
+    block_r, block_d = _block_sizes(dim)
     grid = (-(-n_rows // block_r),)
     args = (
         o, lo, block_out, block_lse,
@@ -591,7 +631,7 @@ def fused_merge_(
         *o.stride()[:3], *lo.stride(), *block_out.stride()[:3], *block_lse.stride()[:3],
         block_r, block_d,
     )  # fmt: skip
-    _launch(grid, args)
+    _launch("merge", grid, args)
 
 
 def fused_merge_pair_(
@@ -605,9 +645,6 @@ def fused_merge_pair_(
     """In-place merge of two blocks ``(block_out, block_lse)`` into (out, lse) on query rows ``rows`` in one
     kernel: the running output is read and written once for both (with ``fresh``, not read at all: out and lse
     are then written from the two blocks alone)."""
-    global _PAIR_KERNEL
-    if _PAIR_KERNEL is None:
-        _PAIR_KERNEL = _build_pair()
     o = out[:, rows]
     lo = lse[:, :, rows]
     bsz, seq, heads, dim = o.shape
@@ -620,8 +657,7 @@ def fused_merge_pair_(
     a_out, a_lse = first[0], first[1].float()
     b_out, b_lse = second[0], second[1].float()
     n_rows = bsz * seq * heads
-    block_d = 1 << (dim - 1).bit_length()
-    block_r = max(1, 4096 // block_d)
+    block_r, block_d = _block_sizes(dim)
     grid = (-(-n_rows // block_r),)
     args = (
         o, lo, a_out, a_lse, b_out, b_lse,
@@ -630,7 +666,37 @@ def fused_merge_pair_(
         *b_lse.stride()[:3],
         block_r, block_d, int(bool(fresh)),
     )  # fmt: skip
-    _launch(grid, args, pair=True)
+    _launch("pair", grid, args)
+
+
+def fused_add_pair_supported(acc: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> bool:
+    """True where the add-pair kernel applies: a float32 [B, S, H, D] accumulator, addends of its shape,
+    unit stride on head_dim, D <= 256."""
+    return (
+        acc.dtype == torch.float32
+        and acc.dim() == 4
+        and acc.shape[-1] <= 256
+        and all(
+            x.shape == acc.shape and x.stride(-1) == 1 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            for x in (first, second)
+        )
+        and acc.stride(-1) == 1
+    )
+
+
+def fused_add_pair_(acc: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
+    """``acc += first + second`` in one kernel (the sum in float32): acc read and written once for two."""
+    bsz, seq, heads, dim = acc.shape
+    n_rows = bsz * seq * heads
+    block_r, block_d = _block_sizes(dim)
+    grid = (-(-n_rows // block_r),)
+    args = (
+        acc, first, second,
+        n_rows, seq, heads, dim,
+        *acc.stride()[:3], *first.stride()[:3], *second.stride()[:3],
+        block_r, block_d,
+    )  # fmt: skip
+    _launch("add_pair", grid, args)
 
 
 _COMPILED: dict[tuple, Any] = {}
@@ -640,9 +706,9 @@ FAST_LAUNCH = os.environ.get("XCP_CUDA_FAST_LAUNCH", "1") != "0"
 """Whether a merge whose signature was launched before skips Triton's per-call binding (``_launch``)."""
 
 
-def _launch(grid: tuple[int], args: tuple, pair: bool = False) -> None:
-    """Launch the merge kernel (``pair``: the pair kernel) on ``args``: its parameters in order, then its
-    constexprs (the two block sizes; and FRESH for the pair).
+def _launch(kind: str, grid: tuple[int], args: tuple) -> None:
+    """Launch the kernel ``kind`` (``merge``, ``pair``, ``add_pair``) on ``args``: its parameters in order,
+    then its constexprs (the block sizes; FRESH for ``pair``).
 
     Triton's ``kernel[grid](...)`` binds and specialises every argument on each call, about as long as the
     rest of a ring step's host work. A compiled kernel depends only on the argument values (ints equal to 1
@@ -652,10 +718,10 @@ def _launch(grid: tuple[int], args: tuple, pair: bool = False) -> None:
     launch of a key, a Triton that returns no compiled kernel, or ``XCP_CUDA_FAST_LAUNCH=0`` take
     Triton's own path.
     """
-    n_tensors = 6 if pair else 4
+    n_tensors = _TENSORS[kind]
     tensors = args[:n_tensors]
     key = (
-        pair,
+        kind,
         tensors[0].device.index,
         *(t.dtype for t in tensors),
         *(t.data_ptr() % 16 == 0 for t in tensors),
@@ -665,11 +731,11 @@ def _launch(grid: tuple[int], args: tuple, pair: bool = False) -> None:
     if compiled is not None:
         compiled[(grid[0], 1, 1)](*args)  # a compiled kernel takes the grid in three dims
         return
-    if pair:
-        *params, block_r, block_d, fresh = args
-        compiled = _PAIR_KERNEL[grid](*params, BLOCK_R=block_r, BLOCK_D=block_d, FRESH=fresh)
-    else:
-        *params, block_r, block_d = args
-        compiled = _KERNEL[grid](*params, BLOCK_R=block_r, BLOCK_D=block_d)
+    kernel = _JIT.get(kind)
+    if kernel is None:
+        kernel = _JIT[kind] = _BUILDERS[kind]()
+    names = _CONSTEXPRS[kind]
+    params, constexprs = args[: -len(names)], args[-len(names) :]
+    compiled = kernel[grid](*params, **dict(zip(names, constexprs)))
     if FAST_LAUNCH and hasattr(compiled, "__getitem__") and len(_COMPILED) < 1024:
         _COMPILED[key] = compiled
