@@ -29,6 +29,8 @@ from xcp.plugins import register_plugin, unregister_plugin
 class PairCPU(CPUBackend):
     """CPU blocks; pairs folded by two eager merges (or refused with ``answer=False``), every call recorded."""
 
+    folds_pairs = True
+
     def __init__(self, name: str, answer: bool = True) -> None:
         super().__init__()
         self.name, self.answer = name, answer
@@ -189,3 +191,27 @@ def test_running_folds_equal_one_merge_per_block(rows_list):
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-12)
     first_pair_whole = rows_list[0] == rows_list[1] == slice(0, 6)
     assert [fresh for *_, fresh, _ in backend.calls][:1] == [first_pair_whole]
+
+
+def test_a_backend_that_folds_no_pairs_gets_no_block_held(reference, ring):
+    """``folds_pairs`` False (every backend's default): no pair is offered, nothing is held."""
+    backend = PairCPU("cpu-folds-none")
+    backend.folds_pairs = False
+    q, k, v, dout = random_inputs(1, 48, 4, 2, 8, seed=11)
+    with installed(backend):
+        got = ring(q, k, v, dout, 4, True, "zigzag", device=backend.name)
+    assert_close(got, reference(q, k, v, dout, True))
+    assert backend.calls == [] and backend.adds == []
+
+
+def test_a_block_dq_over_the_limit_is_added_at_once(reference, ring, monkeypatch):
+    """A block's dQ larger than DQ_PAIR_MAX_BYTES is not held (the backward's memory peak stays); the
+    forward's pairs are unaffected."""
+    from xcp import ring as ring_module
+
+    monkeypatch.setattr(ring_module, "DQ_PAIR_MAX_BYTES", 8 * 12 * 4 * 8 - 1)  # below one block's dQ here
+    q, k, v, dout = random_inputs(1, 48, 4, 2, 8, seed=12)  # 12 rows per rank, 4 heads of 8, float64
+    with installed(PairCPU("cpu-pairs-dq-limit")) as backend:
+        got = ring(q, k, v, dout, 4, False, "zigzag", device=backend.name)
+    assert_close(got, reference(q, k, v, dout, False))
+    assert backend.adds == [] and len(backend.calls) == 4 * 2

@@ -44,6 +44,8 @@ class Backend:
         default hand-off), ``kernel`` (a short description of the block kernel, for ``xcp backends``),
         ``dtypes`` (the dtypes its kernel serves), ``masks`` (the block masks it serves; the ring needs
         ``none`` always, ``causal`` for causal attention and ``strict`` for the stripe balance).
+        ``folds_pairs``: whether :meth:`fused_merge_pair_` and :meth:`fused_add_pair_` may fold two blocks
+        at once; only then does the ring hold a block for the next (which costs one block's output).
 
     Every backend must accept grouped-query K/V (``H % Hkv == 0``) and strided (non-contiguous) views
     along the sequence, which is what the ring passes; :func:`check_backend` validates the identity and
@@ -57,6 +59,7 @@ class Backend:
     kernel: str = "none"
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)
     masks: tuple[str, ...] = MASKS
+    folds_pairs: bool = False
 
     # ------------------------------------------------------------------ identity
     def available(self) -> tuple[bool, str]:

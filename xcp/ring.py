@@ -131,16 +131,24 @@ def merge_block(backend: Backend, out, lse, block_out, block_lse, rows: slice = 
         merge_(out, lse, block_out, block_lse, rows)
 
 
+DQ_PAIR_MAX_BYTES = 16 << 20
+"""The largest block dQ the backward holds for the next block (bytes). Holding raises the backward's memory
+peak by one block's dQ, while the pass it saves matters only at short shards (at 2K tokens per rank a pass
+over the float32 rows costs a third to a half of a block's kernel; at 8K, a few %): so only small ones are
+held. 16 MiB is 2K rows of 32 heads x 128 in bf16."""
+
+
 class _PairedAdds:
     """The backward's additions into the dQ accumulator, two blocks' at a time where the backend has a kernel
     for it (``backend.fused_add_pair_``): like the forward's merges (:class:`_Running`), each addition reads
-    and writes the float32 rows, so a block's dQ is held until the next; the same rows add together, other
-    rows add the held one alone. A backend without the kernel says so at the first pair."""
+    and writes the float32 rows, so a block's dQ of at most :data:`DQ_PAIR_MAX_BYTES` is held until the
+    next; the same rows add together, other rows add the held one alone. A backend whose kernel refuses
+    the tensors says so at the first pair."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.held: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
-        self.pairs = True
+        self.pairs = bool(backend.folds_pairs)
 
     def add(self, key: tuple[int, int], acc: torch.Tensor, grad: torch.Tensor) -> None:
         """Add ``grad`` into ``acc`` (the accumulator's view of rows ``key``), now or with the next."""
@@ -154,7 +162,7 @@ class _PairedAdds:
             acc.add_(grad)
             return
         self.flush()
-        if self.pairs:
+        if self.pairs and grad.numel() * grad.element_size() <= DQ_PAIR_MAX_BYTES:
             self.held = (key, acc, grad)
         else:
             acc.add_(grad)  # in place on the view: no write-back through __setitem__
@@ -171,8 +179,9 @@ class _Running:
 
     A merge reads and writes the float32 accumulators of its rows, which at short shards costs about as much
     as the block itself. So a block is held until the next one: if that covers the same rows, the two fold
-    in one pass (``backend.fused_merge_pair_``), else the held one folds alone. A backend without a pair
-    kernel says so at the first pair, and blocks fold one at a time from then on. The first fold into rows
+    in one pass (``backend.fused_merge_pair_``), else the held one folds alone. Only a backend that
+    ``folds_pairs`` gets blocks held; one whose kernel refuses the tensors says so at the first pair, and
+    blocks fold one at a time from then on. The first fold into rows
     covering the whole shard writes the accumulators instead of merging into zeros. Holding keeps at most
     one block output alive besides the kernel's current one.
     """
@@ -182,7 +191,7 @@ class _Running:
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
         self.held: tuple[torch.Tensor, torch.Tensor, slice] | None = None
-        self.pairs = True
+        self.pairs = bool(backend.folds_pairs)
 
     def add(self, block_out: torch.Tensor, block_lse: torch.Tensor, rows: slice) -> None:
         held = self.held

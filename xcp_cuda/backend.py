@@ -104,8 +104,8 @@ class CUDABackend(FusedKernelBackend):
         self._streams: dict[tuple, Any] = {}  # current_stream's Stream objects, by (stream_id, device, type)
         # XCP_CUDA_FUSED_MERGE=0 selects the eager merge (for comparisons and as a fallback)
         self.fused_merge = _env_flag("XCP_CUDA_FUSED_MERGE", importlib.util.find_spec("triton") is not None)
-        # XCP_CUDA_PAIR_MERGE=0 folds blocks (and adds dQ) one at a time where the pair kernels would serve
-        self.pair_merge = self.fused_merge and _env_flag("XCP_CUDA_PAIR_MERGE", True)
+        # XCP_CUDA_PAIR_MERGE=0 folds blocks (and adds dQ) one at a time, holding none (comparisons)
+        self.folds_pairs = self.fused_merge and _env_flag("XCP_CUDA_PAIR_MERGE", True)
 
     # ------------------------------------------------------------------ identity
     def available(self) -> tuple[bool, str]:
@@ -180,7 +180,7 @@ class CUDABackend(FusedKernelBackend):
     def fused_merge_pair_(self, out, lse, first, second, rows, fresh) -> bool:
         """Both blocks in one Triton kernel where it applies (fp32 accumulators); False lets the ring fold
         them one at a time."""
-        if self.pair_merge and all(kernels.fused_merge_supported(out, block[0]) for block in (first, second)):
+        if self.folds_pairs and all(kernels.fused_merge_supported(out, block[0]) for block in (first, second)):
             kernels.fused_merge_pair_(out, lse, first, second, rows, fresh)
             return True
         return False
@@ -188,7 +188,7 @@ class CUDABackend(FusedKernelBackend):
     def fused_add_pair_(self, acc, first, second) -> bool:
         """Both additions in one Triton kernel where it applies (a float32 accumulator); False lets the ring
         add one at a time."""
-        if self.pair_merge and kernels.fused_add_pair_supported(acc, first, second):
+        if self.folds_pairs and kernels.fused_add_pair_supported(acc, first, second):
             kernels.fused_add_pair_(acc, first, second)
             return True
         return False
