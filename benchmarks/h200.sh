@@ -164,6 +164,9 @@ pairs)
     XCP_CUDA_PAIR_MERGE=$pair timeout 200 xcp bench --replay --seqs 16384,65536 --worlds 8 --reps 5 --no-graph \
       --memory-seq 65536 --memory-worlds 8 --quiet --json "$out/pairs$pair.json" 2>&1 | tee "$out/pairs$pair.txt"
   done
+  section "128K causal over 8 virtual ranks, eager and replayed"
+  timeout 120 xcp bench --replay --seqs 131072 --worlds 8 --mask causal --reps 3 --no-graph --memory-seq 16384 \
+    --memory-worlds 8 --quiet 2>&1 | grep -E "^ +131072" | tee "$out/pairs128k.txt"
   section "GPU time by kernel kind, 16K over 8 ranks, causal"
   PYTHONPATH=. timeout 120 python3 benchmarks/ring_profile.py --seq 16384 --world 8 --mask causal 2>&1 \
     | tee "$out/ring_profile_16k.txt"
