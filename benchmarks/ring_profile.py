@@ -23,7 +23,7 @@ from xcp.plugins import select_backend
 
 KINDS = (
     ("attention", ("cudnn", "fmha", "flash", "attention", "sm90", "sm100")),
-    ("merge", ("merge_kernel",)),
+    ("merge", ("merge_kernel", "merge_pair_kernel")),
     ("copy", ("copy", "memcpy")),
     ("add", ("add", "sum", "reduce")),
     ("cast", ("to_copy", "convert", "cast")),
