@@ -204,14 +204,16 @@ def test_a_backend_that_folds_no_pairs_gets_no_block_held(reference, ring):
     assert backend.calls == [] and backend.adds == []
 
 
-def test_a_block_dq_over_the_limit_is_added_at_once(reference, ring, monkeypatch):
-    """A block's dQ larger than DQ_PAIR_MAX_BYTES is not held (the backward's memory peak stays); the
-    forward's pairs are unaffected."""
+def test_blocks_over_the_limit_are_folded_and_added_at_once(reference, ring, monkeypatch):
+    """A block output or dQ larger than PAIR_MAX_BYTES is not held (the pass's memory peak stays), so no
+    pair is offered; one at the limit is held."""
     from xcp import ring as ring_module
 
-    monkeypatch.setattr(ring_module, "DQ_PAIR_MAX_BYTES", 8 * 12 * 4 * 8 - 1)  # below one block's dQ here
     q, k, v, dout = random_inputs(1, 48, 4, 2, 8, seed=12)  # 12 rows per rank, 4 heads of 8, float64
-    with installed(PairCPU("cpu-pairs-dq-limit")) as backend:
-        got = ring(q, k, v, dout, 4, False, "zigzag", device=backend.name)
-    assert_close(got, reference(q, k, v, dout, False))
-    assert backend.adds == [] and len(backend.calls) == 4 * 2
+    block = 12 * 4 * 8 * 8  # bytes of one block's output (and dQ) here
+    for limit, pairs in ((block - 1, 0), (block, 4 * 2)):
+        monkeypatch.setattr(ring_module, "PAIR_MAX_BYTES", limit)
+        with installed(PairCPU(f"cpu-pairs-limit-{limit}")) as backend:
+            got = ring(q, k, v, dout, 4, False, "zigzag", device=backend.name)
+        assert_close(got, reference(q, k, v, dout, False))
+        assert len(backend.calls) == pairs and len(backend.adds) == pairs

@@ -131,17 +131,22 @@ def merge_block(backend: Backend, out, lse, block_out, block_lse, rows: slice = 
         merge_(out, lse, block_out, block_lse, rows)
 
 
-DQ_PAIR_MAX_BYTES = 16 << 20
-"""The largest block dQ the backward holds for the next block (bytes). Holding raises the backward's memory
-peak by one block's dQ, while the pass it saves matters only at short shards (at 2K tokens per rank a pass
-over the float32 rows costs a third to a half of a block's kernel; at 8K, a few %): so only small ones are
-held. 16 MiB is 2K rows of 32 heads x 128 in bf16."""
+PAIR_MAX_BYTES = 16 << 20
+"""The largest block output (forward) or block dQ (backward) the ring holds for the next block, in bytes.
+Holding raises the pass's memory peak by that block, while the pass over the float32 rows it saves matters
+only at short shards (at 2K tokens per rank it costs a third to a half of a block's kernel; at 8K, a few
+%): so only small blocks are held, and long shards keep their memory peak. 16 MiB is 2K rows of 32 heads x
+128 in bf16."""
+
+
+def _small(block: torch.Tensor) -> bool:
+    return block.numel() * block.element_size() <= PAIR_MAX_BYTES
 
 
 class _PairedAdds:
     """The backward's additions into the dQ accumulator, two blocks' at a time where the backend has a kernel
     for it (``backend.fused_add_pair_``): like the forward's merges (:class:`_Running`), each addition reads
-    and writes the float32 rows, so a block's dQ of at most :data:`DQ_PAIR_MAX_BYTES` is held until the
+    and writes the float32 rows, so a block's dQ of at most :data:`PAIR_MAX_BYTES` is held until the
     next; the same rows add together, other rows add the held one alone. A backend whose kernel refuses
     the tensors says so at the first pair."""
 
@@ -162,7 +167,7 @@ class _PairedAdds:
             acc.add_(grad)
             return
         self.flush()
-        if self.pairs and grad.numel() * grad.element_size() <= DQ_PAIR_MAX_BYTES:
+        if self.pairs and _small(grad):
             self.held = (key, acc, grad)
         else:
             acc.add_(grad)  # in place on the view: no write-back through __setitem__
@@ -177,13 +182,12 @@ class _PairedAdds:
 class _Running:
     """The running (out, lse) of a forward, blocks folded in as they come.
 
-    A merge reads and writes the float32 accumulators of its rows, which at short shards costs about as much
-    as the block itself. So a block is held until the next one: if that covers the same rows, the two fold
-    in one pass (``backend.fused_merge_pair_``), else the held one folds alone. Only a backend that
-    ``folds_pairs`` gets blocks held; one whose kernel refuses the tensors says so at the first pair, and
-    blocks fold one at a time from then on. The first fold into rows
-    covering the whole shard writes the accumulators instead of merging into zeros. Holding keeps at most
-    one block output alive besides the kernel's current one.
+    A merge reads and writes the float32 accumulators of its rows, at short shards a large share of the
+    block's own time. So a block output of at most :data:`PAIR_MAX_BYTES` is held until the next one: if that
+    covers the same rows, the two fold in one pass (``backend.fused_merge_pair_``), else the held one folds
+    alone. Only a backend that ``folds_pairs`` gets blocks held; one whose kernel refuses the tensors says
+    so at the first pair, and blocks fold one at a time from then on. The first fold into rows covering the
+    whole shard writes the accumulators instead of merging into zeros.
     """
 
     def __init__(self, backend: Backend, q: torch.Tensor) -> None:
@@ -200,7 +204,7 @@ class _Running:
             self._fold_pair((held[0], held[1]), (block_out, block_lse), rows)
             return
         self._flush()
-        if self.pairs:
+        if self.pairs and _small(block_out):
             self.held = (block_out, block_lse, rows)
         else:
             self._fold(block_out, block_lse, rows)
