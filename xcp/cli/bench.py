@@ -489,35 +489,46 @@ def _measure(cfg, clock, ring: VirtualRing, whole: Callable[[bool], Any], flops:
     times, their ratio and the ring's throughput for ``flops[backward]``, into ``row``."""
     for mode, backward in (("fwd", False), ("fwd_bwd", True)):
         whole_out, whole_grads = whole(backward)
-        results = ring.run(backward)
-        if cfg.check:
-            errs = check_againstwhole_kernel(ring, results, whole_out, whole_grads)
-            row[f"{mode}_errors"] = errs
-            row[f"{mode}_check_ok"] = all(math.isfinite(e) and e <= cfg.check_tolerance for e in errs.values())
-        del whole_out, whole_grads, results
+        _check_into(cfg, row, mode, ring, ring.run(backward), whole_out, whole_grads)
+        del whole_out, whole_grads
         for _ in range(cfg.warmup):
             whole(backward)
             ring.run(backward)
-        ref_t, ring_t = [], []
-        for _ in range(cfg.reps):  # interleaved, so drifts in clock or temperature hit both alike
-            ref_t.append(clock.time(lambda b=backward: whole(b)))
-            ring_t.append(clock.time(lambda b=backward: ring.run(b)))
-        row[f"{mode}_ref_s"] = median(ref_t)
-        row[f"{mode}_ring_s"] = median(ring_t)
-        row[f"{mode}_ratio"] = ratio(row[f"{mode}_ring_s"], row[f"{mode}_ref_s"])
+        _time_into(cfg, clock, row, mode, lambda b=backward: whole(b), lambda b=backward: ring.run(b))
         row[f"{mode}_ring_tflops"] = flops[backward] / row[f"{mode}_ring_s"] / 1e12
         row[f"{mode}_sent_bytes"] = [dict(sent) for sent in ring.sent]  # per rank and tag, in the last run
         if cfg.replay:
-            _measure_replay(cfg, clock, ring, whole, backward, row, mode)
+            _measure_replay(cfg, clock, ring, whole, backward, row, f"{mode}_replay")
     return row
 
 
-def _measure_replay(cfg, clock, ring: VirtualRing, whole: Callable[[bool], Any], backward: bool, row, mode: str):
+def _check_into(cfg, row, run: str, ring: VirtualRing, results, whole_out, whole_grads) -> None:
+    """With ``cfg.check``: the ring's ``results`` against the yardstick's, as ``{run}_errors`` and
+    ``{run}_check_ok`` of ``row``."""
+    if cfg.check:
+        errs = check_againstwhole_kernel(ring, results, whole_out, whole_grads)
+        row[f"{run}_errors"] = errs
+        row[f"{run}_check_ok"] = all(math.isfinite(e) and e <= cfg.check_tolerance for e in errs.values())
+
+
+def _time_into(cfg, clock, row, run: str, reference: Callable[[], Any], ring: Callable[[], Any]) -> None:
+    """``reference`` and ``ring`` timed ``cfg.reps`` times, interleaved (so drifts in clock or temperature hit
+    both alike): their medians and ratio as ``{run}_ref_s``, ``{run}_ring_s`` and ``{run}_ratio`` of ``row``."""
+    ref_t, ring_t = [], []
+    for _ in range(cfg.reps):
+        ref_t.append(clock.time(reference))
+        ring_t.append(clock.time(ring))
+    row[f"{run}_ref_s"] = median(ref_t)
+    row[f"{run}_ring_s"] = median(ring_t)
+    row[f"{run}_ratio"] = ratio(row[f"{run}_ring_s"], row[f"{run}_ref_s"])
+
+
+def _measure_replay(cfg, clock, ring: VirtualRing, whole: Callable[[bool], Any], backward: bool, row, run: str):
     """The ring and ``whole`` each captured into a device graph and replayed: checked like the eager run, then
-    timed, interleaved, into ``row`` (``{mode}_replay_...``). The graph of the ring holds every rank's work:
-    the ranks' threads issue it on their streams, which fork from the capture stream and join it again, as
-    they fork from and join the caller's stream eagerly. Called after the eager warm-up, so the ring's slots
-    are in the workspace and the kernels are built (nothing is allocated or compiled while capturing)."""
+    timed, interleaved, into ``row`` (as ``run``). The graph of the ring holds every rank's work: the ranks'
+    threads issue it on their streams, which fork from the capture stream and join it again, as they fork
+    from and join the caller's stream eagerly. Called after the eager warm-up, so the ring's slots are in the
+    workspace and the kernels are built (nothing is allocated or compiled while capturing)."""
     be = ring.backend
     whole_graph, ring_graph = be.new_graph(), be.new_graph()
     with be.capture_graph(whole_graph):
@@ -526,18 +537,9 @@ def _measure_replay(cfg, clock, ring: VirtualRing, whole: Callable[[bool], Any],
         results = ring.run(backward)
     whole_graph.replay()
     ring_graph.replay()
-    if cfg.check:
-        errs = check_againstwhole_kernel(ring, results, whole_out, whole_grads)
-        row[f"{mode}_replay_errors"] = errs
-        row[f"{mode}_replay_check_ok"] = all(math.isfinite(e) and e <= cfg.check_tolerance for e in errs.values())
+    _check_into(cfg, row, run, ring, results, whole_out, whole_grads)
     del whole_out, whole_grads, results
-    ref_t, ring_t = [], []
-    for _ in range(cfg.reps):
-        ref_t.append(clock.time(whole_graph.replay))
-        ring_t.append(clock.time(ring_graph.replay))
-    row[f"{mode}_replay_ref_s"] = median(ref_t)
-    row[f"{mode}_replay_ring_s"] = median(ring_t)
-    row[f"{mode}_replay_ratio"] = ratio(row[f"{mode}_replay_ring_s"], row[f"{mode}_replay_ref_s"])
+    _time_into(cfg, clock, row, run, whole_graph.replay, ring_graph.replay)
 
 
 # ---------------------------------------------------------------------------------------- hybrid (--ulysses)
