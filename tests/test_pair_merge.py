@@ -182,7 +182,7 @@ def test_running_folds_equal_one_merge_per_block(rows_list):
     backend = PairCPU("unused")
     running = _Running(backend, q)
     for bo, bl, rows in blocks:
-        running.add(bo, bl, rows)
+        running.add(rows, bo, bl)
     out, lse = running.result()
     want_out, want_lse = new_accumulators(q)
     for bo, bl, rows in blocks:

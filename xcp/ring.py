@@ -139,93 +139,87 @@ only at short shards (at 2K tokens per rank it costs a third to a half of a bloc
 128 in bf16."""
 
 
-def _small(block: torch.Tensor) -> bool:
-    return block.numel() * block.element_size() <= PAIR_MAX_BYTES
+class _Pairs:
+    """Blocks folded into an accumulator as they come, two at a time where the backend can (one pass over the
+    float32 rows for two blocks instead of two passes).
 
-
-class _PairedAdds:
-    """The backward's additions into the dQ accumulator, two blocks' at a time where the backend has a kernel
-    for it (``backend.fused_add_pair_``): like the forward's merges (:class:`_Running`), each addition reads
-    and writes the float32 rows, so a block's dQ of at most :data:`PAIR_MAX_BYTES` is held until the
-    next; the same rows add together, other rows add the held one alone. A backend whose kernel refuses
-    the tensors says so at the first pair."""
+    A block whose first tensor is at most :data:`PAIR_MAX_BYTES` is held until the next: if that has the same
+    key (the same rows), the two fold together (:meth:`_two`), else the held one folds alone (:meth:`_one`).
+    Only a backend that ``folds_pairs`` gets blocks held; :meth:`_two` answering False (no kernel for these
+    tensors) makes every later block fold alone.
+    """
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.held: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
         self.pairs = bool(backend.folds_pairs)
+        self.held: tuple[Any, tuple[torch.Tensor, ...]] | None = None
 
-    def add(self, key: tuple[int, int], acc: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add ``grad`` into ``acc`` (the accumulator's view of rows ``key``), now or with the next."""
+    def add(self, key: Any, *block: torch.Tensor) -> None:
+        """Fold ``block`` in, now or with the next block of the same ``key``."""
         held = self.held
         if held is not None and held[0] == key:
             self.held = None
-            if self.backend.fused_add_pair_(acc, held[2], grad):
-                return
-            self.pairs = False  # no kernel for these tensors: one at a time from now on
-            acc.add_(held[2])
-            acc.add_(grad)
+            if not self._two(key, held[1], block):
+                self.pairs = False  # no pair kernel for these tensors: one at a time from now on
+                self._one(key, held[1])
+                self._one(key, block)
             return
         self.flush()
-        if self.pairs and _small(grad):
-            self.held = (key, acc, grad)
+        if self.pairs and block[0].numel() * block[0].element_size() <= PAIR_MAX_BYTES:
+            self.held = (key, block)
         else:
-            acc.add_(grad)  # in place on the view: no write-back through __setitem__
+            self._one(key, block)
 
     def flush(self) -> None:
+        """Fold in the block held, if any."""
         if self.held is not None:
-            _, acc, grad = self.held
+            key, block = self.held
             self.held = None
-            acc.add_(grad)
+            self._one(key, block)
+
+    def _one(self, key: Any, block: tuple[torch.Tensor, ...]) -> None:
+        raise NotImplementedError
+
+    def _two(self, key: Any, first: tuple[torch.Tensor, ...], second: tuple[torch.Tensor, ...]) -> bool:
+        raise NotImplementedError
 
 
-class _Running:
-    """The running (out, lse) of a forward, blocks folded in as they come.
+class _PairedAdds(_Pairs):
+    """The backward's additions into the dQ accumulator: a block is ``(dq, acc)``, the block's dQ and the
+    accumulator's view of its rows; two of the same rows add in one pass (``backend.fused_add_pair_``)."""
 
-    A merge reads and writes the float32 accumulators of its rows, at short shards a large share of the
-    block's own time. So a block output of at most :data:`PAIR_MAX_BYTES` is held until the next one: if that
-    covers the same rows, the two fold in one pass (``backend.fused_merge_pair_``), else the held one folds
-    alone. Only a backend that ``folds_pairs`` gets blocks held; one whose kernel refuses the tensors says
-    so at the first pair, and blocks fold one at a time from then on. The first fold into rows covering the
-    whole shard writes the accumulators instead of merging into zeros.
+    def _one(self, key: Any, block: tuple[torch.Tensor, ...]) -> None:
+        grad, acc = block
+        acc.add_(grad)  # in place on the view: no write-back through __setitem__
+
+    def _two(self, key: Any, first: tuple[torch.Tensor, ...], second: tuple[torch.Tensor, ...]) -> bool:
+        return self.backend.fused_add_pair_(second[1], first[0], second[0])
+
+
+class _Running(_Pairs):
+    """The running (out, lse) of a forward: a block is ``(block_out, block_lse)`` keyed by its rows; two of
+    the same rows fold in one pass (``backend.fused_merge_pair_``). The first fold into rows covering the
+    whole shard writes the accumulators instead of merging into zeros (a pair: ``fresh``, not read at all).
     """
 
     def __init__(self, backend: Backend, q: torch.Tensor) -> None:
-        self.backend, self.q, self.n = backend, q, q.shape[1]
+        super().__init__(backend)
+        self.q, self.n = q, q.shape[1]
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
-        self.held: tuple[torch.Tensor, torch.Tensor, slice] | None = None
-        self.pairs = bool(backend.folds_pairs)
-
-    def add(self, block_out: torch.Tensor, block_lse: torch.Tensor, rows: slice) -> None:
-        held = self.held
-        if held is not None and held[2] == rows:
-            self.held = None
-            self._fold_pair((held[0], held[1]), (block_out, block_lse), rows)
-            return
-        self._flush()
-        if self.pairs and _small(block_out):
-            self.held = (block_out, block_lse, rows)
-        else:
-            self._fold(block_out, block_lse, rows)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The accumulators with every block folded in (zeros / -inf where no block came)."""
-        self._flush()
+        self.flush()
         if self.out is None or self.lse is None:
             self.out, self.lse = new_accumulators(self.q)
         return self.out, self.lse
 
-    def _flush(self) -> None:
-        if self.held is not None:
-            block_out, block_lse, rows = self.held
-            self.held = None
-            self._fold(block_out, block_lse, rows)
-
     def _whole(self, rows: slice) -> bool:
         return rows.start == 0 and rows.stop == self.n
 
-    def _fold(self, block_out: torch.Tensor, block_lse: torch.Tensor, rows: slice) -> None:
+    def _one(self, rows: slice, block: tuple[torch.Tensor, ...]) -> None:
+        block_out, block_lse = block
         if self.out is None and self._whole(rows):  # nothing to merge into yet: the block is the result so far
             acc = accumulator_dtype(self.q.dtype)
             self.out = block_out.to(acc, memory_format=torch.contiguous_format, copy=True)
@@ -235,22 +229,18 @@ class _Running:
             self.out, self.lse = new_accumulators(self.q)
         merge_block(self.backend, self.out, self.lse, block_out, block_lse, rows)
 
-    def _fold_pair(self, first: tuple, second: tuple, rows: slice) -> None:
+    def _two(self, rows: slice, first: tuple[torch.Tensor, ...], second: tuple[torch.Tensor, ...]) -> bool:
         fresh = self.out is None and self._whole(rows)
         if fresh:
             out, lse = new_accumulators(self.q, empty=True)
-        elif self.out is None or self.lse is None:
-            out, lse = new_accumulators(self.q)
         else:
+            if self.out is None or self.lse is None:
+                self.out, self.lse = new_accumulators(self.q)
             out, lse = self.out, self.lse
-        if self.backend.fused_merge_pair_(out, lse, first, second, rows, fresh):
-            self.out, self.lse = out, lse
-            return
-        self.pairs = False  # no pair kernel for these tensors: one at a time from now on
-        if not fresh:
-            self.out, self.lse = out, lse
-        self._fold(*first, rows)
-        self._fold(*second, rows)
+        if not self.backend.fused_merge_pair_(out, lse, first, second, rows, fresh):
+            return False
+        self.out, self.lse = out, lse
+        return True
 
 
 class _KVRing:
@@ -324,7 +314,7 @@ def ring_forward(
                 q_rows = q_views.get((b.qs.start, b.qs.stop))
                 if q_rows is None:  # made once per call: a ring has two or three kinds of rows
                     q_rows = q_views[b.qs.start, b.qs.stop] = q[:, b.qs]
-                running.add(*b.forward(backend, q_rows, *kv.views(b.ks), cfg.scale), b.qs)
+                running.add(b.qs, *b.forward(backend, q_rows, *kv.views(b.ks), cfg.scale))
             kv.end()
         out, lse = running.result()  # inside the call: a held block folds on the caller's stream before the join
     if sinks is not None:
@@ -374,7 +364,7 @@ def ring_backward(
                     rows = views[qs.start, qs.stop] = (dout[:, qs], q[:, qs], out[:, qs], lse[:, :, qs], dq[:, qs])
                 g_out, g_q, g_o, g_lse, g_dq = rows
                 g = b.backward(backend, g_out, g_q, *kv.views(b.ks), g_o, g_lse, cfg.scale)
-                dq_adds.add((qs.start, qs.stop), g_dq, g[0])
+                dq_adds.add((qs.start, qs.stop), g[0], g_dq)
                 grads.append((b.ks, g[1], g[2]))
                 del g
             if i == 0:
