@@ -592,10 +592,13 @@ _JIT: dict[str, Any] = {}
 """The Triton kernels by name, built on first use."""
 
 
-def _block_sizes(dim: int) -> tuple[int, int]:
-    """Rows per program and the head_dim tile (the next power of 2) of the row-wise kernels here."""
+def _tiling(bsz: int, seq: int, heads: int, dim: int) -> tuple[int, tuple[int], int, int]:
+    """How the row-wise kernels here cover [bsz, seq, heads, dim]: the number of (b, i, h) rows, the grid,
+    the rows per program and the head_dim tile (the next power of 2)."""
+    n_rows = bsz * seq * heads
     block_d = 1 << (dim - 1).bit_length()
-    return max(1, 4096 // block_d), block_d
+    block_r = max(1, 4096 // block_d)
+    return n_rows, (-(-n_rows // block_r),), block_r, block_d
 
 
 def fused_merge_supported(out: torch.Tensor, block_out: torch.Tensor) -> bool:
@@ -622,9 +625,7 @@ def fused_merge_(
             f"got {tuple(block_out.shape)} and {tuple(block_lse.shape)}"
         )
     block_lse = block_lse.float()
-    n_rows = bsz * seq * heads
-    block_r, block_d = _block_sizes(dim)
-    grid = (-(-n_rows // block_r),)
+    n_rows, grid, block_r, block_d = _tiling(bsz, seq, heads, dim)
     args = (
         o, lo, block_out, block_lse,
         n_rows, seq, heads, dim,
@@ -656,9 +657,7 @@ def fused_merge_pair_(
             )
     a_out, a_lse = first[0], first[1].float()
     b_out, b_lse = second[0], second[1].float()
-    n_rows = bsz * seq * heads
-    block_r, block_d = _block_sizes(dim)
-    grid = (-(-n_rows // block_r),)
+    n_rows, grid, block_r, block_d = _tiling(bsz, seq, heads, dim)
     args = (
         o, lo, a_out, a_lse, b_out, b_lse,
         n_rows, seq, heads, dim,
@@ -687,9 +686,7 @@ def fused_add_pair_supported(acc: torch.Tensor, first: torch.Tensor, second: tor
 def fused_add_pair_(acc: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
     """``acc += first + second`` in one kernel (the sum in float32): acc read and written once for two."""
     bsz, seq, heads, dim = acc.shape
-    n_rows = bsz * seq * heads
-    block_r, block_d = _block_sizes(dim)
-    grid = (-(-n_rows // block_r),)
+    n_rows, grid, block_r, block_d = _tiling(bsz, seq, heads, dim)
     args = (
         acc, first, second,
         n_rows, seq, heads, dim,
@@ -700,10 +697,10 @@ def fused_add_pair_(acc: torch.Tensor, first: torch.Tensor, second: torch.Tensor
 
 
 _COMPILED: dict[tuple, Any] = {}
-"""The merge kernel as Triton compiled it, per launch signature (see :func:`_launch`)."""
+"""The kernels as Triton compiled them, per launch signature (see :func:`_launch`)."""
 
 FAST_LAUNCH = os.environ.get("XCP_CUDA_FAST_LAUNCH", "1") != "0"
-"""Whether a merge whose signature was launched before skips Triton's per-call binding (``_launch``)."""
+"""Whether a launch whose signature was seen before skips Triton's per-call binding (``_launch``)."""
 
 
 def _launch(kind: str, grid: tuple[int], args: tuple) -> None:
