@@ -365,9 +365,9 @@ def test_bench_window_check_is_against_the_windowed_call(monkeypatch, capsys):
 
 def test_bench_window_bytes_are_measured_not_assumed(monkeypatch, capsys):
     """Were the formula wrong (here: one dK/dV message fewer), the measured bytes would disagree."""
-    from xcp.cli import windows
+    from xcp.traffic import RingTraffic
 
-    monkeypatch.setattr(windows.Traffic, "backward_dkv", property(lambda t: (t.steps - 1) * t.dkv_message))
+    monkeypatch.setattr(RingTraffic, "backward_dkv", property(lambda t: (t.steps - 1) * t.dkv_message))
     assert main([*WINDOW_FLAGS, "--window", "5,0", "--balance", "contiguous"]) == 1
     assert "MEASURED OTHERWISE" in capsys.readouterr().out
 

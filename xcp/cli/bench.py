@@ -41,6 +41,7 @@ from ..documents import document_plan
 from ..hybrid import HybridConfig, hybrid_backward, hybrid_config, hybrid_forward, hybrid_traffic
 from ..lifetime import track_buffers
 from ..ring import RingConfig, ring_backward, ring_forward
+from ..traffic import ring_traffic
 from . import packing, windows
 from .common import (
     DTYPES,
@@ -708,7 +709,7 @@ def _time_documents(cfg, backend, clock, device, seq, world, causal, spec) -> di
     }
     dtype = full[0].dtype
     for name, m in (("ring", steps), ("dense", world)):  # what each rank sends, by the formula
-        t = windows.traffic(seq, world, m, cfg.kv_heads, cfg.head_dim, dtype, cfg.batch)
+        t = ring_traffic(seq, world, m, cfg.kv_heads, cfg.head_dim, dtype, cfg.batch)
         row[f"{name}_sent_formula"] = {"steps": m, "fwd": t.forward, "fwd_bwd": t.total, "kv_shard": t.kv_shard,
                                        "dkv_message": t.dkv_message}  # fmt: skip
     flops = {b: 4.0 * cfg.heads * cfg.head_dim * total * (3.5 if b else 1.0) for b in (False, True)}

@@ -10,6 +10,7 @@ from .. import schedule
 from ..documents import document_plan
 from ..hybrid import hybrid_traffic, kv_replicas
 from ..kernels.merge import accumulator_dtype
+from ..traffic import ring_traffic
 from . import packing, windows
 from .common import (
     DTYPES,
@@ -248,8 +249,8 @@ def cost_lines(seq: int, world_size: int, steps: int, kv_heads: int, head_dim: i
     """What a ring of ``steps`` of ``world_size`` steps over ``seq`` tokens costs each rank in bytes sent,
     next to the dense ring's (all P steps), and how they are counted (see :mod:`xcp.cli.windows`)."""
     torch_dtype = DTYPES[dtype]
-    ring = windows.traffic(seq, world_size, steps, kv_heads, head_dim, torch_dtype)
-    dense = windows.traffic(seq, world_size, world_size, kv_heads, head_dim, torch_dtype)
+    ring = ring_traffic(seq, world_size, steps, kv_heads, head_dim, torch_dtype)
+    dense = ring_traffic(seq, world_size, world_size, kv_heads, head_dim, torch_dtype)
 
     cell = bytes_cell
     rows = [

@@ -5,8 +5,8 @@ rank sends, and which balance :func:`xcp.choose_balance` recommends and why.
 unbounded; with a causal mask R must be 0 or none. A window needs batch 1 (the ring plans it as one packed
 sequence, ``(0, S)``, or over ``--documents``).
 
-The bytes a rank sends, for a ring that runs m of P steps: :func:`traffic`, the formula of
-:mod:`xcp.traffic` (K/V shards of S/P tokens).
+The bytes a rank sends, for a ring that runs m of P steps: :func:`xcp.traffic.ring_traffic` (K/V shards of
+S/P tokens).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from .. import schedule
 from ..documents import balance_costs, check_window, choose_balance, document_plan, ring_segments
 from ..kernels.merge import accumulator_dtype
-from ..traffic import RingTraffic, ring_traffic
+from ..traffic import RingTraffic
 from .common import human_bytes
 
 FLAG = "--window"
@@ -104,14 +104,7 @@ def rank_pairs(cu: tuple[int, ...], world: int, causal: bool, balance: str, wind
     return [sum(document_plan(cu, world, r, causal, balance, window).pairs) for r in range(world)]
 
 
-Traffic = RingTraffic
-"""The bytes one rank sends in a ring (:class:`xcp.traffic.RingTraffic`)."""
-
-traffic = ring_traffic
-"""``traffic(seq, world, steps, kv_heads, head_dim, dtype, batch=1)``: :func:`xcp.traffic.ring_traffic`."""
-
-
-def formula_lines(t: Traffic, local: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> list[str]:
+def formula_lines(t: RingTraffic, local: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> list[str]:
     """How the bytes are counted, with the problem's numbers in (``local``: S/P)."""
     name, acc = (str(x).replace("torch.", "") for x in (dtype, accumulator_dtype(dtype)))
     item = torch.empty((), dtype=dtype).element_size()
