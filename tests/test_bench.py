@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from test_pair_merge import installed
 
 import xcp
 from xcp.cli import main
@@ -632,8 +633,6 @@ class _Graph:
 def _graph_backend(name: str):
     """A CPU backend with stand-in graphs, capturing while inside ``capture_graph`` (so the ring takes its
     capture paths: slots from the workspace, event hand-offs, no agreement exchange)."""
-    import contextlib
-
     from xcp.cpu import CPUBackend
 
     class GraphCPU(CPUBackend):
@@ -660,24 +659,6 @@ def _graph_backend(name: str):
     return GraphCPU
 
 
-@contextlib.contextmanager
-def _registered(backend_class):
-    from xcp.hookspecs import hookimpl
-    from xcp.plugins import register_plugin, unregister_plugin
-
-    class Plugin:
-        @hookimpl
-        def xcp_register_backends(self, register):
-            register(backend_class())
-
-    plugin = Plugin()
-    register_plugin(plugin, backend_class.name)
-    try:
-        yield
-    finally:
-        unregister_plugin(plugin)
-
-
 REPLAY_FLAGS = ["bench", "--heads", "2", "--kv-heads", "1", "--head-dim", "4", "--dtype", "float64", "--reps", "2",
                 "--warmup", "1", "--quiet", "--seqs", "16", "--worlds", "2", "--memory-worlds", "2", "--memory-seq",
                 "16", "--no-graph", "--replay"]  # fmt: skip
@@ -691,7 +672,7 @@ def test_cli_bench_replay_checks_and_times_each_ring_as_graphs(tmp_path, capsys,
     and replayed 1 + reps times; the rows carry the replayed times, ratios and checks, the text a table."""
     backend_class = _graph_backend("bench-graph-cpu")
     path = tmp_path / "r.json"
-    with _registered(backend_class):
+    with installed(backend_class()):
         code = main(REPLAY_FLAGS + ["--device", "bench-graph-cpu", "--json", str(path)] + extra)
     text = capsys.readouterr().out
     assert code == 0, text
@@ -723,7 +704,7 @@ def test_bench_replay_check_catches_a_captured_ring_that_is_wrong(monkeypatch, c
         return results
 
     monkeypatch.setattr(bench.VirtualRing, "run", wrong_when_captured)
-    with _registered(backend_class):
+    with installed(backend_class()):
         code = main(REPLAY_FLAGS + ["--device", "bench-graph-cpu-wrong"])
     text = capsys.readouterr().out
     assert code == 1

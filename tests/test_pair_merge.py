@@ -60,7 +60,8 @@ class PairCPU(CPUBackend):
 
 
 @contextlib.contextmanager
-def installed(backend: PairCPU):
+def installed(backend):
+    """``backend`` registered (through a plugin, as a third party would) for the block, unregistered after."""
     class Plugin:
         @hookimpl
         def xcp_register_backends(self, register):
