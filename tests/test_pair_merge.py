@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import random_inputs, ring_cases
 from test_documents import layouts, masked_reference, ring_with_documents
+from test_numerics import assert_matches
 
 import xcp
 from xcp.cpu import CPUBackend
@@ -62,6 +63,7 @@ class PairCPU(CPUBackend):
 @contextlib.contextmanager
 def installed(backend):
     """``backend`` registered (through a plugin, as a third party would) for the block, unregistered after."""
+
     class Plugin:
         @hookimpl
         def xcp_register_backends(self, register):
@@ -75,12 +77,6 @@ def installed(backend):
         unregister_plugin(plugin)
 
 
-def assert_close(got, want, atol=1e-10) -> None:
-    for name in ("out", "dq", "dk", "dv"):
-        err = (getattr(got, name) - getattr(want, name)).abs().max().item()
-        assert err <= atol, f"{name}: max abs error {err:.3e} > {atol:.0e}"
-
-
 @pytest.mark.parametrize("balance", xcp.BALANCES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
@@ -91,7 +87,7 @@ def test_pairs_fold_like_single_blocks(reference, ring, world, causal, balance):
     q, k, v, dout = random_inputs(2, seq, 4, 2, 6, seed=world)
     with installed(PairCPU(f"cpu-pairs-{world}-{causal}-{balance}")) as backend:
         got = ring(q, k, v, dout, world, causal, balance, device=backend.name)
-    assert_close(got, reference(q, k, v, dout, causal))
+    assert_matches(got, reference(q, k, v, dout, causal))
     assert backend.calls, "no pair was folded"
     assert backend.adds, "no dQ pair was added"
     if not causal:
@@ -105,7 +101,7 @@ def test_pairs_fold_like_single_blocks_in_random_configurations(reference, ring,
     q, k, v, dout = random_inputs(case.batch, case.seq, case.heads, case.kv_heads, case.head_dim, seed=case.seed)
     with installed(PairCPU(f"cpu-pairs-random-{case.seed}")) as backend:
         got = ring(q, k, v, dout, case.world, case.causal, case.balance, device=backend.name)
-    assert_close(got, reference(q, k, v, dout, case.causal))
+    assert_matches(got, reference(q, k, v, dout, case.causal))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -116,7 +112,7 @@ def test_a_backend_without_a_pair_kernel_folds_one_at_a_time_after_its_first_ans
     q, k, v, dout = random_inputs(1, 48, 4, 2, 8, seed=7)
     with installed(PairCPU(f"cpu-no-pairs-{causal}", answer=False)) as backend:
         got = ring(q, k, v, dout, world, causal, "zigzag", device=backend.name)
-    assert_close(got, reference(q, k, v, dout, causal))
+    assert_matches(got, reference(q, k, v, dout, causal))
     assert len(backend.calls) == world and len(backend.adds) == world
 
 
@@ -201,7 +197,7 @@ def test_a_backend_that_folds_no_pairs_gets_no_block_held(reference, ring):
     q, k, v, dout = random_inputs(1, 48, 4, 2, 8, seed=11)
     with installed(backend):
         got = ring(q, k, v, dout, 4, True, "zigzag", device=backend.name)
-    assert_close(got, reference(q, k, v, dout, True))
+    assert_matches(got, reference(q, k, v, dout, True))
     assert backend.calls == [] and backend.adds == []
 
 
@@ -216,5 +212,5 @@ def test_blocks_over_the_limit_are_folded_and_added_at_once(reference, ring, mon
         monkeypatch.setattr(ring_module, "PAIR_MAX_BYTES", limit)
         with installed(PairCPU(f"cpu-pairs-limit-{limit}")) as backend:
             got = ring(q, k, v, dout, 4, False, "zigzag", device=backend.name)
-        assert_close(got, reference(q, k, v, dout, False))
+        assert_matches(got, reference(q, k, v, dout, False))
         assert len(backend.calls) == pairs and len(backend.adds) == pairs
