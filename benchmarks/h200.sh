@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything xcp checks and times on one NVIDIA GPU, in one call of the device tool (see docs/benchmarks.md).
 #   benchmarks/h200.sh checks   # device tests, conformance suite, fused merge, xcp run, CSAN, quick bench
-#   benchmarks/h200.sh bench    # the full xcp bench grid (issue 5) with JSON and plot
+#   benchmarks/h200.sh bench    # the full xcp bench grid with JSON and plot
 #   benchmarks/h200.sh masks    # documents, windows, sinks, compile: checks and the 128K documents bench
 #   benchmarks/h200.sh window   # the 128K sliding-window bench
 #   benchmarks/h200.sh perf     # cuda tests, world of one vs SDPA, 16K/64K rings, host µs per step, GPU and host profiles
@@ -11,6 +11,7 @@
 #   benchmarks/h200.sh turns    # LocalWorld tests, world of one, 16K over 8 ranks, host per step, world_profile.py
 #   benchmarks/h200.sh replay   # cuda tests, then 16K/64K/128K rings and the hybrid at 16K, eager and replayed as graphs
 #   benchmarks/h200.sh pairs    # cuda tests, 16K/64K over 8 ranks with and without the pair kernels, GPU profile
+#   benchmarks/h200.sh renovated  # cuda tests, conformance, settings, the files of one call, xcp run, 16K/64K rings
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -39,7 +40,7 @@ checks)
 bench)
   section "lifetime rules on cuda: CSAN, graph capture, ledger vs allocator"
   timeout 100 python3 -m pytest -q -p no:cacheprovider -rA tests/test_lifetime_cuda.py 2>&1 | tail -30 | tee "$out/lifetime_cuda.txt"
-  section "xcp bench (issue 5 grid)"
+  section "xcp bench (the full grid)"
   timeout 330 xcp bench --reps 2 --memory-seq 131072 --seqs 65536,131072,16384 --json "$out/bench.json" --plot "$out/bench.png" --quiet 2>&1 | tee "$out/bench.txt"
   ;;
 masks)
@@ -171,6 +172,24 @@ pairs)
   PYTHONPATH=. timeout 120 python3 benchmarks/ring_profile.py --seq 16384 --world 8 --mask causal 2>&1 \
     | tee "$out/ring_profile_16k.txt"
   ;;
-*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs" >&2; exit 2 ;;
+renovated)
+  section "cuda tests: backend, pair kernels, lifetime rules (CSAN, graphs), LocalWorld, world of one, device backends"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_cuda_backend.py tests/test_pair_merge.py \
+    tests/test_lifetime_cuda.py tests/test_localworld.py tests/test_world_of_one.py tests/test_device_backends.py 2>&1 \
+    | tail -15 | tee "$out/cuda_tests.txt"
+  section "conformance suite on cuda"
+  timeout 150 python3 -m xcp.testing --xcp-backend cuda -q -p no:cacheprovider 2>&1 | tail -3 | tee -a "$out/cuda_tests.txt"
+  section "fused merge; xcp backends --settings; the files one CUDA call enters"
+  timeout 60 python3 benchmarks/merge_check.py 2>&1 | tee -a "$out/cuda_tests.txt"
+  xcp backends --settings 2>&1 | tee "$out/backends.txt"
+  timeout 60 python3 benchmarks/call_files.py --device cuda --world 2 2>&1 | tee "$out/call_files.txt"
+  section "xcp run on cuda (the warm call's time and the first call's)"
+  timeout 120 xcp run --device cuda --dtype bfloat16 --seq 8192 --heads 32 --kv-heads 8 --head-dim 128 2>&1 \
+    | tee "$out/run.txt"
+  section "16K and 64K over 8 virtual ranks, eager and replayed"
+  timeout 200 xcp bench --replay --seqs 16384,65536 --worlds 8 --reps 5 --no-graph --memory-seq 65536 \
+    --memory-worlds 8 --quiet --json "$out/renovated.json" 2>&1 | tee "$out/renovated.txt"
+  ;;
+*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated" >&2; exit 2 ;;
 esac
 section done
