@@ -161,5 +161,6 @@ def test_every_world_of_one_leaves_by_the_same_exit(recording):
     q, k, v, _ = _inputs(dtype=torch.float64)
     xcp.attention(q, k, v, causal=True, device="whole-recording")
     xcp.attention(q, k, v, causal=True, device="whole-recording", handoff="none")
-    xcp.LocalWorld(1).run(lambda g: xcp.attention(q.detach(), k.detach(), v.detach(), group=g, device="whole-recording"))
+    q, k, v = (x.detach() for x in (q, k, v))
+    xcp.LocalWorld(1).run(lambda g: xcp.attention(q, k, v, group=g, device="whole-recording"))
     assert recording.calls == [((1, 12, 4, 16), True, 0.25)] * 2 + [((1, 12, 4, 16), False, 0.25)]
