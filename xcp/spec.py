@@ -47,11 +47,6 @@ class CallSpec:
         if self.window is not None and self.documents is None:
             raise ValueError(f"{type(self).__name__}: a window needs documents, (0, S) for one sequence of S tokens")
 
-    @property
-    def spec(self) -> CallSpec:
-        """The spec alone (a :class:`~xcp.ring.RingConfig` without its group and backend)."""
-        return CallSpec(**spec_values(self))
-
 
 def spec_fields() -> tuple[dataclasses.Field, ...]:
     """The fields of :class:`CallSpec`, in order (what the compiled op's schema is made from)."""
