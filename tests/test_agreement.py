@@ -160,3 +160,14 @@ def test_the_agreed_set_is_bounded(monkeypatch):
         return len(agreement.agreed_set(group))
 
     assert _run(2, fn) == [1, 1]
+
+
+def test_the_fingerprint_covers_the_agreed_fields_of_the_call_spec():
+    """Every field of xcp.spec.CallSpec marked agreed is in the fingerprint (documents as cu_seqlens), and
+    the per-rank choices (slots, handoff) are not: ranks may keep their buffers as each likes."""
+    from xcp.spec import agreed_fields, spec_fields
+
+    named = {"documents": "cu_seqlens"}
+    assert {named.get(f, f) for f in agreed_fields()} <= set(agreement.FIELDS)
+    assert {f.name for f in spec_fields()} - set(agreed_fields()) == {"slots", "handoff"}
+    assert not {"slots", "handoff"} & set(agreement.FIELDS)

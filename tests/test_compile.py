@@ -86,3 +86,15 @@ def test_bad_documents_under_compile_are_named_by_the_op():
     fn = torch.compile(lambda q, k, v: xcp.attention(q, k, v, cu_seqlens=[0, 5, 63]), fullgraph=True, backend="eager")
     with pytest.raises(Exception, match=r"expected cu_seqlens\[-1\] == 64"):
         fn(q, k, v)
+
+
+def test_the_ops_schema_is_made_from_the_call_spec():
+    """The custom ops carry every field of xcp.spec.CallSpec, in its order, after the group, the backend and
+    the timeout: one list of options, kept in one place."""
+    from xcp import ops  # noqa: F401  (registers the ops)
+    from xcp.spec import spec_fields
+
+    names = [f.name for f in spec_fields()]
+    for op, tensors in ((torch.ops.xcp.ring_forward, 4), (torch.ops.xcp.ring_backward, 6)):
+        args = [a.name for a in op.default._schema.arguments]
+        assert args[tensors:] == ["group", "backend", "timeout", *names]

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import xcp
-from xcp.api import check_qkv
+from xcp.checks import check_qkv
 from xcp.kernels import fused
 from xcp.kernels import fused as pieces  # the mask tiling lives in the fused-kernel base
 from xcp.kernels.math import allowed_keys, math_backward, math_forward

@@ -212,6 +212,36 @@ def test_double_backward_is_refused_not_silently_wrong(world):
     assert xcp.LocalWorld(world).run(rank_fn) == [True] * world
 
 
+@pytest.mark.parametrize(("world", "ulysses"), [(1, 1), (2, 1), (4, 2), (2, 2)])
+@pytest.mark.parametrize("loss", ["sum", "grad_outputs"])
+def test_a_second_grad_gets_the_same_clear_error_at_every_world_size(world, ulysses, loss):
+    """``torch.autograd.grad(out, q, create_graph=True)`` then a grad of that gradient: the same "once
+    differentiable" error in a world of one, over two ranks and through the hybrid's all-to-alls, whether the
+    first grad's incoming gradient depends on out or not (never PyTorch's "not used in the graph")."""
+    q, k, v = (torch.randn(1, 8, 2, 4, dtype=torch.float64) for _ in range(3))
+
+    def rank_fn(group):
+        ql, kl, vl = (xcp.shard(x, world, group.rank(), ulysses=ulysses).requires_grad_() for x in (q, k, v))
+        out = xcp.attention(ql, kl, vl, causal=True, group=group, ulysses=ulysses)
+        if loss == "sum":
+            (dq,) = torch.autograd.grad(out.sum(), ql, create_graph=True)
+        else:
+            (dq,) = torch.autograd.grad(out, ql, torch.ones_like(out), create_graph=True)
+        with pytest.raises(RuntimeError, match="xcp.attention: expected one backward .*once_differentiable"):
+            torch.autograd.grad(dq.sum(), ql)
+        return True
+
+    assert xcp.LocalWorld(world).run(rank_fn) == [True] * world
+
+
+def test_first_gradients_with_create_graph_equal_the_plain_ones():
+    """create_graph=True changes nothing in the first gradients (only a second backward is refused)."""
+    q, k, v = (torch.randn(1, 8, 2, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    plain = torch.autograd.grad(xcp.attention(q, k, v, causal=True).square().sum(), (q, k, v))
+    graphed = torch.autograd.grad(xcp.attention(q, k, v, causal=True).square().sum(), (q, k, v), create_graph=True)
+    assert all(torch.equal(a, b.detach()) and b.requires_grad for a, b in zip(plain, graphed))
+
+
 def test_unshard_names_a_shard_of_another_dtype_or_device():
     a = torch.zeros(1, 4, 2, 3)
     expected = r"shards\[1\]: expected dtype torch.float32 \(that of shards\[0\]\); got torch.float64"

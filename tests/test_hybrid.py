@@ -19,7 +19,6 @@ from test_documents import masked_reference
 import xcp
 from xcp.comm import LocalGroup, hybrid_groups, hybrid_members
 from xcp.hybrid import (
-    alltoall_bytes,
     heads_to_tokens,
     hybrid_backward,
     hybrid_config,
@@ -180,7 +179,7 @@ def test_hybrid_traffic_is_the_formula():
     assert t.kv_shard == t.dkv_message == 2 * 2 * 32 * 1 * 16 * item  # S/R = 32 tokens, 4/4 = 1 K/V head
     assert t.forward == 2 * t.q + 2 * t.kv + t.kv_shard
     assert t.backward == 2 * t.q + 2 * t.kv + t.kv_shard + 2 * t.dkv_message
-    assert t.forward_alltoall == t.backward_alltoall == alltoall_bytes(2, 64, 8, 2, 16, item, 8, 4)
+    assert t.forward_alltoall == t.backward_alltoall == 2 * t.q + 2 * t.kv  # q, k, v in and out back
     flat = hybrid_traffic(1, 64, 8, 2, 16, torch.bfloat16, 8, 1)
     assert flat.forward_alltoall == 0 and flat.forward == 7 * flat.kv_shard and flat.dkv_message == 2 * flat.kv_shard
     ring = ring_traffic(64, 8, 8, 2, 16, torch.bfloat16)  # U = 1: the ring alone, as the tools count it
@@ -402,7 +401,7 @@ def test_a_communicator_that_cannot_split_is_named():
 )
 def test_all_to_all_bytes_per_rank_match_the_formula(world, ulysses, heads, kv_heads, dtype):
     """What each rank sends to the other ranks of its head group (counted at the LocalWorld exchange)
-    equals alltoall_bytes in the forward and again in the backward."""
+    equals hybrid_traffic's forward_alltoall in the forward and again in the backward."""
     batch, seq, dim = 2, 4 * world, 4
     q, k, v, dout = random_inputs(batch, seq, heads, kv_heads, dim, dtype=dtype, seed=7)
     counted: dict[str, int] = defaultdict(int)
@@ -428,7 +427,7 @@ def test_all_to_all_bytes_per_rank_match_the_formula(world, ulysses, heads, kv_h
         per_rank = xcp.LocalWorld(world).run(rank_fn)
     finally:
         LocalGroup.exchange = exchange
-    want = alltoall_bytes(batch, seq, heads, kv_heads, dim, torch.finfo(dtype).bits // 8, world, ulysses)
+    want = hybrid_traffic(batch, seq, heads, kv_heads, dim, dtype, world, ulysses).forward_alltoall
     assert want > 0
     assert per_rank == [(want, want)] * world
 

@@ -153,3 +153,14 @@ def test_arguments_the_short_path_leaves_to_the_general_one_still_reach_whole_at
     q, k, v, _ = _inputs(dtype=torch.float64)
     xcp.attention(q, k, v, causal=True, device="whole-recording", scale=1)
     assert recording.calls == [((1, 12, 4, 16), True, 1.0)]
+
+
+def test_every_world_of_one_leaves_by_the_same_exit(recording):
+    """No group, a LocalWorld of one rank's group, or a hand-off policy given: one way out, the backend's
+    whole_attention, after the same checks."""
+    q, k, v, _ = _inputs(dtype=torch.float64)
+    xcp.attention(q, k, v, causal=True, device="whole-recording")
+    xcp.attention(q, k, v, causal=True, device="whole-recording", handoff="none")
+    q, k, v = (x.detach() for x in (q, k, v))
+    xcp.LocalWorld(1).run(lambda g: xcp.attention(q, k, v, group=g, device="whole-recording"))
+    assert recording.calls == [((1, 12, 4, 16), True, 0.25)] * 2 + [((1, 12, 4, 16), False, 0.25)]

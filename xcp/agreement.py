@@ -18,13 +18,15 @@ from __future__ import annotations
 import struct
 import threading
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from . import schedule
+from .spec import CallSpec
 
-FIELDS = (
+FIELDS = (  # the agreed fields of xcp.spec.CallSpec (documents as cu_seqlens), the shards' shapes and dtypes
     "causal",
     "balance",
     "scale",
@@ -91,7 +93,7 @@ def fingerprint(
     return tuple(values)
 
 
-def describe(values: tuple | list) -> dict[str, Any]:
+def describe(values: Sequence[int]) -> dict[str, Any]:
     """Field name -> readable value of a fingerprint."""
     names = _dtype_names()
     causal, balance, scale_bits = values[:3]
@@ -119,7 +121,7 @@ def describe(values: tuple | list) -> dict[str, Any]:
     )
 
 
-def disagreement(rows: list[tuple | list]) -> str | None:
+def disagreement(rows: Sequence[Sequence[int]]) -> str | None:
     """None when every rank's fingerprint is the same, else a message naming each field that differs and
     the ranks holding each value."""
     if all(tuple(r) == tuple(rows[0]) for r in rows):
@@ -156,8 +158,8 @@ def agreed_set(comm: Any) -> set:
 def ring_gather(comm: Any, backend: Any, mine: torch.Tensor) -> list[list[int]]:
     """Every rank's ``mine`` (a small int64 tensor), in rank order: P - 1 hops around the ring."""
     size, rank = comm.size(), comm.rank()
-    rows: list[torch.Tensor | None] = [None] * size
-    rows[rank] = current = mine
+    rows = [mine] * size
+    current = mine
     for hop in range(size - 1):
         buf = torch.empty_like(mine)
         comm.exchange([(current, (rank + 1) % size)], [(buf, (rank - 1) % size)], "agree", backend, step=hop).wait()
@@ -166,25 +168,22 @@ def ring_gather(comm: Any, backend: Any, mine: torch.Tensor) -> list[list[int]]:
 
 
 def check_agreement(
-    comm: Any, backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Any, sinks: Any = None
+    comm: Any,
+    backend: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spec: CallSpec,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """Raise a ValueError on every rank when the ranks' configurations differ; a no-op for a configuration
-    the group has agreed on before, for a world of one, and while a graph is being captured (the check
-    reads its result on the host; the eager warm-up call before a capture makes it)."""
+    """Raise a ValueError on every rank when the ranks' shards or the agreed fields of their ``spec``
+    differ; a no-op for a configuration the group has agreed on before, for a world of one, and while a
+    graph is being captured (the check reads its result on the host; the eager warm-up call before a
+    capture makes it)."""
     if comm.size() == 1 or backend.is_capturing():
         return
-    values = fingerprint(
-        q,
-        k,
-        v,
-        cfg.causal,
-        cfg.balance,
-        cfg.scale,
-        getattr(cfg, "documents", None),
-        sinks,
-        getattr(cfg, "window", None),
-        getattr(cfg, "ulysses", 1),
-    )
+    s = spec
+    values = fingerprint(q, k, v, s.causal, s.balance, s.scale, s.documents, sinks, s.window, s.ulysses)
     agreed = agreed_set(comm)
     if values in agreed:
         return

@@ -32,8 +32,8 @@ from . import schedule
 from .api import attention as _attention
 from .api import shard as _shard
 from .api import unshard as _unshard
+from .checks import check_ulysses
 from .comm import resolve_group
-from .hybrid import check_ulysses
 
 _local = threading.local()
 
@@ -176,8 +176,6 @@ def current() -> Context:
     stack = _stack()
     return stack[-1] if stack else Context()
 
-
-current_context = current
 
 _DEFAULT = Context()
 """The context of a thread that entered none, as a compiled region reads it (a constant to dynamo)."""

@@ -140,7 +140,8 @@ def _ceil_div(a: int, b: int) -> int:
 
 def _local_range(pieces: Sequence[_Piece], lo: int, hi: int) -> tuple[int, int]:
     """Local rows whose global position lies in [lo, hi): contiguous, since the map is monotone."""
-    first = last = None
+    first: int | None = None
+    last = 0
     for p in pieces:
         t0 = max(0, _ceil_div(lo - p.global0, p.stride))
         t1 = min(p.count, _ceil_div(hi - p.global0, p.stride))

@@ -23,46 +23,25 @@ from __future__ import annotations
 
 import math
 import threading
-import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import schedule
 from .agreement import check_agreement
+from .checks import (
+    check_backend_serves,
+    check_documents,
+    check_ulysses,
+    check_ulysses_divides,
+    check_ulysses_heads,
+)
 from .comm import Communicator, hybrid_groups
-from .ring import RingAttention, RingConfig, ring_backward, ring_forward
+from .ring import RingAttention, RingConfig, once_differentiable, ring_backward, ring_forward
+from .spec import CallSpec
 from .traffic import RingTraffic, ring_traffic
-
-
-def check_ulysses(ulysses: Any) -> int:
-    """``ulysses`` as an int; a TypeError or ValueError naming it unless a positive integer."""
-    if not schedule.is_integer(ulysses):
-        raise TypeError(f"ulysses: expected a positive integer (head-parallel ranks); got {ulysses!r}")
-    if int(ulysses) < 1:
-        raise ValueError(f"ulysses: expected a positive integer (head-parallel ranks); got {ulysses!r}")
-    return int(ulysses)
-
-
-def check_ulysses_divides(ulysses: int, world_size: int, what: str = "the world size") -> int:
-    """R = world_size // ulysses; a ValueError naming ulysses unless it divides ``world_size``."""
-    if world_size % ulysses:
-        raise ValueError(
-            f"ulysses: expected a divisor of {what} {world_size} (P = ulysses x ring ranks); got {ulysses}"
-        )
-    return world_size // ulysses
-
-
-def check_ulysses_heads(ulysses: int, heads: int) -> None:
-    """A ValueError naming ulysses unless it divides the query heads."""
-    if heads % ulysses:
-        raise ValueError(
-            f"ulysses: expected a divisor of the {heads} heads of q (each rank of a head group takes "
-            f"heads / ulysses of them); got {ulysses}"
-        )
 
 
 def kv_replicas(heads: int, kv_heads: int, ulysses: int) -> int:
@@ -72,26 +51,15 @@ def kv_replicas(heads: int, kv_heads: int, ulysses: int) -> int:
     return math.lcm(kv_heads, ulysses) // kv_heads
 
 
-def alltoall_bytes(
-    batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, itemsize: int, world_size: int, ulysses: int
-) -> int:
-    """Bytes one rank sends to the other ranks of its head group in the all-to-alls of one forward
-    (q, k, v in and the output back) or of one backward (dout in, dq, dk, dv back): the same count.
-
-    Each of the four tensors has S / P tokens per rank, of which every rank keeps the piece of its own heads
-    and sends ``(U - 1) / U`` of it: ``(U - 1) · B · (S / P) · D · itemsize · (2·H + 2·H_kv') / U`` with
-    ``H_kv' = H_kv · kv_replicas`` (K/V heads replicated for GQA with fewer K/V heads than U). 0 when U = 1.
-    """
-    kv = kv_heads * kv_replicas(heads, kv_heads, ulysses)
-    n = seq_len // world_size
-    q_bytes, kv_bytes = (_alltoall_sent(ulysses, batch, n, h, head_dim, itemsize) for h in (heads, kv))
-    return 2 * q_bytes + 2 * kv_bytes
-
-
 def _alltoall_sent(ulysses: int, batch: int, tokens: int, heads: int, head_dim: int, itemsize: int) -> int:
     """Bytes a rank sends of one [B, tokens, heads, D] tensor in a head group's all-to-all: all but the piece
     of its own heads, (U - 1) / U of it (U divides ``heads``, so the division is exact)."""
     return (ulysses - 1) * batch * tokens * heads * head_dim * itemsize // ulysses
+
+
+def _of_ring(name: str, doc: str) -> Any:
+    """A property of :class:`HybridTraffic` that reads ``name`` of its ring's :class:`RingTraffic`."""
+    return property(lambda self: getattr(self.ring_part, name), doc=doc)
 
 
 @dataclass(frozen=True)
@@ -124,26 +92,17 @@ class HybridTraffic:
         """R, the ranks of a ring."""
         return self.world // self.ulysses
 
-    @property
-    def ring_steps(self) -> int:
-        return self.ring_part.steps
-
-    @property
-    def kv_shard(self) -> int:
-        return self.ring_part.kv_shard
-
-    @property
-    def dkv_message(self) -> int:
-        return self.ring_part.dkv_message
+    ring_steps = _of_ring("steps", "m, the steps the ring runs.")
+    kv_shard = _of_ring("kv_shard", "Bytes of one K/V shard of the ring (K and V).")
+    dkv_message = _of_ring("dkv_message", "Bytes of one dK/dV message of the ring's backward.")
+    forward_ring = _of_ring("forward", "The ring's bytes in the forward.")
+    backward_ring_kv = _of_ring("backward_kv", "The K/V shards travel as in the forward.")
+    backward_ring_dkv = _of_ring("backward_dkv", "The ring's dK/dV messages in the backward.")
 
     @property
     def forward_alltoall(self) -> int:
-        """q, k, v in and out back: :func:`alltoall_bytes`."""
+        """q, k, v in and out back; 0 when U = 1."""
         return 2 * self.q + 2 * self.kv
-
-    @property
-    def forward_ring(self) -> int:
-        return self.ring_part.forward
 
     @property
     def forward(self) -> int:
@@ -153,15 +112,6 @@ class HybridTraffic:
     def backward_alltoall(self) -> int:
         """dout in and dq, dk, dv back: the forward's count."""
         return self.forward_alltoall
-
-    @property
-    def backward_ring_kv(self) -> int:
-        """The K/V shards travel as in the forward."""
-        return self.ring_part.backward_kv
-
-    @property
-    def backward_ring_dkv(self) -> int:
-        return self.ring_part.backward_dkv
 
     @property
     def backward(self) -> int:
@@ -249,15 +199,14 @@ class HeadExchange(torch.autograd.Function):
     differentiable step: the backward is the inverse all-to-all of the gradients. Saves nothing."""
 
     @staticmethod
-    def forward(ctx, comm: Communicator, backend: Any, to_tokens: bool, *xs: torch.Tensor):  # type: ignore[override]
+    def forward(ctx, comm: Communicator, backend: Any, to_tokens: bool, *xs: torch.Tensor):
         ctx.comm, ctx.backend, ctx.to_tokens = comm, backend, to_tokens
         ctx.thread = threading.get_ident()
         move = heads_to_tokens if to_tokens else tokens_to_heads
         return tuple(move(comm, backend, xs))
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, *grads: torch.Tensor):
         comm = ctx.comm
         if comm.ranks_are_threads and threading.get_ident() != ctx.thread:
             raise RuntimeError(
@@ -266,7 +215,9 @@ class HeadExchange(torch.autograd.Function):
                 "that waits for its peers would hang. Use real ranks (torchrun) there."
             )
         move = tokens_to_heads if ctx.to_tokens else heads_to_tokens
-        return (None, None, None, *move(comm, ctx.backend, [g.contiguous() for g in grads]))
+        with torch.no_grad():
+            moved = move(comm, ctx.backend, [g.contiguous() for g in grads])
+        return (None, None, None, *once_differentiable(moved, grads))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -329,8 +280,6 @@ def hybrid_config(
     whole group that every rank passed the same configuration (first call of a configuration), and make
     the head group and the ring. ``q`` and ``k`` are this rank's shards (their shapes are read); the other
     arguments are checked by the caller, as :func:`xcp.attention` does."""
-    from .api import check_backend_serves, check_documents  # the api imports this module
-
     world = comm.size()
     u = ulysses
     r = check_ulysses_divides(u, world, "the group's size")
@@ -340,15 +289,12 @@ def hybrid_config(
     h, hkv = heads // u, kv_heads * t // u
     qv, kv = _shaped(q, u * n, h), _shaped(k, u * n, hkv)  # the shapes the ring will see, for the checks
     documents = check_documents(cu_seqlens, qv, r, balance, window)
+    spec = CallSpec(causal, scale, balance, slots, handoff, documents, window, u)
     # the ranks agree on the call, ulysses included, before any group is made or any head group exchanges
-    agreed = types.SimpleNamespace(
-        causal=causal, balance=balance, scale=scale, documents=documents, window=window, ulysses=u
-    )
-    check_agreement(comm, backend, qv, kv, kv, agreed, sinks)
+    check_agreement(comm, backend, qv, kv, kv, spec, sinks)
     head, ring = hybrid_groups(comm, u)
-    check_backend_serves(backend, qv, ring, causal, balance)
-    ring_cfg = RingConfig(ring, backend, causal, scale, balance, slots, handoff, documents, window)
-    return HybridConfig(head, ring_cfg, u, t)
+    check_backend_serves(backend, qv, ring.size(), causal, balance)
+    return HybridConfig(head, RingConfig.of(ring, backend, spec), u, t)
 
 
 class HybridState(NamedTuple):
@@ -405,28 +351,13 @@ def hybrid_backward(
 
 
 def hybrid_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    comm: Communicator,
-    backend: Any,
-    ulysses: int,
-    *,
-    causal: bool,
-    scale: float,
-    balance: str,
-    slots: str,
-    handoff: str | None,
-    cu_seqlens: Any,
-    window: tuple[int | None, int | None] | None,
-    sinks: torch.Tensor | None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: HybridConfig, sinks: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """This rank's output of :func:`xcp.attention` with ``ulysses`` > 1 (arguments checked by the caller,
-    except those that depend on U: U divides P and the heads, and the ring's balance and documents)."""
-    cfg = hybrid_config(q, k, comm, backend, ulysses, causal=causal, scale=scale, balance=balance, slots=slots,
-                        handoff=handoff, cu_seqlens=cu_seqlens, window=window, sinks=sinks)  # fmt: skip
+    """This rank's output of :func:`xcp.attention` with ``ulysses`` > 1 on the configuration of
+    :func:`hybrid_config`: under autograd where an input needs a gradient, else :func:`hybrid_forward`'s."""
     needs_grad = any(x is not None and x.requires_grad for x in (q, k, v, sinks))
     if torch.is_grad_enabled() and needs_grad:
+        backend = cfg.ring.backend
         k, v = cfg.replicate(k, v)  # autograd sums the replicas' gradients back
         qr, kr, vr = HeadExchange.apply(cfg.head, backend, True, q, k, v)
         out_r = RingAttention.apply(qr, kr, vr, cfg.own_sinks(sinks), cfg.ring)

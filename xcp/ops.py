@@ -13,13 +13,67 @@ LocalWorld groups are threads of one process; a compiled graph cannot name them,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .checks import check_backend_serves, check_documents
+from .comm import Communicator, DistCommunicator, process_group_of_mesh, resolve_group
 from .kernels.merge import accumulator_dtype, sinks_grad
+from .plugins import select_backend
+from .ring import RingConfig, once_differentiable, ring_backward, ring_forward
+from .spec import spec_fields
 
-_NO_WINDOW: list[int] = []
+
+def _same(x: Any) -> Any:
+    return x
+
+
+def _window_to_op(window: Any) -> list[int]:
+    return [] if window is None else [-1 if w is None else int(w) for w in window]
+
+
+def _window_from_op(window: list[int]) -> tuple[int | None, int | None] | None:
+    return None if not window else (None if window[0] < 0 else window[0], None if window[1] < 0 else window[1])
+
+
+def _documents_to_op(documents: Any) -> list[int] | None:
+    if documents is None:
+        return None
+    if isinstance(documents, torch.Tensor):
+        raise ValueError(
+            "cu_seqlens: under torch.compile pass the boundaries as a list of ints (a tensor would be read "
+            "on the host inside the graph); got a tensor"
+        )
+    return [int(x) for x in documents]
+
+
+_TRAVEL: dict[str, tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] = {
+    "bool": ("bool", _same, _same),
+    "float": ("float", float, _same),
+    "int": ("int", int, _same),
+    "str": ("str", _same, _same),
+    "str | None": ("str?", _same, _same),
+    "tuple[int, ...] | None": ("int[]?", _documents_to_op, _same),
+    "tuple[int | None, int | None] | None": ("int[]", _window_to_op, _window_from_op),
+}
+"""How a field of :class:`~xcp.spec.CallSpec` travels through the op's schema, by the field's type: the
+schema's type, the conversion into the op and the one back (the documents come back as the caller's list,
+checked inside the op, where the group's size is known)."""
+
+
+def _travel(field: Any) -> tuple[str, Callable[[Any], Any], Callable[[Any], Any]]:
+    kind = _TRAVEL.get(str(field.type))
+    if kind is None:
+        raise TypeError(f"CallSpec.{field.name}: expected a type the op's schema can carry; got {field.type}")
+    return kind
+
+
+_SPEC = tuple((f.name, *_travel(f)) for f in spec_fields())
+"""(name, schema type, into the op, back) of each field of the spec, in the spec's order."""
+_SPEC_SCHEMA = ", ".join(f"{kind} {name}" for name, kind, _, _ in _SPEC)
+_WHERE = "str group, str backend, float timeout"
 
 
 def group_name(group: Any) -> str:
@@ -28,8 +82,6 @@ def group_name(group: Any) -> str:
     if group is None:
         return ""
     import torch.distributed as dist
-
-    from .comm import process_group_of_mesh
 
     mesh_group = process_group_of_mesh(group)
     if mesh_group is not None:
@@ -44,91 +96,58 @@ def group_name(group: Any) -> str:
     )
 
 
-def _config(q: torch.Tensor, group: str, backend: str, causal: bool, scale: float, balance: str, slots: str,
-            handoff: str, documents: list[int] | None, window: list[int], timeout: float):  # fmt: skip
-    """The RingConfig the named arguments stand for, with the checks :func:`xcp.attention` makes on
-    the group, the backend and the documents (which a trace could not make)."""
-    from .api import check_backend_serves, check_documents
-    from .comm import DistCommunicator, resolve_group
-    from .plugins import select_backend
-    from .ring import RingConfig
-
+def _config(q: torch.Tensor, group: str, backend: str, timeout: float, spec: tuple) -> RingConfig:
+    """The RingConfig the op's arguments stand for (``spec``: the spec's fields as the op carries them), with
+    the checks :func:`xcp.attention` makes on the group, the backend and the documents (which a trace could
+    not make)."""
+    comm: Communicator
     if group:
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        comm = DistCommunicator(_resolve_process_group(group), None if timeout < 0 else timeout)
+        comm = DistCommunicator(_resolve_process_group(group), None if timeout < 0 else timeout)  # type: ignore[arg-type]  # a GroupName is a str
     else:
         comm = resolve_group(None, None if timeout < 0 else timeout)
-    win = None if not window else tuple(None if w < 0 else w for w in window)
+    fields = {name: back(value) for (name, _, _, back), value in zip(_SPEC, spec)}
     be = select_backend(backend or None, q.device.type)
-    check_backend_serves(be, q, comm, causal, balance)
-    docs = check_documents(documents, q, comm.size(), balance, win)
-    return RingConfig(comm, be, causal, scale, balance, slots, handoff or None, docs, win)
+    check_backend_serves(be, q, comm.size(), fields["causal"], fields["balance"])
+    fields["documents"] = check_documents(fields["documents"], q, comm.size(), fields["balance"], fields["window"])
+    return RingConfig(comm, be, **fields)
 
 
-@torch.library.custom_op("xcp::ring_forward", mutates_args=())
-def ring_forward_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    sinks: torch.Tensor | None,
-    group: str,
-    backend: str,
-    causal: bool,
-    scale: float,
-    balance: str,
-    slots: str,
-    handoff: str,
-    documents: list[int] | None,
-    window: list[int],
-    timeout: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _ring_forward(q, k, v, sinks, group, backend, timeout, *spec):
     """``(out, lse)`` of this rank: :func:`xcp.ring.ring_forward` on the named group and backend."""
-    from .ring import ring_forward
+    return ring_forward(q, k, v, _config(q, group, backend, timeout, spec), sinks)
 
-    cfg = _config(q, group, backend, causal, scale, balance, slots, handoff, documents, window, timeout)
-    out, lse = ring_forward(q, k, v, cfg, sinks)
-    return out, lse
+
+def _ring_backward(dout, q, k, v, out, lse, group, backend, timeout, *spec):
+    """``(dq, dk, dv)`` of this rank: :func:`xcp.ring.ring_backward` on the named group and backend."""
+    return ring_backward(dout.contiguous(), q, k, v, out, lse, _config(q, group, backend, timeout, spec))
+
+
+ring_forward_op = torch.library.custom_op(
+    "xcp::ring_forward",
+    _ring_forward,
+    mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor? sinks, {_WHERE}, {_SPEC_SCHEMA}) -> (Tensor, Tensor)",
+)
+ring_backward_op = torch.library.custom_op(
+    "xcp::ring_backward",
+    _ring_backward,
+    mutates_args=(),
+    schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_WHERE}, {_SPEC_SCHEMA}) "
+    "-> (Tensor, Tensor, Tensor)",
+)
 
 
 @ring_forward_op.register_fake
-def _(q, k, v, sinks, group, backend, causal, scale, balance, slots, handoff, documents, window, timeout):
+def _(q, k, v, *options):
     b, s, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=accumulator_dtype(q.dtype))
 
 
-@torch.library.custom_op("xcp::ring_backward", mutates_args=())
-def ring_backward_op(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    group: str,
-    backend: str,
-    causal: bool,
-    scale: float,
-    balance: str,
-    slots: str,
-    handoff: str,
-    documents: list[int] | None,
-    window: list[int],
-    timeout: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of this rank: :func:`xcp.ring.ring_backward` on the named group and backend."""
-    from .ring import ring_backward
-
-    cfg = _config(q, group, backend, causal, scale, balance, slots, handoff, documents, window, timeout)
-    return ring_backward(dout.contiguous(), q, k, v, out, lse, cfg)
-
-
 @ring_backward_op.register_fake
-def _(dout, q, k, v, out, lse, group, backend, causal, scale, balance, slots, handoff, documents, window, timeout):
+def _(dout, q, k, v, *options):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-_OPTIONS = ("group", "backend", "causal", "scale", "balance", "slots", "handoff", "documents", "window", "timeout")
 
 
 def _setup_context(ctx, inputs, output):
@@ -140,33 +159,25 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, sinks = ctx.saved_tensors
-    dq, dk, dv = ring_backward_op(dout, q, k, v, out, lse, *ctx.options)
-    dsinks = None
-    if sinks is not None and ctx.needs_input_grad[3]:
-        dsinks = sinks_grad(dout, out, lse, sinks)
-    return (dq, dk, dv, dsinks) + (None,) * len(_OPTIONS)
+    with torch.no_grad():
+        dq, dk, dv = ring_backward_op(dout, q, k, v, out, lse, *ctx.options)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            dsinks = sinks_grad(dout, out, lse, sinks)
+    return (*once_differentiable((dq, dk, dv, dsinks), (q, k, v, sinks, dout)), *(None,) * len(ctx.options))
 
 
 ring_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def compiled_attention(q, k, v, sinks, group: Any, device: Any, causal: bool, scale: float, balance: str,
-                       slots: str, handoff: str | None, cu_seqlens: Any, window: Any,
-                       timeout: float | None = None) -> torch.Tensor:  # fmt: skip
-    """What :func:`xcp.attention` calls inside a compiled region (its arguments checked as far as a trace
-    can; the rest, such as the documents' boundaries, inside the op)."""
-    documents = None
-    if cu_seqlens is not None:
-        if isinstance(cu_seqlens, torch.Tensor):
-            raise ValueError(
-                "cu_seqlens: under torch.compile pass the boundaries as a list of ints (a tensor would be read "
-                "on the host inside the graph); got a tensor"
-            )
-        documents = [int(x) for x in cu_seqlens]
-    win = _NO_WINDOW if window is None else [-1 if w is None else int(w) for w in window]
-    name = group_name(group)
-    out, _ = ring_forward_op(
-        q, k, v, sinks, name, "" if device is None else str(device), causal, scale, balance, slots, handoff or "",
-        documents, win, -1.0 if timeout is None else float(timeout),
-    )  # fmt: skip
+def compiled_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, group: Any, device: Any,
+    timeout: float | None, **spec: Any,
+) -> torch.Tensor:  # fmt: skip
+    """What :func:`xcp.attention` calls inside a compiled region: ``spec``, the fields of a
+    :class:`~xcp.spec.CallSpec` by name (``documents`` the caller's ``cu_seqlens``), checked as far as a
+    trace can; the rest, such as the documents' boundaries, inside the op."""
+    values = [to_op(spec[name]) for name, _, to_op, _ in _SPEC]
+    where = (group_name(group), "" if device is None else str(device), -1.0 if timeout is None else float(timeout))
+    out, _ = ring_forward_op(q, k, v, sinks, *where, *values)
     return out

@@ -12,11 +12,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import schedule
 from .agreement import check_agreement
@@ -25,33 +25,33 @@ from .comm import Communicator
 from .documents import Run, document_plan
 from .kernels.merge import accumulator_dtype, apply_sinks_, merge_, new_accumulators, sinks_grad
 from .lifetime import RingCall, ShardSlots
+from .spec import CallSpec, spec_values
 
 
-@dataclass(frozen=True)
-class RingConfig:
-    """Everything one call needs besides the tensors.
+@dataclass(frozen=True, init=False)
+class RingConfig(CallSpec):
+    """Everything one call needs besides the tensors: its :class:`~xcp.spec.CallSpec` (made as
+    ``RingConfig(comm, backend, causal, scale, balance, slots, handoff, documents, window, ulysses)``, the
+    spec's fields after the group and the backend) and where it runs.
 
-    :param slots: the slot policy, ``bounded`` (two receive slots) or ``keep_all``.
-    :param handoff: the hand-off policy; None is the backend's own.
     :param documents: global document boundaries ``(0, ..., S)`` of a packed sequence (checked by
         :func:`xcp.documents.check_cu_seqlens`), or None for one sequence.
     :param window: ``(left, right)`` sliding window over global positions (checked by
         :func:`xcp.documents.check_window`); needs ``documents`` (``(0, S)`` for one sequence).
     """
 
-    comm: Communicator
-    backend: Backend
-    causal: bool
-    scale: float
-    balance: str = schedule.DEFAULT_BALANCE
-    slots: str = "bounded"
-    handoff: str | None = None
-    documents: tuple[int, ...] | None = None
-    window: tuple[int | None, int | None] | None = None
+    comm: Communicator = field(kw_only=True)
+    backend: Backend = field(kw_only=True)
 
-    def __post_init__(self) -> None:
-        if self.window is not None and self.documents is None:
-            raise ValueError("RingConfig: a window needs documents, (0, S) for one sequence of S tokens")
+    def __init__(self, comm: Communicator, backend: Backend, *spec: Any, **fields: Any) -> None:
+        object.__setattr__(self, "comm", comm)
+        object.__setattr__(self, "backend", backend)
+        super().__init__(*spec, **fields)
+
+    @classmethod
+    def of(cls, comm: Communicator, backend: Backend, spec: CallSpec) -> RingConfig:
+        """The configuration of ``spec`` on ``comm`` and ``backend``."""
+        return cls(comm, backend, **spec_values(spec))
 
     def _document_plan(self):
         return document_plan(self.documents, self.comm.size(), self.comm.rank(), self.causal, self.balance, self.window)
@@ -237,7 +237,7 @@ class _Running(_Pairs):
             if self.out is None or self.lse is None:
                 self.out, self.lse = new_accumulators(self.q)
             out, lse = self.out, self.lse
-        if not self.backend.fused_merge_pair_(out, lse, first, second, rows, fresh):
+        if not self.backend.fused_merge_pair_(out, lse, (first[0], first[1]), (second[0], second[1]), rows, fresh):
             return False
         self.out, self.lse = out, lse
         return True
@@ -261,7 +261,7 @@ class _KVRing:
 
     def begin(self, step: schedule.Step) -> None:
         call = self.call
-        if step.send_to is None or call is None or self.slots is None:
+        if step.send_to is None or step.recv_from is None or call is None or self.slots is None:
             return
         self._next = nxt = self.slots.slot(step.step + 1)
         with call.on_comm():
@@ -275,7 +275,7 @@ class _KVRing:
         return self.current[0][:, keys], self.current[1][:, keys]
 
     def end(self) -> None:
-        if self._work is not None:
+        if self._work is not None and self._next is not None:
             self._work.wait()
             self.current, self._work, self._next = self._next, None, None
 
@@ -323,14 +323,9 @@ def ring_forward(
 
 
 def ring_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     cfg: RingConfig,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients (dq, dk, dv) of this rank's shards, in the inputs' dtypes.
 
     K/V travel as in the forward; the dK/dV of a shard travel one step behind it, each rank adding its
@@ -352,7 +347,7 @@ def ring_backward(
     views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
     dq_adds = _PairedAdds(backend)
     with call:
-        dkv_work = None
+        dkv_work: Any = None
         for step, blocks in zip(plan.steps, calls):
             i = step.step
             kv.begin(step)
@@ -405,7 +400,7 @@ def _local_forward(q, k, v, cfg: RingConfig, sinks: torch.Tensor | None):
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
-def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig, blocks: list[BlockCall]):
+def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig, blocks: Sequence[BlockCall]):
     """The backward of a ring of one step: one call as it is, or the varlen calls of the documents."""
     backend = cfg.backend
     n = q.shape[1]
@@ -423,6 +418,40 @@ def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig, blocks: list[Block
     return tuple(x.to(like.dtype) for x, like in zip(grads, (q, k, v)))
 
 
+ONCE_DIFFERENTIABLE = (
+    "xcp.attention: expected one backward (its backward is once_differentiable, as flash kernels are); got a "
+    "second one through it (a grad of gradients made with create_graph=True)"
+)
+
+
+class _SecondBackward(torch.autograd.Function):
+    """The gradients of a backward made with ``create_graph=True``, as they are, in a graph that reaches
+    what they depend on: a grad of them arrives here and raises :data:`ONCE_DIFFERENTIABLE`, the same at
+    every world size, instead of PyTorch's "not used in the graph" or a silent wrong second-order term."""
+
+    @staticmethod
+    def forward(ctx, count: int, *tensors: torch.Tensor):
+        return tuple(t.view_as(t) for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        raise RuntimeError(ONCE_DIFFERENTIABLE)
+
+
+def once_differentiable(
+    grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor | None]
+) -> tuple[torch.Tensor | None, ...]:
+    """``grads``, a backward's results, as they are; where the backward runs with ``create_graph=True``
+    (grad mode on) and one of ``inputs`` (the forward's inputs and the incoming gradients) needs a
+    gradient, tied to ``inputs`` by :class:`_SecondBackward`, so that a second backward raises."""
+    links = [x for x in inputs if x is not None and x.requires_grad]
+    if not torch.is_grad_enabled() or not links:
+        return tuple(grads)
+    present = [g for g in grads if g is not None]
+    tied = iter(_SecondBackward.apply(len(present), *present, *links))
+    return tuple(None if g is None else next(tied) for g in grads)
+
+
 class RingAttention(torch.autograd.Function):
     """Autograd wrapper: saves (q, k, v, out, lse, sinks) and runs :func:`ring_backward`; the sinks'
     gradient is this rank's share (its rows), which ranks sum like any replicated parameter's.
@@ -432,7 +461,7 @@ class RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, cfg: RingConfig):  # type: ignore[override]
+    def forward(ctx, q, k, v, sinks, cfg: RingConfig):
         out, lse = ring_forward(q, k, v, cfg, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.cfg = cfg
@@ -440,8 +469,7 @@ class RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # the ring's backward is not itself differentiable: a second grad raises
-    def backward(ctx, dout):  # type: ignore[override]
+    def backward(ctx, dout):
         cfg = ctx.cfg
         if cfg.comm.size() > 1 and cfg.comm.ranks_are_threads and threading.get_ident() != ctx.thread:
             raise RuntimeError(
@@ -451,7 +479,8 @@ class RingAttention(torch.autograd.Function):
                 "with xcp.ring_forward / xcp.ring_backward, or use real ranks (torchrun)."
             )
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        dout = dout.contiguous()
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, cfg)
-        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
-        return dq, dk, dv, dsinks, None
+        with torch.no_grad():
+            dout_c = dout.contiguous()
+            dq, dk, dv = ring_backward(dout_c, q, k, v, out, lse, cfg)
+            dsinks = sinks_grad(dout_c, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return (*once_differentiable((dq, dk, dv, dsinks), (q, k, v, sinks, dout)), None)

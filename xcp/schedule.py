@@ -40,7 +40,7 @@ def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     the choices and the value."""
     if value not in choices:
         raise ValueError(f"{name}: expected one of {', '.join(choices)}; got {value!r}")
-    return value  # type: ignore[return-value]
+    return str(value)
 
 
 def check_balance(balance: str) -> str:
@@ -203,22 +203,11 @@ def _plan(world_size: int, rank: int, causal: bool, balance: str, m: int) -> Pla
         src = (rank - i) % world_size
         kind, mask, qh, kh, work = _block(balance, causal, rank, src)
         last = i == m - 1
-        out.append(
-            Step(
-                step=i,
-                rank=rank,
-                src=src,
-                kind=kind,
-                mask=mask,
-                q_halves=qh,
-                k_halves=kh,
-                work=work,
-                send_to=None if last else nxt,
-                recv_from=None if last else prv,
-                dkv_send_to=src if last else nxt,  # the last hop goes home, to the shard's owner
-                dkv_recv_from=None if i == 0 else prv,
-            )
-        )
+        step = Step(step=i, rank=rank, src=src, kind=kind, mask=mask, q_halves=qh, k_halves=kh, work=work,
+                    send_to=None if last else nxt, recv_from=None if last else prv,
+                    dkv_send_to=src if last else nxt,  # the last hop goes home, to the shard's owner
+                    dkv_recv_from=None if i == 0 else prv)  # fmt: skip
+        out.append(step)
     return Plan(world_size, rank, causal, balance, tuple(out))
 
 

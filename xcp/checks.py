@@ -1,0 +1,267 @@
+"""Every check of a call's arguments, in one place below the entry points (api, hybrid, ops).
+
+An error names the argument, what was expected and what came (``name: expected X; got Y``). The plans
+check their own inputs where they take them (:mod:`xcp.schedule`: balance, world, sequence length;
+:mod:`xcp.documents`: boundaries, window; :mod:`xcp.lifetime`: slot and hand-off policies); this module
+composes those with the checks of tensors and options that only a call has.
+
+A check runs once per call. The common case comes first in each (a few comparisons, so that a world of one
+at 1K tokens costs about the backend's own attention); where it does not hold, the full check runs and
+either names what is wrong or accepts what the short test left out (an int scale, a numpy bool).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import schedule
+from .documents import check_cu_seqlens, check_window
+from .lifetime import check_handoff, check_slots
+
+LAYOUT = "[batch, seq, heads, head_dim]"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tensors
+
+
+def _check_tensor(name: str, x: Any) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor; got {type(x).__name__}")
+    _check_dims(name, x)
+    if not x.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point dtype; got {x.dtype}")
+    return x
+
+
+def _check_dims(name: str, x: torch.Tensor) -> None:
+    if x.dim() != 4:
+        raise ValueError(f"{name}: expected 4 dims {LAYOUT}; got {x.dim()} dims, shape {tuple(x.shape)}")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, same_length: bool = False) -> int:
+    """Check that q, k, v fit together as one block ([B, S, H, D]; with ``same_length``, k as long as q);
+    return H // Hkv.
+
+    Raises a ValueError naming the argument, the expected and the actual value.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_dims(name, x)
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected shape {tuple(k.shape)} (the shape of k); got {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: expected batch {q.shape[0]} (the batch of q); got {k.shape[0]}")
+    if same_length and k.shape[1] != q.shape[1]:
+        raise ValueError(f"k: expected local sequence length {q.shape[1]} (that of q); got {k.shape[1]}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k: expected head_dim {q.shape[3]} (that of q); got {k.shape[3]}")
+    h, hkv = q.shape[2], k.shape[2]
+    if hkv < 1 or h % hkv:
+        raise ValueError(f"k: expected a number of heads that divides the {h} heads of q; got {hkv}")
+    return h // hkv
+
+
+def _inputs_fit(q: Any, k: Any, v: Any) -> bool:
+    """The short test of :func:`check_inputs`: True only where the full check would pass."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return False
+    qs, ks = q.shape, k.shape
+    if len(qs) != 4 or len(ks) != 4 or v.shape != ks or min(qs) < 1:
+        return False
+    if ks[0] != qs[0] or ks[1] != qs[1] or ks[3] != qs[3] or ks[2] < 1 or qs[2] % ks[2]:
+        return False
+    dtype, dev = q.dtype, q.device
+    return k.dtype == dtype and v.dtype == dtype and k.device == dev and v.device == dev and q.is_floating_point()
+
+
+def check_inputs(q: Any, k: Any, v: Any) -> None:
+    """Raise a TypeError or ValueError naming the first argument that does not fit with the others."""
+    if _inputs_fit(q, k, v):
+        return
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q); got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (the device of q); got {x.device}")
+    check_qkv(q, k, v, same_length=True)
+    if min(q.shape) < 1:
+        raise ValueError(f"q: expected every dim of {LAYOUT} >= 1; got shape {tuple(q.shape)}")
+
+
+def check_sinks(sinks: Any, q: torch.Tensor) -> torch.Tensor | None:
+    """``sinks`` as given: None, or a float tensor [heads] on q's device."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks: expected a float tensor [heads] or None; got {type(sinks).__name__}")
+    if sinks.dim() != 1 or sinks.shape[0] != q.shape[2]:
+        raise ValueError(f"sinks: expected shape ({q.shape[2]},) (one logit per query head); got {tuple(sinks.shape)}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks: expected a floating-point dtype; got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks: expected device {q.device} (the device of q); got {sinks.device}")
+    return sinks
+
+
+# ----------------------------------------------------------------------------------------------------
+# Options
+
+
+def check_causal(causal: Any) -> bool:
+    """``causal`` as a bool: a bool or a numpy bool."""
+    if causal is True or causal is False:
+        return causal
+    if not schedule.is_bool(causal):
+        raise TypeError(f"causal: expected a bool (or numpy.bool_); got {type(causal).__name__}")
+    return bool(causal)
+
+
+def check_scale(scale: Any, head_dim: int) -> float:
+    """``scale`` as a float; None is 1/sqrt(head_dim)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if type(scale) is float and 0.0 < scale < math.inf:
+        return scale
+    if schedule.is_bool(scale) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: expected a positive finite number or None; got {scale!r}")
+    return float(scale)
+
+
+def check_ulysses(ulysses: Any) -> int:
+    """``ulysses`` as an int; a TypeError or ValueError naming it unless a positive integer."""
+    if type(ulysses) is int and ulysses >= 1:
+        return ulysses
+    if not schedule.is_integer(ulysses):
+        raise TypeError(f"ulysses: expected a positive integer (head-parallel ranks); got {ulysses!r}")
+    if int(ulysses) < 1:
+        raise ValueError(f"ulysses: expected a positive integer (head-parallel ranks); got {ulysses!r}")
+    return int(ulysses)
+
+
+def check_ulysses_divides(ulysses: int, world_size: int, what: str = "the world size") -> int:
+    """R = world_size // ulysses; a ValueError naming ulysses unless it divides ``world_size``."""
+    if world_size % ulysses:
+        raise ValueError(
+            f"ulysses: expected a divisor of {what} {world_size} (P = ulysses x ring ranks); got {ulysses}"
+        )
+    return world_size // ulysses
+
+
+def check_ulysses_heads(ulysses: int, heads: int) -> None:
+    """A ValueError naming ulysses unless it divides the query heads."""
+    if heads % ulysses:
+        raise ValueError(
+            f"ulysses: expected a divisor of the {heads} heads of q (each rank of a head group takes "
+            f"heads / ulysses of them); got {ulysses}"
+        )
+
+
+def check_call(
+    q: Any, k: Any, v: Any, causal: Any, scale: Any, balance: Any, slots: Any, handoff: Any, sinks: Any,
+    window: Any, ulysses: Any,
+) -> tuple[bool, float, torch.Tensor | None, tuple[int | None, int | None] | None, int]:  # fmt: skip
+    """Every check of :func:`xcp.attention` that needs no group: the tensors, then each option; returns
+    (causal, scale, sinks, window, ulysses) as the call uses them (the documents wait for the group: they
+    depend on its size)."""
+    check_inputs(q, k, v)
+    causal = check_causal(causal)
+    schedule.check_balance(balance)
+    check_slots(slots)
+    if handoff is not None:
+        check_handoff(handoff)
+    return (
+        causal,
+        check_scale(scale, q.shape[3]),
+        None if sinks is None else check_sinks(sinks, q),
+        None if window is None else check_window(window, causal),
+        check_ulysses(ulysses),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# What depends on the group and the backend
+
+
+def _check_documents(cu_seqlens: Any, q: torch.Tensor, world: int) -> tuple[int, ...] | None:
+    """The global document boundaries as a tuple (None for one document: the dense path)."""
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1:
+            raise ValueError(
+                f"cu_seqlens: expected 1 dim [documents + 1]; got {cu_seqlens.dim()} dims, shape "
+                f"{tuple(cu_seqlens.shape)}"
+            )
+        if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+            raise TypeError(f"cu_seqlens: expected an integer dtype (int32 or int64); got {cu_seqlens.dtype}")
+    elif not isinstance(cu_seqlens, (list, tuple)):
+        raise TypeError(
+            "cu_seqlens: expected an integer tensor [documents + 1] (or a list of ints); "
+            f"got {type(cu_seqlens).__name__}"
+        )
+    if q.shape[0] != 1:
+        raise ValueError(f"q: expected batch 1 with cu_seqlens (the packed layout); got batch {q.shape[0]}")
+    cu = check_cu_seqlens(cu_seqlens, q.shape[1] * world)
+    return None if len(cu) == 2 else cu
+
+
+def check_documents(cu_seqlens: Any, q: torch.Tensor, world: int, balance: str, window: Any) -> tuple[int, ...] | None:
+    """The documents a RingConfig takes: the checked boundaries, (0, S) with a window and no documents,
+    None for one sequence without a window (the dense path)."""
+    documents = _check_documents(cu_seqlens, q, world)
+    if window is not None and documents is None:  # the window's plan works on (0, S): one document
+        schedule.check_seq_len(q.shape[1] * world, world, balance, what="the global sequence length")
+        documents = (0, q.shape[1] * world)
+    return documents
+
+
+def check_backend_serves(
+    backend: Any, q: torch.Tensor, world: int, causal: bool, balance: str, device_type: str | None = None
+) -> None:
+    """Raise when ``backend`` cannot run on q (device type, dtype) or zigzag cannot split q's shard over
+    ``world`` ranks. ``device_type``: q's, where the caller has it (reading it costs as much as the rest)."""
+    if backend.device_type != (device_type or q.device.type):
+        raise ValueError(f"device: backend {backend.name!r} runs on {backend.device_type} tensors; q is on {q.device}")
+    if q.dtype not in backend.dtypes:
+        names = ", ".join(str(d) for d in backend.dtypes)
+        raise TypeError(f"q: backend {backend.name!r} serves dtypes {names}; got {q.dtype}")
+    if world > 1 and causal and balance == "zigzag" and q.shape[1] % 2:
+        raise ValueError(
+            f"q: balance 'zigzag' needs an even local sequence length (two chunks per rank); got {q.shape[1]}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# shard and unshard
+
+
+def check_dim(x: torch.Tensor, dim: Any, name: str = "dim") -> int:
+    """``dim`` as a non-negative index of x's dims."""
+    if not schedule.is_integer(dim) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{name}: expected an integer in [{-x.dim()}, {x.dim()}); got {dim!r}")
+    return int(dim) % x.dim()
+
+
+def check_shards(shards: Any) -> Sequence[torch.Tensor]:
+    """``shards`` as given: a non-empty list of tensors alike in shape, dtype and device."""
+    if isinstance(shards, torch.Tensor) or not isinstance(shards, Sequence) or not shards:
+        raise TypeError(f"shards: expected a non-empty list of tensors, one per rank; got {type(shards).__name__}")
+    for r, s in enumerate(shards):
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"shards[{r}]: expected a torch.Tensor; got {type(s).__name__}")
+        if s.shape != shards[0].shape:
+            raise ValueError(
+                f"shards[{r}]: expected shape {tuple(shards[0].shape)} (that of shards[0]); got {tuple(s.shape)}"
+            )
+        if s.dtype != shards[0].dtype:
+            raise TypeError(f"shards[{r}]: expected dtype {shards[0].dtype} (that of shards[0]); got {s.dtype}")
+        if s.device != shards[0].device:
+            raise ValueError(f"shards[{r}]: expected device {shards[0].device} (that of shards[0]); got {s.device}")
+    return shards
