@@ -28,15 +28,15 @@ piece does not cover get zero gradient. The ring itself only asks for ``none`` o
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ..backend import Backend, required
+from ..kernels.merge import NEG_INF, accumulator_dtype
 from ..schedule import check_mask
-from .merge import NEG_INF, accumulator_dtype
+from ..settings import READ_AT_CONSTRUCTION, Setting
+from .base import Backend, required
 
 # ---------------------------------------------------------------------------------------------- mask tiling
 SquareForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
@@ -165,6 +165,20 @@ repeated per query head and dK/dV summed over each group (slower, more memory; t
 kernel's own GQA fails)."""
 
 
+def gqa_variable(name: str) -> Setting:
+    """The setting ``name`` (e.g. ``XCP_CUDA_GQA``) that gives a fused backend's default GQA mode."""
+    return Setting(
+        name,
+        "choice",
+        "native",
+        "how GQA K/V reach the fused kernel: native (as they are, where the kernel reads fewer K/V heads) or "
+        "repeat (repeated per query head, dK/dV summed per group: slower, the fallback when the kernel's own "
+        "GQA fails); constructor argument gqa=",
+        READ_AT_CONSTRUCTION,
+        GQA_MODES,
+    )
+
+
 def check_gqa(mode: str) -> str:
     """Return ``mode`` if it is a GQA mode, else raise a ValueError listing them."""
     if mode not in GQA_MODES:
@@ -188,16 +202,16 @@ def sum_kv_groups(g: torch.Tensor, groups: int) -> torch.Tensor:
 class FusedKernelBackend(Backend):
     """Backend base: ``forward``/``backward`` of any mask from the subclass's square kernels.
 
-    :param gqa: ``native`` or ``repeat`` (:data:`GQA_MODES`); default from the environment variable named
-        by :attr:`gqa_env`, else ``native``.
+    :param gqa: ``native`` or ``repeat`` (:data:`GQA_MODES`); default from :attr:`gqa_setting`, else
+        ``native``.
     """
 
-    gqa_env: str = ""
-    """Environment variable that sets the default GQA mode (e.g. ``XCP_CUDA_GQA``)."""
+    gqa_setting: Setting | None = None
+    """The setting that gives the default GQA mode (made by :func:`gqa_variable`, e.g. ``XCP_CUDA_GQA``)."""
 
     def __init__(self, gqa: str | None = None) -> None:
         if gqa is None:
-            gqa = os.environ.get(self.gqa_env, "native") if self.gqa_env else "native"
+            gqa = self.gqa_setting.read() if self.gqa_setting is not None else "native"
         self.gqa = check_gqa(gqa)
 
     def forward(self, q, k, v, mask, scale):
