@@ -127,7 +127,8 @@ def backward(kernel: SquareBackward, dout, q, k, v, out, lse, mask: str, scale: 
     t = tile(q.shape[1], k.shape[1], mask)
     if t.whole:
         return kernel(dout, q, k, v, out, lse, t.pieces[0].causal, scale)
-    dqs, dk, dv = [], None, None
+    dqs: list[torch.Tensor] = []
+    dkv: tuple[torch.Tensor, torch.Tensor] | None = None
     acc = accumulator_dtype(q.dtype)
     for p in t.pieces:
         r = slice(p.start, p.stop)
@@ -135,18 +136,17 @@ def backward(kernel: SquareBackward, dout, q, k, v, out, lse, mask: str, scale: 
             dout[:, r], q[:, r], k[:, : p.keys], v[:, : p.keys], out[:, r], lse[:, :, r], p.causal, scale
         )
         dqs.append(gq)
-        if dk is None:
-            dk, dv = _pad_keys(gk, k.shape[1]), _pad_keys(gv, v.shape[1])
+        if dkv is None:
+            dkv = _pad_keys(gk, k.shape[1]), _pad_keys(gv, v.shape[1])
         else:  # a second piece: add in the accumulator dtype
-            dk, dv = dk.to(acc), dv.to(acc)
-            dk[:, : p.keys] += gk
-            dv[:, : p.keys] += gv
+            dkv = dkv[0].to(acc), dkv[1].to(acc)
+            dkv[0][:, : p.keys] += gk
+            dkv[1][:, : p.keys] += gv
     q_dtype = dqs[0].dtype if dqs else q.dtype
     if t.empty:
         dqs.insert(0, torch.zeros((q.shape[0], t.empty, *q.shape[2:]), dtype=q_dtype, device=q.device))
     dq = torch.cat([g.to(q_dtype) for g in dqs], dim=1)
-    if dk is None:
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    dk, dv = (torch.zeros_like(k), torch.zeros_like(v)) if dkv is None else dkv
     return dq, dk, dv
 
 
