@@ -392,3 +392,28 @@ def test_vendor_plugin_registers_through_the_hook(module, cls):
     got = []
     pm.hook.xcp_register_backends(register=got.append)
     assert len(got) == 1 and isinstance(got[0], getattr(importlib.import_module(module), cls))
+
+
+def test_the_contract_is_three_groups_and_docs_backends_md_documents_each_member_in_its_group():
+    """Every public member of xcp.Backend is in exactly one of the groups (required device primitives,
+    optional fast paths, tool hooks), and docs/backends.md lists it in that group's section."""
+    from pathlib import Path
+
+    from xcp.backends import base
+
+    groups = {
+        "Required device primitives": base.REQUIRED_PRIMITIVES,
+        "Optional fast paths": base.FAST_PATHS,
+        "Tool hooks": base.TOOL_HOOKS,
+    }
+    listed = [name for members in groups.values() for name in members]
+    assert len(listed) == len(set(listed)), "a member listed in two groups"
+    assert set(listed) == {n for n in dir(base.Backend) if not n.startswith("_")}
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "backends.md").read_text()
+    titles = list(groups)
+    for i, title in enumerate(titles):
+        start = doc.index(f"### {title}\n")
+        end = doc.index(f"### {titles[i + 1]}\n") if i + 1 < len(titles) else doc.index("\n## ", start)
+        section = doc[start:end]
+        missing = [name for name in groups[title] if f"`{name}" not in section]
+        assert not missing, f"docs/backends.md, {title}: {missing}"
