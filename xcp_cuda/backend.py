@@ -28,9 +28,10 @@ def _given(value: bool | None, setting: Setting, default: bool | None = None) ->
     return bool(setting.read(default)) if value is None else bool(value)
 
 
-_GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
-_SET_STREAM = getattr(torch._C, "_cuda_setStream", None)
-_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+_GET_STREAM: Any = getattr(torch._C, "_cuda_getCurrentStream", None)
+_SET_STREAM: Any = getattr(torch._C, "_cuda_setStream", None)
+_GET_DEVICE: Any = getattr(torch._C, "_cuda_getDevice", None)
+"""torch's own C calls behind ``torch.cuda.current_stream`` / ``set_stream`` (None in a torch without them)."""
 
 
 class _StreamSwitch:
@@ -220,7 +221,8 @@ class CUDABackend(FusedKernelBackend):
     def _capability(self, device: torch.device) -> tuple[int, int]:
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._capabilities:
-            self._capabilities[index] = tuple(torch.cuda.get_device_capability(index))
+            major, minor = torch.cuda.get_device_capability(index)
+            self._capabilities[index] = (major, minor)
         return self._capabilities[index]
 
     def flash_attn_module(self) -> Any:

@@ -130,7 +130,7 @@ def sdpa_picks_cudnn(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
         grads = not torch.is_inference_mode_enabled()  # the ring's backward needs cuDNN's too
         views = [heads_second(x).detach().requires_grad_(grads) for x in (q, k, k)]
         choice = SDPA_CHOICE(*views, None, 0.0, causal, scale=None, enable_gqa=q.shape[2] != k.shape[2])
-        return int(choice) == int(SDPBackend.CUDNN_ATTENTION)
+        return int(choice) == SDPBackend.CUDNN_ATTENTION.value
     except Exception:  # noqa: BLE001 - any doubt: the flash op serves
         return False
 
@@ -167,6 +167,12 @@ def pad_lse(lse: torch.Tensor, align: int = EFFICIENT_LSE_ALIGN) -> torch.Tensor
     return torch.nn.functional.pad(lse, (0, padded - sq), value=float("inf"))
 
 
+def _dense_lengths(q: torch.Tensor, k: torch.Tensor) -> tuple[None, None, int, int]:
+    """The backward ops' ``cum_seq_q, cum_seq_k, max_q, max_k`` for a dense batch: no cumulative lengths,
+    and the block's query and key lengths."""
+    return None, None, q.shape[1], k.shape[1]
+
+
 def _rng_placeholders(device: torch.device, flash: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Seed and offset tensors shaped and typed as the forward returns them. Uninitialised on purpose: the
     backward reads them only when dropout_p > 0, and ``empty`` launches no kernel (a fill of uint64, which
@@ -201,10 +207,7 @@ def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     dq, dk, dv = ATEN._scaled_dot_product_flash_attention_backward(
         *_backward_views(dout, q, k, v, out),
         lse_for_backward(lse),
-        None,  # cum_seq_q: dense batch
-        None,  # cum_seq_k
-        q.shape[1],  # max_q
-        k.shape[1],  # max_k
+        *_dense_lengths(q, k),
         0.0,
         causal,
         seed,
@@ -233,10 +236,7 @@ def cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         seed,  # read only when dropout_p > 0
         offset,
         None,  # attn_bias
-        None,  # cum_seq_q: dense batch
-        None,  # cum_seq_k
-        q.shape[1],  # max_q
-        k.shape[1],  # max_k
+        *_dense_lengths(q, k),
         0.0,
         causal,
         scale=scale,
@@ -341,6 +341,14 @@ def _max_keys(cu_q: tuple[int, ...], cu_k: tuple[int, ...], window: tuple[int, i
     return longest if window is None else max(longest, max_seqlen(cu_q))
 
 
+def _varlen_lengths(
+    device: torch.device, cu_q: tuple[int, ...], cu_k: tuple[int, ...], window: tuple[int, int] | None
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The varlen ops' ``cum_seq_q, cum_seq_k, max_q, max_k``: the boundaries on ``device`` (cached) and
+    the longest segment's queries and keys (see :func:`_max_keys`)."""
+    return cu_seqlens(cu_q, device), cu_seqlens(cu_k, device), max_seqlen(cu_q), _max_keys(cu_q, cu_k, window)
+
+
 def flash_varlen_forward(
     q, k, v, cu_q, cu_k, causal: bool, scale: float, window: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -350,10 +358,7 @@ def flash_varlen_forward(
         q[0].contiguous(),
         k[0].contiguous(),
         v[0].contiguous(),
-        cu_seqlens(cu_q, q.device),
-        cu_seqlens(cu_k, q.device),
-        max_seqlen(cu_q),
-        _max_keys(cu_q, cu_k, window),
+        *_varlen_lengths(q.device, cu_q, cu_k, window),
         0.0,
         causal,
         False,
@@ -381,10 +386,7 @@ def flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, sca
         v[0].contiguous(),
         out[0].to(q.dtype).contiguous(),
         lse_for_backward(lse[0]),
-        cu_seqlens(cu_q, q.device),
-        cu_seqlens(cu_k, q.device),
-        max_seqlen(cu_q),
-        _max_keys(cu_q, cu_k, window),
+        *_varlen_lengths(q.device, cu_q, cu_k, window),
         0.0,
         causal,
         seed,  # rng_state: read only when dropout_p > 0, as in flash_backward

@@ -33,10 +33,7 @@ def row_coordinates(n_rows, seq, heads, BLOCK_R: tl.constexpr):
 def merge_kernel(
     out_ptr, lse_ptr, bo_ptr, bl_ptr,
     n_rows, seq, heads, dim,
-    o_sb, o_ss, o_sh,
-    l_sb, l_sh, l_ss,
-    b_sb, b_ss, b_sh,
-    bl_sb, bl_sh, bl_ss,
+    o_sb, o_ss, o_sh, l_sb, l_sh, l_ss, b_sb, b_ss, b_sh, bl_sb, bl_sh, bl_ss,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     rmask, b, i, h = row_coordinates(n_rows, seq, heads, BLOCK_R)
@@ -67,12 +64,7 @@ def merge_kernel(
 def merge_pair_kernel(
     out_ptr, lse_ptr, ao_ptr, al_ptr, bo_ptr, bl_ptr,
     n_rows, seq, heads, dim,
-    o_sb, o_ss, o_sh,
-    l_sb, l_sh, l_ss,
-    a_sb, a_ss, a_sh,
-    al_sb, al_sh, al_ss,
-    b_sb, b_ss, b_sh,
-    bl_sb, bl_sh, bl_ss,
+    o_sb, o_ss, o_sh, l_sb, l_sh, l_ss, a_sb, a_ss, a_sh, al_sb, al_sh, al_ss, b_sb, b_ss, b_sh, bl_sb, bl_sh, bl_ss,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, FRESH: tl.constexpr,
 ):  # fmt: skip
     rmask, b, i, h = row_coordinates(n_rows, seq, heads, BLOCK_R)
@@ -113,9 +105,7 @@ def merge_pair_kernel(
 def add_pair_kernel(
     acc_ptr, a_ptr, b_ptr,
     n_rows, seq, heads, dim,
-    c_sb, c_ss, c_sh,
-    a_sb, a_ss, a_sh,
-    b_sb, b_ss, b_sh,
+    c_sb, c_ss, c_sh, a_sb, a_ss, a_sh, b_sb, b_ss, b_sh,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     rmask, b, i, h = row_coordinates(n_rows, seq, heads, BLOCK_R)

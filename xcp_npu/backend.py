@@ -82,7 +82,7 @@ class NPUBackend(FusedKernelBackend):
         except RuntimeError:
             return False, f"torch_npu is not importable: {self._vendor_error}"
         try:
-            if not torch.npu.is_available():
+            if not self._module().is_available():
                 return False, "no Ascend device: torch.npu.is_available() is False"
         except Exception as exc:  # noqa: BLE001 - a broken driver must not break discovery
             return False, f"no Ascend device: querying torch.npu raised {type(exc).__name__}: {exc}"

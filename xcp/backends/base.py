@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..kernels.math import math_backward, math_forward
 from ..lifetime import HANDOFF_POLICIES
@@ -49,8 +50,12 @@ FAST_PATHS = (
 TOOL_HOOKS = ("new_graph", "capture_graph", "memory_stats", "reset_peak_memory", "settings")
 """What the tools (``xcp bench``, ``xcp backends``, the conformance suite) use and the ring never does."""
 
-Block = tuple[torch.Tensor, torch.Tensor]
+Block = tuple[Tensor, Tensor]
 """One block's ``(out, lse)``: out [B, Sq, H, D], lse [B, H, Sq]."""
+Cuts = tuple[int, ...]
+"""Cumulative boundaries of packed segments, from 0 to the total length (see :meth:`Backend.forward_varlen`)."""
+Band = tuple[int, int] | None
+"""A sliding window ``(left, right)`` of packed segments, or None (see :meth:`Backend.forward_varlen`)."""
 
 _REQUIRED = "__xcp_required__"
 
@@ -214,16 +219,8 @@ class Backend:
 
     @required
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        mask: str,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: str, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Gradients of one block given the *merged* output and log-sum-exp of the whole row.
 
         :param dout: gradient of the output [B, Sq, H, D].
@@ -255,16 +252,8 @@ class Backend:
         return None
 
     def forward_varlen(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_q: tuple[int, ...],
-        cu_k: tuple[int, ...],
-        causal: bool,
-        scale: float,
-        window: tuple[int, int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Cuts, cu_k: Cuts, causal: bool, scale: float, window: Band = None
+    ) -> tuple[Tensor, Tensor]:
         """Attention of packed segments (documents): segment i is queries ``[cu_q[i], cu_q[i + 1])``
         against keys ``[cu_k[i], cu_k[i + 1])``, no mask, or square causal when ``causal`` (then
         ``cu_q == cu_k``). The segments tile q and k (batch 1) without gaps.
@@ -288,19 +277,9 @@ class Backend:
         return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=2)
 
     def backward_varlen(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        cu_q: tuple[int, ...],
-        cu_k: tuple[int, ...],
-        causal: bool,
-        scale: float,
-        window: tuple[int, int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Cuts, cu_k: Cuts,
+        causal: bool, scale: float, window: Band = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """Gradients of packed segments (see :meth:`forward_varlen`) from the merged out and lse.
 
         :returns: ``(dq, dk, dv)`` shaped like q, k, v. The default makes one :meth:`backward` call per
