@@ -189,7 +189,7 @@ def test_cli_bench_header_says_which_defaults(tmp_path, capsys):
 
 def test_bench_accepts_a_plugin_backend_whose_device_type_is_cpu(capsys, monkeypatch):
     """--device names a backend (the tensors live on its device_type), and its sizes are the CPU's."""
-    from xcp.cpu import CPUBackend
+    from xcp.backends.cpu import CPUBackend
     from xcp.hookspecs import hookimpl
     from xcp.plugins import register_plugin, unregister_plugin
 
@@ -478,8 +478,8 @@ def test_host_check_catches_kernels_computed_while_timed(monkeypatch):
 def test_null_kernels_return_the_first_outputs_and_stamp_each_call():
     import torch
 
+    from xcp.backends.cpu import CPUBackend
     from xcp.cli.bench import NullKernels, _per_step
-    from xcp.cpu import CPUBackend
 
     null = NullKernels(CPUBackend())
     assert null.name == "cpu" and null.handoff_policy == "none"  # everything but the kernels is the backend's
@@ -633,7 +633,7 @@ class _Graph:
 def _graph_backend(name: str):
     """A CPU backend with stand-in graphs, capturing while inside ``capture_graph`` (so the ring takes its
     capture paths: slots from the workspace, event hand-offs, no agreement exchange)."""
-    from xcp.cpu import CPUBackend
+    from xcp.backends.cpu import CPUBackend
 
     class GraphCPU(CPUBackend):
         graphs: list[_Graph] = []

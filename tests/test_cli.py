@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import xcp
+from xcp.backends.cpu import CPUBackend
 from xcp.cli import main
-from xcp.cpu import CPUBackend
 from xcp.hookspecs import hookimpl
 from xcp.plugins import backend_table, register_plugin, unregister_plugin
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import xcp
-from xcp.cpu import CPUBackend
+from xcp.backends.cpu import CPUBackend
 from xcp.kernels.math import math_backward, math_forward
 from xcp.testing import conformance
 from xcp.testing.reference import allowed_pairs, reference_attention

@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import xcp
+from xcp.backends import fused
+from xcp.backends import fused as pieces  # the mask tiling lives in the fused-kernel base
 from xcp.checks import check_qkv
-from xcp.kernels import fused
-from xcp.kernels import fused as pieces  # the mask tiling lives in the fused-kernel base
 from xcp.kernels.math import allowed_keys, math_backward, math_forward
 from xcp.testing import conformance
 from xcp_cuda import CUDABackend, kernels
@@ -482,9 +482,9 @@ def _cpu_backend(monkeypatch, **kwargs):
     fake = FakeAten()
     monkeypatch.setattr(kernels, "ATEN", fake)
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # importing it raises ImportError
+    kwargs.setdefault("fused_merge", False)  # the Triton merge takes CUDA tensors only (a GPU machine has triton)
     backend = CUDABackend(**kwargs)
     backend.device_type = "cpu"  # run the glue on CPU tensors
-    backend.fused_merge = False  # the Triton merge takes CUDA tensors only (on a GPU machine triton is there)
     monkeypatch.setattr(backend, "_capability", lambda device: (9, 0))
     return backend, fake
 
@@ -726,29 +726,30 @@ def test_varlen_needs_keys_and_queries_in_every_segment(monkeypatch):
     assert not any(c[0].startswith("flash_varlen") for c in fake.calls)
 
 
-def test_varlen_options_the_flash_path_does_not_serve_go_to_the_base_class(monkeypatch):
-    """A keyword option of the contract that flash does not know, given a value, runs the base class's
-    method with it; left at None it is not passed on, and flash serves the call."""
+def test_varlen_blocks_the_flash_path_does_not_serve_go_to_the_base_class(monkeypatch):
+    """Packed segments the flash varlen op does not serve (here fp32) run the base class's method with the
+    contract's arguments, the window included; those it serves never reach the base class."""
     seen = []
 
-    def base_forward(self, q, k, v, cu_q, cu_k, causal, scale, **options):
-        seen.append(("forward", options))
+    def base_forward(self, q, k, v, cu_q, cu_k, causal, scale, window=None):
+        seen.append(("forward", window))
         return torch.zeros_like(q), torch.zeros(1, q.shape[2], q.shape[1])
 
-    def base_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, **options):
-        seen.append(("backward", options))
+    def base_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window=None):
+        seen.append(("backward", window))
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     monkeypatch.setattr(xcp.Backend, "forward_varlen", base_forward)
     monkeypatch.setattr(xcp.Backend, "backward_varlen", base_backward)
     backend, fake = _cpu_backend(monkeypatch)
-    cu_q, cu_k, causal = VARLEN_LAYOUTS["full"]
+    cu_q, cu_k, _ = VARLEN_LAYOUTS["full"]
+    q, k, v = _varlen_block(cu_q, cu_k, 2, 2, 16, torch.float32, seed=4)
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, False, 0.3, window=(1, 10))
+    backend.backward_varlen(out, q, k, v, out, lse, cu_q, cu_k, False, 0.3, window=(1, 10))
+    assert seen == [("forward", (1, 10)), ("backward", (1, 10))] and fake.calls == []
     q, k, v = _varlen_block(cu_q, cu_k, 2, 2, 16, torch.float16, seed=4)
-    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, 0.3, alibi=(2, 0))
-    backend.backward_varlen(out, q, k, v, out, lse, cu_q, cu_k, causal, 0.3, alibi=(2, 0))
-    assert seen == [("forward", {"alibi": (2, 0)}), ("backward", {"alibi": (2, 0)})] and fake.calls == []
-    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, 0.3, alibi=None)
-    backend.backward_varlen(out, q, k, v, out, lse, cu_q, cu_k, causal, 0.3, alibi=None)
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, False, 0.3, window=(1, 10))
+    backend.backward_varlen(out, q, k, v, out, lse, cu_q, cu_k, False, 0.3, window=(1, 10))
     assert len(seen) == 2 and [c[0] for c in fake.calls] == ["flash_varlen_fwd", "flash_varlen_bwd"]
 
 
@@ -773,7 +774,7 @@ def test_a_window_takes_the_flash_window_and_matches_the_banded_math_kernel(monk
     dout = _rand(*out.shape, dtype=q.dtype, seed=7)
     grads = backend.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, False, 0.25, window=window)
     assert [c[0] for c in fake.calls] == ["flash_varlen_fwd", "flash_varlen_bwd"]
-    base = xcp.backend.Backend
+    base = xcp.Backend
     want_fwd = base.forward_varlen(backend, q, k, v, cu_q, cu_k, False, 0.25, window=window)
     want_bwd = base.backward_varlen(backend, dout, q, k, v, out, lse, cu_q, cu_k, False, 0.25, window=window)
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (*want_fwd, *want_bwd)):
@@ -900,7 +901,7 @@ def test_unimportable_flash_attn_falls_back_to_aten(monkeypatch):
 
 
 def test_backend_checks_arguments(monkeypatch):
-    """q/k/v are checked once per call, by xcp.attention (xcp.api.check_qkv), not in every block; the
+    """q/k/v are checked once per call, by xcp.attention (xcp.checks.check_qkv), not in every block; the
     block kernel still refuses a mask it does not know."""
     backend, _ = _cpu_backend(monkeypatch)
     q, k, v = _block(1, 4, 4, 4, 3, 8, dtype=torch.float16)
@@ -920,6 +921,23 @@ def test_env_flags(monkeypatch):
     monkeypatch.setenv("XCP_CUDA_FLASH_ATTN", "yes")
     with pytest.raises(ValueError, match="XCP_CUDA_FLASH_ATTN: expected 0 or 1; got 'yes'"):
         CUDABackend()
+
+
+def test_every_setting_is_read_when_the_backend_is_built_and_a_constructor_argument_overrides_it(monkeypatch):
+    for name, value in (("CUDNN", "0"), ("FUSED_MERGE", "1"), ("PAIR_MERGE", "0"), ("FAST_LAUNCH", "0")):
+        monkeypatch.setenv(f"XCP_CUDA_{name}", value)
+    b = CUDABackend()
+    assert (b.use_cudnn, b.fused_merge, b.folds_pairs, b.launcher.fast) == (False, True, False, False)
+    b = CUDABackend(use_cudnn=True, fused_merge=True, pair_merge=True, fast_launch=True)
+    assert (b.use_cudnn, b.fused_merge, b.folds_pairs, b.launcher.fast) == (True, True, True, True)
+    assert not CUDABackend(fused_merge=False, pair_merge=True).folds_pairs  # pairs need the fused merge
+    monkeypatch.setenv("XCP_CUDA_FAST_LAUNCH", "2")
+    with pytest.raises(ValueError, match="XCP_CUDA_FAST_LAUNCH: expected 0 or 1; got '2'"):
+        CUDABackend()
+    assert {s.name for s in CUDABackend.settings} == {
+        "XCP_CUDA_GQA", "XCP_CUDA_FLASH_ATTN", "XCP_CUDA_CUDNN", "XCP_CUDA_FUSED_MERGE", "XCP_CUDA_PAIR_MERGE",
+        "XCP_CUDA_FAST_LAUNCH",
+    }  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- identity, plugin
@@ -1064,40 +1082,39 @@ def test_the_merge_launches_a_signature_seen_before_directly_and_a_new_one_throu
     alignment: a repeat goes straight to the compiled kernel with the same arguments; a different stride,
     dtype or alignment goes through Triton, which specialises on them; XCP_CUDA_FAST_LAUNCH=0 always does."""
     fake = _FakeJit()
-    monkeypatch.setattr(kernels, "_JIT", {"merge": fake})
-    monkeypatch.setattr(kernels, "_COMPILED", {})
-    monkeypatch.setattr(kernels, "FAST_LAUNCH", True)
-    kernels.fused_merge_(*_merge_inputs())
+    launch = kernels.Launcher(fast=True, builders={"merge": lambda: fake})
+    kernels.fused_merge_(*_merge_inputs(), launch)
     assert len(fake.jit_calls) == 1 and not fake.direct_calls
-    kernels.fused_merge_(*_merge_inputs())  # same shapes, strides, dtypes; fresh tensors, 16-byte aligned
+    kernels.fused_merge_(*_merge_inputs(), launch)  # same shapes, strides, dtypes; fresh tensors, 16-byte aligned
     assert len(fake.jit_calls) == 1 and len(fake.direct_calls) == 1
     assert fake.direct_calls[0][0] == (*fake.jit_calls[0][0], 1, 1)  # the grid
     assert fake.direct_calls[0][5:] == fake.jit_calls[0][5:]  # the ints, then the block sizes
-    kernels.fused_merge_(*_merge_inputs(rows=20))  # other ints: Triton
-    kernels.fused_merge_(*_merge_inputs(dtype=torch.float32))  # another dtype: Triton
-    kernels.fused_merge_(*_merge_inputs(offset=1))  # rows from 1: other strides and a misaligned pointer
+    kernels.fused_merge_(*_merge_inputs(rows=20), launch)  # other ints: Triton
+    kernels.fused_merge_(*_merge_inputs(dtype=torch.float32), launch)  # another dtype: Triton
+    kernels.fused_merge_(*_merge_inputs(offset=1), launch)  # rows from 1: other strides and a misaligned pointer
     assert len(fake.jit_calls) == 4 and len(fake.direct_calls) == 1
     out, lse, bo, bl, rows = _merge_inputs(offset=1)
     unaligned = torch.empty(bo.numel() + 1, dtype=bo.dtype)[1:].view_as(bo).copy_(bo)
     assert unaligned.data_ptr() % 16 and unaligned.stride() == bo.stride()
-    kernels.fused_merge_(out, lse, unaligned, bl, rows)  # same ints and dtypes, block_out misaligned: Triton
+    kernels.fused_merge_(out, lse, unaligned, bl, rows, launch)  # same ints and dtypes, block_out misaligned: Triton
     assert len(fake.jit_calls) == 5
-    monkeypatch.setattr(kernels, "FAST_LAUNCH", False)
-    kernels.fused_merge_(*_merge_inputs())
+    slow = kernels.Launcher(fast=False, builders={"merge": lambda: fake})
+    kernels.fused_merge_(*_merge_inputs(), slow)
     assert len(fake.jit_calls) == 6 and len(fake.direct_calls) == 1
+    kernels.fused_merge_(*_merge_inputs(), slow)  # a signature seen before, still through Triton
+    assert len(fake.jit_calls) == 7 and len(fake.direct_calls) == 1 and not slow.compiled
+    assert CUDABackend(fast_launch=False).launcher.fast is False and CUDABackend(fast_launch=True).launcher.fast
 
 
 def test_a_pair_merge_launches_like_a_merge_with_fresh_in_its_signature(monkeypatch):
     """The pair kernel goes through Triton the first time a signature is seen (FRESH among its constexprs)
     and directly after; fresh and not fresh are two signatures, and a pair never takes a merge's kernel."""
     fake, single = _FakeJit(), _FakeJit()
-    monkeypatch.setattr(kernels, "_JIT", {"pair": fake, "merge": single})
-    monkeypatch.setattr(kernels, "_COMPILED", {})
-    monkeypatch.setattr(kernels, "FAST_LAUNCH", True)
+    launch = kernels.Launcher(fast=True, builders={"pair": lambda: fake, "merge": lambda: single})
 
     def pair(fresh: bool) -> None:
         out, lse, bo, bl, rows = _merge_inputs()
-        kernels.fused_merge_pair_(out, lse, (bo, bl), (bo.clone(), bl.clone()), rows, fresh)
+        kernels.fused_merge_pair_(out, lse, (bo, bl), (bo.clone(), bl.clone()), rows, fresh, launch)
 
     pair(False)
     assert len(fake.jit_calls) == 1 and fake.jit_calls[0][-1] == 0 and not fake.direct_calls
@@ -1106,11 +1123,11 @@ def test_a_pair_merge_launches_like_a_merge_with_fresh_in_its_signature(monkeypa
     assert fake.direct_calls[0][7:] == fake.jit_calls[0][7:]  # the ints, then BLOCK_R, BLOCK_D, FRESH
     pair(True)
     assert len(fake.jit_calls) == 2 and fake.jit_calls[1][-1] == 1
-    kernels.fused_merge_(*_merge_inputs())
+    kernels.fused_merge_(*_merge_inputs(), launch)
     assert len(single.jit_calls) == 1 and len(fake.jit_calls) == 2
     out, lse, bo, bl, rows = _merge_inputs()
     with pytest.raises(ValueError, match="second: expected block_out of shape"):
-        kernels.fused_merge_pair_(out, lse, (bo, bl), (bo[:, 1:], bl[:, :, 1:]), rows, False)
+        kernels.fused_merge_pair_(out, lse, (bo, bl), (bo[:, 1:], bl[:, :, 1:]), rows, False, launch)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -1181,7 +1198,7 @@ def test_the_dq_add_pair_equals_two_adds_on_a_gpu(dtype, offset):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("offset", [0, 3])
-def test_the_direct_merge_launch_equals_tritons_own_on_a_gpu(monkeypatch, dtype, offset):
+def test_the_direct_merge_launch_equals_tritons_own_on_a_gpu(dtype, offset):
     """On a GPU: the merge launched directly (a signature seen before) writes exactly what Triton's own
     launch writes, and both equal the eager merge (float32 accumulators: to 1e-6)."""
     backend = CUDABackend()
@@ -1190,7 +1207,6 @@ def test_the_direct_merge_launch_equals_tritons_own_on_a_gpu(monkeypatch, dtype,
         pytest.skip(f"needs a CUDA GPU ({reason})")
     from xcp.kernels.merge import merge_
 
-    monkeypatch.setattr(kernels, "_COMPILED", {})
     g = torch.Generator(device="cuda").manual_seed(offset)
     n = 333
     out = torch.randn(2, n + offset, 8, 64, device="cuda", generator=g)
@@ -1201,14 +1217,15 @@ def test_the_direct_merge_launch_equals_tritons_own_on_a_gpu(monkeypatch, dtype,
         for _ in range(3)
     ]
     rows = slice(offset, offset + n)
-    results = []
+    results, launchers = [], []
     for fast in (False, True):
-        monkeypatch.setattr(kernels, "FAST_LAUNCH", fast)
+        fused = CUDABackend(fused_merge=True, fast_launch=fast)
         o, lo = out.clone(), lse.clone()
         for bo, bl in blocks:  # the second and third launches of the fast run go direct
-            kernels.fused_merge_(o, lo, bo, bl, rows)
+            assert fused.fused_merge_(o, lo, bo, bl, rows)
         results.append((o, lo))
-    assert len(kernels._COMPILED) == 1
+        launchers.append(fused.launcher)
+    assert [len(launch.compiled) for launch in launchers] == [0, 1]
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     o, lo = out.clone(), lse.clone()
     for bo, bl in blocks:

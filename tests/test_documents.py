@@ -22,7 +22,7 @@ from strategies import assert_close_to
 
 import xcp
 from xcp import documents, schedule
-from xcp.cpu import CPUBackend
+from xcp.backends.cpu import CPUBackend
 from xcp.kernels.merge import NEG_INF, apply_sinks_, sinks_grad
 from xcp.ring import RingConfig, ring_backward, ring_forward
 

@@ -27,12 +27,9 @@ LAYERS: dict[str, int] = {
     "xcp.spec": 1,
     # 2: every argument check of a call
     "xcp.checks": 2,
-    # 3: communicators and backends (old single modules and the packages that replace them)
+    # 3: communicators and backends
     "xcp.comm": 3,
-    "xcp.backend": 3,
     "xcp.backends": 3,
-    "xcp.cpu": 3,
-    "xcp.kernels.fused": 3,
     "xcp.hookspecs": 3,
     "xcp.plugins": 3,
     # 4: the ring and the agreement its ranks reach first
@@ -213,5 +210,5 @@ def test_the_graph_sees_function_level_and_relative_imports():
         "xcp.kernels.merge"
     }
     assert layer_of("xcp.comm.local") == layer_of("xcp.comm") == 3
-    assert layer_of("xcp.kernels.fused") == 3 and layer_of("xcp.kernels.math") == 0
+    assert layer_of("xcp.backends.fused") == 3 and layer_of("xcp.kernels.math") == 0
     assert layer_of("xcp") == 7 and layer_of("xcp.nothing") is None

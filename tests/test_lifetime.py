@@ -14,8 +14,8 @@ import torch
 
 import xcp
 from xcp import lifetime
+from xcp.backends.cpu import CPUBackend
 from xcp.comm import LocalWorld
-from xcp.cpu import CPUBackend
 from xcp.lifetime import RingCall, Workspace, track_buffers, workspace_disabled
 from xcp.ring import RingConfig, ring_backward, ring_forward
 from xcp.testing.reference import sdpa_reference

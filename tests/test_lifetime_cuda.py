@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import xcp
-from xcp.backend import Backend
+from xcp.backends.base import Backend
 from xcp.kernels.math import math_backward, math_forward
 from xcp.lifetime import track_buffers, workspace_disabled
 from xcp.ring import RingConfig, ring_backward, ring_forward

@@ -3,7 +3,7 @@
 The stand-in follows torch_npu's documented contract for npu_fusion_attention(_grad) (BSND layout,
 head_num = query heads, K/V heads dividing them, softmax_max/softmax_sum float32 [B, N, Sq, 8], sparse_mode
 0 and the right-down causal sparse_mode 3 with the compressed 2048×2048 mask, ``scale`` in the forward and
-``scale_value`` in the grad). References are float64 math (xcp.cpu) on the whole block.
+``scale_value`` in the grad). References are float64 math (xcp.backends.cpu) on the whole block.
 
 Packed segments: the stand-in also implements the TND layout independently (float64 per segment, cumulative
 ``actual_seq_qlen`` / ``actual_seq_kvlen`` without a leading 0, statistics [T, N, 8] whose rows follow a layout
@@ -27,7 +27,7 @@ import torch
 from strategies import assert_close_to
 
 import xcp
-from xcp.backend import Backend, SynchronousBackend
+from xcp.backends.base import Backend, SynchronousBackend
 from xcp.kernels.math import allowed_keys, math_backward, math_forward
 from xcp.ring import RingConfig, ring_backward, ring_forward
 from xcp_npu import NPUBackend, convert

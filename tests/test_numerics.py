@@ -27,7 +27,7 @@ from hypothesis import given
 from strategies import max_rel_error, random_inputs, ring_cases
 
 import xcp
-from xcp.cpu import CPUBackend
+from xcp.backends.cpu import CPUBackend
 from xcp.kernels.merge import merge_, new_accumulators
 
 TENSORS = ("out", "dq", "dk", "dv")

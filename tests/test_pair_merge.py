@@ -21,7 +21,7 @@ from test_documents import layouts, masked_reference, ring_with_documents
 from test_numerics import assert_matches
 
 import xcp
-from xcp.cpu import CPUBackend
+from xcp.backends.cpu import CPUBackend
 from xcp.hookspecs import hookimpl
 from xcp.kernels.merge import merge_
 from xcp.plugins import register_plugin, unregister_plugin

@@ -9,17 +9,17 @@ import pytest
 import torch
 
 import xcp
-from xcp import plugins
-from xcp.backend import check_backend
-from xcp.cpu import CPUBackend
-from xcp.kernels.fused import FusedKernelBackend
+from xcp import plugins, settings
+from xcp.backends.base import check_backend
+from xcp.backends.cpu import CPUBackend
+from xcp.backends.fused import FusedKernelBackend
 
 
 @pytest.fixture(autouse=True)
 def fresh_plugins(monkeypatch):
     """Each test starts from a newly discovered plugin manager and leaves none behind."""
-    monkeypatch.delenv(plugins.DISABLE_AUTOLOAD_ENV, raising=False)
-    monkeypatch.delenv(plugins.DEVICE_ENV, raising=False)
+    monkeypatch.delenv(settings.DISABLE_PLUGIN_AUTOLOAD.name, raising=False)
+    monkeypatch.delenv(settings.DEVICE.name, raising=False)
     plugins.reload_plugins()
     yield
     plugins.reload_plugins()
@@ -71,7 +71,7 @@ def use_entry_points(monkeypatch, *eps: FakeEntryPoint) -> None:
 def test_builtin_cpu_is_a_plugin_like_any_other():
     pm = plugins.get_plugin_manager()
     assert pm is plugins.get_plugin_manager()  # one manager
-    assert pm.get_plugin("cpu") is xcp.cpu
+    assert pm.get_plugin("cpu") is xcp.backends.cpu
     impls = pm.hook.xcp_register_backends.get_hookimpls()
     assert [i.plugin_name for i in impls][0] == "cpu"
     row = next(r for r in xcp.backend_table() if r.name == "cpu")
@@ -286,12 +286,12 @@ def test_misspelled_hook_in_an_entry_point_plugin_fails_discovery(monkeypatch):
 def test_disable_autoload_skips_entry_points(monkeypatch):
     ep = FakeEntryPoint("auto", plugin_for(backend_class("auto")()))
     use_entry_points(monkeypatch, ep)
-    monkeypatch.setenv(plugins.DISABLE_AUTOLOAD_ENV, "1")
+    monkeypatch.setenv(settings.DISABLE_PLUGIN_AUTOLOAD.name, "1")
     assert [r.plugin for r in xcp.backend_table()] == ["cpu"]
     assert ep.loads == 0
     with pytest.raises(RuntimeError, match="'auto' is unknown"):
         xcp.get_backend("auto")
-    monkeypatch.setenv(plugins.DISABLE_AUTOLOAD_ENV, "0")
+    monkeypatch.setenv(settings.DISABLE_PLUGIN_AUTOLOAD.name, "0")
     plugins.reload_plugins()
     assert xcp.get_backend("auto").name == "auto" and ep.loads == 1
 
@@ -300,7 +300,7 @@ def test_real_entry_points_of_the_xcp_distribution_are_discovered(monkeypatch):
     """pyproject.toml declares cuda and npu; each shows up, as a backend or as a plugin that failed."""
     plugin_names = {r.plugin for r in xcp.backend_table()}
     assert {"cpu", "cuda", "npu"} <= plugin_names
-    monkeypatch.setenv(plugins.DISABLE_AUTOLOAD_ENV, "1")
+    monkeypatch.setenv(settings.DISABLE_PLUGIN_AUTOLOAD.name, "1")
     plugins.reload_plugins()
     assert {r.plugin for r in xcp.backend_table()} == {"cpu"}
 
@@ -333,7 +333,7 @@ def test_selection_precedence(alpha, monkeypatch):
     assert plugins.select_backend("alpha:0", None).name == "alpha"  # device index ignored
     assert plugins.select_backend(None, "cpu").name == "cpu"  # then the tensors' device type
     assert plugins.select_backend(None, None).name == "cpu"  # default
-    monkeypatch.setenv(plugins.DEVICE_ENV, "alpha")
+    monkeypatch.setenv(settings.DEVICE.name, "alpha")
     assert plugins.select_backend(None, None).name == "alpha"  # XCP_DEVICE when nothing else says
     assert plugins.select_backend(None, "cpu").name == "cpu"  # the tensors win over XCP_DEVICE
     assert plugins.select_backend("cpu", None).name == "cpu"  # an explicit device wins over XCP_DEVICE
@@ -343,7 +343,7 @@ def test_selection_precedence(alpha, monkeypatch):
 def test_selection_error_says_where_the_name_came_from(alpha, monkeypatch):
     with pytest.raises(RuntimeError, match=r"^device='nope': backend 'nope' is unknown"):
         plugins.select_backend("nope", "cpu")
-    monkeypatch.setenv(plugins.DEVICE_ENV, "nope")
+    monkeypatch.setenv(settings.DEVICE.name, "nope")
     with pytest.raises(RuntimeError, match=r"^XCP_DEVICE='nope': backend 'nope' is unknown"):
         plugins.select_backend(None, None)
 
@@ -392,3 +392,28 @@ def test_vendor_plugin_registers_through_the_hook(module, cls):
     got = []
     pm.hook.xcp_register_backends(register=got.append)
     assert len(got) == 1 and isinstance(got[0], getattr(importlib.import_module(module), cls))
+
+
+def test_the_contract_is_three_groups_and_docs_backends_md_documents_each_member_in_its_group():
+    """Every public member of xcp.Backend is in exactly one of the groups (required device primitives,
+    optional fast paths, tool hooks), and docs/backends.md lists it in that group's section."""
+    from pathlib import Path
+
+    from xcp.backends import base
+
+    groups = {
+        "Required device primitives": base.REQUIRED_PRIMITIVES,
+        "Optional fast paths": base.FAST_PATHS,
+        "Tool hooks": base.TOOL_HOOKS,
+    }
+    listed = [name for members in groups.values() for name in members]
+    assert len(listed) == len(set(listed)), "a member listed in two groups"
+    assert set(listed) == {n for n in dir(base.Backend) if not n.startswith("_")}
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "backends.md").read_text()
+    titles = list(groups)
+    for i, title in enumerate(titles):
+        start = doc.index(f"### {title}\n")
+        end = doc.index(f"### {titles[i + 1]}\n") if i + 1 < len(titles) else doc.index("\n## ", start)
+        section = doc[start:end]
+        missing = [name for name in groups[title] if f"`{name}" not in section]
+        assert not missing, f"docs/backends.md, {title}: {missing}"

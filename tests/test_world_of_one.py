@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import xcp
-from xcp.cpu import CPUBackend
+from xcp.backends.cpu import CPUBackend
 from xcp.kernels.math import math_forward
 from xcp_cuda import CUDABackend
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .api import attention, shard, unshard
-    from .backend import Backend, SynchronousBackend
+    from .backends.base import Backend, SynchronousBackend
     from .comm import CommTimeout, Communicator, LocalGroup, LocalWorld
     from .context import context
     from .documents import choose_balance
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "BALANCES": "schedule",
-    "Backend": "backend",
+    "Backend": "backends.base",
     "BufferLedger": "lifetime",
     "CommTimeout": "comm",
     "Communicator": "comm",
@@ -33,7 +33,7 @@ _EXPORTS = {
     "Plan": "schedule",
     "RingConfig": "ring",
     "Step": "schedule",
-    "SynchronousBackend": "backend",
+    "SynchronousBackend": "backends.base",
     "attention": "api",
     "backend_table": "plugins",
     "choose_balance": "documents",

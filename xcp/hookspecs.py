@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from .backend import Backend
+    from .backends.base import Backend
 
 PROJECT = "xcp"
 ENTRY_POINT_GROUP = "xcp"

@@ -1,8 +1,8 @@
 """The plugin manager, entry-point discovery, the backend table and backend selection.
 
 One pluggy ``PluginManager`` (project ``xcp``) holds every plugin: the built-in CPU plugin
-(:mod:`xcp.cpu`), the plugins of installed distributions under the entry-point group ``xcp`` (unless
-``XCP_DISABLE_PLUGIN_AUTOLOAD=1``), and whatever :func:`register_plugin` adds. The backend table is
+(:mod:`xcp.backends.cpu`), the plugins of installed distributions under the entry-point group ``xcp``
+(unless ``XCP_DISABLE_PLUGIN_AUTOLOAD=1``), and whatever :func:`register_plugin` adds. The backend table is
 built lazily by calling each plugin's ``xcp_register_backends`` hook on its own, so that a plugin that
 fails to import or whose hook raises is reported by name while every other backend keeps working.
 """
@@ -10,7 +10,6 @@ fails to import or whose hook raises is reported by name while every other backe
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import threading
 import warnings
 from collections.abc import Iterable
@@ -19,14 +18,9 @@ from typing import Any, NamedTuple
 
 import pluggy
 
-from . import cpu, hookspecs
-from .backend import Backend, check_backend
-
-DISABLE_AUTOLOAD_ENV = "XCP_DISABLE_PLUGIN_AUTOLOAD"
-"""Set to ``1`` to skip the plugins of installed distributions (entry-point group ``xcp``)."""
-
-DEVICE_ENV = "XCP_DEVICE"
-"""The backend to use when neither the call nor the tensors name one."""
+from . import hookspecs, settings
+from .backends import cpu
+from .backends.base import Backend, check_backend
 
 
 class PluginWarning(UserWarning):
@@ -132,8 +126,7 @@ def get_plugin_manager() -> pluggy.PluginManager:
             pm = pluggy.PluginManager(hookspecs.PROJECT)
             pm.add_hookspecs(hookspecs)
             pm.register(cpu, name="cpu")
-            autoload = os.environ.get(DISABLE_AUTOLOAD_ENV, "") in ("", "0")
-            failures = _load_entry_points(pm) if autoload else []
+            failures = [] if settings.DISABLE_PLUGIN_AUTOLOAD.read() else _load_entry_points(pm)
             pm.check_pending()
             for failure in failures:
                 _warn(failure)
@@ -336,7 +329,7 @@ def select_backend(device: str | None, tensor_device_type: str | None) -> Backen
     choices = (
         ("device", device),
         ("tensors' device type", tensor_device_type),
-        (DEVICE_ENV, os.environ.get(DEVICE_ENV)),
+        (settings.DEVICE.name, settings.DEVICE.read()),
         ("default", "cpu"),
     )
     source, value = next((source, value) for source, value in choices if value)

@@ -20,7 +20,7 @@ import torch
 
 from . import schedule
 from .agreement import check_agreement
-from .backend import Backend
+from .backends.base import Backend
 from .comm import Communicator
 from .documents import Run, document_plan
 from .kernels.merge import accumulator_dtype, apply_sinks_, merge_, new_accumulators, sinks_grad

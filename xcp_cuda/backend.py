@@ -1,4 +1,5 @@
-"""The CUDA backend: PyTorch's fused attention ops with their log-sum-exp, torch.cuda streams, NCCL.
+"""The CUDA backend: PyTorch's fused attention ops (cuDNN, flash, memory-efficient) with their log-sum-exp,
+torch.cuda streams, NCCL.
 
 Importing this module touches no GPU and imports no vendor package: the device is first queried by
 :meth:`CUDABackend.available` or by a kernel call, and flash-attn is imported at the first block that
@@ -10,35 +11,27 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 from typing import Any
 
 import torch
 
-from xcp.kernels.fused import FusedKernelBackend
+from xcp.backends.fused import FusedKernelBackend
 from xcp.kernels.math import math_backward, math_forward
+from xcp.settings import Setting
 
 from . import kernels
+from . import settings as cuda_settings
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    if value not in ("0", "1"):
-        raise ValueError(f"{name}: expected 0 or 1; got {value!r}")
-    return value == "1"
+def _given(value: bool | None, setting: Setting, default: bool | None = None) -> bool:
+    """A constructor argument, else its setting's value (``default`` where the variable is unset)."""
+    return bool(setting.read(default)) if value is None else bool(value)
 
 
-def _set(options: dict[str, Any]) -> dict[str, Any]:
-    """The keyword options given a value: those left at None are not passed on (a base class of an
-    older contract may not know them)."""
-    return {name: x for name, x in options.items() if x is not None}
-
-
-_GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
-_SET_STREAM = getattr(torch._C, "_cuda_setStream", None)
-_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+_GET_STREAM: Any = getattr(torch._C, "_cuda_getCurrentStream", None)
+_SET_STREAM: Any = getattr(torch._C, "_cuda_setStream", None)
+_GET_DEVICE: Any = getattr(torch._C, "_cuda_getDevice", None)
+"""torch's own C calls behind ``torch.cuda.current_stream`` / ``set_stream`` (None in a torch without them)."""
 
 
 class _StreamSwitch:
@@ -66,46 +59,59 @@ class _StreamSwitch:
 class CUDABackend(FusedKernelBackend):
     """NVIDIA GPUs (any device torch calls ``cuda``).
 
-    Kernel per block, by :func:`xcp_cuda.kernels.choose_kernel`: for fp16/bf16 with head_dim % 8 == 0
-    and <= 256 the aten cuDNN op where torch's SDPA would run the block on cuDNN (on Hopper it runs
-    1.7-1.9x faster than the flash op), else the aten flash op (the flash-attn package's forward
-    instead when it is installed), the aten
-    memory-efficient op for fp32 and the other aligned head dims, and the math kernel for the rest
-    (float64, unaligned head dims). Masks beyond none / square causal are cut by the base class. Packed
-    documents (:meth:`forward_varlen`) take one call of the aten flash varlen op where the flash op
-    serves the block, else one block call per segment (the base class).
+    Kernel per block, by :meth:`block_kernel`: fp16/bf16 with head_dim % 8 == 0 and <= 256 (sm80+) run on the
+    aten cuDNN op where torch's SDPA would run the block on cuDNN (on Hopper 1.7-1.9x faster than the flash
+    op), else on the aten flash op (the flash-attn package's forward instead when it is installed); the
+    aten memory-efficient op serves fp32 and the other aligned head dims, the math kernel the rest (float64,
+    unaligned head dims). Masks beyond none / square causal are cut by the base class. Packed documents
+    (:meth:`forward_varlen`) take one call of the aten flash varlen op where the flash op serves the block,
+    else one block call per segment (the base class). A world of one runs torch's SDPA
+    (:meth:`whole_attention`). Each argument left at None takes its ``XCP_CUDA_*`` setting
+    (:mod:`xcp_cuda.settings`), read here.
 
-    :param gqa: ``native`` (default; env ``XCP_CUDA_GQA``) or ``repeat``, see
-        :data:`xcp.kernels.fused.GQA_MODES`.
-    :param use_flash_attn: use flash-attn's forward when importable (default True; env
-        ``XCP_CUDA_FLASH_ATTN=0`` turns it off).
-    :param use_cudnn: run blocks on cuDNN where SDPA would (default True; env ``XCP_CUDA_CUDNN=0``
-        turns it off, as does ``torch.nn.attention.sdpa_kernel`` without ``CUDNN_ATTENTION``).
+    :param gqa: ``native`` (default) or ``repeat``, see :data:`xcp.backends.fused.GQA_MODES`.
+    :param use_flash_attn: use flash-attn's forward when importable (default True).
+    :param use_cudnn: run blocks on cuDNN where SDPA would (default True; ``torch.nn.attention.sdpa_kernel``
+        without ``CUDNN_ATTENTION`` turns it off too).
+    :param fused_merge: merge blocks with the one-pass Triton kernel (default: where triton is installed).
+    :param pair_merge: with ``fused_merge``, fold two blocks (and add two dQ) at once (default True).
+    :param fast_launch: launch a Triton kernel seen before directly (default True; see
+        :class:`xcp_cuda.kernels.Launcher`).
     """
 
     name = "cuda"
     device_type = "cuda"
     dist_backend = "nccl"
     handoff_policy = "record_stream"
-    kernel = "aten flash (fp16/bf16) | mem-efficient (fp32, head_dim%4) | math; flash-attn fwd if installed"
+    kernel = (
+        "fp16/bf16: aten cuDNN where SDPA picks it, else aten flash (flash-attn's fwd if installed) | "
+        "fp32: mem-efficient | float64, odd head dims: math | one rank: torch SDPA"
+    )
     dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-    gqa_env = "XCP_CUDA_GQA"
+    gqa_setting = cuda_settings.GQA
+    settings = cuda_settings.ALL
 
     def __init__(
-        self, gqa: str | None = None, use_flash_attn: bool | None = None, use_cudnn: bool | None = None
+        self,
+        gqa: str | None = None,
+        use_flash_attn: bool | None = None,
+        use_cudnn: bool | None = None,
+        fused_merge: bool | None = None,
+        pair_merge: bool | None = None,
+        fast_launch: bool | None = None,
     ) -> None:
         super().__init__(gqa)
-        self.use_flash_attn = _env_flag("XCP_CUDA_FLASH_ATTN", True) if use_flash_attn is None else bool(use_flash_attn)
-        self.use_cudnn = _env_flag("XCP_CUDA_CUDNN", True) if use_cudnn is None else bool(use_cudnn)
+        self.use_flash_attn = _given(use_flash_attn, cuda_settings.FLASH_ATTN)
+        self.use_cudnn = _given(use_cudnn, cuda_settings.CUDNN)
+        triton = importlib.util.find_spec("triton") is not None
+        self.fused_merge = _given(fused_merge, cuda_settings.FUSED_MERGE, triton)
+        self.folds_pairs = self.fused_merge and _given(pair_merge, cuda_settings.PAIR_MERGE)
+        self.launcher = kernels.Launcher(fast=_given(fast_launch, cuda_settings.FAST_LAUNCH))
         self._cudnn_blocks: dict[tuple, bool] = {}  # block signature -> SDPA's answer (asked once each)
         self._flash_attn: Any = None
         self._flash_attn_error: str | None = None
         self._capabilities: dict[int, tuple[int, int]] = {}
         self._streams: dict[tuple, Any] = {}  # current_stream's Stream objects, by (stream_id, device, type)
-        # XCP_CUDA_FUSED_MERGE=0 selects the eager merge (for comparisons and as a fallback)
-        self.fused_merge = _env_flag("XCP_CUDA_FUSED_MERGE", importlib.util.find_spec("triton") is not None)
-        # XCP_CUDA_PAIR_MERGE=0 folds blocks (and adds dQ) one at a time, holding none (comparisons)
-        self.folds_pairs = self.fused_merge and _env_flag("XCP_CUDA_PAIR_MERGE", True)
 
     # ------------------------------------------------------------------ identity
     def available(self) -> tuple[bool, str]:
@@ -173,7 +179,7 @@ class CUDABackend(FusedKernelBackend):
     def fused_merge_(self, out, lse, block_out, block_lse, rows) -> bool:
         """One Triton kernel where it applies (fp32 accumulators); False lets the ring merge eagerly."""
         if self.fused_merge and kernels.fused_merge_supported(out, block_out):
-            kernels.fused_merge_(out, lse, block_out, block_lse, rows)
+            kernels.fused_merge_(out, lse, block_out, block_lse, rows, self.launcher)
             return True
         return False
 
@@ -181,7 +187,7 @@ class CUDABackend(FusedKernelBackend):
         """Both blocks in one Triton kernel where it applies (fp32 accumulators); False lets the ring fold
         them one at a time."""
         if self.folds_pairs and all(kernels.fused_merge_supported(out, block[0]) for block in (first, second)):
-            kernels.fused_merge_pair_(out, lse, first, second, rows, fresh)
+            kernels.fused_merge_pair_(out, lse, first, second, rows, fresh, self.launcher)
             return True
         return False
 
@@ -189,7 +195,7 @@ class CUDABackend(FusedKernelBackend):
         """Both additions in one Triton kernel where it applies (a float32 accumulator); False lets the ring
         add one at a time."""
         if self.folds_pairs and kernels.fused_add_pair_supported(acc, first, second):
-            kernels.fused_add_pair_(acc, first, second)
+            kernels.fused_add_pair_(acc, first, second, self.launcher)
             return True
         return False
 
@@ -215,7 +221,8 @@ class CUDABackend(FusedKernelBackend):
     def _capability(self, device: torch.device) -> tuple[int, int]:
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._capabilities:
-            self._capabilities[index] = tuple(torch.cuda.get_device_capability(index))
+            major, minor = torch.cuda.get_device_capability(index)
+            self._capabilities[index] = (major, minor)
         return self._capabilities[index]
 
     def flash_attn_module(self) -> Any:
@@ -273,25 +280,20 @@ class CUDABackend(FusedKernelBackend):
         (:func:`kernels.choose_kernel`), batch 1, and every segment has queries and keys."""
         return q.shape[0] == 1 and self.kernel_for(q) == kernels.FLASH and kernels.varlen_served(cu_q, cu_k)
 
-    def forward_varlen(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=None, **options: Any):
+    def forward_varlen(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=None):
         """One flash varlen call for all segments where it serves them (a window too: the op's
-        window_size_left/right), else one call per segment. ``options`` the flash path does not serve
-        (set to anything but None) go to the base class too."""
-        if any(x is not None for x in options.values()) or not self.varlen_kernel(q, cu_q, cu_k):
-            return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale, **_set(dict(options, window=window)))
+        window_size_left/right), else one call per segment (the base class)."""
+        if not self.varlen_kernel(q, cu_q, cu_k):
+            return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale, window)
         op = kernels.flash_varlen_forward
         if self.kv_groups(q, k) > 1:
             op = kernels.with_repeated_kv(op)
         return op(q, k, v, cu_q, cu_k, causal, scale, window)
 
-    def backward_varlen(
-        self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, window=None, **options: Any
-    ):
-        """One flash varlen backward from the merged out/lse where it serves, else one call per segment
-        (also for ``options``, as :meth:`forward_varlen`)."""
-        if any(x is not None for x in options.values()) or not self.varlen_kernel(q, cu_q, cu_k):
-            opts = _set(dict(options, window=window))
-            return super().backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, **opts)
+    def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, window=None):
+        """One flash varlen backward from the merged out/lse where it serves, else one call per segment."""
+        if not self.varlen_kernel(q, cu_q, cu_k):
+            return super().backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
         op = kernels.flash_varlen_backward
         if self.kv_groups(q, k) > 1:
             op = kernels.with_repeated_kv_backward(op)

@@ -1,8 +1,8 @@
 """The CUDA kernels: which one serves a block, thin wrappers over PyTorch's fused attention ops, and the
-one-pass Triton merge.
+launch of the one-pass Triton merges (:mod:`xcp_cuda.merge_kernels`).
 
 Every wrapper takes and returns xcp's layout, q [B, Sq, H, D] and k, v [B, Sk, Hkv, D], and is only asked
-for ``causal=False`` or causal on a square block (:mod:`xcp.kernels.fused` cuts the rest), so the kernels'
+for ``causal=False`` or causal on a square block (:mod:`xcp.backends.fused` cuts the rest), so the kernels'
 own alignment of a non-square causal mask never matters.
 
 The ops (schemas as registered in PyTorch's native_functions.yaml, checked against torch 2.13):
@@ -68,15 +68,17 @@ which makes P = 0 and every gradient of the row 0, so :func:`lse_for_backward` m
 
 from __future__ import annotations
 
+import importlib
 import math
-import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from xcp.kernels.fused import repeat_kv, sum_kv_groups
+from xcp.backends.base import Block
+from xcp.backends.fused import repeat_kv, sum_kv_groups
 
 ATEN: Any = torch.ops.aten
 """The op namespace the wrappers call (tests on CPU substitute a stand-in with the same signatures)."""
@@ -128,7 +130,7 @@ def sdpa_picks_cudnn(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
         grads = not torch.is_inference_mode_enabled()  # the ring's backward needs cuDNN's too
         views = [heads_second(x).detach().requires_grad_(grads) for x in (q, k, k)]
         choice = SDPA_CHOICE(*views, None, 0.0, causal, scale=None, enable_gqa=q.shape[2] != k.shape[2])
-        return int(choice) == int(SDPBackend.CUDNN_ATTENTION)
+        return int(choice) == SDPBackend.CUDNN_ATTENTION.value
     except Exception:  # noqa: BLE001 - any doubt: the flash op serves
         return False
 
@@ -165,6 +167,12 @@ def pad_lse(lse: torch.Tensor, align: int = EFFICIENT_LSE_ALIGN) -> torch.Tensor
     return torch.nn.functional.pad(lse, (0, padded - sq), value=float("inf"))
 
 
+def _dense_lengths(q: torch.Tensor, k: torch.Tensor) -> tuple[None, None, int, int]:
+    """The backward ops' ``cum_seq_q, cum_seq_k, max_q, max_k`` for a dense batch: no cumulative lengths,
+    and the block's query and key lengths."""
+    return None, None, q.shape[1], k.shape[1]
+
+
 def _rng_placeholders(device: torch.device, flash: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Seed and offset tensors shaped and typed as the forward returns them. Uninitialised on purpose: the
     backward reads them only when dropout_p > 0, and ``empty`` launches no kernel (a fill of uint64, which
@@ -199,10 +207,7 @@ def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     dq, dk, dv = ATEN._scaled_dot_product_flash_attention_backward(
         *_backward_views(dout, q, k, v, out),
         lse_for_backward(lse),
-        None,  # cum_seq_q: dense batch
-        None,  # cum_seq_k
-        q.shape[1],  # max_q
-        k.shape[1],  # max_k
+        *_dense_lengths(q, k),
         0.0,
         causal,
         seed,
@@ -231,10 +236,7 @@ def cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         seed,  # read only when dropout_p > 0
         offset,
         None,  # attn_bias
-        None,  # cum_seq_q: dense batch
-        None,  # cum_seq_k
-        q.shape[1],  # max_q
-        k.shape[1],  # max_k
+        *_dense_lengths(q, k),
         0.0,
         causal,
         scale=scale,
@@ -339,6 +341,14 @@ def _max_keys(cu_q: tuple[int, ...], cu_k: tuple[int, ...], window: tuple[int, i
     return longest if window is None else max(longest, max_seqlen(cu_q))
 
 
+def _varlen_lengths(
+    device: torch.device, cu_q: tuple[int, ...], cu_k: tuple[int, ...], window: tuple[int, int] | None
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The varlen ops' ``cum_seq_q, cum_seq_k, max_q, max_k``: the boundaries on ``device`` (cached) and
+    the longest segment's queries and keys (see :func:`_max_keys`)."""
+    return cu_seqlens(cu_q, device), cu_seqlens(cu_k, device), max_seqlen(cu_q), _max_keys(cu_q, cu_k, window)
+
+
 def flash_varlen_forward(
     q, k, v, cu_q, cu_k, causal: bool, scale: float, window: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,10 +358,7 @@ def flash_varlen_forward(
         q[0].contiguous(),
         k[0].contiguous(),
         v[0].contiguous(),
-        cu_seqlens(cu_q, q.device),
-        cu_seqlens(cu_k, q.device),
-        max_seqlen(cu_q),
-        _max_keys(cu_q, cu_k, window),
+        *_varlen_lengths(q.device, cu_q, cu_k, window),
         0.0,
         causal,
         False,
@@ -379,10 +386,7 @@ def flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, sca
         v[0].contiguous(),
         out[0].to(q.dtype).contiguous(),
         lse_for_backward(lse[0]),
-        cu_seqlens(cu_q, q.device),
-        cu_seqlens(cu_k, q.device),
-        max_seqlen(cu_q),
-        _max_keys(cu_q, cu_k, window),
+        *_varlen_lengths(q.device, cu_q, cu_k, window),
         0.0,
         causal,
         seed,  # rng_state: read only when dropout_p > 0, as in flash_backward
@@ -433,153 +437,17 @@ def with_repeated_kv_backward(backward_op):
 
 
 # ---------------------------------------------------------------------------------------------- merge
-# One-pass log-sum-exp merge for CUDA, as a Triton kernel.
-#
-# The eager merge (xcp.kernels.merge.merge_) launches about six kernels and reads the running output several
-# times; an eager three-kernel version measured on an H200 took about 12% of a 16K x 8K flash block. This
-# kernel reads the running output (fp32), the block output (any float dtype) and both log-sum-exps once, and
-# writes the running output and log-sum-exp once: the least traffic a merge can have.
-#
-# Math (same as xcp/kernels/merge.py, written with the row maximum so that nothing overflows):
-#     m = max(L, L_b);  e = exp(L - m), e_b = exp(L_b - m)
-#     L' = m + log(e + e_b);  O' = O + (e_b / (e + e_b)) * (O_b - O)
-# and rows where both are -inf stay at L = -inf, O unchanged (0).
-def _build_merge():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def merge_kernel(
-        out_ptr, lse_ptr, bo_ptr, bl_ptr,
-        n_rows, seq, heads, dim,
-        o_sb, o_ss, o_sh,
-        l_sb, l_sh, l_ss,
-        b_sb, b_ss, b_sh,
-        bl_sb, bl_sh, bl_ss,
-        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):  # fmt: skip
-        pid = tl.program_id(0)
-        rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-        rmask = rows < n_rows
-        h = rows % heads
-        t = rows // heads
-        i = t % seq
-        b = t // seq
-        neg_inf = float("-inf")
-        lo = tl.load(lse_ptr + b * l_sb + h * l_sh + i * l_ss, mask=rmask, other=neg_inf)
-        lb = tl.load(bl_ptr + b * bl_sb + h * bl_sh + i * bl_ss, mask=rmask, other=neg_inf)
-        m = tl.maximum(lo, lb)
-        empty = m == neg_inf
-        m_safe = tl.where(empty, 0.0, m)
-        e_old = tl.exp(lo - m_safe)
-        e_blk = tl.exp(lb - m_safe)
-        total = e_old + e_blk
-        new_l = tl.where(empty, neg_inf, m_safe + tl.log(tl.where(empty, 1.0, total)))
-        w = tl.where(empty, 0.0, e_blk / tl.where(empty, 1.0, total))
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < dim
-        mask2 = rmask[:, None] & dmask[None, :]
-        o_ptrs = out_ptr + (b * o_sb + i * o_ss + h * o_sh)[:, None] + d[None, :]
-        b_ptrs = bo_ptr + (b * b_sb + i * b_ss + h * b_sh)[:, None] + d[None, :]
-        o = tl.load(o_ptrs, mask=mask2, other=0.0)
-        ob = tl.load(b_ptrs, mask=mask2, other=0.0).to(tl.float32)
-        o = o + w[:, None] * (ob - o)
-        tl.store(o_ptrs, o, mask=mask2)
-        tl.store(lse_ptr + b * l_sb + h * l_sh + i * l_ss, new_l, mask=rmask)
-
-    return merge_kernel
+def _triton_kernels() -> Any:
+    """:mod:`xcp_cuda.merge_kernels`, imported at the first launch (it imports triton)."""
+    return importlib.import_module("xcp_cuda.merge_kernels")
 
 
-def _build_pair():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def merge_pair_kernel(
-        out_ptr, lse_ptr, ao_ptr, al_ptr, bo_ptr, bl_ptr,
-        n_rows, seq, heads, dim,
-        o_sb, o_ss, o_sh,
-        l_sb, l_sh, l_ss,
-        a_sb, a_ss, a_sh,
-        al_sb, al_sh, al_ss,
-        b_sb, b_ss, b_sh,
-        bl_sb, bl_sh, bl_ss,
-        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, FRESH: tl.constexpr,
-    ):  # fmt: skip
-        pid = tl.program_id(0)
-        rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-        rmask = rows < n_rows
-        h = rows % heads
-        t = rows // heads
-        i = t % seq
-        b = t // seq
-        neg_inf = float("-inf")
-        la = tl.load(al_ptr + b * al_sb + h * al_sh + i * al_ss, mask=rmask, other=neg_inf)
-        lb = tl.load(bl_ptr + b * bl_sb + h * bl_sh + i * bl_ss, mask=rmask, other=neg_inf)
-        l_ptrs = lse_ptr + b * l_sb + h * l_sh + i * l_ss
-        if FRESH:
-            lo = tl.full([BLOCK_R], neg_inf, tl.float32)
-        else:
-            lo = tl.load(l_ptrs, mask=rmask, other=neg_inf)
-        m = tl.maximum(tl.maximum(lo, la), lb)
-        empty = m == neg_inf
-        m_safe = tl.where(empty, 0.0, m)
-        e_old = tl.exp(lo - m_safe)
-        e_a = tl.exp(la - m_safe)
-        e_b = tl.exp(lb - m_safe)
-        total = tl.where(empty, 1.0, e_old + e_a + e_b)
-        new_l = tl.where(empty, neg_inf, m_safe + tl.log(total))
-        w_a = tl.where(empty, 0.0, e_a / total)
-        w_b = tl.where(empty, 0.0, e_b / total)
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < dim
-        mask2 = rmask[:, None] & dmask[None, :]
-        o_ptrs = out_ptr + (b * o_sb + i * o_ss + h * o_sh)[:, None] + d[None, :]
-        oa = tl.load(ao_ptr + (b * a_sb + i * a_ss + h * a_sh)[:, None] + d[None, :], mask=mask2, other=0.0)
-        ob = tl.load(bo_ptr + (b * b_sb + i * b_ss + h * b_sh)[:, None] + d[None, :], mask=mask2, other=0.0)
-        o = w_a[:, None] * oa.to(tl.float32) + w_b[:, None] * ob.to(tl.float32)
-        if not FRESH:  # rows where all three are -inf keep the running output (zeros)
-            old = tl.load(o_ptrs, mask=mask2, other=0.0)
-            w_old = tl.where(empty, 1.0, e_old / total)
-            o = o + w_old[:, None] * old
-        tl.store(o_ptrs, o, mask=mask2)
-        tl.store(l_ptrs, new_l, mask=rmask)
-
-    return merge_pair_kernel
-
-
-def _build_add_pair():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def add_pair_kernel(
-        acc_ptr, a_ptr, b_ptr,
-        n_rows, seq, heads, dim,
-        c_sb, c_ss, c_sh,
-        a_sb, a_ss, a_sh,
-        b_sb, b_ss, b_sh,
-        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):  # fmt: skip
-        pid = tl.program_id(0)
-        rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-        rmask = rows < n_rows
-        h = rows % heads
-        t = rows // heads
-        i = t % seq
-        b = t // seq
-        d = tl.arange(0, BLOCK_D)
-        mask2 = rmask[:, None] & (d < dim)[None, :]
-        c_ptrs = acc_ptr + (b * c_sb + i * c_ss + h * c_sh)[:, None] + d[None, :]
-        x = tl.load(a_ptr + (b * a_sb + i * a_ss + h * a_sh)[:, None] + d[None, :], mask=mask2, other=0.0)
-        y = tl.load(b_ptr + (b * b_sb + i * b_ss + h * b_sh)[:, None] + d[None, :], mask=mask2, other=0.0)
-        c = tl.load(c_ptrs, mask=mask2, other=0.0)
-        tl.store(c_ptrs, c + (x.to(tl.float32) + y.to(tl.float32)), mask=mask2)
-
-    return add_pair_kernel
-
-
-_BUILDERS = {"merge": _build_merge, "pair": _build_pair, "add_pair": _build_add_pair}
+BUILDERS: dict[str, Callable[[], Any]] = {
+    "merge": lambda: _triton_kernels().merge_kernel,
+    "pair": lambda: _triton_kernels().merge_pair_kernel,
+    "add_pair": lambda: _triton_kernels().add_pair_kernel,
+}
+"""The Triton kernels by name, each returned by a function called at its first launch."""
 _CONSTEXPRS = {
     "merge": ("BLOCK_R", "BLOCK_D"),
     "pair": ("BLOCK_R", "BLOCK_D", "FRESH"),
@@ -588,8 +456,60 @@ _CONSTEXPRS = {
 """Each kernel's constexpr parameters, last in its launch arguments."""
 _TENSORS = {"merge": 4, "pair": 6, "add_pair": 3}
 """How many tensors each kernel's launch arguments start with."""
-_JIT: dict[str, Any] = {}
-"""The Triton kernels by name, built on first use."""
+
+
+class Launcher:
+    """Launches the Triton kernels of :data:`BUILDERS` and keeps what Triton compiled, per launch signature.
+
+    Triton's ``kernel[grid](...)`` binds and specialises every argument on each call, about as long as the
+    rest of a ring step's host work. A compiled kernel depends only on the argument values (ints equal to 1
+    or divisible by 16 are specialised), the tensors' dtypes and the pointers' 16-byte alignment, so the
+    key of :meth:`__call__`, which holds the ints exactly, never maps two launches that Triton would
+    compile apart to one kernel; with ``fast``, a key seen before launches that kernel directly
+    (``CompiledKernel[grid]``). The first launch of a key, a Triton that returns no compiled kernel, or
+    ``fast=False`` take Triton's own path.
+
+    :param fast: launch a signature seen before directly (the CUDA backend's ``fast_launch``, default from
+        ``XCP_CUDA_FAST_LAUNCH``).
+    :param builders: the kernels by name (default :data:`BUILDERS`; tests pass stand-ins).
+    """
+
+    def __init__(self, fast: bool = True, builders: dict[str, Callable[[], Any]] | None = None) -> None:
+        self.fast = bool(fast)
+        self.builders = dict(BUILDERS if builders is None else builders)
+        self.jit: dict[str, Any] = {}
+        """The kernels by name, built at their first launch."""
+        self.compiled: dict[tuple, Any] = {}
+        """The kernels as Triton compiled them, per launch signature."""
+
+    def __call__(self, kind: str, grid: tuple[int], args: tuple) -> None:
+        """Launch the kernel ``kind`` (``merge``, ``pair``, ``add_pair``) on ``args``: its parameters in
+        order, then its constexprs (the block sizes; FRESH for ``pair``)."""
+        n_tensors = _TENSORS[kind]
+        tensors = args[:n_tensors]
+        key = (
+            kind,
+            tensors[0].device.index,
+            *(t.dtype for t in tensors),
+            *(t.data_ptr() % 16 == 0 for t in tensors),
+            *args[n_tensors:],
+        )
+        compiled = self.compiled.get(key) if self.fast else None
+        if compiled is not None:
+            compiled[(grid[0], 1, 1)](*args)  # a compiled kernel takes the grid in three dims
+            return
+        kernel = self.jit.get(kind)
+        if kernel is None:
+            kernel = self.jit[kind] = self.builders[kind]()
+        names = _CONSTEXPRS[kind]
+        params, constexprs = args[: -len(names)], args[-len(names) :]
+        compiled = kernel[grid](*params, **dict(zip(names, constexprs)))
+        if self.fast and hasattr(compiled, "__getitem__") and len(self.compiled) < 1024:
+            self.compiled[key] = compiled
+
+
+LAUNCHER = Launcher()
+"""The launcher of calls that name none (scripts calling these functions directly); a backend has its own."""
 
 
 def _tiling(bsz: int, seq: int, heads: int, dim: int) -> tuple[int, tuple[int], int, int]:
@@ -613,7 +533,12 @@ def fused_merge_supported(out: torch.Tensor, block_out: torch.Tensor) -> bool:
 
 
 def fused_merge_(
-    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor, rows: slice = slice(None)
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block_out: torch.Tensor,
+    block_lse: torch.Tensor,
+    rows: slice = slice(None),
+    launch: Launcher | None = None,
 ) -> None:
     """In-place merge of (block_out, block_lse) into (out, lse) on query rows ``rows`` (one kernel)."""
     o = out[:, rows]
@@ -632,16 +557,17 @@ def fused_merge_(
         *o.stride()[:3], *lo.stride(), *block_out.stride()[:3], *block_lse.stride()[:3],
         block_r, block_d,
     )  # fmt: skip
-    _launch("merge", grid, args)
+    (launch or LAUNCHER)("merge", grid, args)
 
 
 def fused_merge_pair_(
     out: torch.Tensor,
     lse: torch.Tensor,
-    first: tuple[torch.Tensor, torch.Tensor],
-    second: tuple[torch.Tensor, torch.Tensor],
+    first: Block,
+    second: Block,
     rows: slice,
     fresh: bool,
+    launch: Launcher | None = None,
 ) -> None:
     """In-place merge of two blocks ``(block_out, block_lse)`` into (out, lse) on query rows ``rows`` in one
     kernel: the running output is read and written once for both (with ``fresh``, not read at all: out and lse
@@ -665,7 +591,7 @@ def fused_merge_pair_(
         *b_lse.stride()[:3],
         block_r, block_d, int(bool(fresh)),
     )  # fmt: skip
-    _launch("pair", grid, args)
+    (launch or LAUNCHER)("pair", grid, args)
 
 
 def fused_add_pair_supported(acc: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> bool:
@@ -683,7 +609,9 @@ def fused_add_pair_supported(acc: torch.Tensor, first: torch.Tensor, second: tor
     )
 
 
-def fused_add_pair_(acc: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
+def fused_add_pair_(
+    acc: torch.Tensor, first: torch.Tensor, second: torch.Tensor, launch: Launcher | None = None
+) -> None:
     """``acc += first + second`` in one kernel (the sum in float32): acc read and written once for two."""
     bsz, seq, heads, dim = acc.shape
     n_rows, grid, block_r, block_d = _tiling(bsz, seq, heads, dim)
@@ -693,46 +621,4 @@ def fused_add_pair_(acc: torch.Tensor, first: torch.Tensor, second: torch.Tensor
         *acc.stride()[:3], *first.stride()[:3], *second.stride()[:3],
         block_r, block_d,
     )  # fmt: skip
-    _launch("add_pair", grid, args)
-
-
-_COMPILED: dict[tuple, Any] = {}
-"""The kernels as Triton compiled them, per launch signature (see :func:`_launch`)."""
-
-FAST_LAUNCH = os.environ.get("XCP_CUDA_FAST_LAUNCH", "1") != "0"
-"""Whether a launch whose signature was seen before skips Triton's per-call binding (``_launch``)."""
-
-
-def _launch(kind: str, grid: tuple[int], args: tuple) -> None:
-    """Launch the kernel ``kind`` (``merge``, ``pair``, ``add_pair``) on ``args``: its parameters in order,
-    then its constexprs (the block sizes; FRESH for ``pair``).
-
-    Triton's ``kernel[grid](...)`` binds and specialises every argument on each call, about as long as the
-    rest of a ring step's host work. A compiled kernel depends only on the argument values (ints equal to 1
-    or divisible by 16 are specialised), the tensors' dtypes and the pointers' 16-byte alignment, so the
-    key below, which holds the ints exactly, never maps two launches that Triton would compile apart to
-    one kernel; a key seen before launches that kernel directly (``CompiledKernel[grid]``). The first
-    launch of a key, a Triton that returns no compiled kernel, or ``XCP_CUDA_FAST_LAUNCH=0`` take
-    Triton's own path.
-    """
-    n_tensors = _TENSORS[kind]
-    tensors = args[:n_tensors]
-    key = (
-        kind,
-        tensors[0].device.index,
-        *(t.dtype for t in tensors),
-        *(t.data_ptr() % 16 == 0 for t in tensors),
-        *args[n_tensors:],
-    )
-    compiled = _COMPILED.get(key) if FAST_LAUNCH else None
-    if compiled is not None:
-        compiled[(grid[0], 1, 1)](*args)  # a compiled kernel takes the grid in three dims
-        return
-    kernel = _JIT.get(kind)
-    if kernel is None:
-        kernel = _JIT[kind] = _BUILDERS[kind]()
-    names = _CONSTEXPRS[kind]
-    params, constexprs = args[: -len(names)], args[-len(names) :]
-    compiled = kernel[grid](*params, **dict(zip(names, constexprs)))
-    if FAST_LAUNCH and hasattr(compiled, "__getitem__") and len(_COMPILED) < 1024:
-        _COMPILED[key] = compiled
+    (launch or LAUNCHER)("add_pair", grid, args)

@@ -20,23 +20,25 @@ each segment's bottom-right corner, as the docs state; sources in :mod:`xcp_npu.
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
 import torch
 
-from xcp.kernels.fused import FusedKernelBackend, repeat_kv, sum_kv_groups
+from xcp.backends.fused import FusedKernelBackend, repeat_kv, sum_kv_groups
 
 from . import convert
+from . import settings as npu_settings
 
 
 class NPUBackend(FusedKernelBackend):
     """Huawei Ascend NPUs through torch_npu.
 
-    :param gqa: ``native`` (default; env ``XCP_NPU_GQA``): K/V with fewer heads go to npu_fusion_attention
-        as they are (it allows N_kv dividing N in BSND); or ``repeat``.
-    :param tnd_stats: how the TND (varlen) kernel lays out softmax_max / softmax_sum: ``segment`` (default;
-        env ``XCP_NPU_TND_STATS``), ``global`` or ``tnd`` (see :data:`xcp_npu.convert.TND_STATS_LAYOUTS`).
+    Each argument left at None takes its ``XCP_NPU_*`` setting (:mod:`xcp_npu.settings`), read here.
+
+    :param gqa: ``native`` (default): K/V with fewer heads go to npu_fusion_attention as they are (it allows
+        N_kv dividing N in BSND); or ``repeat``.
+    :param tnd_stats: how the TND (varlen) kernel lays out softmax_max / softmax_sum: ``segment`` (default),
+        ``global`` or ``tnd`` (see :data:`xcp_npu.convert.TND_STATS_LAYOUTS`).
     """
 
     name = "npu"
@@ -48,13 +50,13 @@ class NPUBackend(FusedKernelBackend):
         "windows as sparse_mode 4"
     )
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    gqa_env = "XCP_NPU_GQA"
-    tnd_stats_env = "XCP_NPU_TND_STATS"
+    gqa_setting = npu_settings.GQA
+    settings = npu_settings.ALL
 
     def __init__(self, gqa: str | None = None, tnd_stats: str | None = None) -> None:
         super().__init__(gqa)
         if tnd_stats is None:
-            tnd_stats = os.environ.get(self.tnd_stats_env, "segment")
+            tnd_stats = npu_settings.TND_STATS.read()
         self.tnd_stats = convert.check_tnd_stats(tnd_stats)
         self._vendor: Any = None
         self._vendor_error: str | None = None
@@ -80,7 +82,7 @@ class NPUBackend(FusedKernelBackend):
         except RuntimeError:
             return False, f"torch_npu is not importable: {self._vendor_error}"
         try:
-            if not torch.npu.is_available():
+            if not self._module().is_available():
                 return False, "no Ascend device: torch.npu.is_available() is False"
         except Exception as exc:  # noqa: BLE001 - a broken driver must not break discovery
             return False, f"no Ascend device: querying torch.npu raised {type(exc).__name__}: {exc}"

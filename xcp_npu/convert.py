@@ -10,7 +10,7 @@ softmax_max = L (expanded to 8) with softmax_sum = 1.
 Packed segments (documents) use the TND layout instead: see the section at the end of this module, which also
 records what the docs leave unclear about the TND softmax statistics.
 
-Masks: xcp asks the dense kernel only for "none" or causal on a square block (:mod:`xcp.kernels.fused` cuts
+Masks: xcp asks the dense kernel only for "none" or causal on a square block (:mod:`xcp.backends.fused` cuts
 every other case, including strictly-causal, into those); packed segments may also carry a sliding window,
 sparse_mode 4 (see the section on windows at the end). Square causal is sparse_mode 3 (rightDownCausal, the
 mode Ascend recommends for causal training) with the compressed 2048×2048 mask whose True entries (the

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import xcp
-from xcp.backend import Backend
+from xcp.backends.base import Backend
 
 from .backend import NPUBackend
 

@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from .. import __version__
@@ -28,12 +29,33 @@ __all__ = ["build_parser", "main"]
 
 
 def _add_backends(sub) -> None:
-    sub.add_parser("backends", help="list installed backends and whether each is usable here")
+    p = sub.add_parser("backends", help="list installed backends and whether each is usable here")
+    p.add_argument("--settings", action="store_true",
+                   help="list every XCP_* environment variable of xcp and of the installed backends instead: "
+                        "kind, default, current value, meaning and when it is read")  # fmt: skip
+
+
+def _print_settings() -> int:
+    """Every declared setting (xcp's, then each installed backend's), then the plugins that failed: their
+    settings are unknown (a bad value of one of them is a common reason)."""
+    from ..plugins import backend_table, list_backends
+    from ..settings import declared, describe
+
+    for setting in declared(list_backends()):
+        row = describe(setting)
+        print(f"{row['name']}  ({row['kind']}; default {row['default']}; now {row['current']})")
+        for text in (row["meaning"], f"read {row['read']}"):
+            print(textwrap.fill(text, 110, initial_indent="  ", subsequent_indent="  "))
+    for failed in (r for r in backend_table() if r.kernel == "-"):
+        print(f"{failed.reason} (its settings are not listed)")
+    return 0
 
 
 def _cmd_backends(args) -> int:
     from ..plugins import backend_table
 
+    if args.settings:
+        return _print_settings()
     rows = backend_table()
     head = ("name", "device", "collective", "hand-off", "plugin", "status")
     cells = [

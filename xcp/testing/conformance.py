@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..api import shard, unshard
-from ..backend import Backend, check_backend
+from ..backends.base import Backend, check_backend
 from ..comm import LocalWorld
 from ..kernels.merge import accumulator_dtype, new_accumulators
 from ..lifetime import HANDOFF_POLICIES, hand_off

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..cpu import CPUBackend
+from ..backends.cpu import CPUBackend
 from ..hookspecs import hookimpl
 from .sim_device import DeviceModel, SimEvent, SimStream
 

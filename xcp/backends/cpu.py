@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .backend import SynchronousBackend
-from .hookspecs import hookimpl
-from .kernels.math import math_backward, math_forward
+from ..hookspecs import hookimpl
+from ..kernels.math import math_backward, math_forward
+from .base import SynchronousBackend
 
 
 class CPUBackend(SynchronousBackend):

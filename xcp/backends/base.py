@@ -1,25 +1,61 @@
-"""The Backend contract: everything the ring needs that differs by device, and nothing else.
+"""The Backend contract: everything the core needs that differs by device, in three groups.
 
-A backend is one class with grouped methods (identity, streams and events, block kernel, memory): device
-primitives only. What to do with them (when to wait, how to hand a tensor to another stream, when to merge)
-is the core's business (:mod:`xcp.ring`, :mod:`xcp.lifetime`). The core calls nothing device-specific
-except through an instance of it. Generic stream and
-event defaults come from ``torch.get_device_module(device_type)``, which serves any device that follows
-torch's accelerator conventions (cuda, npu, xpu, ...), so a backend for such a device overrides only what
-differs.
+required device primitives  identity (``name``, ``device_type``, ``dist_backend``, ``handoff_policy``,
+                            ``kernel``, ``dtypes``, ``masks``, ``available``), streams and events, ``label``,
+                            the block ``forward`` / ``backward``: what the ring runs on. ``forward`` and
+                            ``backward`` have no default (a class without them is refused at registration);
+                            the rest default to torch's device module.
+optional fast paths         ``whole_attention``, ``forward_varlen`` / ``backward_varlen``, ``fused_merge_``,
+                            ``fused_merge_pair_``, ``fused_add_pair_``, ``folds_pairs``: the defaults are
+                            correct (not served, or one block call per segment), only slower.
+tool hooks                  ``new_graph``, ``capture_graph``, ``memory_stats``, ``reset_peak_memory``,
+                            ``settings``: used by the CLI, the bench and the tests, never by the ring.
+
+:data:`REQUIRED_PRIMITIVES`, :data:`FAST_PATHS` and :data:`TOOL_HOOKS` name the members of each group.
+What to do with the primitives (when to wait, how to hand a tensor to another stream, when to merge) is the
+core's business (:mod:`xcp.ring`, :mod:`xcp.lifetime`); the core calls nothing device-specific except
+through a backend. Stream and event defaults come from ``torch.get_device_module(device_type)``, which
+serves any device that follows torch's accelerator conventions (cuda, npu, xpu, ...), so a backend for such
+a device overrides only what differs.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from .kernels.math import math_backward, math_forward
-from .lifetime import HANDOFF_POLICIES
-from .schedule import MASKS
+from ..kernels.math import math_backward, math_forward
+from ..lifetime import HANDOFF_POLICIES
+from ..schedule import MASKS
+from ..settings import Setting
+
+REQUIRED_PRIMITIVES = (
+    "name", "device_type", "dist_backend", "handoff_policy", "kernel", "dtypes", "masks", "available",
+    "current_stream", "new_stream", "stream_context", "new_event", "record_event", "wait_event", "wait_stream",
+    "synchronize_event", "synchronize", "set_device", "is_capturing", "record_stream", "label",
+    "forward", "backward",
+)  # fmt: skip
+"""What every backend gives (``forward`` and ``backward`` without a default: see :func:`required`)."""
+
+FAST_PATHS = (
+    "whole_attention", "forward_varlen", "backward_varlen", "fused_merge_", "fused_merge_pair_", "fused_add_pair_",
+    "folds_pairs",
+)  # fmt: skip
+"""What a backend may override to run faster; the defaults are correct."""
+
+TOOL_HOOKS = ("new_graph", "capture_graph", "memory_stats", "reset_peak_memory", "settings")
+"""What the tools (``xcp bench``, ``xcp backends``, the conformance suite) use and the ring never does."""
+
+Block = tuple[Tensor, Tensor]
+"""One block's ``(out, lse)``: out [B, Sq, H, D], lse [B, H, Sq]."""
+Cuts = tuple[int, ...]
+"""Cumulative boundaries of packed segments, from 0 to the total length (see :meth:`Backend.forward_varlen`)."""
+Band = tuple[int, int] | None
+"""A sliding window ``(left, right)`` of packed segments, or None (see :meth:`Backend.forward_varlen`)."""
 
 _REQUIRED = "__xcp_required__"
 
@@ -35,23 +71,57 @@ def missing_methods(cls: type) -> list[str]:
     return sorted(name for name in dir(cls) if getattr(getattr(cls, name, None), _REQUIRED, False))
 
 
-class Backend:
-    """Base class of every backend. Subclasses set the identity attributes and the kernel.
+def _segments(cu_q: Sequence[int], cu_k: Sequence[int]) -> Iterator[tuple[slice, slice]]:
+    """The (query rows, key rows) of each packed segment."""
+    for i in range(len(cu_q) - 1):
+        yield slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
 
-    Identity
-        ``name`` (what users pass as ``device=``), ``device_type`` (torch's device type of its tensors),
-        ``dist_backend`` (the torch.distributed backend for its collectives), ``handoff_policy`` (the
-        default hand-off), ``kernel`` (a short description of the block kernel, for ``xcp backends``),
-        ``dtypes`` (the dtypes its kernel serves), ``masks`` (the block masks it serves; the ring needs
-        ``none`` always, ``causal`` for causal attention and ``strict`` for the stripe balance).
+
+def _per_segment(
+    kernel: Callable[..., tuple[torch.Tensor, ...]],
+    banded: Callable[..., tuple[torch.Tensor, ...]],
+    args: Callable[[slice, slice], tuple[torch.Tensor, ...]],
+    cu_q: Sequence[int],
+    cu_k: Sequence[int],
+    causal: bool,
+    scale: float,
+    window: tuple[int, int] | None,
+) -> list[tuple[torch.Tensor, ...]]:
+    """The results of one call per packed segment: ``kernel(*args(rows, keys), mask, scale)``, or the math
+    kernel ``banded(*args(...), "none", scale, window)`` under a window (no block mask serves a band)."""
+    mask = "causal" if causal else "none"
+    return [
+        banded(*args(qs, ks), "none", scale, window) if window is not None else kernel(*args(qs, ks), mask, scale)
+        for qs, ks in _segments(cu_q, cu_k)
+    ]
+
+
+class Backend:
+    """Base class of every backend: the three groups of the module docstring.
+
+    Required device primitives
+        Identity: ``name`` (what users pass as ``device=``), ``device_type`` (torch's device type of its
+        tensors), ``dist_backend`` (the torch.distributed backend for its collectives), ``handoff_policy``
+        (the default hand-off), ``kernel`` (a short description of the block kernels that run, for
+        ``xcp backends``), ``dtypes`` (the dtypes its kernel serves), ``masks`` (the block masks it serves;
+        the ring needs ``none`` always, ``causal`` for causal attention and ``strict`` for the stripe
+        balance), :meth:`available`. Then streams and events, and the block :meth:`forward` /
+        :meth:`backward`, which every subclass defines.
+    Optional fast paths
         ``folds_pairs``: whether :meth:`fused_merge_pair_` and :meth:`fused_add_pair_` may fold two blocks
-        at once; only then does the ring hold a block for the next (which costs one block's output).
+        at once; only then does the ring hold a block for the next (which costs one block's output). The
+        methods of this group return a "not served" answer (False, None) or run the block kernel per
+        segment by default.
+    Tool hooks
+        ``settings``: the :class:`xcp.settings.Setting` objects the backend reads when it is built (its
+        ``XCP_*`` variables), for ``xcp backends --settings``; graphs and memory statistics.
 
     Every backend must accept grouped-query K/V (``H % Hkv == 0``) and strided (non-contiguous) views
     along the sequence, which is what the ring passes; :func:`check_backend` validates the identity and
     ``xcp.testing`` checks the rest.
     """
 
+    # ================================================================== required device primitives
     name: str = "base"
     device_type: str = "cpu"
     dist_backend: str = "gloo"
@@ -59,7 +129,6 @@ class Backend:
     kernel: str = "none"
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)
     masks: tuple[str, ...] = MASKS
-    folds_pairs: bool = False
 
     # ------------------------------------------------------------------ identity
     def available(self) -> tuple[bool, str]:
@@ -123,17 +192,6 @@ class Backend:
         capturing = getattr(self._module(), "is_current_stream_capturing", None)
         return bool(capturing()) if capturing is not None else False
 
-    def new_graph(self) -> Any | None:
-        """A new device graph to capture work into (see :meth:`capture_graph`), or None where the backend
-        has no graphs (the default)."""
-        return None
-
-    def capture_graph(self, graph: Any) -> contextlib.AbstractContextManager:
-        """A context that captures the work issued on the current stream into ``graph`` (``graph.replay()``
-        runs it again), including work other threads issue on streams that wait for it (``xcp bench
-        --replay`` captures every virtual rank of a LocalWorld, each a thread, into one graph)."""
-        raise NotImplementedError(f"backend {self.name!r} has no device graphs")
-
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         """Tell the allocator that ``stream`` reads ``tensor``: its memory is not reused before that work."""
         tensor.record_stream(stream)
@@ -161,16 +219,8 @@ class Backend:
 
     @required
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        mask: str,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: str, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Gradients of one block given the *merged* output and log-sum-exp of the whole row.
 
         :param dout: gradient of the output [B, Sq, H, D].
@@ -180,17 +230,30 @@ class Backend:
         """
         raise NotImplementedError(f"backend {self.name!r} has no backward kernel")
 
+    # ================================================================== optional fast paths
+    folds_pairs: bool = False
+
+    def whole_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    ) -> torch.Tensor | None:
+        """The attention of a world of one (no documents, window or sinks) through the vendor's own
+        differentiable front end, or None (the default) to let xcp run :meth:`forward` / :meth:`backward`
+        under its autograd Function.
+
+        A world of one is what a model with context parallelism off runs, so it should cost nothing over
+        the vendor's fused attention: a front end whose backward is native (no Python on the backward
+        path) costs less host time per call than any wrapper can.
+
+        :param q: [B, S, H, D]; ``k``, ``v`` [B, S, Hkv, D], Hkv dividing H (GQA).
+        :param causal: square causal (query i sees keys 0..i) or no mask.
+        :param scale: the factor on q·k.
+        :returns: out [B, S, H, D] in q's dtype, differentiable in q, k and v like the inputs are; or None.
+        """
+        return None
+
     def forward_varlen(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_q: tuple[int, ...],
-        cu_k: tuple[int, ...],
-        causal: bool,
-        scale: float,
-        window: tuple[int, int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Cuts, cu_k: Cuts, causal: bool, scale: float, window: Band = None
+    ) -> tuple[Tensor, Tensor]:
         """Attention of packed segments (documents): segment i is queries ``[cu_q[i], cu_q[i + 1])``
         against keys ``[cu_k[i], cu_k[i + 1])``, no mask, or square causal when ``causal`` (then
         ``cu_q == cu_k``). The segments tile q and k (batch 1) without gaps.
@@ -203,50 +266,31 @@ class Backend:
             :meth:`forward` call per segment (the math kernel for a window); a backend with a varlen
             kernel overrides it.
         """
-        mask = "causal" if causal else "none"
-        outs, lses = [], []
-        for i in range(len(cu_q) - 1):
-            qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
-            if window is not None:
-                o, lse = math_forward(q[:, qs], k[:, ks], v[:, ks], "none", scale, window)
-                o = o.to(q.dtype) if q.dtype != torch.float64 else o
-            else:
-                o, lse = self.forward(q[:, qs], k[:, ks], v[:, ks], mask, scale)
-            outs.append(o)
-            lses.append(lse)
-        return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+
+        def banded(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            o, lse = math_forward(*args)
+            return (o.to(q.dtype) if q.dtype != torch.float64 else o), lse
+
+        parts = _per_segment(
+            self.forward, banded, lambda qs, ks: (q[:, qs], k[:, ks], v[:, ks]), cu_q, cu_k, causal, scale, window
+        )
+        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=2)
 
     def backward_varlen(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        cu_q: tuple[int, ...],
-        cu_k: tuple[int, ...],
-        causal: bool,
-        scale: float,
-        window: tuple[int, int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Cuts, cu_k: Cuts,
+        causal: bool, scale: float, window: Band = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """Gradients of packed segments (see :meth:`forward_varlen`) from the merged out and lse.
 
         :returns: ``(dq, dk, dv)`` shaped like q, k, v. The default makes one :meth:`backward` call per
             segment (the math kernel for a window); a backend with a varlen kernel overrides it.
         """
-        mask = "causal" if causal else "none"
-        grads: list[list[torch.Tensor]] = [[], [], []]
-        for i in range(len(cu_q) - 1):
-            qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
-            args = (dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs])
-            if window is not None:
-                g = math_backward(*args, "none", scale, window)
-            else:
-                g = self.backward(*args, mask, scale)
-            for acc, x in zip(grads, g):
-                acc.append(x)
-        dq, dk, dv = (torch.cat(x, dim=1) for x in grads)
+
+        def args(qs: slice, ks: slice) -> tuple[torch.Tensor, ...]:
+            return dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs]
+
+        parts = _per_segment(self.backward, math_backward, args, cu_q, cu_k, causal, scale, window)
+        dq, dk, dv = (torch.cat([p[i] for p in parts], dim=1) for i in range(3))
         return dq, dk, dv
 
     def fused_merge_(
@@ -257,13 +301,7 @@ class Backend:
         return False
 
     def fused_merge_pair_(
-        self,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        first: tuple[torch.Tensor, torch.Tensor],
-        second: tuple[torch.Tensor, torch.Tensor],
-        rows: slice,
-        fresh: bool,
+        self, out: torch.Tensor, lse: torch.Tensor, first: Block, second: Block, rows: slice, fresh: bool
     ) -> bool:
         """Fold two blocks of the same query rows into the running (out, lse) in one pass over them, if the
         backend has a kernel that serves these tensors; return False (the default) to let the ring fold
@@ -287,25 +325,22 @@ class Backend:
         """
         return False
 
-    def whole_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-    ) -> torch.Tensor | None:
-        """The attention of a world of one (no documents, window or sinks) through the vendor's own
-        differentiable front end, or None (the default) to let xcp run :meth:`forward` / :meth:`backward`
-        under its autograd Function.
+    # ================================================================== tool hooks
+    settings: tuple[Setting, ...] = ()
+    """The ``XCP_*`` variables this backend reads (when it is built; constructor arguments override them),
+    each declared in the backend's own package; ``xcp backends --settings`` lists them."""
 
-        A world of one is what a model with context parallelism off runs, so it should cost nothing over
-        the vendor's fused attention: a front end whose backward is native (no Python on the backward
-        path) costs less host time per call than any wrapper can.
-
-        :param q: [B, S, H, D]; ``k``, ``v`` [B, S, Hkv, D], Hkv dividing H (GQA).
-        :param causal: square causal (query i sees keys 0..i) or no mask.
-        :param scale: the factor on q·k.
-        :returns: out [B, S, H, D] in q's dtype, differentiable in q, k and v like the inputs are; or None.
-        """
+    def new_graph(self) -> Any | None:
+        """A new device graph to capture work into (see :meth:`capture_graph`), or None where the backend
+        has no graphs (the default)."""
         return None
 
-    # ------------------------------------------------------------------ memory
+    def capture_graph(self, graph: Any) -> contextlib.AbstractContextManager:
+        """A context that captures the work issued on the current stream into ``graph`` (``graph.replay()``
+        runs it again), including work other threads issue on streams that wait for it (``xcp bench
+        --replay`` captures every virtual rank of a LocalWorld, each a thread, into one graph)."""
+        raise NotImplementedError(f"backend {self.name!r} has no device graphs")
+
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int] | None:
         """Allocator statistics in bytes (``allocated``, ``peak``) where the device has them, else None.
 

@@ -28,15 +28,15 @@ piece does not cover get zero gradient. The ring itself only asks for ``none`` o
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ..backend import Backend, required
+from ..kernels.merge import NEG_INF, accumulator_dtype
 from ..schedule import check_mask
-from .merge import NEG_INF, accumulator_dtype
+from ..settings import READ_AT_CONSTRUCTION, Setting
+from .base import Backend, required
 
 # ---------------------------------------------------------------------------------------------- mask tiling
 SquareForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
@@ -127,7 +127,8 @@ def backward(kernel: SquareBackward, dout, q, k, v, out, lse, mask: str, scale: 
     t = tile(q.shape[1], k.shape[1], mask)
     if t.whole:
         return kernel(dout, q, k, v, out, lse, t.pieces[0].causal, scale)
-    dqs, dk, dv = [], None, None
+    dqs: list[torch.Tensor] = []
+    dkv: tuple[torch.Tensor, torch.Tensor] | None = None
     acc = accumulator_dtype(q.dtype)
     for p in t.pieces:
         r = slice(p.start, p.stop)
@@ -135,18 +136,17 @@ def backward(kernel: SquareBackward, dout, q, k, v, out, lse, mask: str, scale: 
             dout[:, r], q[:, r], k[:, : p.keys], v[:, : p.keys], out[:, r], lse[:, :, r], p.causal, scale
         )
         dqs.append(gq)
-        if dk is None:
-            dk, dv = _pad_keys(gk, k.shape[1]), _pad_keys(gv, v.shape[1])
+        if dkv is None:
+            dkv = _pad_keys(gk, k.shape[1]), _pad_keys(gv, v.shape[1])
         else:  # a second piece: add in the accumulator dtype
-            dk, dv = dk.to(acc), dv.to(acc)
-            dk[:, : p.keys] += gk
-            dv[:, : p.keys] += gv
+            dkv = dkv[0].to(acc), dkv[1].to(acc)
+            dkv[0][:, : p.keys] += gk
+            dkv[1][:, : p.keys] += gv
     q_dtype = dqs[0].dtype if dqs else q.dtype
     if t.empty:
         dqs.insert(0, torch.zeros((q.shape[0], t.empty, *q.shape[2:]), dtype=q_dtype, device=q.device))
     dq = torch.cat([g.to(q_dtype) for g in dqs], dim=1)
-    if dk is None:
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    dk, dv = (torch.zeros_like(k), torch.zeros_like(v)) if dkv is None else dkv
     return dq, dk, dv
 
 
@@ -163,6 +163,20 @@ GQA_MODES = ("native", "repeat")
 """``native``: a kernel that reads K/V with fewer heads gets them as they are; ``repeat``: K/V are always
 repeated per query head and dK/dV summed over each group (slower, more memory; the fallback when a
 kernel's own GQA fails)."""
+
+
+def gqa_variable(name: str) -> Setting:
+    """The setting ``name`` (e.g. ``XCP_CUDA_GQA``) that gives a fused backend's default GQA mode."""
+    return Setting(
+        name,
+        "choice",
+        "native",
+        "how GQA K/V reach the fused kernel: native (as they are, where the kernel reads fewer K/V heads) or "
+        "repeat (repeated per query head, dK/dV summed per group: slower, the fallback when the kernel's own "
+        "GQA fails); constructor argument gqa=",
+        READ_AT_CONSTRUCTION,
+        GQA_MODES,
+    )
 
 
 def check_gqa(mode: str) -> str:
@@ -188,16 +202,16 @@ def sum_kv_groups(g: torch.Tensor, groups: int) -> torch.Tensor:
 class FusedKernelBackend(Backend):
     """Backend base: ``forward``/``backward`` of any mask from the subclass's square kernels.
 
-    :param gqa: ``native`` or ``repeat`` (:data:`GQA_MODES`); default from the environment variable named
-        by :attr:`gqa_env`, else ``native``.
+    :param gqa: ``native`` or ``repeat`` (:data:`GQA_MODES`); default from :attr:`gqa_setting`, else
+        ``native``.
     """
 
-    gqa_env: str = ""
-    """Environment variable that sets the default GQA mode (e.g. ``XCP_CUDA_GQA``)."""
+    gqa_setting: Setting | None = None
+    """The setting that gives the default GQA mode (made by :func:`gqa_variable`, e.g. ``XCP_CUDA_GQA``)."""
 
     def __init__(self, gqa: str | None = None) -> None:
         if gqa is None:
-            gqa = os.environ.get(self.gqa_env, "native") if self.gqa_env else "native"
+            gqa = self.gqa_setting.read() if self.gqa_setting is not None else "native"
         self.gqa = check_gqa(gqa)
 
     def forward(self, q, k, v, mask, scale):

@@ -1,0 +1,52 @@
+"""The ``XCP_CUDA_*`` variables of the CUDA backend, read when :class:`xcp_cuda.CUDABackend` is built
+(each has a constructor argument that overrides it) and listed in its ``settings`` attribute."""
+
+from __future__ import annotations
+
+from xcp.backends.fused import gqa_variable
+from xcp.settings import READ_AT_CONSTRUCTION, Setting
+
+GQA = gqa_variable("XCP_CUDA_GQA")
+FLASH_ATTN = Setting(
+    "XCP_CUDA_FLASH_ATTN",
+    "flag",
+    True,
+    "0: blocks the aten flash op serves never use the flash-attn package's forward, even where it is "
+    "installed; constructor argument use_flash_attn=",
+    READ_AT_CONSTRUCTION,
+)
+CUDNN = Setting(
+    "XCP_CUDA_CUDNN",
+    "flag",
+    True,
+    "0: fp16/bf16 blocks stay on the flash op where torch's SDPA would run them on cuDNN; constructor "
+    "argument use_cudnn=",
+    READ_AT_CONSTRUCTION,
+)
+FUSED_MERGE = Setting(
+    "XCP_CUDA_FUSED_MERGE",
+    "flag",
+    None,
+    "0: the eager merge of blocks instead of the one-pass Triton kernel (for comparisons; unset: Triton "
+    "where it is installed); constructor argument fused_merge=",
+    READ_AT_CONSTRUCTION,
+)
+PAIR_MERGE = Setting(
+    "XCP_CUDA_PAIR_MERGE",
+    "flag",
+    True,
+    "0: blocks are folded (and dQ added) one at a time, none held for the next (for comparisons); "
+    "constructor argument pair_merge=",
+    READ_AT_CONSTRUCTION,
+)
+FAST_LAUNCH = Setting(
+    "XCP_CUDA_FAST_LAUNCH",
+    "flag",
+    True,
+    "0: every Triton launch takes Triton's own binding path, never a compiled kernel seen before "
+    "(for comparisons); constructor argument fast_launch=",
+    READ_AT_CONSTRUCTION,
+)
+
+ALL: tuple[Setting, ...] = (GQA, FLASH_ATTN, CUDNN, FUSED_MERGE, PAIR_MERGE, FAST_LAUNCH)
+"""Every setting of the CUDA backend, in the order ``xcp backends --settings`` lists them."""
