@@ -1,4 +1,4 @@
-"""Ring attention against an independent float64 whole-sequence reference (tests/conftest.py), for the
+"""Ring attention against an independent float64 whole-sequence reference (tests/helpers.py), for the
 output and the gradients of q, k and v, on a LocalWorld of P threads.
 
 Tolerances. Errors are measured as max|got - ref| / max|ref| per tensor (``max_rel_error``); the reference
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TENSORS, assert_matches
 from hypothesis import given
 from strategies import max_rel_error, random_inputs, ring_cases
 
@@ -30,7 +31,6 @@ import xcp
 from xcp.cpu import CPUBackend
 from xcp.kernels.merge import merge_, new_accumulators
 
-TENSORS = ("out", "dq", "dk", "dv")
 BF16_U = 2.0**-8
 FP16_U = 2.0**-11
 TOLERANCE = {  # (out, gradients), relative to max|ref|; see the module docstring
@@ -38,17 +38,6 @@ TOLERANCE = {  # (out, gradients), relative to max|ref|; see the module docstrin
     torch.bfloat16: (2 * BF16_U, 4 * BF16_U),
     torch.float16: (2 * FP16_U, 4 * FP16_U),
 }
-
-
-def assert_matches(got, want, atol=1e-10):
-    """float64: every tensor equal to the reference within ``atol`` absolute."""
-    for name in TENSORS:
-        g, w = getattr(got, name), getattr(want, name)
-        assert g is not None, f"{name} missing"
-        assert g.dtype == torch.float64, f"{name} has dtype {g.dtype}"
-        assert g.shape == w.shape, f"{name} has shape {tuple(g.shape)}, want {tuple(w.shape)}"
-        err = (g - w).abs().max().item()
-        assert err <= atol, f"{name}: max abs error {err:.3e} > {atol:.0e}"
 
 
 # ------------------------------------------------------------------------------------------------ float64
