@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TENSORS, assert_matches
+from helpers import TENSORS, assert_matches, independent_masked_reference
 from hypothesis import given
 from strategies import max_rel_error, random_inputs, ring_cases
 
 import xcp
 from xcp.cpu import CPUBackend
 from xcp.kernels.merge import merge_, new_accumulators
+from xcp.testing.reference import reference_gradients, sdpa_reference
 
 BF16_U = 2.0**-8
 FP16_U = 2.0**-11
@@ -83,6 +84,23 @@ def test_custom_scale(reference, ring, scale, balance):
     assert_matches(got, want)
     default = reference(q, k, v, dout, True)
     assert (got.out - default.out).abs().max() > 1e-3, "scale had no effect"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_library_references_agree_with_the_independent_one(causal):
+    """xcp.testing.reference (what backend authors and the tools check against) against the tests' own
+    reference, written apart from it: out, lse and the gradients, with GQA and a scale."""
+    q, k, v, dout = random_inputs(2, 9, 4, 2, 6, seed=29)
+    want = independent_masked_reference(q, k, v, dout, (0, 9), causal, scale=0.3)
+    out, lse, dq, dk, dv = reference_gradients(dout, q, k, v, "causal" if causal else "none", 0.3)
+    for name, got, w in zip(TENSORS, (out, dq, dk, dv), want):
+        torch.testing.assert_close(got, w, rtol=0, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, 2)) * 0.3
+    if causal:
+        scores = scores.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1), rtol=0, atol=1e-12)
+    sdpa = sdpa_reference(q, k, v, causal, scale=0.3)
+    torch.testing.assert_close(sdpa, want[0], rtol=0, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------------- low-precision dtypes
