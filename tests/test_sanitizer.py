@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import independent_reference
 from hypothesis import HealthCheck, given, settings
 from strategies import sanitizer_configs, sanitizer_document_configs
 
@@ -198,15 +199,10 @@ def test_attention_api_with_autograd_runs_clean_on_sim():
 
         results = xcp.LocalWorld(world).run(rank)
         assert san.findings == []
-    qr = q.clone().requires_grad_()
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        qr.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2), v.repeat_interleave(2, 2).transpose(1, 2),
-        is_causal=True,
-    ).transpose(1, 2)  # fmt: skip
-    ref.sum().backward()
+    want = independent_reference(q, k, v, torch.ones_like(q), True)  # the gradient of out.sum()
     assert [r[:2] for r in results] == [(4, 0)] * world
-    assert (xcp.unshard([r[2] for r in results]) - ref).abs().max() < 1e-10  # float64: summation order only
-    assert (xcp.unshard([r[3] for r in results]) - qr.grad).abs().max() < 1e-10
+    assert (xcp.unshard([r[2] for r in results]) - want.out).abs().max() < 1e-10  # float64: summation order only
+    assert (xcp.unshard([r[3] for r in results]) - want.dq).abs().max() < 1e-10
 
 
 def test_graph_capture_after_warm_up_allocates_nothing_and_never_marks_streams():
