@@ -1,5 +1,6 @@
-"""Input generators shared by the tests: random tensors, Hypothesis strategies for ring configurations,
-and the error measure the numerical tests use."""
+"""Input generators shared by the tests: random tensors, every Hypothesis strategy the tests draw from
+(ring configurations, packed-document layouts, windows, sanitizer runs), and the error measure the numerical
+tests use."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from hypothesis import strategies as st
 
 import xcp
+from xcp import schedule
 
 
 def random_inputs(
@@ -70,6 +72,65 @@ def ring_cases(draw: st.DrawFn, max_world: int = 6) -> RingCase:
         seq=2 * world * draw(st.integers(1, 3)),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
+
+
+def _packed(draw: st.DrawFn, worlds: tuple[int, ...], max_chunks: int, max_cuts: int) -> tuple:
+    """(world, balance, causal, cu): up to ``max_cuts`` document boundaries on a sequence the balance can split."""
+    world = draw(st.sampled_from(worlds))
+    balance = draw(st.sampled_from(xcp.BALANCES))
+    causal = draw(st.booleans())
+    seq = schedule.required_multiple(world, balance) * draw(st.integers(1, max_chunks))
+    cuts = draw(st.sets(st.integers(1, seq - 1), max_size=min(seq - 1, max_cuts))) if seq > 1 else set()
+    return world, balance, causal, (0, *sorted(cuts), seq)
+
+
+@st.composite
+def layouts(draw: st.DrawFn, worlds=(1, 2, 3, 4, 8), max_chunks: int = 4) -> tuple:
+    """(world, balance, causal, cu): documents of any length >= 1 on a sequence the balance can split."""
+    return _packed(draw, worlds, max_chunks, 8)
+
+
+@st.composite
+def windowed(draw: st.DrawFn, worlds=(1, 2, 3, 4, 8), max_chunks: int = 4) -> tuple:
+    """(world, balance, causal, cu, window): windows from 0 tokens to beyond S, any documents."""
+    world, balance, causal, cu = _packed(draw, worlds, max_chunks, 5)
+    seq = cu[-1]
+    side = st.one_of(st.none(), st.integers(0, 2 * seq + 2))
+    left = draw(side)
+    right = draw(st.sampled_from([0, None])) if causal else draw(side)
+    if left is None and (right is None or causal):
+        left = draw(st.integers(0, seq))  # keep a window: the dense case is tested elsewhere
+    return world, balance, causal, cu, (left, right)
+
+
+@st.composite
+def sanitizer_configs(draw: st.DrawFn) -> dict:
+    """Keyword arguments of :func:`xcp.testing.sanitizer.sanitize_ring`: a small ring on the sim device, any
+    balance, hand-off, direction and dtype."""
+    world = draw(st.integers(1, 8))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    return dict(
+        world=world,
+        causal=draw(st.booleans()),
+        balance=draw(st.sampled_from(xcp.BALANCES)),
+        handoff=draw(st.sampled_from([None, "record_stream", "clone", "event", "none"])),
+        backward=draw(st.booleans()),
+        dtype=draw(st.sampled_from([torch.float64, torch.float32, torch.bfloat16])),
+        kv_heads=kv_heads,
+        heads=kv_heads * draw(st.sampled_from([1, 2])),
+        seq=world * draw(st.sampled_from([2, 4])),
+        head_dim=4,
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@st.composite
+def sanitizer_document_configs(draw: st.DrawFn) -> dict:
+    """:func:`sanitizer_configs` with packed documents: 1 to S of them on S = P x (2, 4 or 6) tokens."""
+    cfg = draw(sanitizer_configs())
+    cfg["seq"] = cfg["world"] * draw(st.sampled_from([2, 4, 6]))
+    cfg["documents"] = draw(st.integers(1, cfg["seq"]))
+    return cfg
 
 
 def assert_close_to(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from test_pair_merge import installed
+from helpers import installed
 
 import xcp
 from xcp.cli import main

@@ -4,21 +4,22 @@ Three layers, each against something independent of it:
 - the plan (xcp.documents) against a brute-force list of the allowed (query, key) pairs of every block,
   built from the global positions each rank holds (xcp.schedule.shard_indices) and the document of each;
 - the ring in float64 against one softmax over the whole sequence with an explicit global mask (and the
-  sink as an extra value-less logit), for out, dq, dk, dv and dsinks;
+  sink as an extra value-less logit), for out, dq, dk, dv and dsinks (tests/helpers.py's
+  independent_masked_reference);
 - the kernel calls a ring makes, counted, against the non-empty (document, block) pairs.
 """
 
 from __future__ import annotations
 
 import bisect
-import math
 import re
 
 import pytest
 import torch
+from helpers import NAMES, allowed_pairs, independent_masked_reference, pairs_of_runs, ring_with_documents
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import assert_close_to
+from strategies import assert_close_to, layouts
 
 import xcp
 from xcp import documents, schedule
@@ -26,45 +27,7 @@ from xcp.backends.cpu import CPUBackend
 from xcp.kernels.merge import NEG_INF, apply_sinks_, sinks_grad
 from xcp.ring import RingConfig, ring_backward, ring_forward
 
-# ---------------------------------------------------------------------------------------------- layouts
-
-
-@st.composite
-def layouts(draw: st.DrawFn, worlds=(1, 2, 3, 4, 8), max_chunks: int = 4) -> tuple:
-    """(world, balance, causal, cu): documents of any length >= 1 on a sequence the balance can split."""
-    world = draw(st.sampled_from(worlds))
-    balance = draw(st.sampled_from(xcp.BALANCES))
-    causal = draw(st.booleans())
-    seq = schedule.required_multiple(world, balance) * draw(st.integers(1, max_chunks))
-    cuts = draw(st.sets(st.integers(1, seq - 1), max_size=min(seq - 1, 8))) if seq > 1 else set()
-    return world, balance, causal, (0, *sorted(cuts), seq)
-
-
-def allowed_pairs(cu, world: int, rank: int, src: int, balance: str, causal: bool) -> set[tuple[int, int]]:
-    """Brute force: the (local query, local key) pairs of rank's block against src's shard."""
-    seq = cu[-1]
-    qi = schedule.shard_indices(seq, world, rank, balance)
-    ki = schedule.shard_indices(seq, world, src, balance)
-
-    def doc(g: int) -> int:
-        return bisect.bisect_right(cu, g) - 1
-
-    return {
-        (i, j) for i, gi in enumerate(qi) for j, gj in enumerate(ki) if doc(gi) == doc(gj) and (not causal or gj <= gi)
-    }
-
-
-def pairs_of_runs(runs) -> list[tuple[int, int]]:
-    """Every (query, key) pair the kernel calls compute, with repeats (there must be none)."""
-    out = []
-    for run in runs:
-        for a in range(run.segments):
-            q0, q1 = run.q0 + run.cu_q[a], run.q0 + run.cu_q[a + 1]
-            k0, k1 = run.k0 + run.cu_k[a], run.k0 + run.cu_k[a + 1]
-            if run.causal:
-                assert q1 - q0 == k1 - k0, "a causal segment is square"
-            out += [(i, j) for i in range(q0, q1) for j in range(k0, k1) if not run.causal or j - k0 <= i - q0]
-    return out
+# ---------------------------------------------------------------------------------------------- the plan
 
 
 @settings(max_examples=300, deadline=None)
@@ -126,64 +89,6 @@ def test_bad_boundaries_are_named(cu, seq, message):
 # ---------------------------------------------------------------------------------------------- numerics
 
 
-def masked_reference(q, k, v, dout, cu, causal, sinks=None, scale=None, window=None):
-    """One float64 softmax over the whole sequence with the explicit document (and causal, and window)
-    mask; the sink, when given, is one more logit per head with a zero value. Returns out, dq, dk, dv[,
-    dsinks]."""
-    leaves = [t.detach().to(torch.float64).requires_grad_() for t in (q, k, v)]
-    if sinks is not None:
-        leaves.append(sinks.detach().to(torch.float64).requires_grad_())
-    q64, k64, v64 = leaves[:3]
-    s = q.shape[1]
-    groups = q.shape[2] // k.shape[2]
-    doc = torch.tensor([bisect.bisect_right(cu, i) - 1 for i in range(s)])
-    allowed = doc[:, None] == doc[None, :]
-    if causal:
-        allowed &= torch.ones(s, s, dtype=torch.bool).tril()
-    if window is not None:
-        i, j = torch.arange(s).unsqueeze(1), torch.arange(s).unsqueeze(0)
-        if window[0] is not None:
-            allowed &= j >= i - window[0]
-        if window[1] is not None:
-            allowed &= j <= i + window[1]
-    scale = q.shape[3] ** -0.5 if scale is None else scale
-    qh = q64.transpose(1, 2)
-    kh = k64.transpose(1, 2).repeat_interleave(groups, dim=1)
-    vh = v64.transpose(1, 2).repeat_interleave(groups, dim=1)
-    scores = (qh @ kh.transpose(-1, -2) * scale).masked_fill(~allowed, -math.inf)
-    if sinks is not None:
-        sink = leaves[3].view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-        scores = torch.cat([scores, sink], dim=-1)
-        vh = torch.cat([vh, torch.zeros_like(vh[:, :, :1])], dim=2)
-    out = (torch.softmax(scores, dim=-1) @ vh).transpose(1, 2)
-    grads = torch.autograd.grad(out, leaves, dout.detach().to(torch.float64))
-    return [out.detach(), *grads]
-
-
-def ring_with_documents(q, k, v, dout, world, balance, causal, cu, sinks=None, **kwargs):
-    """Shard, run xcp.attention(cu_seqlens=..., sinks=...) on a LocalWorld, unshard; dsinks summed over
-    ranks (each rank's is the share of its rows)."""
-
-    def rank_fn(group):
-        r = group.rank()
-        local = [xcp.shard(t, world, r, balance=balance).requires_grad_() for t in (q, k, v)]
-        sk = None if sinks is None else sinks.detach().clone().requires_grad_()
-        out = xcp.attention(
-            *local, causal=causal, group=group, balance=balance, cu_seqlens=torch.tensor(cu), sinks=sk, **kwargs
-        )
-        out.backward(xcp.shard(dout, world, r, balance=balance))
-        return [out.detach(), *(t.grad for t in local), None if sk is None else sk.grad]
-
-    per_rank = xcp.LocalWorld(world, timeout=60).run(rank_fn)
-    got = [xcp.unshard([res[i] for res in per_rank], balance=balance) for i in range(4)]
-    if sinks is not None:
-        got.append(sum(res[4] for res in per_rank))
-    return got
-
-
-NAMES = ("out", "dq", "dk", "dv", "dsinks")
-
-
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     layout=layouts(max_chunks=3),
@@ -203,7 +108,7 @@ def test_float64_ring_with_documents_matches_the_masked_reference(layout, kv_hea
     q, k, v, dout = rnd(1, seq, heads, 4), rnd(1, seq, kv_heads, 4), rnd(1, seq, kv_heads, 4), rnd(1, seq, heads, 4)
     sinks = rnd(heads) if with_sinks else None
     got = ring_with_documents(q, k, v, dout, world, balance, causal, cu, sinks)
-    want = masked_reference(q, k, v, dout, cu, causal, sinks)
+    want = independent_masked_reference(q, k, v, dout, cu, causal, sinks)
     for name, g, w in zip(NAMES, got, want):
         assert_close_to(name, g, w, 1e-10)
 
@@ -222,7 +127,7 @@ def test_low_precision_ring_with_documents(dtype, tol):
     q, k, v, dout = (torch.randn(1, 48, h, 16, generator=gen, dtype=torch.float64).to(dtype) for h in (4, 2, 2, 4))
     sinks = torch.randn(4, generator=gen, dtype=torch.float64).to(dtype)
     got = ring_with_documents(q, k, v, dout, 3, "zigzag", True, cu, sinks)
-    want = masked_reference(q, k, v, dout, cu, True, sinks)
+    want = independent_masked_reference(q, k, v, dout, cu, True, sinks)
     for name, g, w in zip(NAMES, got, want):
         assert g.dtype == dtype
         assert_close_to(name, g, w, tol)
@@ -269,7 +174,7 @@ def test_extreme_sinks_through_the_ring_stay_finite():
     q, k, v, dout = (torch.randn(1, 16, h, 4, generator=gen, dtype=torch.float64) for h in (4, 2, 2, 4))
     sinks = torch.tensor([NEG_INF, 80.0, -80.0, 0.0], dtype=torch.float64)
     got = ring_with_documents(q, k, v, dout, 2, "stripe", True, (0, 1, 9, 16), sinks)
-    want = masked_reference(q, k, v, dout, (0, 1, 9, 16), True, sinks)
+    want = independent_masked_reference(q, k, v, dout, (0, 1, 9, 16), True, sinks)
     for name, g, w in zip(NAMES, got, want):
         assert_close_to(name, g, w, 1e-10)
 
@@ -281,7 +186,7 @@ def test_sinks_without_documents_match_the_reference(reference):
     per_rank = xcp.LocalWorld(3).run(
         lambda g: xcp.attention(*(xcp.shard(t, 3, g.rank()) for t in (q, k, v)), group=g, sinks=sinks)
     )
-    want = masked_reference(q[:1], k[:1], v[:1], dout[:1], (0, 12), False, sinks)[0]
+    want = independent_masked_reference(q[:1], k[:1], v[:1], dout[:1], (0, 12), False, sinks)[0]
     assert_close_to("out[0]", xcp.unshard(per_rank)[:1], want, 1e-12)
 
 

@@ -358,7 +358,7 @@ def test_gloo_hybrid_all_to_all_and_ring_matches_the_reference(tmp_path, world):
     """ulysses on real ranks: all_to_all_single in head groups made by new_group (every process, in the same
     order, for a group of all ranks; the members only, use_local_synchronization, for a sub-group), the ring
     over the ring sub-groups; out, dq, dk, dv and dsinks to 1e-10 against the float64 whole sequence."""
-    from test_documents import masked_reference
+    from helpers import independent_masked_reference as masked_reference
 
     cases = hybrid_cases(world)
     torch.save(cases, tmp_path / "cases.pt")

@@ -13,8 +13,8 @@ from collections import defaultdict
 
 import pytest
 import torch
+from helpers import independent_masked_reference, run_sharded
 from strategies import random_inputs
-from test_documents import masked_reference
 
 import xcp
 from xcp.comm import LocalGroup, hybrid_groups, hybrid_members
@@ -36,25 +36,8 @@ TOL = 1e-10
 def hybrid_run(q, k, v, dout, world, ulysses, causal, balance="zigzag", sinks=None, grads=(True, True, True), **kw):
     """Shard with ``ulysses``, run xcp.attention(ulysses=...) on a LocalWorld, backward with dout's shard,
     unshard; returns out, dq, dk, dv (None where no grad) and, with sinks, their gradient summed over ranks."""
-
-    def rank_fn(group):
-        r = group.rank()
-        local = [
-            xcp.shard(t, world, r, balance=balance, ulysses=ulysses).requires_grad_(g) for t, g in zip((q, k, v), grads)
-        ]
-        sk = None if sinks is None else sinks.detach().clone().requires_grad_()
-        out = xcp.attention(*local, causal=causal, group=group, balance=balance, ulysses=ulysses, sinks=sk, **kw)
-        out.backward(xcp.shard(dout, world, r, balance=balance, ulysses=ulysses))
-        return [out.detach(), *(t.grad for t in local), None if sk is None else sk.grad]
-
-    per_rank = xcp.LocalWorld(world, timeout=30).run(rank_fn)
-    got = []
-    for i in range(4):
-        parts = [res[i] for res in per_rank]
-        got.append(None if parts[0] is None else xcp.unshard(parts, balance=balance, ulysses=ulysses))
-    if sinks is not None:
-        got.append(sum(res[4] for res in per_rank))
-    return got
+    options = dict(balance=balance, ulysses=ulysses, sinks=sinks, grads=grads)
+    return run_sharded(q, k, v, dout, world, causal=causal, timeout=30, **options, **kw)
 
 
 def assert_close(name, got, want, tol=TOL):
@@ -114,7 +97,7 @@ def test_documents_window_and_sinks(world, ulysses):
                 got = hybrid_run(
                     q, k, v, dout, world, ulysses, causal, balance, sinks, cu_seqlens=cu_arg, window=window
                 )
-                want = masked_reference(q, k, v, dout, cu, causal, sinks, window=window)
+                want = independent_masked_reference(q, k, v, dout, cu, causal, sinks, window=window)
                 what = f"{balance} causal={causal} cu={cu} window={window} sinks={with_sinks}"
                 for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
                     assert_close(f"{what} {name}", g, w)
@@ -164,7 +147,7 @@ def test_hybrid_forward_and_backward_without_autograd(world, ulysses, kv_heads, 
 
     per_rank = xcp.LocalWorld(world).run(rank_fn)
     got = [xcp.unshard([res[i] for res in per_rank], ulysses=ulysses) for i in range(4)]
-    want = masked_reference(q, k, v, dout, cu or (0, 32), True, sinks, scale=0.5)
+    want = independent_masked_reference(q, k, v, dout, cu or (0, 32), True, sinks, scale=0.5)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert_close(name, g, w)
 
@@ -477,6 +460,6 @@ def test_the_sanitizer_finds_no_race_reuse_or_leak_in_the_hybrid(world, ulysses,
 
     assert [f for f in san.findings if not peers_rows(f)] == [] and san.leaks() == []
     assert ulysses >= 3 or san.findings == []
-    want = masked_reference(q, k, v, dout, cu or (0, 32), causal, sinks)
+    want = independent_masked_reference(q, k, v, dout, cu or (0, 32), causal, sinks)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert_close(name, torch.tensor(g, dtype=torch.float64), w)

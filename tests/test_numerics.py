@@ -1,4 +1,4 @@
-"""Ring attention against an independent float64 whole-sequence reference (tests/conftest.py), for the
+"""Ring attention against an independent float64 whole-sequence reference (tests/helpers.py), for the
 output and the gradients of q, k and v, on a LocalWorld of P threads.
 
 Tolerances. Errors are measured as max|got - ref| / max|ref| per tensor (``max_rel_error``); the reference
@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TENSORS, assert_matches, independent_masked_reference
 from hypothesis import given
 from strategies import max_rel_error, random_inputs, ring_cases
 
 import xcp
 from xcp.backends.cpu import CPUBackend
 from xcp.kernels.merge import merge_, new_accumulators
+from xcp.testing.reference import reference_gradients, sdpa_reference
 
-TENSORS = ("out", "dq", "dk", "dv")
 BF16_U = 2.0**-8
 FP16_U = 2.0**-11
 TOLERANCE = {  # (out, gradients), relative to max|ref|; see the module docstring
@@ -38,17 +39,6 @@ TOLERANCE = {  # (out, gradients), relative to max|ref|; see the module docstrin
     torch.bfloat16: (2 * BF16_U, 4 * BF16_U),
     torch.float16: (2 * FP16_U, 4 * FP16_U),
 }
-
-
-def assert_matches(got, want, atol=1e-10):
-    """float64: every tensor equal to the reference within ``atol`` absolute."""
-    for name in TENSORS:
-        g, w = getattr(got, name), getattr(want, name)
-        assert g is not None, f"{name} missing"
-        assert g.dtype == torch.float64, f"{name} has dtype {g.dtype}"
-        assert g.shape == w.shape, f"{name} has shape {tuple(g.shape)}, want {tuple(w.shape)}"
-        err = (g - w).abs().max().item()
-        assert err <= atol, f"{name}: max abs error {err:.3e} > {atol:.0e}"
 
 
 # ------------------------------------------------------------------------------------------------ float64
@@ -94,6 +84,23 @@ def test_custom_scale(reference, ring, scale, balance):
     assert_matches(got, want)
     default = reference(q, k, v, dout, True)
     assert (got.out - default.out).abs().max() > 1e-3, "scale had no effect"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_library_references_agree_with_the_independent_one(causal):
+    """xcp.testing.reference (what backend authors and the tools check against) against the tests' own
+    reference, written apart from it: out, lse and the gradients, with GQA and a scale."""
+    q, k, v, dout = random_inputs(2, 9, 4, 2, 6, seed=29)
+    want = independent_masked_reference(q, k, v, dout, (0, 9), causal, scale=0.3)
+    out, lse, dq, dk, dv = reference_gradients(dout, q, k, v, "causal" if causal else "none", 0.3)
+    for name, got, w in zip(TENSORS, (out, dq, dk, dv), want):
+        torch.testing.assert_close(got, w, rtol=0, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, 2)) * 0.3
+    if causal:
+        scores = scores.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1), rtol=0, atol=1e-12)
+    sdpa = sdpa_reference(q, k, v, causal, scale=0.3)
+    torch.testing.assert_close(sdpa, want[0], rtol=0, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------------- low-precision dtypes

@@ -127,8 +127,8 @@ def test_conformance_runner_without_pytest_says_how_to_install_it():
     assert "pip install -e '.[test]'" in lines[0]
 
 
-def test_install_hint_outside_a_checkout(monkeypatch, tmp_path):
+def test_install_hint_outside_a_checkout(tmp_path):
     import xcp.testing.__main__ as runner
 
-    monkeypatch.setattr(runner, "__file__", str(tmp_path / "site-packages" / "xcp" / "testing" / "__main__.py"))
-    assert runner.install_hint() == "pip install 'xcp[test]'"
+    installed = tmp_path / "site-packages" / "xcp" / "testing" / "__main__.py"
+    assert runner.install_hint(installed) == "pip install 'xcp[test]'"

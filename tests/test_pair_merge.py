@@ -10,21 +10,16 @@ whole sequence.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
+from helpers import assert_matches, independent_masked_reference, installed, ring_with_documents
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import random_inputs, ring_cases
-from test_documents import layouts, masked_reference, ring_with_documents
-from test_numerics import assert_matches
+from strategies import layouts, random_inputs, ring_cases
 
 import xcp
 from xcp.backends.cpu import CPUBackend
-from xcp.hookspecs import hookimpl
 from xcp.kernels.merge import merge_
-from xcp.plugins import register_plugin, unregister_plugin
 
 
 class PairCPU(CPUBackend):
@@ -58,23 +53,6 @@ class PairCPU(CPUBackend):
         acc.add_(first)
         acc.add_(second)
         return True
-
-
-@contextlib.contextmanager
-def installed(backend):
-    """``backend`` registered (through a plugin, as a third party would) for the block, unregistered after."""
-
-    class Plugin:
-        @hookimpl
-        def xcp_register_backends(self, register):
-            register(backend)
-
-    plugin = Plugin()
-    register_plugin(plugin, backend.name)
-    try:
-        yield backend
-    finally:
-        unregister_plugin(plugin)
 
 
 @pytest.mark.parametrize("balance", xcp.BALANCES)
@@ -140,7 +118,7 @@ def test_pairs_over_packed_documents_match_the_masked_reference(layout, with_sin
     sinks = torch.randn(2, generator=gen, dtype=torch.float64) if with_sinks else None
     with installed(PairCPU(f"cpu-pairs-docs-{seed}")) as backend:
         got = ring_with_documents(q, k, v, dout, world, balance, causal, cu, sinks, device=backend.name)
-    want = masked_reference(q, k, v, dout, cu, causal, sinks)
+    want = independent_masked_reference(q, k, v, dout, cu, causal, sinks)
     for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
         if w is not None:
             err = (g - w).abs().max().item()

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import independent_reference
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from strategies import sanitizer_configs, sanitizer_document_configs
 
 import xcp
 from xcp import plugins
@@ -152,27 +153,8 @@ def test_session_registers_sim_only_while_open():
 BOUND = {False: 2, True: 4}
 
 
-@st.composite
-def ring_configs(draw):
-    world = draw(st.integers(1, 8))
-    kv_heads = draw(st.sampled_from([1, 2]))
-    return dict(
-        world=world,
-        causal=draw(st.booleans()),
-        balance=draw(st.sampled_from(xcp.BALANCES)),
-        handoff=draw(st.sampled_from([None, "record_stream", "clone", "event", "none"])),
-        backward=draw(st.booleans()),
-        dtype=draw(st.sampled_from([torch.float64, torch.float32, torch.bfloat16])),
-        kv_heads=kv_heads,
-        heads=kv_heads * draw(st.sampled_from([1, 2])),
-        seq=world * draw(st.sampled_from([2, 4])),
-        head_dim=4,
-        seed=draw(st.integers(0, 2**16)),
-    )
-
-
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ring_configs())
+@given(sanitizer_configs())
 def test_ring_is_clean_and_bounded_on_the_sim_device(cfg):
     report = sanitize_ring(**cfg)
     assert report.ok, report.format()
@@ -217,15 +199,10 @@ def test_attention_api_with_autograd_runs_clean_on_sim():
 
         results = xcp.LocalWorld(world).run(rank)
         assert san.findings == []
-    qr = q.clone().requires_grad_()
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        qr.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2), v.repeat_interleave(2, 2).transpose(1, 2),
-        is_causal=True,
-    ).transpose(1, 2)  # fmt: skip
-    ref.sum().backward()
+    want = independent_reference(q, k, v, torch.ones_like(q), True)  # the gradient of out.sum()
     assert [r[:2] for r in results] == [(4, 0)] * world
-    assert (xcp.unshard([r[2] for r in results]) - ref).abs().max() < 1e-10  # float64: summation order only
-    assert (xcp.unshard([r[3] for r in results]) - qr.grad).abs().max() < 1e-10
+    assert (xcp.unshard([r[2] for r in results]) - want.out).abs().max() < 1e-10  # float64: summation order only
+    assert (xcp.unshard([r[3] for r in results]) - want.dq).abs().max() < 1e-10
 
 
 def test_graph_capture_after_warm_up_allocates_nothing_and_never_marks_streams():
@@ -265,16 +242,8 @@ def test_sanitize_ring_rejects_bad_arguments():
 # packed documents (issue 11): blocks with nothing to compute change nothing that is alive
 
 
-@st.composite
-def document_configs(draw):
-    cfg = draw(ring_configs())
-    cfg["seq"] = cfg["world"] * draw(st.sampled_from([2, 4, 6]))
-    cfg["documents"] = draw(st.integers(1, cfg["seq"]))
-    return cfg
-
-
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(document_configs())
+@given(sanitizer_document_configs())
 def test_ring_with_documents_is_clean_and_bounded_on_the_sim_device(cfg):
     report = sanitize_ring(**cfg)
     assert report.ok, report.format()

@@ -3,75 +3,21 @@ the window allows.
 
 The plan is checked against a brute-force list of allowed pairs (global positions from
 xcp.schedule.shard_indices; window, documents and causality applied to them); the float64 ring against one
-softmax over the whole sequence with the explicit banded mask (tests/test_documents.py's reference).
+softmax over the whole sequence with the explicit banded mask (tests/helpers.py's independent_masked_reference).
 """
 
 from __future__ import annotations
 
-import bisect
-
 import pytest
 import torch
+from helpers import NAMES, allowed_pairs, independent_masked_reference, pairs_of_runs, ring_with_documents
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import assert_close_to
-from test_documents import NAMES, masked_reference, ring_with_documents
+from strategies import assert_close_to, windowed
 
 import xcp
-from xcp import documents, schedule
+from xcp import documents
 from xcp.comm import LocalGroup
-
-
-@st.composite
-def windowed(draw: st.DrawFn, worlds=(1, 2, 3, 4, 8), max_chunks: int = 4) -> tuple:
-    """(world, balance, causal, cu, window): windows from 0 tokens to beyond S, any documents."""
-    world = draw(st.sampled_from(worlds))
-    balance = draw(st.sampled_from(xcp.BALANCES))
-    causal = draw(st.booleans())
-    seq = schedule.required_multiple(world, balance) * draw(st.integers(1, max_chunks))
-    cuts = draw(st.sets(st.integers(1, seq - 1), max_size=min(seq - 1, 5))) if seq > 1 else set()
-    side = st.one_of(st.none(), st.integers(0, 2 * seq + 2))
-    left = draw(side)
-    right = draw(st.sampled_from([0, None])) if causal else draw(side)
-    if left is None and (right is None or causal):
-        left = draw(st.integers(0, seq))  # keep a window: the dense case is tested elsewhere
-    return world, balance, causal, (0, *sorted(cuts), seq), (left, right)
-
-
-def allowed_pairs(cu, world, rank, src, balance, causal, window) -> set[tuple[int, int]]:
-    seq = cu[-1]
-    qi = schedule.shard_indices(seq, world, rank, balance)
-    ki = schedule.shard_indices(seq, world, src, balance)
-    left, right = window
-
-    def ok(gi: int, gj: int) -> bool:
-        same = bisect.bisect_right(cu, gi) == bisect.bisect_right(cu, gj)
-        return (
-            same
-            and (not causal or gj <= gi)
-            and (left is None or gj >= gi - left)
-            and (right is None or gj <= gi + right)
-        )
-
-    return {(i, j) for i, gi in enumerate(qi) for j, gj in enumerate(ki) if ok(gi, gj)}
-
-
-def pairs_of_runs(runs) -> list[tuple[int, int]]:
-    out = []
-    for run in runs:
-        for a in range(run.segments):
-            q0, q1 = run.q0 + run.cu_q[a], run.q0 + run.cu_q[a + 1]
-            k0, k1 = run.k0 + run.cu_k[a], run.k0 + run.cu_k[a + 1]
-            sq, sk = q1 - q0, k1 - k0
-            for i in range(sq):
-                for j in range(sk):
-                    if run.band is not None:
-                        seen = i + sk - sq - run.band[0] <= j <= i + sk - sq + run.band[1]
-                    else:
-                        seen = not run.causal or j <= i
-                    if seen:
-                        out.append((q0 + i, k0 + j))
-    return out
 
 
 @settings(max_examples=300, deadline=None)
@@ -117,7 +63,7 @@ def test_choose_balance_picks_the_fewest_steps():
 
 
 def ring(q, k, v, dout, world, balance, causal, cu, window, sinks=None):
-    """tests/test_documents.py's ring with a window; ``cu`` None is one document."""
+    """tests/helpers.py's ring_with_documents with a window; ``cu`` None is one document."""
     cu = (0, q.shape[1]) if cu is None else cu
     return ring_with_documents(q, k, v, dout, world, balance, causal, cu, sinks, window=window)
 
@@ -142,7 +88,7 @@ def test_float64_ring_with_a_window_matches_the_banded_reference(case, with_docu
     q, k, v, dout = rnd(1, seq, 2 * groups, 4), rnd(1, seq, 2, 4), rnd(1, seq, 2, 4), rnd(1, seq, 2 * groups, 4)
     sinks = rnd(2 * groups) if with_sinks else None
     got = ring(q, k, v, dout, world, balance, causal, cu if with_documents else None, window, sinks)
-    want = masked_reference(q, k, v, dout, cu, causal, sinks, window=window)
+    want = independent_masked_reference(q, k, v, dout, cu, causal, sinks, window=window)
     for name, g, w in zip(NAMES, got, want):
         assert_close_to(name, g, w, 1e-10)
 
@@ -158,7 +104,7 @@ def test_windows_of_every_size_on_every_world(left, right, causal, world):
     gen = torch.Generator().manual_seed(world)
     q, k, v, dout = (torch.randn(1, seq, 2, 4, generator=gen, dtype=torch.float64) for _ in range(4))
     got = ring(q, k, v, dout, world, "contiguous", causal, None, (left, right))
-    want = masked_reference(q, k, v, dout, (0, seq), causal, window=(left, right))
+    want = independent_masked_reference(q, k, v, dout, (0, seq), causal, window=(left, right))
     for name, g, w in zip(NAMES, got, want):
         assert_close_to(name, g, w, 1e-10)
 
@@ -168,7 +114,7 @@ def test_low_precision_window(dtype, tol):
     gen = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(1, 64, h, 16, generator=gen, dtype=torch.float64).to(dtype) for h in (4, 2, 2, 4))
     got = ring(q, k, v, dout, 4, "contiguous", True, (0, 10, 64), (12, 0))
-    want = masked_reference(q, k, v, dout, (0, 10, 64), True, window=(12, 0))
+    want = independent_masked_reference(q, k, v, dout, (0, 10, 64), True, window=(12, 0))
     for name, g, w in zip(NAMES, got, want):
         assert g.dtype == dtype
         assert_close_to(name, g, w, tol)
@@ -193,7 +139,7 @@ def test_a_short_ring_sends_only_what_the_window_needs(monkeypatch):
     dkv = sum(1 for _, tag in sent if tag == "dkv")
     assert kv == 2 * world * 2  # K and V, one hop per rank, forward and backward
     assert dkv == 2 * world * 2  # one step behind, then the hop home
-    want = masked_reference(q, k, v, dout, (0, seq), True, window=(8, 0))
+    want = independent_masked_reference(q, k, v, dout, (0, seq), True, window=(8, 0))
     for name, g, w in zip(NAMES, got, want):
         assert_close_to(name, g, w, 1e-10)
 

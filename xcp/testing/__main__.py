@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 
-def install_hint() -> str:
-    """How to install the test extra: from a checkout (editable) or from an index."""
-    root = Path(__file__).resolve().parents[2]
+def install_hint(module_file: str | Path = __file__) -> str:
+    """How to install the test extra: from a checkout (editable) or from an index, judged from where this
+    module lies (``module_file``, this file unless a caller says otherwise)."""
+    root = Path(module_file).resolve().parents[2]
     if (root / "pyproject.toml").is_file() and (root / "xcp" / "testing").is_dir():
         return f"pip install -e '.[test]' (in {root})"
     return "pip install 'xcp[test]'"

@@ -206,23 +206,24 @@ def check_events(backend: Backend) -> None:
     """Work ordered by record_event / wait_event / wait_stream sees the producer's result; the methods
     return None."""
     dev = _device(backend)
+    loose: Any = backend  # the contract says None; what a backend really returns is what is checked
     caller = backend.current_stream(dev)
     producer, consumer = backend.new_stream(dev), backend.new_stream(dev)
     base = torch.full((256, 256), 1.0 / 256, device=dev)
-    results = {"wait_stream": backend.wait_stream(producer, caller)}
+    results = {"wait_stream": loose.wait_stream(producer, caller)}
     with backend.stream_context(producer):
         x = base
         for _ in range(8):  # enough work that a consumer which does not wait would read too early
             x = x @ base
         x = x.sum() * 0 + 7.0
     event = backend.new_event()
-    results["record_event"] = backend.record_event(event, producer)
-    results["wait_event"] = backend.wait_event(consumer, event)
+    results["record_event"] = loose.record_event(event, producer)
+    results["wait_event"] = loose.wait_event(consumer, event)
     with backend.stream_context(consumer):
         y = x * 2
     done = backend.new_event()
     backend.record_event(done, consumer)
-    results["synchronize_event"] = backend.synchronize_event(done)
+    results["synchronize_event"] = loose.synchronize_event(done)
     backend.wait_stream(caller, consumer)
     for name, value in results.items():
         if value is not None:
@@ -273,6 +274,14 @@ def check_handoff_default(backend: Backend) -> None:
     raise AssertionError("handoff(policy='teleport') did not raise ValueError")
 
 
+def _memory_stats(backend: Backend, dev: torch.device) -> dict[str, int]:
+    """``memory_stats`` of a backend that has counted before: counts again, never None."""
+    stats = backend.memory_stats(dev)
+    if stats is None:
+        raise AssertionError("memory_stats() returned None after returning counts; expected counts every time")
+    return stats
+
+
 def check_memory_stats(backend: Backend) -> None:
     """``memory_stats`` is None or counts bytes: it grows by at least a new tensor's size, and
     ``reset_peak_memory`` brings the peak back down to what is allocated now."""
@@ -287,7 +296,7 @@ def check_memory_stats(backend: Backend) -> None:
             raise AssertionError(f"memory_stats()[{key!r}]: expected an int; got {first.get(key)!r}")
     size = 4 << 20
     x = torch.empty(size, dtype=torch.uint8, device=dev)
-    held = backend.memory_stats(dev)
+    held = _memory_stats(backend, dev)
     if held["allocated"] - first["allocated"] < size:
         raise AssertionError(
             f"memory_stats: allocating {size} bytes raised 'allocated' by {held['allocated'] - first['allocated']}"
@@ -297,7 +306,7 @@ def check_memory_stats(backend: Backend) -> None:
     del x
     backend.synchronize(dev)
     backend.reset_peak_memory(dev)
-    after = backend.memory_stats(dev)
+    after = _memory_stats(backend, dev)
     if after["peak"] >= held["allocated"]:
         raise AssertionError(
             f"memory_stats: after freeing {size} bytes and reset_peak_memory the peak is {after['peak']}, "
@@ -331,6 +340,19 @@ def check_forward(backend: Backend, dtype: torch.dtype, mask: str, heads: str, s
     _assert_unchanged("forward", inputs, [q, k, v])
 
 
+def _check_gradients(
+    names: tuple[str, str, str], grads: Any, qkv: tuple[torch.Tensor, ...], refs: tuple[torch.Tensor, ...], dtype
+) -> None:
+    """``grads`` returned by a backward call is (dq, dk, dv), each shaped like its input in a value dtype and
+    close to its reference. ``names``: the call, the messages' prefix and a suffix for the closeness."""
+    call, prefix, suffix = names
+    if not (isinstance(grads, tuple | list) and len(grads) == 3):
+        raise AssertionError(f"{call}: expected (dq, dk, dv); got {type(grads).__name__}")
+    for name, g, x, ref in zip(("dq", "dk", "dv"), grads, qkv, refs):
+        _assert_result(f"{prefix} {name}", g, x, tuple(x.shape), _value_dtypes(dtype))
+        assert_close(f"{prefix} {name}{suffix}", g, ref, dtype)
+
+
 def check_backward(backend: Backend, dtype: torch.dtype, mask: str, heads: str, sq: int = SEQ, sk: int = SEQ) -> None:
     """Block backward against the reference, given the reference out (in the input dtype) and lse."""
     q, k, v, dout = _block_inputs(backend, dtype, heads, sq, sk, seed=23)
@@ -339,38 +361,59 @@ def check_backward(backend: Backend, dtype: torch.dtype, mask: str, heads: str, 
     lse = ref_lse.to(q.device, accumulator_dtype(dtype))
     inputs = [x.clone() for x in (dout, q, k, v, out, lse)]
     grads = backend.backward(dout, q, k, v, out, lse, mask, SCALE)
-    if not (isinstance(grads, tuple | list) and len(grads) == 3):
-        raise AssertionError(f"backward: expected (dq, dk, dv); got {type(grads).__name__}")
-    for name, g, x, ref in zip(("dq", "dk", "dv"), grads, (q, k, v), (ref_dq, ref_dk, ref_dv)):
-        _assert_result(f"backward {name}", g, x, tuple(x.shape), _value_dtypes(dtype))
-        assert_close(f"backward {name}", g, ref, dtype)
+    _check_gradients(("backward", "backward", ""), grads, (q, k, v), (ref_dq, ref_dk, ref_dv), dtype)
     _assert_unchanged("backward", inputs, [dout, q, k, v, out, lse])
+
+
+def _check_merged_parts(
+    names: tuple[str, str],
+    backend: Backend,
+    dtype: torch.dtype,
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    refs: tuple[torch.Tensor, ...],
+    parts: list[tuple[Any, Any]],
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    backward: Callable[..., Any],
+) -> None:
+    """What the ring relies on, for one kind of kernel call: blocks over ``parts`` of the keys (``(keys, arg)``:
+    the key rows and the call's own argument) merged with ``merge_`` equal attention over all keys, and
+    backward blocks given the *merged* out and lse sum to the full gradients. ``forward(q, k, v, arg)`` and
+    ``backward(dout, q, k, v, out, lse, arg)`` make one call; ``names`` prefix the forward and backward
+    messages."""
+    q, k, v, dout = inputs
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = refs
+    out, lse = new_accumulators(q)
+    for keys, arg in parts:
+        block_out, block_lse = forward(q, k[:, keys], v[:, keys], arg)
+        merge_block(backend, out, lse, block_out, block_lse)
+    assert_close(f"{names[0]} out", out, ref_out, dtype)
+    assert_close(f"{names[0]} lse", lse, ref_lse, dtype)
+    merged_out = out.to(dtype)
+    dq = torch.zeros(q.shape, dtype=torch.float64)
+    dk, dv = torch.zeros(k.shape, dtype=torch.float64), torch.zeros(v.shape, dtype=torch.float64)
+    for keys, arg in parts:
+        bdq, bdk, bdv = backward(dout, q, k[:, keys], v[:, keys], merged_out, lse, arg)
+        rows = keys if isinstance(keys, slice) else keys.cpu()
+        dq += bdq.to("cpu", torch.float64)
+        dk[:, rows] = bdk.to("cpu", torch.float64)
+        dv[:, rows] = bdv.to("cpu", torch.float64)
+    assert_close(f"{names[1]} dq", dq, ref_dq, dtype)
+    assert_close(f"{names[1]} dk", dk, ref_dk, dtype)
+    assert_close(f"{names[1]} dv", dv, ref_dv, dtype)
 
 
 def check_split_keys(backend: Backend, dtype: torch.dtype) -> None:
     """What the ring relies on: forward blocks over two key ranges merged with ``merge_`` equal attention
     over all keys, and backward blocks given the *merged* out and lse sum to the full gradients."""
     q, k, v, dout = _block_inputs(backend, dtype, "gqa", SEQ, SEQ, seed=37)
-    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference_gradients(dout, q, k, v, "none", SCALE)
+    refs = reference_gradients(dout, q, k, v, "none", SCALE)
     cut = SEQ // 2
-    parts = (slice(0, cut), slice(cut, SEQ))
-    out, lse = new_accumulators(q)
-    for keys in parts:
-        block_out, block_lse = _forward_checked(backend, q, k[:, keys], v[:, keys], "none", dtype)
-        merge_block(backend, out, lse, block_out, block_lse)
-    assert_close("merged forward out", out, ref_out, dtype)
-    assert_close("merged forward lse", lse, ref_lse, dtype)
-    merged_out = out.to(dtype)
-    dq = torch.zeros(q.shape, dtype=torch.float64)
-    dks, dvs = [], []
-    for keys in parts:
-        bdq, bdk, bdv = backend.backward(dout, q, k[:, keys], v[:, keys], merged_out, lse, "none", SCALE)
-        dq += bdq.to("cpu", torch.float64)
-        dks.append(bdk.to("cpu", torch.float64))
-        dvs.append(bdv.to("cpu", torch.float64))
-    assert_close("split-key backward dq", dq, ref_dq, dtype)
-    assert_close("split-key backward dk", torch.cat(dks, dim=1), ref_dk, dtype)
-    assert_close("split-key backward dv", torch.cat(dvs, dim=1), ref_dv, dtype)
+    parts: list[tuple[Any, Any]] = [(slice(0, cut), None), (slice(cut, SEQ), None)]
+    _check_merged_parts(
+        ("merged forward", "split-key backward"), backend, dtype, (q, k, v, dout), refs, parts,
+        lambda q, k, v, _: _forward_checked(backend, q, k, v, "none", dtype),
+        lambda dout, q, k, v, out, lse, _: backend.backward(dout, q, k, v, out, lse, "none", SCALE),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- varlen
@@ -433,11 +476,8 @@ def check_backward_varlen(backend: Backend, dtype: torch.dtype, layout: str, hea
     lse = torch.cat([ref_lse, ref_lse[:, :, :3]], dim=2).to(q.device, accumulator_dtype(dtype))[:, :, : q.shape[1]]
     inputs = [x.clone() for x in (dout, q, k, v, out, lse)]
     grads = backend.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, SCALE)
-    if not (isinstance(grads, tuple | list) and len(grads) == 3):
-        raise AssertionError(f"backward_varlen: expected (dq, dk, dv); got {type(grads).__name__}")
-    for name, g, x, ref in zip(("dq", "dk", "dv"), grads, (q, k, v), (ref_dq, ref_dk, ref_dv)):
-        _assert_result(f"varlen backward {name}", g, x, tuple(x.shape), _value_dtypes(dtype))
-        assert_close(f"varlen backward {name} ({layout})", g, ref, dtype)
+    names = ("backward_varlen", "varlen backward", f" ({layout})")
+    _check_gradients(names, grads, (q, k, v), (ref_dq, ref_dk, ref_dv), dtype)
     _assert_unchanged("varlen backward", inputs, [dout, q, k, v, out, lse])
 
 
@@ -446,34 +486,22 @@ def check_split_keys_varlen(backend: Backend, dtype: torch.dtype) -> None:
     ``merge_``, and backward calls given the *merged* out and lse, equal each segment over all its keys."""
     cu_q, cu_k = VARLEN_SPLIT
     q, k, v, dout = _packed_inputs(backend, dtype, "gqa", cu_q[-1], cu_k[-1], seed=71)
-    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = _varlen_reference(dout, q, k, v, cu_q, cu_k, False)
-    halves = []  # per part: (key rows of k in order, cu_k of the part)
+    refs = _varlen_reference(dout, q, k, v, cu_q, cu_k, False)
+    halves: list[tuple[Any, Any]] = []  # per part: (key rows of k in order, cu_k of the part)
     for first in (True, False):
-        rows, cu = [], [0]
+        rows: list[int] = []
+        cu = [0]
         for _, ks in _segments(cu_q, cu_k):
             cut = ks.start + (ks.stop - ks.start + 1) // 2
             part = range(ks.start, cut) if first else range(cut, ks.stop)
             rows.extend(part)
             cu.append(cu[-1] + len(part))
         halves.append((torch.tensor(rows, device=q.device), tuple(cu)))
-    out, lse = new_accumulators(q)
-    for rows, cu in halves:
-        block_out, block_lse = _varlen_forward_checked(backend, q, k[:, rows], v[:, rows], cu_q, cu, False, dtype)
-        merge_block(backend, out, lse, block_out, block_lse)
-    assert_close("varlen split-key merged out", out, ref_out, dtype)
-    assert_close("varlen split-key merged lse", lse, ref_lse, dtype)
-    merged_out = out.to(dtype)
-    dq = torch.zeros(q.shape, dtype=torch.float64)
-    dk, dv = torch.zeros(k.shape, dtype=torch.float64), torch.zeros(v.shape, dtype=torch.float64)
-    for rows, cu in halves:
-        kr, vr = k[:, rows], v[:, rows]
-        bdq, bdk, bdv = backend.backward_varlen(dout, q, kr, vr, merged_out, lse, cu_q, cu, False, SCALE)
-        dq += bdq.to("cpu", torch.float64)
-        dk[:, rows.cpu()] = bdk.to("cpu", torch.float64)
-        dv[:, rows.cpu()] = bdv.to("cpu", torch.float64)
-    assert_close("varlen split-key backward dq", dq, ref_dq, dtype)
-    assert_close("varlen split-key backward dk", dk, ref_dk, dtype)
-    assert_close("varlen split-key backward dv", dv, ref_dv, dtype)
+    _check_merged_parts(
+        ("varlen split-key merged", "varlen split-key backward"), backend, dtype, (q, k, v, dout), refs, halves,
+        lambda q, k, v, cu: _varlen_forward_checked(backend, q, k, v, cu_q, cu, False, dtype),
+        lambda dout, q, k, v, out, lse, cu: backend.backward_varlen(dout, q, k, v, out, lse, cu_q, cu, False, SCALE),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- ring

@@ -106,7 +106,7 @@ class SanitizerReport:
     """The packed documents' lengths (None: one sequence)."""
     ring_steps: int | None = None
     """Steps the ring ran (P, or fewer where documents or a window leave every later block empty)."""
-    window: tuple[int, int | None] | None = None
+    window: tuple[int | None, int | None] | None = None
     """The sliding window ``(left, right)`` (None: none)."""
     peak_alltoall_bytes: dict[int, int] = field(default_factory=dict)
     """The hybrid's all-to-all receive buffers alive at once per rank (no slots, so outside the bounds)."""
@@ -193,6 +193,11 @@ def peers_rows(finding: Finding) -> bool:
     :func:`sanitize_ring` sets aside for the hybrid. A race involving anything else is not."""
     ops = [a.op for a in finding.accesses]
     return finding.kind == "race" and len(ops) > 1 and all("(p2p a2a" in op for op in ops) and len(set(ops)) == len(ops)
+
+
+def _by_rank(peaks: dict[str, int]) -> dict[int, int]:
+    """A per-thread peak of the sanitizer's model, for the rank threads (``rank<r>``), by rank."""
+    return {int(label[4:]): b for label, b in peaks.items() if label.startswith("rank")}
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -351,13 +356,14 @@ def sanitize_ring(
     if ring_cu is not None:
         steps = len(document_plan(ring_cu, ring, 0, causal, balance, window).steps)
     leaves = [x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v)]
+    q64, k64, v64 = leaves
     if ring_cu is None:
-        ref = sdpa_reference(*leaves, causal, scale)
+        ref = sdpa_reference(q64, k64, v64, causal, scale)
     else:
         allowed = document_mask(ring_cu, causal)
         if window is not None:
             allowed &= window_mask(seq, window)
-        ref = _masked_reference(*leaves, allowed, scale)
+        ref = _masked_reference(q64, k64, v64, allowed, scale)
     refs = {"out": ref.detach()}
     if backward:
         refs.update(zip(("dq", "dk", "dv"), torch.autograd.grad(ref, leaves, dout.double())))
@@ -421,9 +427,13 @@ def sanitize_ring(
                         f"rank{r}: {ledger.peak_kv_shards} received shards alive at once (ledger); bound {bound}",
                     )
                 )
-        comm_peak = {int(label[4:]): b for label, b in san.model.comm_peak.items() if label.startswith("rank")}
-        alltoall_peak = {int(label[4:]): b for label, b in san.model.alltoall_peak.items() if label.startswith("rank")}
-        for r, peak in sorted(comm_peak.items()):
+        peaks = {  # per rank: received shards and bytes (ledger), received and all-to-all buffers (sanitizer)
+            "peak_kv_shards": {r: led.peak_kv_shards for r, led in enumerate(ledgers)},
+            "peak_bytes": {r: led.peak_bytes for r, led in enumerate(ledgers)},
+            "peak_comm_bytes": _by_rank(san.model.comm_peak),
+            "peak_alltoall_bytes": _by_rank(san.model.alltoall_peak),
+        }
+        for r, peak in sorted(peaks["peak_comm_bytes"].items()):
             if peak > bound_bytes:
                 findings.append(
                     Finding(
@@ -439,17 +449,6 @@ def sanitize_ring(
             against = f"float64 SDPA{_masked(cu, window)}"
             findings.append(Finding("numerics", f"{name}: error {err:.3e} against {against} exceeds {tol:g}"))
     return SanitizerReport(
-        config=config,
-        findings=findings,
-        peak_kv_shards={r: led.peak_kv_shards for r, led in enumerate(ledgers)},
-        peak_bytes={r: led.peak_bytes for r, led in enumerate(ledgers)},
-        peak_comm_bytes=comm_peak,
-        peak_alltoall_bytes=alltoall_peak,
-        bound_shards=bound,
-        bound_comm_bytes=bound_bytes,
-        max_error=errors,
-        document_lengths=lengths,
-        ring_steps=steps if steps is not None else ring,
-        window=window,
-        set_aside=len(set_aside),
-    )
+        config, findings, bound_shards=bound, bound_comm_bytes=bound_bytes, max_error=errors, **peaks,
+        document_lengths=lengths, ring_steps=ring if steps is None else steps, window=window, set_aside=len(set_aside),
+    )  # fmt: skip

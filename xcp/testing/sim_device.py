@@ -26,6 +26,7 @@ import itertools
 import os
 import sys
 import threading
+import types
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -208,7 +209,7 @@ def _describe(t: torch.Tensor) -> str:
 
 def _site() -> str:
     """Where the current op was called from: the innermost project frame, then the first one in another file."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     found: list[str] = []
     files: list[str] = []
     while frame is not None and len(found) < 2:
