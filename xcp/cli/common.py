@@ -83,29 +83,21 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-# What a size flag of ``xcp bench`` defaults to when it is not given: the H200 grid of issue 5 on a device,
-# and a grid a laptop finishes in a minute or two when the backend's device type is cpu (the math kernel
-# materialises S x S scores per head: the device grid would need terabytes there).
-DEVICE_SIZES: dict[str, Any] = {
-    "seqs": [16384, 65536, 131072],
-    "memory_seq": 262144,
-    "heads": 32,
-    "kv_heads": 8,
-    "head_dim": 128,
-    "dtype": "bfloat16",
-    "check_seq": 32768,
-    "reference_seq": 65536,
+# What a size flag of ``xcp bench`` defaults to when it is not given: the H200 grid on a device, and a grid
+# a laptop finishes in a minute or two when the backend's device type is cpu (the math kernel materialises
+# S x S scores per head: the device grid would need terabytes there). Name: (on a device, on the CPU).
+_SIZES: dict[str, tuple[Any, Any]] = {
+    "seqs": ([16384, 65536, 131072], [512, 1024, 2048]),
+    "memory_seq": (262144, 4096),
+    "heads": (32, 8),
+    "kv_heads": (8, 2),
+    "head_dim": (128, 64),
+    "dtype": ("bfloat16", "float32"),
+    "check_seq": (32768, 1024),
+    "reference_seq": (65536, 2048),
 }
-CPU_SIZES: dict[str, Any] = {
-    "seqs": [512, 1024, 2048],
-    "memory_seq": 4096,
-    "heads": 8,
-    "kv_heads": 2,
-    "head_dim": 64,
-    "dtype": "float32",
-    "check_seq": 1024,
-    "reference_seq": 2048,
-}
+DEVICE_SIZES: dict[str, Any] = {name: device for name, (device, _) in _SIZES.items()}
+CPU_SIZES: dict[str, Any] = {name: cpu for name, (_, cpu) in _SIZES.items()}
 
 
 def _sizes_text(sizes: dict[str, Any], names: Sequence[str]) -> str:
@@ -136,7 +128,8 @@ def size_help(name: str, text: str) -> str:
     )
 
 
-_FLAGS: dict[str, dict[str, Any]] = {
+FLAGS: dict[str, dict[str, Any]] = {
+    # the keyword arguments of add_argument for each problem flag, but its default
     "batch": {"type": positive, "help": "batch size"},
     "heads": {"type": positive, "help": "query heads"},
     "kv_heads": {"type": positive, "help": "key/value heads (a divisor of --heads)"},
@@ -148,14 +141,14 @@ _FLAGS: dict[str, dict[str, Any]] = {
     },  # fmt: skip
     "balance": {"choices": schedule.BALANCES, "help": "how the sequence is cut into shards"},
 }
-PROBLEM_FLAGS = tuple(_FLAGS)
+PROBLEM_FLAGS = tuple(FLAGS)
 
 
 def add_problem_flags(parser: argparse.ArgumentParser, defaults: Problem, names: Sequence[str] = PROBLEM_FLAGS):
     """Declare ``--batch --heads --kv-heads --head-dim --dtype --device --balance`` (or the ``names`` among
     them) on ``parser``, each defaulting to the field of ``defaults``."""
     for name in names:
-        parser.add_argument("--" + name.replace("_", "-"), default=getattr(defaults, name), **_FLAGS[name])
+        parser.add_argument("--" + name.replace("_", "-"), default=getattr(defaults, name), **FLAGS[name])
 
 
 def problem_args(args: argparse.Namespace, names: Sequence[str] = PROBLEM_FLAGS) -> dict[str, Any]:
@@ -170,41 +163,6 @@ MEASUREMENT_FLAGS = tuple(n for n in PROBLEM_FLAGS if n != "balance")
 def measurement_args(args: argparse.Namespace) -> dict[str, Any]:
     """The flags ``bench`` and ``bench --distributed`` share, as keyword arguments of a :class:`Measurement`."""
     return problem_args(args, (*MEASUREMENT_FLAGS, "seqs", "memory_seq", "warmup", "reps"))
-
-
-ULYSSES_FLAG = "--ulysses"
-ULYSSES_HELP = (
-    "U, the ranks of a head group (hybrid all-to-all + ring, xcp.attention(..., ulysses=U)): the P ranks form "
-    "head groups of U consecutive ranks, which exchange heads for tokens in an all-to-all, and rings of the "
-    "R = P/U ranks with equal r %% U; U divides P and --heads. 1: the ring alone; P: the all-to-all alone"
-)
-
-
-def check_ulysses_flag(ulysses: int, world: int, heads: int, world_flag: str = "--world") -> int:
-    """R = world // ulysses, for the ``--ulysses`` flag: a ValueError naming it, the expected and the actual
-    value unless it divides ``world`` (given by ``world_flag``) and ``heads``."""
-    if world % ulysses:
-        raise ValueError(
-            f"{ULYSSES_FLAG}: expected a divisor of {world_flag} {world} (P = ulysses x ring ranks); got {ulysses}"
-        )
-    if heads % ulysses:
-        raise ValueError(
-            f"{ULYSSES_FLAG}: expected a divisor of --heads {heads} (each rank of a head group takes heads / "
-            f"ulysses of the query heads); got {ulysses}"
-        )
-    return world // ulysses
-
-
-def check_hybrid_seq(seq: int, world: int, ulysses: int, balance: str, seq_flag: str = "--seq") -> None:
-    """A ValueError naming ``seq_flag`` unless ``seq`` tokens can be placed by ``xcp.shard(..., ulysses=U)``:
-    split by ``balance`` over the R = P/U ring positions, and each ring shard into U pieces (P divides S)."""
-    rings = world // ulysses
-    schedule.check_seq_len(seq, rings, balance, what=seq_flag)
-    if seq % world:
-        raise ValueError(
-            f"{seq_flag}: expected a multiple of {world} ranks with {ULYSSES_FLAG} {ulysses} (each of the {rings} "
-            f"ring shards is cut into {ulysses} pieces); got {seq}"
-        )
 
 
 def tool_device(backend, name: str, default_index: int | None = None) -> torch.device:

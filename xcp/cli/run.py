@@ -20,15 +20,12 @@ from ..comm import LocalWorld, resolve_group
 from ..hybrid import hybrid_backward, hybrid_config, hybrid_forward
 from ..lifetime import track_buffers
 from ..ring import RingConfig, ring_backward, ring_forward
+from . import ulysses
 from .common import (
     DTYPES,
     REL_TOLERANCE,
-    ULYSSES_FLAG,
-    ULYSSES_HELP,
     Problem,
     add_problem_flags,
-    check_hybrid_seq,
-    check_ulysses_flag,
     error,
     gather_whole,
     join_process_group,
@@ -162,8 +159,8 @@ def _run_distributed(cfg: RunConfig) -> RunResult:
 
     backend, device, rank, world = join_process_group(cfg.device)
     cfg.world = world
-    check_ulysses_flag(cfg.ulysses, world, cfg.heads, "the torchrun world size")
-    check_hybrid_seq(cfg.seq, world, cfg.ulysses, cfg.balance)
+    ulysses.check_flag(cfg.ulysses, world, cfg.heads, "the torchrun world size")
+    ulysses.check_seq(cfg.seq, world, cfg.ulysses, cfg.balance)
     full = random_inputs(cfg, cfg.seq, device, cfg.seed)
     out, dq, dk, dv, seconds, ledger = _rank_step(resolve_group(None), cfg, backend, full, functional=False)
     gathered = gather_whole((out, dq, dk, dv), world, cfg.balance, cfg.ulysses)
@@ -190,8 +187,8 @@ def add_parser(sub) -> None:
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=d.causal, help="causal mask")
     add_problem_flags(p, d, ["balance", "device"])
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the random inputs")
-    p.add_argument(ULYSSES_FLAG, type=positive, default=d.ulysses,
-                   help=ULYSSES_HELP + " (under torchrun, U divides the world size)")  # fmt: skip
+    p.add_argument(ulysses.FLAG, type=positive, default=d.ulysses,
+                   help=ulysses.HELP + " (under torchrun, U divides the world size)")  # fmt: skip
 
 
 def command(args: argparse.Namespace) -> int:
@@ -199,8 +196,8 @@ def command(args: argparse.Namespace) -> int:
     cfg = RunConfig(world=args.world, seq=args.seq, causal=args.causal, seed=args.seed, ulysses=args.ulysses,
                     **problem_args(args))  # fmt: skip
     if args.ulysses > 1 and not under_torchrun():  # under torchrun, once the world size is known
-        check_ulysses_flag(args.ulysses, args.world, args.heads)
-        check_hybrid_seq(args.seq, args.world, args.ulysses, args.balance)
+        ulysses.check_flag(args.ulysses, args.world, args.heads)
+        ulysses.check_seq(args.seq, args.world, args.ulysses, args.balance)
     result = run_demo(cfg)
     print(result.table())
     return 0 if result.ok else 1

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ..api import attention, shard
-from ..lifetime import track_buffers
-from .common import (
+from ...api import attention, shard
+from ...lifetime import track_buffers
+from ..common import (
     Clock,
     Measurement,
     Problem,
@@ -44,6 +44,7 @@ from .common import (
     whole_kernel,
     write_json,
 )
+from .config import SIZE_FLAGS
 
 
 @dataclass
@@ -200,10 +201,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
+    """``xcp bench --distributed``: rank 0 prints the tables; the exit status is 1 when the check failed."""
     if not under_torchrun():
         raise RuntimeError("--distributed: expected to run under torchrun (RANK and WORLD_SIZE set); they are not")
-    from .bench import SIZE_FLAGS
-
     backend, _ = tool_backend(args.device)  # an unknown or unusable backend: the error and the table, first
     note = apply_size_defaults(args, backend, (*SIZE_FLAGS, "check_seq", "reference_seq"))
     cfg = DistBenchConfig(
