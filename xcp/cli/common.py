@@ -72,7 +72,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with each flag's default, except where there is none to show (None, a switch) or the help
     text already says it."""
 
-    def _get_help_string(self, action: argparse.Action) -> str:
+    def _get_help_string(self, action: argparse.Action) -> str | None:
         help_text = action.help or ""
         if "%(default)" in help_text or "default:" in help_text or action.default in (None, argparse.SUPPRESS):
             return help_text
@@ -176,7 +176,7 @@ def tool_device(backend, name: str, default_index: int | None = None) -> torch.d
         index = int(text)
     if backend.device_type == "cpu":
         return torch.device("cpu")
-    return torch.device(backend.device_type, index)
+    return torch.device(backend.device_type) if index is None else torch.device(backend.device_type, index)
 
 
 def tool_backend(name: str, default_index: int | None = None):

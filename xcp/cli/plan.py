@@ -538,6 +538,7 @@ def command(args) -> int:
         if args.plot:
             plot_plan(ring, causal, balance, args.plot)
     else:
+        assert cu is not None  # documents give it, and a window is refused without --seq above
         print(document_table(cu, ring, causal, balance, window=window))
         if args.plot:
             plot_documents(cu, ring, causal, balance, args.plot, window)

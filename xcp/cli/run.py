@@ -131,6 +131,9 @@ def _call(group, cfg: RunConfig, backend, full: tuple[torch.Tensor, ...], functi
     u = cfg.ulysses
     q, k, v, dout = (shard(x, group.size(), group.rank(), balance=cfg.balance, ulysses=u) for x in full)
     scale = 1.0 / math.sqrt(cfg.head_dim)
+    dq: torch.Tensor | None  # None only were a leaf left out of the graph (autograd's .grad)
+    dk: torch.Tensor | None
+    dv: torch.Tensor | None
     with track_buffers() as ledger:
         start = clock()
         if functional and u > 1:  # the hybrid's ring_forward / ring_backward
@@ -154,7 +157,8 @@ def _call(group, cfg: RunConfig, backend, full: tuple[torch.Tensor, ...], functi
 
 
 def _errors(cfg: RunConfig, full, got) -> dict[str, tuple[float, float]]:
-    ref = reference(*full, cfg.causal)
+    q, k, v, dout = full
+    ref = reference(q, k, v, dout, cfg.causal)
     return {name: error(g, r) for name, g, r in zip(TENSORS, got, ref)}
 
 

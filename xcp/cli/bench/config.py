@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ... import schedule
 from .. import packing, ulysses, windows
 from ..common import DTYPES, Measurement
+
+T = TypeVar("T")
 
 HOST_TOKENS = 16
 """Tokens per rank of the host figure's default problem."""
@@ -59,12 +63,8 @@ class BenchConfig(Measurement):
     work, against the whole-sequence call replayed as a graph too (the ring's device time without the host)."""
 
     def window_sides(self) -> tuple[int | None, int | None] | None:
-        if self.window is None:
-            return None
-        try:
-            return windows.parse_window(self.window)
-        except argparse.ArgumentTypeError as exc:
-            raise ValueError(f"{windows.FLAG}: {exc}") from None
+        """``window`` parsed (None: no window); a ValueError naming ``--window`` where it does not parse."""
+        return None if self.window is None else _parsed(windows.parse_window, self.window, windows.FLAG)
 
     def balance_for(self, world: int, causal: bool, cu: tuple[int, ...] | None = None, seq: int | None = None) -> str:
         """The balance of one figure: ``balance``, or with ``auto`` what xcp.choose_balance recommends for it
@@ -73,12 +73,8 @@ class BenchConfig(Measurement):
         return windows.resolve_balance(self.balance, world, causal, window, cu, seq)
 
     def document_spec(self) -> packing.DocumentSpec | None:
-        if self.documents is None:
-            return None
-        try:
-            return packing.parse_documents(self.documents)
-        except argparse.ArgumentTypeError as exc:
-            raise ValueError(f"{packing.FLAG}: {exc}") from None
+        """``documents`` parsed (None: none); a ValueError naming ``--documents`` where it does not parse."""
+        return None if self.documents is None else _parsed(packing.parse_documents, self.documents, packing.FLAG)
 
     def validate(self) -> None:
         """Raise a ValueError naming the first field that cannot be measured."""
@@ -184,6 +180,14 @@ class BenchConfig(Measurement):
             if (self.host_tokens * p) % multiple:
                 raise ValueError(f"--host-tokens: expected a multiple of {multiple // math.gcd(multiple, p)} "
                                  f"(balance {balance!r} over {p} ranks); got {self.host_tokens}")  # fmt: skip
+
+
+def _parsed(parse: Callable[[str], T], text: str, flag: str) -> T:
+    """``parse(text)`` (an argparse type), its refusal a ValueError naming ``flag``."""
+    try:
+        return parse(text)
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
 
 
 SIZE_FLAGS = ("seqs", "memory_seq", "heads", "kv_heads", "head_dim", "dtype")

@@ -67,9 +67,9 @@ def per_step(stamps: list[tuple[str, int, int]], kind: str) -> tuple[list[int], 
     gaps = sum(len(p) - 1 for p in passes)
     if not gaps:
         return [len(p) for p in passes], math.nan, math.nan
-    cpu = sum(p[-1][0] - p[0][0] for p in passes) / gaps / 1e3
-    wall = sum(p[-1][1] - p[0][1] for p in passes) / gaps / 1e3
-    return [len(p) for p in passes], cpu, wall
+    cpu_us = sum(p[-1][0] - p[0][0] for p in passes) / gaps / 1e3
+    wall_us = sum(p[-1][1] - p[0][1] for p in passes) / gaps / 1e3
+    return [len(p) for p in passes], cpu_us, wall_us
 
 
 def _host_one(cfg: BenchConfig, backend, device: torch.device, world: int, causal: bool) -> dict[str, Any]:

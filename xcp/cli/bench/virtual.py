@@ -32,7 +32,7 @@ class VirtualRing:
         balance: str,
         slots="bounded",
         documents: tuple[int, ...] | None = None,
-        window: tuple[int, int | None] | None = None,
+        window: tuple[int | None, int | None] | None = None,
         ulysses: int = 1,
     ):
         self.backend, self.world_size, self.causal, self.balance, self.slots = backend, world, causal, balance, slots

@@ -4,6 +4,7 @@ cost of xcp's checks and dispatch around the backend's whole-sequence call)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -61,10 +62,11 @@ def time_world_of_one(
         for _ in range(cfg.warmup):
             run_sdpa(backward)
             run_xcp(backward)
-        sdpa_t, xcp_t = [], []
+        sdpa_t: list[float] = []
+        xcp_t: list[float] = []
         for _ in range(reps):  # interleaved, so drifts in clock or temperature hit both alike
-            sdpa_t.append(clock.time(lambda b=backward: run_sdpa(b)))
-            xcp_t.append(clock.time(lambda b=backward: run_xcp(b)))
+            sdpa_t.append(clock.time(functools.partial(run_sdpa, backward)))
+            xcp_t.append(clock.time(functools.partial(run_xcp, backward)))
         row[f"{mode}_sdpa_s"] = median(sdpa_t)
         row[f"{mode}_xcp_s"] = median(xcp_t)
         row[f"{mode}_ratio"] = ratio(row[f"{mode}_xcp_s"], row[f"{mode}_sdpa_s"])
