@@ -1,6 +1,6 @@
 """What the ``xcp`` tools share, so that ``run``, ``bench`` and ``bench --distributed`` describe, build and
 judge a problem the same way: the dtype names, the tolerances, the problem's shape and its flags, seeded
-inputs, the float64 reference, the error measure, the clock, and the process-group set-up under torchrun.
+inputs, the float64 reference's gradients, the error measure, the clock, and the process-group set-up under torchrun.
 """
 
 from __future__ import annotations
@@ -252,7 +252,10 @@ def random_inputs(problem: Problem, seq: int, device: torch.device, seed: int = 
 
 
 def reference(q, k, v, dout, causal: bool) -> tuple[torch.Tensor, ...]:
-    """out, dq, dk, dv of whole-sequence attention in float64 on the CPU (torch SDPA, K/V heads repeated)."""
+    """out, dq, dk, dv of whole-sequence attention in float64 on the CPU: the library's
+    :func:`xcp.testing.reference.sdpa_reference` and its gradients. Not ``reference_gradients``: that one
+    materialises the scores (at S=4096 with 8 heads about 5 GiB and 9x the time, against 0.2 GiB), and the
+    tools check lengths where it would not fit."""
     q, k, v, dout = (x.detach().to("cpu", torch.float64) for x in (q, k, v, dout))
     q.requires_grad_()
     k.requires_grad_()
