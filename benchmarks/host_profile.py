@@ -19,9 +19,9 @@ import time
 import torch
 
 import xcp
-from xcp.cli.bench import NullKernels, _Loopback
 from xcp.plugins import select_backend
 from xcp.ring import RingConfig, ring_backward, ring_forward
+from xcp.testing.doubles import LoopbackCommunicator, NullKernels
 
 
 def main() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
     k = torch.randn(1, n, hkv, d, device=device, dtype=dtype)
     v = torch.randn(1, n, hkv, d, device=device, dtype=dtype)
     dout = torch.randn_like(q)
-    cfg = RingConfig(_Loopback(args.world, 0), null, True, 1 / math.sqrt(d), "zigzag")  # type: ignore[arg-type]
+    cfg = RingConfig(LoopbackCommunicator(args.world, 0), null, True, 1 / math.sqrt(d), "zigzag")  # type: ignore[arg-type]
 
     def loop(calls: int) -> None:
         for _ in range(calls):

@@ -18,10 +18,10 @@ import time
 import torch
 
 from xcp.api import shard
-from xcp.cli.bench import NullKernels, _Loopback
 from xcp.comm import LocalWorld
 from xcp.plugins import select_backend
 from xcp.ring import RingConfig, ring_backward, ring_forward
+from xcp.testing.doubles import LoopbackCommunicator, NullKernels
 
 
 def own_times(stats: pstats.Stats, steps: int) -> dict[str, float]:
@@ -58,7 +58,7 @@ def main() -> None:
             ring_backward(dout, q, k, v, out, lse, cfg)
 
     # alone: rank 0 with a loopback exchange
-    cfg0 = RingConfig(_Loopback(p, 0), null, True, scale, "zigzag")  # type: ignore[arg-type]
+    cfg0 = RingConfig(LoopbackCommunicator(p, 0), null, True, scale, "zigzag")  # type: ignore[arg-type]
     loop(cfg0, *shards[0], 3)
     backend.synchronize(device)
     t0 = time.perf_counter()

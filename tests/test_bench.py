@@ -267,10 +267,10 @@ def test_run_bench_longtail_documents_fill_each_length():
 def test_bench_documents_check_is_against_the_document_mask(monkeypatch, capsys):
     """The yardstick is the varlen call over the documents: given the dense whole-sequence kernel instead,
     the ring (which honours the documents) fails its check and the command exits 1."""
-    from xcp.cli import bench
+    from xcp.cli.bench import documents
     from xcp.cli.common import whole_kernel
 
-    monkeypatch.setattr(bench, "whole_varlen", lambda be, full, cu, causal, b: whole_kernel(be, full, causal, b))
+    monkeypatch.setattr(documents, "whole_varlen", lambda be, full, cu, causal, b: whole_kernel(be, full, causal, b))
     assert main([*DOC_FLAGS, "--documents", "5,11", "--worlds", "2", "--mask", "causal"]) == 1
     assert "FAIL" in capsys.readouterr().out
 
@@ -356,10 +356,13 @@ def test_bench_window_with_documents_and_balance_auto(capsys, tmp_path):
 def test_bench_window_check_is_against_the_windowed_call(monkeypatch, capsys):
     """The yardstick is the windowed call: given the call without the window instead, the ring (which
     honours the window) fails its check and the command exits 1."""
-    from xcp.cli import bench
+    from xcp.cli.bench import documents
     from xcp.cli.common import whole_varlen
 
-    monkeypatch.setattr(bench, "whole_window", lambda be, full, cu, causal, w, b: whole_varlen(be, full, cu, causal, b))
+    def unwindowed(be, full, cu, causal, w, b):
+        return whole_varlen(be, full, cu, causal, b)
+
+    monkeypatch.setattr(documents, "whole_window", unwindowed)
     assert main([*WINDOW_FLAGS, "--window", "5,0"]) == 1
     assert "FAIL" in capsys.readouterr().out
 
@@ -417,7 +420,7 @@ def test_cli_bench_host_json_has_both_figures(tmp_path, capsys):
     )  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "targets (issue 14): forward ≤ 50 µs, backward ≤ 100 µs" in out
+    assert "targets: forward ≤ 50 µs, backward ≤ 100 µs" in out
     assert "median of 5 repetitions" in out  # at least 5, whatever --reps
     data = json.loads(path.read_text())
     assert data["meta"]["config"]["host"] and data["meta"]["config"]["world_of_one"]
@@ -465,9 +468,9 @@ def test_world_of_one_check_compares_with_sdpa(monkeypatch, capsys):
 
 
 def test_host_check_catches_kernels_computed_while_timed(monkeypatch):
-    from xcp.cli import bench
+    from xcp.testing.doubles import NullKernels
 
-    monkeypatch.setattr(bench.NullKernels, "_cached", lambda self, key, compute: (self.__dict__.__setitem__(
+    monkeypatch.setattr(NullKernels, "_cached", lambda self, key, compute: (self.__dict__.__setitem__(
         "computed", self.computed + 1), compute())[1])  # fmt: skip
     report = run_bench(tiny(host=True, world_of_one=True, worlds=[2], seqs=[8], host_tokens=4), progress=False)
     (r,) = report["host"]
@@ -479,7 +482,8 @@ def test_null_kernels_return_the_first_outputs_and_stamp_each_call():
     import torch
 
     from xcp.backends.cpu import CPUBackend
-    from xcp.cli.bench import NullKernels, _per_step
+    from xcp.cli.bench.host import per_step
+    from xcp.testing.doubles import NullKernels
 
     null = NullKernels(CPUBackend())
     assert null.name == "cpu" and null.handoff_policy == "none"  # everything but the kernels is the backend's
@@ -493,9 +497,9 @@ def test_null_kernels_return_the_first_outputs_and_stamp_each_call():
     # passes are runs of one kind; a step is the time between two calls of one pass
     stamps = [("fwd", 0, 0), ("fwd", 2000, 4000), ("bwd", 5000, 9000), ("bwd", 9000, 9500), ("fwd", 9600, 9700),
               ("fwd", 13600, 11700)]  # fmt: skip
-    assert _per_step(stamps, "fwd") == ([2, 2], 3.0, 3.0)
-    assert _per_step(stamps, "bwd") == ([2], 4.0, 0.5)
-    assert _per_step(stamps[:1], "fwd")[0] == [1] and math.isnan(_per_step(stamps[:1], "fwd")[1])
+    assert per_step(stamps, "fwd") == ([2, 2], 3.0, 3.0)
+    assert per_step(stamps, "bwd") == ([2], 4.0, 0.5)
+    assert per_step(stamps[:1], "fwd")[0] == [1] and math.isnan(per_step(stamps[:1], "fwd")[1])
 
 
 @pytest.mark.parametrize(
@@ -560,14 +564,14 @@ def test_cli_bench_ulysses_checks_times_and_counts_the_bytes_of_each_u(tmp_path,
 def test_bench_ulysses_check_is_against_the_whole_sequence_kernel(monkeypatch, capsys):
     """Given a yardstick that is not attention on the whole sequence (here: its output doubled), every U
     fails its check and the command exits 1."""
-    from xcp.cli import bench
+    from xcp.cli.bench import hybrid
     from xcp.cli.common import whole_kernel
 
     def doubled(backend, full, causal, backward):
         out, grads = whole_kernel(backend, full, causal, backward)
         return 2 * out, grads
 
-    monkeypatch.setattr(bench, "whole_kernel", doubled)
+    monkeypatch.setattr(hybrid, "whole_kernel", doubled)
     assert main([*ULYSSES_FLAGS, "--ulysses", "2,4"]) == 1
     assert capsys.readouterr().out.count("FAIL") == 2
 
@@ -577,15 +581,15 @@ def test_bench_ulysses_bytes_are_measured_not_assumed(monkeypatch, capsys):
     the communicators would disagree, and the command exits 1."""
     import dataclasses
 
-    from xcp.cli import bench
+    from xcp.cli.bench import hybrid
 
-    real = bench.hybrid_traffic
+    real = hybrid.hybrid_traffic
 
     def own_piece_too(*args, **kw):
         t = real(*args, **kw)
         return dataclasses.replace(t, q=t.q * t.ulysses // (t.ulysses - 1)) if t.ulysses > 1 else t
 
-    monkeypatch.setattr(bench, "hybrid_traffic", own_piece_too)
+    monkeypatch.setattr(hybrid, "hybrid_traffic", own_piece_too)
     assert main([*ULYSSES_FLAGS, "--ulysses", "1,2"]) == 1
     out = capsys.readouterr().out
     assert out.count("bytes MEASURED OTHERWISE") == 1 and "FAIL" in out  # U = 1 sends no all-to-all
@@ -691,10 +695,10 @@ def test_cli_bench_replay_checks_and_times_each_ring_as_graphs(tmp_path, capsys,
 def test_bench_replay_check_catches_a_captured_ring_that_is_wrong(monkeypatch, capsys):
     """A ring whose captured run writes wrong outputs fails the replay check (the eager one passing), and the
     bench exits 1."""
-    from xcp.cli import bench
+    from xcp.cli.bench import VirtualRing
 
     backend_class = _graph_backend("bench-graph-cpu-wrong")
-    run = bench.VirtualRing.run
+    run = VirtualRing.run
 
     def wrong_when_captured(self, backward):
         results = run(self, backward)
@@ -703,7 +707,7 @@ def test_bench_replay_check_catches_a_captured_ring_that_is_wrong(monkeypatch, c
                 out.add_(1.0)
         return results
 
-    monkeypatch.setattr(bench.VirtualRing, "run", wrong_when_captured)
+    monkeypatch.setattr(VirtualRing, "run", wrong_when_captured)
     with installed(backend_class()):
         code = main(REPLAY_FLAGS + ["--device", "bench-graph-cpu-wrong"])
     text = capsys.readouterr().out

@@ -20,6 +20,37 @@ def test_run_checks_and_prints_table(capsys):
         assert name in text
 
 
+def test_run_times_a_warm_call_apart_from_the_first(monkeypatch):
+    """The speed xcp run shows is a warm call's: every rank calls attention twice, each call timed on its own,
+    and the table shows the second as the time and the first (plans built, first launches) on a line of its
+    own. The clock is injected: each rank thread reads 0 and 7 s around its first call, 100 and 100.25 s
+    around its second."""
+    import threading
+
+    from xcp.cli import run
+
+    ticks, readings, calls = (0.0, 7.0, 100.0, 100.25), {}, []
+
+    def clock() -> float:
+        n = readings.get(threading.get_ident(), 0)
+        readings[threading.get_ident()] = n + 1
+        return ticks[n]
+
+    def counted(*args, **kw):
+        calls.append(threading.get_ident())
+        return xcp.attention(*args, **kw)
+
+    monkeypatch.setattr(run, "attention", counted)
+    cfg = run.RunConfig(world=2, seq=64, heads=4, kv_heads=2, head_dim=8, dtype="float32", device="cpu")
+    result = run.run_demo(cfg, clock)
+    text = result.table()
+    assert sorted(readings.values()) == [4, 4] and sorted(calls.count(t) for t in set(calls)) == [2, 2]
+    assert result.seconds == 0.25 and result.first_seconds == 7.0
+    assert "time (fwd+bwd, warm call, slowest rank): 250.00 ms" in text
+    assert "first call (plan building, first launches): 7.000 s" in text
+    assert result.ok and "PASS" in text
+
+
 def test_run_float64_non_causal_stripe(capsys):
     args = ["run", "--world", "3", "--seq", "48", "--heads", "2", "--kv-heads", "1", "--head-dim", "5",
             "--dtype", "float64", "--no-causal", "--balance", "stripe"]  # fmt: skip
@@ -802,11 +833,11 @@ def test_run_ulysses_on_the_path_of_virtual_gpu_ranks(reference):
     """On a GPU xcp run drives each virtual rank through hybrid_forward/hybrid_backward (autograd's one device
     thread would block): the same path, run here on the CPU, equals the whole sequence."""
     from xcp.cli.common import random_inputs as tool_inputs
-    from xcp.cli.run import RunConfig, _rank_step
+    from xcp.cli.run import RunConfig, rank_step
 
     cfg = RunConfig(world=4, seq=32, heads=4, kv_heads=1, head_dim=8, dtype="float64", device="cpu", ulysses=2)
     full = tool_inputs(cfg, cfg.seq, torch.device("cpu"))
-    results = xcp.LocalWorld(4).run(_rank_step, cfg, xcp.get_backend("cpu"), full, True)
+    results = xcp.LocalWorld(4).run(rank_step, cfg, xcp.get_backend("cpu"), full, True)
     want = reference(*full, True)
     for i, name in enumerate(("out", "dq", "dk", "dv")):
         got = xcp.unshard([r[i] for r in results], ulysses=2)

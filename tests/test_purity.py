@@ -94,7 +94,7 @@ def _package(path: Path) -> str:
 
 def test_core_files_are_found():
     names = {p.relative_to(CORE).as_posix() for p in core_files()}
-    assert {"api.py", "backends/base.py", "plugins.py", "ring.py", "kernels/math.py", "cli/bench.py"} <= names
+    assert {"api.py", "backends/base.py", "plugins.py", "ring.py", "kernels/math.py", "cli/bench/__init__.py"} <= names
     assert not any(n.startswith("testing/") for n in names)
     assert not any(p.relative_to(CORE).parts[0] == "cli" for p in library_files())
 

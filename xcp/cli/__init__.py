@@ -12,18 +12,8 @@ import textwrap
 from collections.abc import Sequence
 
 from .. import __version__
-from . import bench, bench_dist, plan, run, windows
-from .common import (
-    DTYPES,
-    ULYSSES_FLAG,
-    ULYSSES_HELP,
-    HelpFormatter,
-    Problem,
-    add_problem_flags,
-    check_ulysses_flag,
-    positive,
-    quiet_rank,
-)
+from . import bench, plan, run, ulysses, windows
+from .common import DTYPES, HelpFormatter, Problem, add_problem_flags, positive, quiet_rank
 
 __all__ = ["build_parser", "main"]
 
@@ -105,8 +95,8 @@ def _add_sanitize(sub) -> None:
                    help="sliding window: query i sees keys i-L..i+R (none: unbounded; with --causal, the default, R "
                    "is 0 or none); with --documents too if given. The ring runs only the steps the window needs and "
                    "is checked against float64 attention under the banded mask, within the same bounds")  # fmt: skip
-    p.add_argument(ULYSSES_FLAG, type=positive, default=1,
-                   help=ULYSSES_HELP + ". Runs the hybrid (xcp.hybrid.hybrid_forward/hybrid_backward) on --world "
+    p.add_argument(ulysses.FLAG, type=positive, default=1,
+                   help=ulysses.HELP + ". Runs the hybrid (xcp.hybrid.hybrid_forward/hybrid_backward) on --world "
                    "ranks; the bounds are the ring's, for its K/V shards (S/R tokens, H_kv'/U heads); reports of two "
                    "peers writing their own rows of one all-to-all receive buffer (U >= 3) are set aside and "
                    "counted")  # fmt: skip
@@ -117,7 +107,7 @@ def _cmd_sanitize(args) -> int:
 
     window = windows.check(args.window, args.causal)
     if args.ulysses > 1:
-        check_ulysses_flag(args.ulysses, args.world, args.heads)
+        ulysses.check_flag(args.ulysses, args.world, args.heads)
     report = sanitize_ring(
         world=args.world,
         causal=args.causal,
@@ -140,35 +130,12 @@ def _cmd_sanitize(args) -> int:
     return 0 if report.ok else 1
 
 
-def _add_bench(sub) -> None:
-    bench_dist.add_flags(bench.add_parser(sub))
-
-
-def _cmd_bench(args) -> int:
-    if args.distributed and args.documents is not None:
-        raise ValueError(f"--documents: not measured with --distributed yet; got {args.documents.text!r}")
-    if args.distributed and args.window is not None:
-        raise ValueError(f"--window: not measured with --distributed yet; got {windows.text_of(args.window)!r}")
-    if args.distributed and (args.host or args.world_of_one):
-        raise ValueError(f"{'--host' if args.host else '--world-of-one'}: measured in one process (LocalWorld "
-                         "virtual ranks, a world of one), not with --distributed")  # fmt: skip
-    if args.distributed and args.ulysses is not None:
-        raise ValueError(f"{ULYSSES_FLAG}: measured in one process (LocalWorld virtual ranks), not with --distributed "
-                         f"yet; got {','.join(map(str, args.ulysses))}")  # fmt: skip
-    if args.distributed and args.replay:
-        raise ValueError(f"{bench.REPLAY_FLAG}: measured in one process (every virtual rank's work in one graph), not "
-                         "with --distributed yet")  # fmt: skip
-    if args.distributed and args.balance != "zigzag":
-        raise ValueError(f"--balance: --distributed measures zigzag only yet; got {args.balance!r}")
-    return (bench_dist if args.distributed else bench).command(args)
-
-
 COMMANDS = {
     "sanitize": (_add_sanitize, _cmd_sanitize),
     "run": (run.add_parser, run.command),
     "plan": (plan.add_parser, plan.command),
     "backends": (_add_backends, _cmd_backends),
-    "bench": (_add_bench, _cmd_bench),
+    "bench": (bench.add_parser, bench.command),
 }
 
 

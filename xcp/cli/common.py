@@ -1,6 +1,6 @@
 """What the ``xcp`` tools share, so that ``run``, ``bench`` and ``bench --distributed`` describe, build and
 judge a problem the same way: the dtype names, the tolerances, the problem's shape and its flags, seeded
-inputs, the float64 reference, the error measure, the clock, and the process-group set-up under torchrun.
+inputs, the float64 reference's gradients, the error measure, the clock, and the process-group set-up under torchrun.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with each flag's default, except where there is none to show (None, a switch) or the help
     text already says it."""
 
-    def _get_help_string(self, action: argparse.Action) -> str:
+    def _get_help_string(self, action: argparse.Action) -> str | None:
         help_text = action.help or ""
         if "%(default)" in help_text or "default:" in help_text or action.default in (None, argparse.SUPPRESS):
             return help_text
@@ -83,29 +83,21 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-# What a size flag of ``xcp bench`` defaults to when it is not given: the H200 grid of issue 5 on a device,
-# and a grid a laptop finishes in a minute or two when the backend's device type is cpu (the math kernel
-# materialises S x S scores per head: the device grid would need terabytes there).
-DEVICE_SIZES: dict[str, Any] = {
-    "seqs": [16384, 65536, 131072],
-    "memory_seq": 262144,
-    "heads": 32,
-    "kv_heads": 8,
-    "head_dim": 128,
-    "dtype": "bfloat16",
-    "check_seq": 32768,
-    "reference_seq": 65536,
+# What a size flag of ``xcp bench`` defaults to when it is not given: the H200 grid on a device, and a grid
+# a laptop finishes in a minute or two when the backend's device type is cpu (the math kernel materialises
+# S x S scores per head: the device grid would need terabytes there). Name: (on a device, on the CPU).
+_SIZES: dict[str, tuple[Any, Any]] = {
+    "seqs": ([16384, 65536, 131072], [512, 1024, 2048]),
+    "memory_seq": (262144, 4096),
+    "heads": (32, 8),
+    "kv_heads": (8, 2),
+    "head_dim": (128, 64),
+    "dtype": ("bfloat16", "float32"),
+    "check_seq": (32768, 1024),
+    "reference_seq": (65536, 2048),
 }
-CPU_SIZES: dict[str, Any] = {
-    "seqs": [512, 1024, 2048],
-    "memory_seq": 4096,
-    "heads": 8,
-    "kv_heads": 2,
-    "head_dim": 64,
-    "dtype": "float32",
-    "check_seq": 1024,
-    "reference_seq": 2048,
-}
+DEVICE_SIZES: dict[str, Any] = {name: device for name, (device, _) in _SIZES.items()}
+CPU_SIZES: dict[str, Any] = {name: cpu for name, (_, cpu) in _SIZES.items()}
 
 
 def _sizes_text(sizes: dict[str, Any], names: Sequence[str]) -> str:
@@ -136,7 +128,8 @@ def size_help(name: str, text: str) -> str:
     )
 
 
-_FLAGS: dict[str, dict[str, Any]] = {
+FLAGS: dict[str, dict[str, Any]] = {
+    # the keyword arguments of add_argument for each problem flag, but its default
     "batch": {"type": positive, "help": "batch size"},
     "heads": {"type": positive, "help": "query heads"},
     "kv_heads": {"type": positive, "help": "key/value heads (a divisor of --heads)"},
@@ -148,14 +141,14 @@ _FLAGS: dict[str, dict[str, Any]] = {
     },  # fmt: skip
     "balance": {"choices": schedule.BALANCES, "help": "how the sequence is cut into shards"},
 }
-PROBLEM_FLAGS = tuple(_FLAGS)
+PROBLEM_FLAGS = tuple(FLAGS)
 
 
 def add_problem_flags(parser: argparse.ArgumentParser, defaults: Problem, names: Sequence[str] = PROBLEM_FLAGS):
     """Declare ``--batch --heads --kv-heads --head-dim --dtype --device --balance`` (or the ``names`` among
     them) on ``parser``, each defaulting to the field of ``defaults``."""
     for name in names:
-        parser.add_argument("--" + name.replace("_", "-"), default=getattr(defaults, name), **_FLAGS[name])
+        parser.add_argument("--" + name.replace("_", "-"), default=getattr(defaults, name), **FLAGS[name])
 
 
 def problem_args(args: argparse.Namespace, names: Sequence[str] = PROBLEM_FLAGS) -> dict[str, Any]:
@@ -172,41 +165,6 @@ def measurement_args(args: argparse.Namespace) -> dict[str, Any]:
     return problem_args(args, (*MEASUREMENT_FLAGS, "seqs", "memory_seq", "warmup", "reps"))
 
 
-ULYSSES_FLAG = "--ulysses"
-ULYSSES_HELP = (
-    "U, the ranks of a head group (hybrid all-to-all + ring, xcp.attention(..., ulysses=U)): the P ranks form "
-    "head groups of U consecutive ranks, which exchange heads for tokens in an all-to-all, and rings of the "
-    "R = P/U ranks with equal r %% U; U divides P and --heads. 1: the ring alone; P: the all-to-all alone"
-)
-
-
-def check_ulysses_flag(ulysses: int, world: int, heads: int, world_flag: str = "--world") -> int:
-    """R = world // ulysses, for the ``--ulysses`` flag: a ValueError naming it, the expected and the actual
-    value unless it divides ``world`` (given by ``world_flag``) and ``heads``."""
-    if world % ulysses:
-        raise ValueError(
-            f"{ULYSSES_FLAG}: expected a divisor of {world_flag} {world} (P = ulysses x ring ranks); got {ulysses}"
-        )
-    if heads % ulysses:
-        raise ValueError(
-            f"{ULYSSES_FLAG}: expected a divisor of --heads {heads} (each rank of a head group takes heads / "
-            f"ulysses of the query heads); got {ulysses}"
-        )
-    return world // ulysses
-
-
-def check_hybrid_seq(seq: int, world: int, ulysses: int, balance: str, seq_flag: str = "--seq") -> None:
-    """A ValueError naming ``seq_flag`` unless ``seq`` tokens can be placed by ``xcp.shard(..., ulysses=U)``:
-    split by ``balance`` over the R = P/U ring positions, and each ring shard into U pieces (P divides S)."""
-    rings = world // ulysses
-    schedule.check_seq_len(seq, rings, balance, what=seq_flag)
-    if seq % world:
-        raise ValueError(
-            f"{seq_flag}: expected a multiple of {world} ranks with {ULYSSES_FLAG} {ulysses} (each of the {rings} "
-            f"ring shards is cut into {ulysses} pieces); got {seq}"
-        )
-
-
 def tool_device(backend, name: str, default_index: int | None = None) -> torch.device:
     """The torch device a tool runs on: the CPU, or the backend's device at the index ``name`` gives
     (``cuda:1``), else at ``default_index``."""
@@ -218,7 +176,7 @@ def tool_device(backend, name: str, default_index: int | None = None) -> torch.d
         index = int(text)
     if backend.device_type == "cpu":
         return torch.device("cpu")
-    return torch.device(backend.device_type, index)
+    return torch.device(backend.device_type) if index is None else torch.device(backend.device_type, index)
 
 
 def tool_backend(name: str, default_index: int | None = None):
@@ -294,7 +252,10 @@ def random_inputs(problem: Problem, seq: int, device: torch.device, seed: int = 
 
 
 def reference(q, k, v, dout, causal: bool) -> tuple[torch.Tensor, ...]:
-    """out, dq, dk, dv of whole-sequence attention in float64 on the CPU (torch SDPA, K/V heads repeated)."""
+    """out, dq, dk, dv of whole-sequence attention in float64 on the CPU: the library's
+    :func:`xcp.testing.reference.sdpa_reference` and its gradients. Not ``reference_gradients``: that one
+    materialises the scores (at S=4096 with 8 heads about 5 GiB and 9x the time, against 0.2 GiB), and the
+    tools check lengths where it would not fit."""
     q, k, v, dout = (x.detach().to("cpu", torch.float64) for x in (q, k, v, dout))
     q.requires_grad_()
     k.requires_grad_()

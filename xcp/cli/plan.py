@@ -11,15 +11,11 @@ from ..documents import document_plan
 from ..hybrid import hybrid_traffic, kv_replicas
 from ..kernels.merge import accumulator_dtype
 from ..traffic import ring_traffic
-from . import packing, windows
+from . import packing, ulysses, windows
 from .common import (
     DTYPES,
-    ULYSSES_FLAG,
-    ULYSSES_HELP,
     Problem,
     add_problem_flags,
-    check_hybrid_seq,
-    check_ulysses_flag,
     human_bytes,
     positive,
     pyplot,
@@ -503,8 +499,8 @@ def add_parser(sub) -> None:
                    help="global length S: with --documents (default: the sum of the lengths), with --window, or "
                    "alone to print the steps and bytes of the dense ring")  # fmt: skip
     add_problem_flags(p, Problem(), ["kv_heads", "head_dim", "dtype", "heads"])
-    p.add_argument(ULYSSES_FLAG, type=positive, default=1,
-                   help=ULYSSES_HELP + ". Shows the head groups and rings, the plan of the ring over R ranks and, "
+    p.add_argument(ulysses.FLAG, type=positive, default=1,
+                   help=ulysses.HELP + ". Shows the head groups and rings, the plan of the ring over R ranks and, "
                    "with --seq, the bytes each rank sends at each step: the all-to-alls (q, k, v in and out back; "
                    "dout in and dq, dk, dv back) and the ring's K/V and dK/dV")  # fmt: skip
     p.add_argument("--plot", metavar="FILE.png", help="also draw the plan into this file (needs matplotlib)")
@@ -512,7 +508,7 @@ def add_parser(sub) -> None:
 
 def command(args) -> int:
     world, causal, u = args.world, args.causal, args.ulysses
-    ring = check_ulysses_flag(u, world, args.heads)  # the ring's ranks: P, or R = P/U with --ulysses
+    ring = ulysses.check_flag(u, world, args.heads)  # the ring's ranks: P, or R = P/U with --ulysses
     window = windows.check(args.window, causal)
     if args.heads % args.kv_heads:
         raise ValueError(f"--kv-heads: expected a divisor of --heads {args.heads}; got {args.kv_heads}")
@@ -533,7 +529,7 @@ def command(args) -> int:
     elif documents is not None:
         packing.check_total(documents[-1], ring, balance)
     if cu is not None and u > 1:
-        check_hybrid_seq(cu[-1], world, u, balance, "--seq" if documents is None else packing.FLAG)
+        ulysses.check_seq(cu[-1], world, u, balance, "--seq" if documents is None else packing.FLAG)
     if u > 1:
         print("\n".join(hybrid_lines(world, u, args.heads, args.kv_heads)))
         print()
@@ -542,6 +538,7 @@ def command(args) -> int:
         if args.plot:
             plot_plan(ring, causal, balance, args.plot)
     else:
+        assert cu is not None  # documents give it, and a window is refused without --seq above
         print(document_table(cu, ring, causal, balance, window=window))
         if args.plot:
             plot_documents(cu, ring, causal, balance, args.plot, window)

@@ -2,7 +2,8 @@
 on their own device that the ring is exact before they trust it.
 
 It runs on a LocalWorld of virtual ranks (the default, on the CPU) or, under torchrun, on the real process
-group, and reports the error of out, dq, dk and dv, the time, and the peak received-KV bytes per rank. With
+group, and reports the error of out, dq, dk and dv, the time of a warm call (and, apart, of the first, which
+builds plans and launches kernels for the first time), and the peak received-KV bytes per rank. With
 ``--ulysses U`` it runs the hybrid all-to-all + ring (``xcp.attention(..., ulysses=U)``), checked alike.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,15 +22,12 @@ from ..comm import LocalWorld, resolve_group
 from ..hybrid import hybrid_backward, hybrid_config, hybrid_forward
 from ..lifetime import track_buffers
 from ..ring import RingConfig, ring_backward, ring_forward
+from . import ulysses
 from .common import (
     DTYPES,
     REL_TOLERANCE,
-    ULYSSES_FLAG,
-    ULYSSES_HELP,
     Problem,
     add_problem_flags,
-    check_hybrid_seq,
-    check_ulysses_flag,
     error,
     gather_whole,
     join_process_group,
@@ -61,11 +60,15 @@ RUN_DEFAULTS = RunConfig(heads=8, kv_heads=2, head_dim=64, dtype="float32", devi
 
 @dataclass
 class RunResult:
-    """Errors per tensor, the slowest rank's time, and the peak received-KV bytes per rank."""
+    """Errors per tensor, the slowest rank's time of a warm call and of the first, and the peak received-KV
+    bytes per rank."""
 
     config: RunConfig
     errors: dict[str, tuple[float, float]]  # name -> (max abs error, relative error)
     seconds: float
+    """The slowest rank's forward+backward of a warm call (the second): the speed."""
+    first_seconds: float
+    """The slowest rank's first call: plans built, kernels launched (and on a GPU, set up) for the first time."""
     peak_kv_bytes: list[int]
     peak_kv_shards: list[int]
     mode: str
@@ -97,7 +100,8 @@ class RunResult:
             verdict = "ok" if math.isfinite(rel) and rel <= tol else "FAIL"
             lines.append(f"{name:<8}{abs_err:>14.3e}{rel:>12.3e}{tol:>12.1e}  {verdict}")
         mib = [b / 2**20 for b in self.peak_kv_bytes]
-        lines.append(f"time (fwd+bwd, slowest rank): {self.seconds:.3f} s")
+        lines.append(f"time (fwd+bwd, warm call, slowest rank): {_duration(self.seconds)}")
+        lines.append(f"first call (plan building, first launches): {_duration(self.first_seconds)}")
         lines.append(
             "peak ring buffers per rank (received KV and dK/dV slots): "
             + ", ".join(f"r{r}: {m:.2f} MiB / {s} shards" for r, (m, s) in enumerate(zip(mib, self.peak_kv_shards)))
@@ -106,13 +110,32 @@ class RunResult:
         return "\n".join(lines)
 
 
-def _rank_step(group, cfg: RunConfig, backend, full: tuple[torch.Tensor, ...], functional: bool):
-    """One rank's shard, forward and backward; returns (out, dq, dk, dv, seconds, ledger)."""
+def _duration(seconds: float) -> str:
+    """``2.454 s``, or ``12.35 ms`` below a second (a warm call takes milliseconds on a device)."""
+    return f"{seconds:.3f} s" if seconds >= 1 else f"{seconds * 1e3:.2f} ms"
+
+
+def rank_step(group, cfg: RunConfig, backend, full: tuple[torch.Tensor, ...], functional: bool,
+              clock: Callable[[], float] = time.perf_counter):  # fmt: skip
+    """One rank's forward and backward, called twice: the first call, whose time includes building the plans
+    and the first launches, and a warm one, timed alone. Returns ``(out, dq, dk, dv, first call's seconds,
+    warm call's seconds, ledger)``: the outputs and the ledger are the first call's (what is checked)."""
+    out, dq, dk, dv, first, ledger = _call(group, cfg, backend, full, functional, clock)
+    warm = _call(group, cfg, backend, full, functional, clock)[4]
+    return out, dq, dk, dv, first, warm, ledger
+
+
+def _call(group, cfg: RunConfig, backend, full: tuple[torch.Tensor, ...], functional: bool,
+          clock: Callable[[], float]):  # fmt: skip
+    """One call on this rank's shards, forward and backward; returns (out, dq, dk, dv, seconds, ledger)."""
     u = cfg.ulysses
     q, k, v, dout = (shard(x, group.size(), group.rank(), balance=cfg.balance, ulysses=u) for x in full)
     scale = 1.0 / math.sqrt(cfg.head_dim)
+    dq: torch.Tensor | None  # None only were a leaf left out of the graph (autograd's .grad)
+    dk: torch.Tensor | None
+    dv: torch.Tensor | None
     with track_buffers() as ledger:
-        start = time.perf_counter()
+        start = clock()
         if functional and u > 1:  # the hybrid's ring_forward / ring_backward
             hybrid = hybrid_config(q, k, group, backend, u, causal=cfg.causal, scale=scale, balance=cfg.balance)
             out, state = hybrid_forward(q, k, v, hybrid)
@@ -129,53 +152,58 @@ def _rank_step(group, cfg: RunConfig, backend, full: tuple[torch.Tensor, ...], f
             out.backward(dout)
             dq, dk, dv = q.grad, k.grad, v.grad
         backend.synchronize(out.device)
-        seconds = time.perf_counter() - start
+        seconds = clock() - start
     return out.detach(), dq, dk, dv, seconds, ledger
 
 
 def _errors(cfg: RunConfig, full, got) -> dict[str, tuple[float, float]]:
-    ref = reference(*full, cfg.causal)
+    q, k, v, dout = full
+    ref = reference(q, k, v, dout, cfg.causal)
     return {name: error(g, r) for name, g, r in zip(TENSORS, got, ref)}
 
 
-def run_demo(cfg: RunConfig) -> RunResult:
-    """Run the demo on a LocalWorld, or on the torch.distributed world when torchrun started us."""
+def run_demo(cfg: RunConfig, clock: Callable[[], float] = time.perf_counter) -> RunResult:
+    """Run the demo on a LocalWorld, or on the torch.distributed world when torchrun started us; ``clock``
+    times each rank's calls (seconds)."""
     if under_torchrun():
-        return _run_distributed(cfg)
+        return _run_distributed(cfg, clock)
     backend, device = tool_backend(cfg.device)
     full = random_inputs(cfg, cfg.seq, device, cfg.seed)
     world = LocalWorld(cfg.world, device=device)
-    results = world.run(_rank_step, cfg, backend, full, device.type != "cpu")
+    results = world.run(rank_step, cfg, backend, full, device.type != "cpu", clock)
     got = [unshard([r[i] for r in results], balance=cfg.balance, ulysses=cfg.ulysses) for i in range(4)]
     return RunResult(
         cfg,
         _errors(cfg, full, got),
+        max(r[5] for r in results),
         max(r[4] for r in results),
-        [r[5].peak_bytes for r in results],
-        [r[5].peak_kv_shards for r in results],
+        [r[6].peak_bytes for r in results],
+        [r[6].peak_kv_shards for r in results],
         f"LocalWorld of {cfg.world} virtual ranks",
     )
 
 
-def _run_distributed(cfg: RunConfig) -> RunResult:
+def _run_distributed(cfg: RunConfig, clock: Callable[[], float]) -> RunResult:
     import torch.distributed as dist
 
     backend, device, rank, world = join_process_group(cfg.device)
     cfg.world = world
-    check_ulysses_flag(cfg.ulysses, world, cfg.heads, "the torchrun world size")
-    check_hybrid_seq(cfg.seq, world, cfg.ulysses, cfg.balance)
+    ulysses.check_flag(cfg.ulysses, world, cfg.heads, "the torchrun world size")
+    ulysses.check_seq(cfg.seq, world, cfg.ulysses, cfg.balance)
     full = random_inputs(cfg, cfg.seq, device, cfg.seed)
-    out, dq, dk, dv, seconds, ledger = _rank_step(resolve_group(None), cfg, backend, full, functional=False)
+    out, dq, dk, dv, first, warm, ledger = rank_step(resolve_group(None), cfg, backend, full, False, clock)
     gathered = gather_whole((out, dq, dk, dv), world, cfg.balance, cfg.ulysses)
-    stats = torch.tensor([seconds, ledger.peak_bytes, ledger.peak_kv_shards], dtype=torch.float64, device=device)
-    all_stats = [torch.empty_like(stats) for _ in range(world)]
-    dist.all_gather(all_stats, stats)
+    stats = [warm, first, ledger.peak_bytes, ledger.peak_kv_shards]
+    mine = torch.tensor(stats, dtype=torch.float64, device=device)
+    all_stats = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(all_stats, mine)
     return RunResult(
         cfg,
         _errors(cfg, full, gathered),
         max(s[0].item() for s in all_stats),
-        [int(s[1].item()) for s in all_stats],
+        max(s[1].item() for s in all_stats),
         [int(s[2].item()) for s in all_stats],
+        [int(s[3].item()) for s in all_stats],
         f"torch.distributed ({dist.get_backend()}), rank {rank} of {world}",
     )
 
@@ -190,8 +218,8 @@ def add_parser(sub) -> None:
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=d.causal, help="causal mask")
     add_problem_flags(p, d, ["balance", "device"])
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the random inputs")
-    p.add_argument(ULYSSES_FLAG, type=positive, default=d.ulysses,
-                   help=ULYSSES_HELP + " (under torchrun, U divides the world size)")  # fmt: skip
+    p.add_argument(ulysses.FLAG, type=positive, default=d.ulysses,
+                   help=ulysses.HELP + " (under torchrun, U divides the world size)")  # fmt: skip
 
 
 def command(args: argparse.Namespace) -> int:
@@ -199,8 +227,8 @@ def command(args: argparse.Namespace) -> int:
     cfg = RunConfig(world=args.world, seq=args.seq, causal=args.causal, seed=args.seed, ulysses=args.ulysses,
                     **problem_args(args))  # fmt: skip
     if args.ulysses > 1 and not under_torchrun():  # under torchrun, once the world size is known
-        check_ulysses_flag(args.ulysses, args.world, args.heads)
-        check_hybrid_seq(args.seq, args.world, args.ulysses, args.balance)
+        ulysses.check_flag(args.ulysses, args.world, args.heads)
+        ulysses.check_seq(args.seq, args.world, args.ulysses, args.balance)
     result = run_demo(cfg)
     print(result.table())
     return 0 if result.ok else 1

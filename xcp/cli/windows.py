@@ -43,13 +43,14 @@ def parse_window(text: str) -> tuple[int | None, int | None]:
             sides.append(None)
             continue
         try:
-            sides.append(int(part))
+            side = int(part)
         except ValueError:
             sides = []
             break
-        if sides[-1] < 0:
+        if side < 0:
             sides = []
             break
+        sides.append(side)
     if len(parts) != 2 or len(sides) != 2:
         raise argparse.ArgumentTypeError(
             f"expected L,R: keys i-L..i+R for query i, each an integer >= 0 or none (unbounded); got {text!r}"
@@ -57,7 +58,7 @@ def parse_window(text: str) -> tuple[int | None, int | None]:
     return sides[0], sides[1]
 
 
-def check(window: tuple | None, causal: bool) -> tuple[int, int | None] | None:
+def check(window: tuple | None, causal: bool) -> tuple[int | None, int | None] | None:
     """A parsed ``--window`` checked against the mask: None stays None; a window that bounds nothing (the
     dense ring) or a right side with a causal mask is a ValueError naming ``--window``."""
     if window is None:

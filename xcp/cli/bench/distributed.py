@@ -14,15 +14,16 @@ it for NCCL). Three figures, all printed by rank 0:
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..api import attention, shard
-from ..lifetime import track_buffers
-from .common import (
+from ...api import attention, shard
+from ...lifetime import track_buffers
+from ..common import (
     Clock,
     Measurement,
     Problem,
@@ -44,6 +45,7 @@ from .common import (
     whole_kernel,
     write_json,
 )
+from .config import SIZE_FLAGS
 
 
 @dataclass
@@ -124,11 +126,12 @@ def run_distributed_bench(cfg: DistBenchConfig) -> dict[str, Any] | None:
         times = []
         for _ in range(cfg.reps):
             dist.barrier()
-            times.append(clock.time(lambda s=shards: _ring_step(cfg, s)))
-        t = torch.tensor([median(times)], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times.append(clock.time(functools.partial(_ring_step, cfg, shards)))
+        slowest = torch.tensor([median(times)], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         flops = attention_flops(cfg.batch, seq, cfg.heads, cfg.head_dim, True, True)
-        row = {"seq": seq, "seconds": t.item(), "tflops_per_rank": flops / world / t.item() / 1e12}
+        seconds = slowest.item()
+        row = {"seq": seq, "seconds": seconds, "tflops_per_rank": flops / world / seconds / 1e12}
         if rank == 0:
             row["efficiency"] = row["tflops_per_rank"] / report["reference"]["tflops"]
         rows.append(row)
@@ -141,17 +144,17 @@ def run_distributed_bench(cfg: DistBenchConfig) -> dict[str, Any] | None:
     shards = random_inputs(cfg, local, device, seed=200 + rank)
     for policy in ("bounded", "keep_all"):
         with track_buffers() as ledger:
-            device_bytes = device_peak(backend, device, lambda p=policy: _ring_step(cfg, shards, p))
+            device_bytes = device_peak(backend, device, functools.partial(_ring_step, cfg, shards, policy))
         vals = [ledger.peak_bytes, ledger.peak_kv_shards, -1 if device_bytes is None else device_bytes]
-        t = torch.tensor(vals, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        peaks = torch.tensor(vals, dtype=torch.float64, device=device)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
         mem.append(
             {
                 "policy": policy,
                 "seq": cfg.memory_seq,
-                "peak_ring_bytes": int(t[0]),
-                "peak_kv_shards": int(t[1]),
-                "device_peak_over_start_bytes": int(t[2]),
+                "peak_ring_bytes": int(peaks[0]),
+                "peak_kv_shards": int(peaks[1]),
+                "device_peak_over_start_bytes": int(peaks[2]),
             }
         )
     report["memory"] = mem
@@ -200,10 +203,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
+    """``xcp bench --distributed``: rank 0 prints the tables; the exit status is 1 when the check failed."""
     if not under_torchrun():
         raise RuntimeError("--distributed: expected to run under torchrun (RANK and WORLD_SIZE set); they are not")
-    from .bench import SIZE_FLAGS
-
     backend, _ = tool_backend(args.device)  # an unknown or unusable backend: the error and the table, first
     note = apply_size_defaults(args, backend, (*SIZE_FLAGS, "check_seq", "reference_seq"))
     cfg = DistBenchConfig(
