@@ -11,7 +11,8 @@
 #   benchmarks/h200.sh turns    # LocalWorld tests, world of one, 16K over 8 ranks, host per step, world_profile.py
 #   benchmarks/h200.sh replay   # cuda tests, then 16K/64K/128K rings and the hybrid at 16K, eager and replayed as graphs
 #   benchmarks/h200.sh pairs    # cuda tests, 16K/64K over 8 ranks with and without the pair kernels, GPU profile
-#   benchmarks/h200.sh renovated  # cuda tests, conformance, settings, the files of one call, xcp run, 16K/64K rings
+#   benchmarks/h200.sh renovated  # cuda tests, conformance, settings, the files of one call, xcp run
+#   benchmarks/h200.sh renovated-bench  # 16K/64K over 8 ranks eager and replayed, world of one, host µs per step
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -186,10 +187,16 @@ renovated)
   section "xcp run on cuda (the warm call's time and the first call's)"
   timeout 120 xcp run --device cuda --dtype bfloat16 --seq 8192 --heads 32 --kv-heads 8 --head-dim 128 2>&1 \
     | tee "$out/run.txt"
-  section "16K and 64K over 8 virtual ranks, eager and replayed"
-  timeout 200 xcp bench --replay --seqs 16384,65536 --worlds 8 --reps 5 --no-graph --memory-seq 65536 \
-    --memory-worlds 8 --quiet --json "$out/renovated.json" 2>&1 | tee "$out/renovated.txt"
   ;;
-*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated" >&2; exit 2 ;;
+renovated-bench)
+  section "16K and 64K over 8 virtual ranks, eager and replayed"
+  timeout 240 xcp bench --replay --seqs 16384,65536 --worlds 8 --reps 5 --no-graph --memory-seq 65536 \
+    --memory-worlds 8 --quiet --json "$out/renovated.json" 2>&1 | tee "$out/renovated.txt"
+  section "xcp bench --world-of-one (S = 1K, 4K; against torch SDPA)"
+  timeout 150 xcp bench --world-of-one --reps 9 --quiet 2>&1 | tee "$out/world_of_one.txt"
+  section "xcp bench --host (host µs per ring step at 2K tokens per rank)"
+  timeout 100 xcp bench --host --worlds 8 --host-tokens 2048 --mask causal --seqs 1024 --quiet 2>&1 | tee "$out/host.txt"
+  ;;
+*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench" >&2; exit 2 ;;
 esac
 section done
