@@ -17,7 +17,7 @@ from strategies import random_inputs
 from test_documents import masked_reference
 
 import xcp
-from xcp.comm import LocalGroup, hybrid_groups, hybrid_members
+from xcp.comm import LocalGroup, hybrid_members
 from xcp.hybrid import (
     alltoall_bytes,
     heads_to_tokens,
@@ -223,7 +223,7 @@ def test_the_all_to_all_gathers_the_ring_shard_and_inverts(world, ulysses):
 
     def rank_fn(group, balance):
         r = group.rank()
-        head, ring = hybrid_groups(group, ulysses)
+        head, ring = group.hybrid_groups(ulysses)
         assert (head.rank(), head.size(), ring.rank(), ring.size()) == (
             r % ulysses,
             ulysses,

@@ -220,13 +220,13 @@ def test_the_pinned_cpu_falls_back_to_an_allowed_one(monkeypatch):
     allowed CPU; a CPU taken away before the thread starts leaves the rank unpinned, not failed."""
     import ctypes
 
-    from xcp import comm
+    from xcp.comm.threads import current_cpu
 
     def no_libc(*args, **kwargs):
         raise OSError("no libc here")
 
     monkeypatch.setattr(ctypes, "CDLL", no_libc)
-    assert comm._current_cpu() == min(os.sched_getaffinity(0))
+    assert current_cpu() == min(os.sched_getaffinity(0))
     world = xcp.LocalWorld(2, cooperative=True)
     world._cpu = 10**6  # not a CPU of this machine: sched_setaffinity raises, the rank runs unpinned
     assert world.run(lambda g: os.sched_getaffinity(0)) == [os.sched_getaffinity(0)] * 2
@@ -271,9 +271,9 @@ def test_a_thread_outside_the_turns_waits_for_a_cooperative_mailbox():
     """Mail for a thread that does not hold the turn (not a rank's job) wakes it when put, or the wait
     times out naming what it waited for."""
     world = xcp.LocalWorld(2, timeout=0.3, cooperative=True)
-    timer = threading.Timer(0.05, world._put, args=(("post", 0, 1, "kv", 0), "item"))
+    timer = threading.Timer(0.05, world.mail.put, args=(("post", 0, 1, "kv", 0), "item"))
     timer.start()
-    assert world._take(0, ("post", 0, 1, "kv", 0), lambda: "the item") == "item"
+    assert world.mail.take(0, ("post", 0, 1, "kv", 0), lambda: "the item") == "item"
     timer.join()
     with pytest.raises(CommTimeout, match=r"rank 0 waited 0\.3 s for the item; is a peer stuck or missing\?"):
-        world._take(0, ("post", 0, 1, "kv", 1), lambda: "the item")
+        world.mail.take(0, ("post", 0, 1, "kv", 1), lambda: "the item")
