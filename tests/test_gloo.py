@@ -358,6 +358,9 @@ HYBRID_WORKER = textwrap.dedent(
                             cu_seqlens=cu, window=case["window"], sinks=sinks)
         out.backward(xcp.shard(case["dout"], p, r, balance=bal, ulysses=u))
         results[name] = [out.detach()] + [t.grad for t in local] + [None if sinks is None else sinks.grad]
+    from xcp.comm import DistCommunicator  # the default group's head group and ring, made (and cached) above
+
+    results["sub-group timeouts"] = [c.group_timeout for c in DistCommunicator(None).hybrid_groups(2)]
     torch.save(results, f"{workdir}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -412,6 +415,8 @@ def test_gloo_hybrid_all_to_all_and_ring_matches_the_reference(tmp_path, world):
                 p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)
     per_rank = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(world)}
+    for r in range(world):  # the sub-groups xcp made keep the timeout of the group they split (60 s)
+        assert per_rank[r]["sub-group timeouts"] == [60.0, 60.0], per_rank[r]["sub-group timeouts"]
     for name, case in cases.items():
         parts = [per_rank[r][name] for r in case["members"]]
         cu = case["cu"] or (0, case["q"].shape[1])

@@ -39,13 +39,14 @@ DEFAULT_TIMEOUT = 600.0
 default bound is 30 minutes, far too long to learn that a peer is stuck."""
 
 
-def group_timeout(group: Any, device: str = "cpu") -> float | None:
+def group_timeout(group: Any, device: str | None = "cpu") -> float | None:
     """Seconds of ``group``'s own timeout (set by ``init_process_group`` / ``new_group(timeout=...)``) for
-    its ``device`` backend; None where the group has no such backend or torch does not say."""
+    its ``device`` backend (None: its first); None where the group has no such backend or torch does not say."""
     try:
         # torch keeps the timeout in the options of the group's backend object (private, untyped here)
-        return float(group._get_backend(torch.device(device)).options._timeout.total_seconds())
-    except (AttributeError, RuntimeError, TypeError, ValueError):
+        dev = group._device_types[0] if device is None else torch.device(device)
+        return float(group._get_backend(dev).options._timeout.total_seconds())
+    except (AttributeError, IndexError, RuntimeError, TypeError, ValueError):
         return None
 
 
@@ -206,7 +207,7 @@ def _hybrid_process_groups(comm: DistCommunicator, ulysses: int) -> tuple[Any, A
     dist = comm._dist
     members = comm.members
     whole = sorted(members) == list(range(dist.get_world_size()))
-    own = comm.group_timeout
+    own = group_timeout(comm.group, None)
     key = (members, ulysses, whole, own)
     with _dist_groups_lock:
         have = _dist_groups.get(key)
