@@ -267,19 +267,19 @@ def test_numpy_scalars_are_accepted_like_python_ones():
 
 @pytest.mark.parametrize(("raw", "want"), [("", None), ("  ", None), ("2.5", 2.5), ("30", 30.0)])
 def test_the_timeout_environment_variable(monkeypatch, raw, want):
-    from xcp.comm import timeout_from_env
+    from xcp.settings import TIMEOUT
 
     monkeypatch.setenv("XCP_TIMEOUT", raw)
-    assert timeout_from_env() == want
+    assert TIMEOUT.read() == want
 
 
 @pytest.mark.parametrize("raw", ["soon", "0", "-3", "nan", "inf"])
 def test_a_bad_timeout_environment_variable_is_named(monkeypatch, raw):
-    from xcp.comm import timeout_from_env
+    from xcp.settings import TIMEOUT
 
     monkeypatch.setenv("XCP_TIMEOUT", raw)
     with raises(ValueError, "XCP_TIMEOUT: expected a positive", repr(raw) if raw == "soon" else raw):
-        timeout_from_env()
+        TIMEOUT.read()
 
 
 # ------------------------------------------------------------------------------- documents and sinks

@@ -137,10 +137,8 @@ FAULT_WORKER = textwrap.dedent(
     import xcp
 
     rank, world, workdir, scenario = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    dist.init_process_group(
-        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    # no timeout given: the default group keeps gloo's default (30 minutes)
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 6 * world, 2, 4, dtype=torch.float64) for _ in range(3))
     local = [xcp.shard(x, world, rank) for x in (q, k, v)]
@@ -157,6 +155,22 @@ FAULT_WORKER = textwrap.dedent(
     if scenario == "disagree":  # rank 1 alone asks for full attention, then all agree
         results["first"] = outcome(lambda: xcp.attention(*local, causal=rank != 1))
         results["then"] = outcome(lambda: xcp.attention(*local, causal=True))
+    elif scenario == "asleep":  # a group with its own 5-s timeout; rank 1 sleeps before its second K/V exchange
+        from xcp.comm import DistCommunicator
+
+        group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=5))
+        results["bounds"] = [DistCommunicator(g).wait_bound(torch.device("cpu")) for g in (None, group)]
+        exchange, tags = DistCommunicator.exchange, []
+
+        def sleepy(self, sends, recvs, tag, *args, **kwargs):
+            tags.append(tag)
+            if rank == 1 and tags.count("kv") == 2:
+                time.sleep(120)
+            return exchange(self, sends, recvs, tag, *args, **kwargs)
+
+        DistCommunicator.exchange = sleepy
+        local = [x.requires_grad_() for x in local]
+        results["then"] = outcome(lambda: xcp.attention(*local, causal=True, group=group).sum().backward())
     else:  # "stuck": all agree once, then the last rank sleeps in user code while the others call again
         results["first"] = outcome(lambda: xcp.attention(*local, causal=True))
         if rank == world - 1:
@@ -170,9 +184,10 @@ FAULT_WORKER = textwrap.dedent(
 )
 
 
-def run_fault_ranks(world: int, workdir: Path, scenario: str, wait_for: list[int]) -> dict[int, dict]:
-    """Start ``world`` ranks of FAULT_WORKER; wait (60 s at most) for the ranks ``wait_for``, kill the rest."""
-    procs = start_ranks(FAULT_WORKER, world, workdir, scenario, XCP_TIMEOUT="2")
+def run_fault_ranks(world: int, workdir: Path, scenario: str, wait_for: list[int], env_timeout: str = "2") -> dict:
+    """Start ``world`` ranks of FAULT_WORKER with ``XCP_TIMEOUT=env_timeout`` ("": unset); wait (60 s at most)
+    for the ranks ``wait_for``, kill the rest."""
+    procs = start_ranks(FAULT_WORKER, world, workdir, scenario, XCP_TIMEOUT=env_timeout)
     try:
         logs = {}
         for r in wait_for:
@@ -205,6 +220,25 @@ def test_a_stuck_gloo_peer_fails_the_others_within_the_bound(tmp_path):
     assert results[1]["then"]["message"].startswith("xcp: rank 1 sending kv0 to rank 2 at step 0")
 
 
+def test_a_peer_asleep_fails_every_other_rank_within_the_groups_own_timeout(tmp_path):
+    """Neither timeout= nor XCP_TIMEOUT: a group made with a 5-s timeout bounds xcp's waits by its 5 s (not
+    xcp's default of 600 s), so both other ranks fail with CommTimeout naming themselves, the sleeper, the
+    step and the tag; the default group (30 minutes) is bounded by xcp's default."""
+    from xcp.comm import DEFAULT_TIMEOUT
+
+    results = run_fault_ranks(3, tmp_path, "asleep", wait_for=[0, 2], env_timeout="")
+    for r in (0, 2):
+        assert results[r]["bounds"] == [DEFAULT_TIMEOUT, 5.0], results[r]
+        then = results[r]["then"]
+        assert then.get("error") == "CommTimeout", then
+        assert then["seconds"] < 30, f"rank {r} waited {then['seconds']:.1f} s against the group's 5 s"
+        assert "no progress within 5 s; is rank 1 stuck" in then["message"], then
+        assert "the process group's own timeout" in then["message"], then
+    # rank 0 waits to send to the sleeper, rank 2 to receive from it: both at step 1 of the K/V ring
+    assert results[0]["then"]["message"].startswith("xcp: rank 0 sending kv0 to rank 1 at step 1"), results[0]
+    assert results[2]["then"]["message"].startswith("xcp: rank 2 receiving kv0 from rank 1 at step 1"), results[2]
+
+
 def test_gloo_ranks_that_disagree_all_raise_and_then_recover(tmp_path):
     results = run_fault_ranks(3, tmp_path, "disagree", wait_for=[0, 1, 2])
     messages = {results[r]["first"].get("message") for r in range(3)}
@@ -219,11 +253,18 @@ def test_which_waits_xcp_bounds(monkeypatch):
     from xcp.comm import DEFAULT_TIMEOUT, DistCommunicator
 
     comm = DistCommunicator.__new__(DistCommunicator)  # the bound alone, without a process group
-    comm.timeout = None
+    comm.timeout, comm.group_timeout = None, 1800.0  # gloo's default group timeout: 30 minutes
     assert comm.wait_bound(torch.device("cpu")) == DEFAULT_TIMEOUT  # gloo's wait blocks the host anyway
     assert comm.wait_bound(torch.device("cuda", 0)) is None  # a stream wait: the process group's timeout
+    comm.group_timeout = None  # a group whose timeout torch does not tell
+    assert comm.wait_bound(torch.device("cpu")) == DEFAULT_TIMEOUT
+    comm.group_timeout = 5.0  # the group's own, shorter: never outwaited
+    assert comm.wait_bound(torch.device("cpu")) == 5.0
+    assert comm.wait_bound(torch.device("cuda", 0)) is None
     comm.timeout = 3.0
     assert comm.wait_bound(torch.device("cuda", 0)) == 3.0  # asked for: the host waits, bounded
+    comm.timeout = 60.0
+    assert comm.wait_bound(torch.device("cpu")) == 60.0  # asked for: longer than the group's own, as asked
 
 
 COMPILE_WORKER = textwrap.dedent(
@@ -317,6 +358,9 @@ HYBRID_WORKER = textwrap.dedent(
                             cu_seqlens=cu, window=case["window"], sinks=sinks)
         out.backward(xcp.shard(case["dout"], p, r, balance=bal, ulysses=u))
         results[name] = [out.detach()] + [t.grad for t in local] + [None if sinks is None else sinks.grad]
+    from xcp.comm import DistCommunicator  # the default group's head group and ring, made (and cached) above
+
+    results["sub-group timeouts"] = [c.group_timeout for c in DistCommunicator(None).hybrid_groups(2)]
     torch.save(results, f"{workdir}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -371,6 +415,8 @@ def test_gloo_hybrid_all_to_all_and_ring_matches_the_reference(tmp_path, world):
                 p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)
     per_rank = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(world)}
+    for r in range(world):  # the sub-groups xcp made keep the timeout of the group they split (60 s)
+        assert per_rank[r]["sub-group timeouts"] == [60.0, 60.0], per_rank[r]["sub-group timeouts"]
     for name, case in cases.items():
         parts = [per_rank[r][name] for r in case["members"]]
         cu = case["cu"] or (0, case["q"].shape[1])

@@ -17,7 +17,7 @@ from helpers import independent_masked_reference, run_sharded
 from strategies import random_inputs
 
 import xcp
-from xcp.comm import LocalGroup, hybrid_groups, hybrid_members
+from xcp.comm import LocalGroup, hybrid_members
 from xcp.hybrid import (
     heads_to_tokens,
     hybrid_backward,
@@ -205,7 +205,7 @@ def test_the_all_to_all_gathers_the_ring_shard_and_inverts(world, ulysses):
 
     def rank_fn(group, balance):
         r = group.rank()
-        head, ring = hybrid_groups(group, ulysses)
+        head, ring = group.hybrid_groups(ulysses)
         assert (head.rank(), head.size(), ring.rank(), ring.size()) == (
             r % ulysses,
             ulysses,

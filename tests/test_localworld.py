@@ -166,6 +166,47 @@ def test_ranks_keep_their_threads_from_run_to_run_and_a_stuck_one_is_replaced():
     release.set()
 
 
+def test_a_world_closes_with_its_context_and_then_refuses_to_run():
+    before = set(threading.enumerate())
+    with xcp.LocalWorld(3) as world:
+        threads = world.run(lambda g: threading.current_thread())
+        assert not world.closed and all(t.is_alive() for t in threads)
+    assert world.closed
+    assert not any(t.is_alive() for t in threads)  # close joined the idle rank threads
+    assert set(threading.enumerate()) <= before  # the thread count is back where it was
+    with pytest.raises(RuntimeError, match=r"LocalWorld.run: expected an open world; got one closed by close\(\)"):
+        world.run(lambda g: None)
+    world.close()  # closing twice is fine
+
+
+def test_close_leaves_a_rank_stuck_in_user_code_behind_as_a_daemon_until_it_returns():
+    """A stuck rank's thread cannot be stopped from outside: close joins the others, and the stuck one (also
+    one replaced by a new thread for the next run) ends when its job returns."""
+    release = threading.Event()
+    seen: dict[int, threading.Thread] = {}
+
+    def rank_fn(group, stuck_rank):
+        seen.setdefault(group.rank(), threading.current_thread())
+        if group.rank() == stuck_rank:
+            release.wait(10)
+
+    world = xcp.LocalWorld(2, timeout=0.1)
+    before = set(threading.enumerate())
+    try:
+        with pytest.raises(RuntimeError, match="rank 1 of 2 did not finish"):
+            world.run(rank_fn, 1)
+        stuck = seen.pop(1)
+        world.run(rank_fn, None)  # rank 1 runs on a new thread
+        world.close()
+        assert not seen[0].is_alive() and not seen[1].is_alive()
+        assert stuck.is_alive() and stuck.daemon
+    finally:
+        release.set()
+    stuck.join(5)
+    assert not stuck.is_alive()
+    assert set(threading.enumerate()) <= before
+
+
 @pytest.mark.parametrize("cooperative", [False, True])
 def test_cooperative_ranks_take_turns_and_compute_the_same(cooperative):
     """In a cooperative world one rank runs at a time (a kernel that dawdles never overlaps another rank's);
@@ -220,13 +261,13 @@ def test_the_pinned_cpu_falls_back_to_an_allowed_one(monkeypatch):
     allowed CPU; a CPU taken away before the thread starts leaves the rank unpinned, not failed."""
     import ctypes
 
-    from xcp import comm
+    from xcp.comm.threads import current_cpu
 
     def no_libc(*args, **kwargs):
         raise OSError("no libc here")
 
     monkeypatch.setattr(ctypes, "CDLL", no_libc)
-    assert comm._current_cpu() == min(os.sched_getaffinity(0))
+    assert current_cpu() == min(os.sched_getaffinity(0))
     world = xcp.LocalWorld(2, cooperative=True)
     world._cpu = 10**6  # not a CPU of this machine: sched_setaffinity raises, the rank runs unpinned
     assert world.run(lambda g: os.sched_getaffinity(0)) == [os.sched_getaffinity(0)] * 2
@@ -271,9 +312,9 @@ def test_a_thread_outside_the_turns_waits_for_a_cooperative_mailbox():
     """Mail for a thread that does not hold the turn (not a rank's job) wakes it when put, or the wait
     times out naming what it waited for."""
     world = xcp.LocalWorld(2, timeout=0.3, cooperative=True)
-    timer = threading.Timer(0.05, world._put, args=(("post", 0, 1, "kv", 0), "item"))
+    timer = threading.Timer(0.05, world.mail.put, args=(("post", 0, 1, "kv", 0), "item"))
     timer.start()
-    assert world._take(0, ("post", 0, 1, "kv", 0), lambda: "the item") == "item"
+    assert world.mail.take(0, ("post", 0, 1, "kv", 0), lambda: "the item") == "item"
     timer.join()
     with pytest.raises(CommTimeout, match=r"rank 0 waited 0\.3 s for the item; is a peer stuck or missing\?"):
-        world._take(0, ("post", 0, 1, "kv", 1), lambda: "the item")
+        world.mail.take(0, ("post", 0, 1, "kv", 1), lambda: "the item")
