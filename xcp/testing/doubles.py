@@ -1,4 +1,4 @@
-"""Stand-ins for xcp's core protocols (a communicator, a backend's block kernels, a pending exchange), for the
+"""Stand-ins for xcp's core protocols (a communicator, a backend's block kernels), for the
 tools that measure one part of a call in isolation (``xcp bench``, benchmarks/) and for the tests.
 
 Each wraps or replaces one protocol and nothing else, so that what is measured or checked is the code around
@@ -13,12 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-
-class DoneWork:
-    """A pending exchange that is already complete: ``wait`` returns at once."""
-
-    def wait(self) -> None:
-        pass
+from ..comm import DoneWork
 
 
 class CountingCommunicator:
