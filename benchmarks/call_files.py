@@ -2,8 +2,8 @@
 
 docs/architecture.md follows one call file by file; this lists the files the call really enters (Python
 frames by ``sys.setprofile`` in every rank's thread), so the count there is
-measured, not remembered. A first call builds the plugin registry, plans and caches; the call traced is
-the second of the same configuration, as in a training loop.
+measured, not remembered. The first calls build the plugin registry, remember the backend chosen, plan and
+cache; the call traced is the third of the same configuration, as in a training loop.
 
     python3 benchmarks/call_files.py --device cuda --world 2          # one forward on a GPU
     python3 benchmarks/call_files.py --device cpu --world 2 --backward
@@ -21,17 +21,18 @@ import torch
 import xcp
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("xcp", "xcp_cuda", "xcp_npu")
 
 
 def traced_files(device: str, world: int, backward: bool, dtype: torch.dtype) -> list[str]:
-    """The repository files entered by the second of two equal calls, in order of first entry."""
+    """The repository files entered by the third of three equal calls, in order of first entry."""
     seen: dict[str, None] = {}
     tracing = threading.Event()
 
     def profile(frame, event, arg):  # noqa: ARG001 - the sys.setprofile signature
         if event == "call":
             path = Path(frame.f_code.co_filename)
-            if path.is_relative_to(ROOT) and path.name != Path(__file__).name:
+            if path.is_relative_to(ROOT) and path.relative_to(ROOT).parts[0] in PACKAGES:
                 seen.setdefault(str(path.relative_to(ROOT)), None)
 
     torch.manual_seed(0)
@@ -53,7 +54,8 @@ def traced_files(device: str, world: int, backward: bool, dtype: torch.dtype) ->
         return out.detach()
 
     with xcp.LocalWorld(world, device=device) as w:
-        w.run(rank)  # the first call: registry, plans, caches
+        for _ in range(2):  # the first calls: registry, backend choice, plans, caches
+            w.run(rank)
         tracing.set()
         w.run(rank)
     return list(seen)
