@@ -79,7 +79,8 @@ def attention(
     :param timeout: seconds a wait on a peer of a torch.distributed group may take before a
         :class:`xcp.CommTimeout` naming this rank, the peer, the step and the tag; default ``XCP_TIMEOUT``,
         else, where the wait blocks the host (gloo), the process group's own timeout but at most 600 s, and
-        for device waits (NCCL, HCCL) the process group's own timeout. A LocalWorld bounds its waits by its own ``timeout``.
+        for device waits (NCCL, HCCL) the process group's own timeout. A LocalWorld bounds its waits by its
+        own ``timeout``.
     :param policy: the former name of ``slots`` (deprecated).
     :param ulysses: U, the ranks of a head group (hybrid all-to-all + ring; xcp/hybrid.py): the P ranks of
         ``group`` form P / U rings of R = P / U ranks; an all-to-all inside each group of U consecutive ranks
