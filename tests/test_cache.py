@@ -370,3 +370,9 @@ def test_gloo_processes(tmp_path: Path, world):
         assert got["nbytes"] == got["local_len"] * token_bytes  # capacity = total: exactly its share
         for out, want in zip(got["outs"], wants):
             assert (out - want).abs().max().item() < 1e-10
+
+
+def test_attention_points_longer_keys_to_the_cache():
+    q, k, v = inputs(8)
+    with pytest.raises(ValueError, match="use xcp.KVCache"):
+        xcp.attention(q[:, :1], k, v, causal=True)
