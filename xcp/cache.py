@@ -18,6 +18,7 @@ gather's receive buffer is made on C before M forks, as rule 1 has it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -42,8 +43,9 @@ from .lifetime import RingCall
 from .plugins import select_backend
 from .ring import BlockCall
 
-GROWTH = 2
-"""Without ``capacity``, storage that runs out grows to this many times what it needs (amortised appends)."""
+GROWTH = 1.25
+"""Without ``capacity``, storage that runs out grows to this many times its room (at least to what it needs):
+appends stay amortised O(1) while room beyond the tokens held stays within a quarter of them."""
 
 
 class KVCache:
@@ -171,7 +173,7 @@ class KVCache:
             if self.capacity is not None:
                 room = cache_plan.held(self.capacity, self._world, self._rank)
             else:
-                room = max(need, GROWTH * (0 if self._k is None else self._k.shape[1]))
+                room = max(need, math.ceil(GROWTH * (0 if self._k is None else self._k.shape[1])))
             b, h, d, dtype, device = layout
             grown = [torch.empty((b, room, h, d), dtype=dtype, device=device) for _ in range(2)]
             if self._k is not None and self._v is not None:
