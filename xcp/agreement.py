@@ -183,15 +183,28 @@ def check_agreement(
     if comm.size() == 1 or backend.is_capturing():
         return
     s = spec
-    values = fingerprint(q, k, v, s.causal, s.balance, s.scale, s.documents, sinks, s.window, s.ulysses)
+    agree(comm, backend, fingerprint(q, k, v, s.causal, s.balance, s.scale, s.documents, sinks, s.window, s.ulysses),
+          q.device)  # fmt: skip
+
+
+def agree(comm: Any, backend: Any, values: Any, device: torch.device, key: tuple | None = None) -> None:
+    """Raise a ValueError on every rank when the ranks' fingerprints ``values`` (see :func:`fingerprint`)
+    differ; a no-op for a configuration the group has agreed on before. Every rank of the group calls it.
+
+    :param values: the fingerprint, or a function that makes it (called only when the check runs).
+    :param key: what the group remembers as agreed, where it is not the fingerprint itself (the KV cache
+        compares its global length on the first call of a configuration, and leaves it out of the key).
+    """
     agreed = agreed_set(comm)
-    if values in agreed:
+    if (values if key is None else key) in agreed:
         return
-    mine = torch.tensor(values, dtype=torch.int64, device=q.device)
+    if callable(values):
+        values = values()
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
     rows = ring_gather(comm, backend, mine)
     message = disagreement(rows)
     if message is not None:
         raise ValueError(message)
     if len(agreed) >= MAX_AGREED:
         agreed.clear()
-    agreed.add(values)
+    agreed.add(values if key is None else key)
