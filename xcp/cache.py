@@ -91,7 +91,7 @@ class KVCache:
         self._v: torch.Tensor | None = None
         self._local = 0
         self._seq = 0
-        self._runs: tuple[cache_plan.Run, ...] = ()
+        self._runs: tuple[cache_plan.PositionRun, ...] = ()
         self._appended = False
 
     # ------------------------------------------------------------------ what the cache holds

@@ -10,7 +10,7 @@ the positions round-robin would give it: ``S // P + (r < S % P)`` of S, within o
 rank (:func:`held`), which also bounds a preallocated cache (``capacity=N``: rank r needs ``held(N, P, r)``).
 
 **Storage.** A rank stores its tokens in position order (a prefill's shard is in position order for every
-balance, and appends come later), as :class:`Run` s of evenly spaced positions. So the keys a query at
+balance, and appends come later), as :class:`PositionRun` s of evenly spaced positions. So the keys a query at
 position s may see (``s - left <= p <= s + right``; ``right`` 0 when causal, unbounded without a window)
 form one storage range ``[lo(s), hi(s))``, and both ends grow with s.
 
@@ -27,8 +27,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+from .documents import PositionRun, Segment, diagonal_segment, position_runs, rows_at_most, runs
 from .documents import Run as Call
-from .documents import Segment, _count_at_most, _Piece, _pieces, diagonal_segment, runs
 
 _FAR = 1 << 62  # stands for an unbounded side in integer arithmetic
 
@@ -55,16 +55,12 @@ def combine_bytes(world_size: int, batch: int, queries: int, heads: int, head_di
     return world_size * batch * queries * heads * (head_dim + 1) * element_size
 
 
-Run = _Piece
-"""Stored tokens ``local0 .. local0 + count - 1`` at positions ``global0 + stride * t``, in storage order."""
-
-
-def prefill_runs(seq_len: int, world_size: int, rank: int, balance: str) -> tuple[Run, ...]:
+def prefill_runs(seq_len: int, world_size: int, rank: int, balance: str) -> tuple[PositionRun, ...]:
     """The runs of the shard ``xcp.shard`` gives ``rank`` of a prompt of ``seq_len`` tokens."""
-    return _pieces(seq_len, world_size, rank, balance)
+    return position_runs(seq_len, world_size, rank, balance)
 
 
-def extend(stored: Sequence[Run], first: int, count: int) -> tuple[Run, ...]:
+def extend(stored: Sequence[PositionRun], first: int, count: int) -> tuple[PositionRun, ...]:
     """``stored`` with ``count`` contiguous positions from ``first`` appended (joining the last run where
     they continue it evenly: a rank's decode tokens form one run of stride P)."""
     if count == 0:
@@ -72,25 +68,25 @@ def extend(stored: Sequence[Run], first: int, count: int) -> tuple[Run, ...]:
     out = list(stored)
     last = out[-1] if out else None
     if last is None:
-        return (Run(0, first, 1, count),)
+        return (PositionRun(0, first, 1, count),)
     end = last.global0 + last.stride * (last.count - 1)
     if first <= end:
         raise AssertionError(f"xcp.cache_plan: position {first} stored after {end}")
     if count == 1 and (last.count == 1 or first == end + last.stride):
         stride = first - last.global0 if last.count == 1 else last.stride
-        out[-1] = Run(last.local0, last.global0, stride, last.count + 1)
+        out[-1] = PositionRun(last.local0, last.global0, stride, last.count + 1)
     elif last.stride == 1 and first == end + 1:
-        out[-1] = Run(last.local0, last.global0, 1, last.count + count)
+        out[-1] = PositionRun(last.local0, last.global0, 1, last.count + count)
     else:
-        out.append(Run(last.local0 + last.count, first, 1, count))
+        out.append(PositionRun(last.local0 + last.count, first, 1, count))
     return tuple(out)
 
 
-def visible(stored: Sequence[Run], position: int, window: tuple[int, int]) -> tuple[int, int]:
+def visible(stored: Sequence[PositionRun], position: int, window: tuple[int, int]) -> tuple[int, int]:
     """The storage range ``[lo, hi)`` a query at ``position`` sees under ``window`` (``(left, right)``,
     with :data:`_FAR` for an unbounded side)."""
     left, right = window
-    return _count_at_most(stored, position - left - 1), _count_at_most(stored, position + right)
+    return rows_at_most(stored, position - left - 1), rows_at_most(stored, position + right)
 
 
 def _fits(prev: tuple[int, int], row: tuple[int, int], rising_lo: bool, flat_hi: bool) -> bool:
@@ -112,10 +108,14 @@ def _segment(rows: list[tuple[int, int]], r0: int) -> Segment:
 
 @functools.lru_cache(maxsize=256)
 def partial_calls(
-    stored: tuple[Run, ...], seq_len: int, queries: int, causal: bool, window: tuple[int | None, int | None] | None
+    stored: tuple[PositionRun, ...],
+    seq_len: int,
+    queries: int,
+    causal: bool,
+    window: tuple[int | None, int | None] | None,
 ) -> tuple[Call, ...]:
     """The kernel calls of the local partial: the ``queries`` last positions of a cache of ``seq_len``
-    tokens against the rank's ``stored`` runs, as :class:`xcp.documents.Run` s over (query rows, storage
+    tokens against the rank's ``stored`` runs, as :class:`xcp.documents.PositionRun` s over (query rows, storage
     rows). Rows no call covers see none of the rank's tokens."""
     left, right = window if window is not None else (None, None)
     sides = (_FAR if left is None else left, 0 if causal else (_FAR if right is None else right))

@@ -116,7 +116,7 @@ def check_cu_seqlens(cu: object, seq_len: int | None = None, name: str = "cu_seq
 
 # ---------------------------------------------------------------------------------------------- local maps
 @dataclass(frozen=True)
-class _Piece:
+class PositionRun:
     """Local rows [local0, local0 + count) hold global positions global0 + stride * t."""
 
     local0: int
@@ -125,11 +125,12 @@ class _Piece:
     count: int
 
 
-def _pieces(seq_len: int, world: int, rank: int, balance: str) -> tuple[_Piece, ...]:
+def position_runs(seq_len: int, world: int, rank: int, balance: str) -> tuple[PositionRun, ...]:
+    """The runs of the shard :func:`xcp.shard` gives ``rank`` of a sequence of ``seq_len`` tokens."""
     out, local = [], 0
     for start, stop, step in schedule.chunk_slices(seq_len, world, rank, balance):
         count = len(range(start, stop, step))
-        out.append(_Piece(local, start, step, count))
+        out.append(PositionRun(local, start, step, count))
         local += count
     return tuple(out)
 
@@ -138,7 +139,7 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _local_range(pieces: Sequence[_Piece], lo: int, hi: int) -> tuple[int, int]:
+def _local_range(pieces: Sequence[PositionRun], lo: int, hi: int) -> tuple[int, int]:
     """Local rows whose global position lies in [lo, hi): contiguous, since the map is monotone."""
     first: int | None = None
     last = 0
@@ -152,14 +153,14 @@ def _local_range(pieces: Sequence[_Piece], lo: int, hi: int) -> tuple[int, int]:
     return (first, last) if first is not None else (0, 0)
 
 
-def _global(pieces: Sequence[_Piece], row: int) -> int:
+def _global(pieces: Sequence[PositionRun], row: int) -> int:
     for p in pieces:
         if row < p.local0 + p.count:
             return p.global0 + p.stride * (row - p.local0)
     raise IndexError(row)
 
 
-def _count_at_most(pieces: Sequence[_Piece], position: int) -> int:
+def rows_at_most(pieces: Sequence[PositionRun], position: int) -> int:
     """How many local rows hold a global position <= ``position`` (a prefix, the map being monotone)."""
     n = 0
     for p in pieces:
@@ -169,7 +170,7 @@ def _count_at_most(pieces: Sequence[_Piece], position: int) -> int:
     return n
 
 
-def _doc_span(cu: tuple[int, ...], pieces: Sequence[_Piece]) -> tuple[int, int]:
+def _doc_span(cu: tuple[int, ...], pieces: Sequence[PositionRun]) -> tuple[int, int]:
     """The documents [d0, d1) that hold at least one of the rank's positions."""
     first = _global(pieces, 0)
     last = max(p.global0 + p.stride * (p.count - 1) for p in pieces)
@@ -180,7 +181,7 @@ def _doc_span(cu: tuple[int, ...], pieces: Sequence[_Piece]) -> tuple[int, int]:
 def segments(cu: tuple[int, ...], world: int, rank: int, src: int, balance: str, causal: bool) -> tuple[Segment, ...]:
     """The segments of the block of ``rank``'s queries against ``src``'s keys, in query order."""
     seq_len = cu[-1]
-    qp, kp = _pieces(seq_len, world, rank, balance), _pieces(seq_len, world, src, balance)
+    qp, kp = position_runs(seq_len, world, rank, balance), position_runs(seq_len, world, src, balance)
     qd, kd = _doc_span(cu, qp), _doc_span(cu, kp)
     out = []
     for d in range(max(qd[0], kd[0]), min(qd[1], kd[1])):
@@ -192,16 +193,16 @@ def segments(cu: tuple[int, ...], world: int, rank: int, src: int, balance: str,
             out.append(Segment(q0, q1, k0, k1, False))
             continue
         # keys the last query sees; queries that see the first key
-        k1 = min(k1, _count_at_most(kp, _global(qp, q1 - 1)))
+        k1 = min(k1, rows_at_most(kp, _global(qp, q1 - 1)))
         if k1 <= k0:
             continue
-        q0 = max(q0, _count_at_most(qp, _global(kp, k0) - 1))
+        q0 = max(q0, rows_at_most(qp, _global(kp, k0) - 1))
         if q0 >= q1:
             continue
         if _global(kp, k1 - 1) <= _global(qp, q0) and (q1 - q0, k1 - k0) != (1, 1):
             out.append(Segment(q0, q1, k0, k1, False))
             continue  # (a 1 x 1 segment is called causal: it then joins its neighbours' varlen call)
-        if q1 - q0 != k1 - k0 or _count_at_most(kp, _global(qp, q0)) != k0 + 1:
+        if q1 - q0 != k1 - k0 or rows_at_most(kp, _global(qp, q0)) != k0 + 1:
             raise AssertionError(  # the module docstring's claim; tests check it for every balance
                 f"xcp.documents: document {d} of rank {rank} against rank {src} ({balance}) is neither full "
                 f"nor square causal: queries [{q0}, {q1}), keys [{k0}, {k1})"
@@ -292,8 +293,8 @@ def _window_segments(
     far_left = _FAR if left is None else left
     far_right = _FAR if right is None else right
     out = []
-    for a in _pieces(seq_len, world, rank, balance):
-        for b in _pieces(seq_len, world, src, balance):
+    for a in position_runs(seq_len, world, rank, balance):
+        for b in position_runs(seq_len, world, src, balance):
             t = a.stride
             first = bisect.bisect_right(cu, max(a.global0, b.global0)) - 1
             last_q = a.global0 + t * (a.count - 1)
@@ -306,8 +307,8 @@ def _window_segments(
             if lo > hi:  # the window holds no key of this chunk for any query of that one
                 continue
             for d in range(max(first, 0), stop):
-                qa, qb = _local_range((_Piece(0, a.global0, t, a.count),), cu[d], cu[d + 1])
-                ka, kb = _local_range((_Piece(0, b.global0, t, b.count),), cu[d], cu[d + 1])
+                qa, qb = _local_range((PositionRun(0, a.global0, t, a.count),), cu[d], cu[d + 1])
+                ka, kb = _local_range((PositionRun(0, b.global0, t, b.count),), cu[d], cu[d + 1])
                 if qa == qb or ka == kb:
                     continue
                 q0, q1 = max(qa, ka - hi), min(qb, kb - lo)
