@@ -19,7 +19,11 @@ or the note there for DDP).
 
 What xcp cannot do raises an error naming the model's attention class and the option: padding masks and
 other 4-D masks, attention dropout in training, logit soft-capping, output_attentions, attention chunks
-and custom mask functions, a KV cache that makes keys longer than queries (generation).
+and custom mask functions, a transformers KV cache that makes keys longer than queries.
+
+Generation: :func:`generate` (``generate(model, input_ids, group=g, max_new_tokens=16)``) runs
+``model.generate`` over a KV cache sharded across the ranks (:mod:`xcp.integrations.transformers_generate`;
+docs/integrations.md, "Generation").
 
 Under ``torch.compile`` the attention function traces without a graph break (``fullgraph=True`` works)
 on a world of one and on torch.distributed groups; LocalWorld groups stay eager. What cannot be read on
@@ -35,7 +39,7 @@ import threading
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -157,7 +161,8 @@ def attention_forward(
         sinks = kwargs.get("s_aux")
     decoder = None if compiling else decoding.current()
     if decoder is not None:  # xt.generate: a step over the sharded KV cache (None: the prompt's ring)
-        out = decoder.attention(int(module.layer_idx), query.transpose(1, 2), is_causal, scaling, window, sinks)
+        layer = cast(int, module.layer_idx)  # transformers numbers every attention module's layer
+        out = decoder.attention(layer, query.transpose(1, 2), is_causal, scaling, window, sinks)
         if out is not None:
             return out, None
     cu_seqlens = _documents_traced(ctx, query, kwargs, who) if compiling else _documents(ctx, query, kwargs, who)

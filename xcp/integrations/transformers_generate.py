@@ -20,7 +20,7 @@ This module imports transformers; :mod:`xcp.integrations.transformers` imports i
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
@@ -121,14 +121,12 @@ class ShardedCache(Cache):
             ["sliding_attention" if getattr(text, "sliding_window", None) else "full_attention"]
             * text.num_hidden_layers
         )
-        layers: list[Any] = [
-            ShardedLayer(KVCache(group=group, balance=balance), kind == "sliding_attention") for kind in types
-        ]
-        super().__init__(layers=layers)
+        self.sharded = [ShardedLayer(KVCache(group=group, balance=balance), t == "sliding_attention") for t in types]
+        super().__init__(layers=list(self.sharded))
 
     def set_ring(self, on: bool) -> None:
         """Whether the next forward is the prompt's ring prefill (True) or a step over the cache (False)."""
-        for layer in self.layers:
+        for layer in self.sharded:
             layer.ring = on
 
     def attention(
@@ -140,7 +138,7 @@ class ShardedCache(Cache):
         window: tuple[int, int] | None,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor | None:
-        layer = self.layers[layer_idx]
+        layer = self.sharded[layer_idx]
         if layer.ring:
             return None
         return layer.kv.attention(q, causal=causal, scale=scale, window=window, sinks=sinks)
@@ -171,7 +169,7 @@ class RankZeroChooses(LogitsProcessor):
         if self.comm.size() > 1:
             mine = torch.tensor(ring_gather(self.comm, self.backend, mine)[0], device=final.device)
         out = torch.full_like(scores, float("-inf"))
-        return out.scatter_(1, mine[:, None], 0.0)
+        return cast(torch.FloatTensor, out.scatter_(1, mine[:, None], 0.0))
 
 
 def _warpers(model: Any, config: GenerationConfig, prompt: torch.Tensor) -> LogitsProcessorList | None:
