@@ -35,6 +35,9 @@ LAYERS: dict[str, int] = {
     # 4: the ring and the agreement its ranks reach first
     "xcp.agreement": 4,
     "xcp.ring": 4,
+    # 5: the KV cache over the ring's placement (its plan is pure)
+    "xcp.cache_plan": 1,
+    "xcp.cache": 5,
     # 5: the hybrid all-to-all around the ring
     "xcp.hybrid": 5,
     # 6: the compiled custom op

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .api import attention, shard, unshard
     from .backends.base import Backend, SynchronousBackend
+    from .cache import KVCache
     from .comm import CommTimeout, Communicator, LocalGroup, LocalWorld
     from .context import context
     from .documents import choose_balance
@@ -27,6 +28,7 @@ _EXPORTS = {
     "Backend": "backends.base",
     "BufferLedger": "lifetime",
     "CommTimeout": "comm",
+    "KVCache": "cache",
     "Communicator": "comm",
     "LocalGroup": "comm",
     "LocalWorld": "comm",
@@ -57,6 +59,7 @@ __all__ = [
     "Backend",
     "BufferLedger",
     "CommTimeout",
+    "KVCache",
     "Communicator",
     "LocalGroup",
     "LocalWorld",

@@ -183,11 +183,17 @@ def check_agreement(
     if comm.size() == 1 or backend.is_capturing():
         return
     s = spec
-    values = fingerprint(q, k, v, s.causal, s.balance, s.scale, s.documents, sinks, s.window, s.ulysses)
+    agree(comm, backend, fingerprint(q, k, v, s.causal, s.balance, s.scale, s.documents, sinks, s.window, s.ulysses),
+          q.device)  # fmt: skip
+
+
+def agree(comm: Any, backend: Any, values: tuple, device: torch.device) -> None:
+    """Raise a ValueError on every rank when the ranks' fingerprints ``values`` (see :func:`fingerprint`)
+    differ; a no-op for a fingerprint the group has agreed on before. Every rank of the group calls it."""
     agreed = agreed_set(comm)
     if values in agreed:
         return
-    mine = torch.tensor(values, dtype=torch.int64, device=q.device)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
     rows = ring_gather(comm, backend, mine)
     message = disagreement(rows)
     if message is not None:

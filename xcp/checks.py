@@ -265,3 +265,67 @@ def check_shards(shards: Any) -> Sequence[torch.Tensor]:
         if s.device != shards[0].device:
             raise ValueError(f"shards[{r}]: expected device {shards[0].device} (that of shards[0]); got {s.device}")
     return shards
+
+
+# ----------------------------------------------------------------------------------------------------
+# The KV cache (xcp.cache)
+
+CacheLayout = tuple[int, int, int, torch.dtype, torch.device]
+"""What a KV cache's tokens are: (batch, kv_heads, head_dim, dtype, device), fixed by its first tokens."""
+
+
+def check_cache_capacity(capacity: Any) -> int | None:
+    """``capacity`` as an int (global tokens), or None."""
+    if capacity is None:
+        return None
+    if not schedule.is_integer(capacity) or capacity < 1:
+        raise ValueError(f"capacity: expected a positive integer (global tokens) or None; got {capacity!r}")
+    return int(capacity)
+
+
+def check_cache_kv(k: Any, v: Any, layout: CacheLayout | None, names: tuple[str, str] = ("k", "v")) -> CacheLayout:
+    """k and v of T >= 1 new tokens [batch, T, kv_heads, head_dim], alike, and like the cache's ``layout``
+    (None for an empty cache); returns their layout."""
+    nk, nv = names
+    for name, x in ((nk, k), (nv, v)):
+        _check_tensor(name, x)
+    if v.shape != k.shape:
+        raise ValueError(f"{nv}: expected shape {tuple(k.shape)} (the shape of {nk}); got {tuple(v.shape)}")
+    if v.dtype != k.dtype:
+        raise TypeError(f"{nv}: expected dtype {k.dtype} (the dtype of {nk}); got {v.dtype}")
+    if v.device != k.device:
+        raise ValueError(f"{nv}: expected device {k.device} (the device of {nk}); got {v.device}")
+    if k.shape[1] < 1:
+        raise ValueError(f"{nk}: expected T >= 1 tokens along dim 1 of {LAYOUT}; got T = {k.shape[1]}")
+    if min(k.shape) < 1:
+        raise ValueError(f"{nk}: expected every dim of {LAYOUT} >= 1; got shape {tuple(k.shape)}")
+    mine = (k.shape[0], k.shape[2], k.shape[3], k.dtype, k.device)
+    if layout is not None and mine != layout:
+        _check_like(nk, mine, layout)
+    return mine
+
+
+def _check_like(name: str, mine: CacheLayout, layout: CacheLayout) -> None:
+    for what, got, want in zip(("batch", "kv_heads", "head_dim", "dtype", "device"), mine, layout):
+        if got != want:
+            error = TypeError if what == "dtype" else ValueError
+            raise error(f"{name}: expected {what} {want} (that of the tokens in the cache); got {got}")
+
+
+def check_cache_query(q: Any, layout: CacheLayout | None, seq_len: int) -> int:
+    """q [batch, T, heads, head_dim] for a cache holding ``seq_len`` tokens of ``layout``: heads a multiple
+    of the cache's kv_heads, 1 <= T <= seq_len; returns T."""
+    if layout is None or seq_len == 0:
+        raise ValueError("q: expected a cache that holds tokens (prefill or append first); got an empty cache")
+    _check_tensor("q", q)
+    b, t, h, d = q.shape
+    if t < 1:
+        raise ValueError(f"q: expected T >= 1 queries along dim 1 of {LAYOUT}; got T = {t}")
+    if h < 1 or h % layout[1]:
+        raise ValueError(f"q: expected a number of heads that the cache's {layout[1]} kv_heads divide; got {h}")
+    _check_like("q", (b, layout[1], d, q.dtype, q.device), layout)
+    if t > seq_len:
+        raise ValueError(
+            f"q: expected at most seq_len = {seq_len} queries (the last tokens of the cache); got T = {t}"
+        )
+    return t

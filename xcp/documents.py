@@ -316,22 +316,31 @@ def _window_segments(
                 k0, k1 = max(ka, q0 + lo), min(kb, q1 + hi)
                 if k0 >= k1:
                     continue
-                sq, sk = q1 - q0, k1 - k0
                 lo_r, hi_r = q0 + lo - k0, q0 + hi - k0  # segment-relative: lo_r <= j' - i' <= hi_r
                 seg_q, seg_k = (a.local0 + q0, a.local0 + q1), (b.local0 + k0, b.local0 + k1)
-                full = hi_r >= sk - 1 and sq - 1 + lo_r <= 0
-                square_causal = sq == sk and hi_r == 0 and sq - 1 + lo_r <= 0
-                if full and not (square_causal and causal):
-                    out.append(Segment(*seg_q, *seg_k, False))
-                elif square_causal:
-                    out.append(Segment(*seg_q, *seg_k, True))
-                else:
-                    off = sk - sq
-                    band = (min(off - lo_r, sk + sq), min(hi_r - off, sk + sq))
-                    if band[0] < 0 or band[1] < 0:
-                        raise AssertionError(f"xcp.documents: negative band {band} after trimming")
-                    out.append(Segment(*seg_q, *seg_k, False, band))
+                out.append(diagonal_segment(seg_q, seg_k, lo_r, hi_r, causal))
     return tuple(sorted(out, key=lambda seg: (seg.q0, seg.k0)))
+
+
+def diagonal_segment(
+    q: tuple[int, int], k: tuple[int, int], lo: int, hi: int, causal: bool
+) -> Segment:
+    """The segment of query rows ``q`` against key rows ``k`` in which query i' sees key j' (both relative
+    to the segment) iff ``lo <= j' - i' <= hi``, trimmed so that every query sees a key and every key is
+    seen: full, square causal (with ``causal``, a 1 x 1 one too, so that it joins its neighbours' varlen
+    call) or a band aligned to the bottom-right corner, as the kernels take it."""
+    sq, sk = q[1] - q[0], k[1] - k[0]
+    full = hi >= sk - 1 and sq - 1 + lo <= 0
+    square_causal = sq == sk and hi == 0 and sq - 1 + lo <= 0
+    if full and not (square_causal and causal):
+        return Segment(*q, *k, False)
+    if square_causal:
+        return Segment(*q, *k, True)
+    off = sk - sq
+    band = (min(off - lo, sk + sq), min(hi - off, sk + sq))
+    if band[0] < 0 or band[1] < 0:
+        raise AssertionError(f"xcp.documents: negative band {band} after trimming")
+    return Segment(*q, *k, False, band)
 
 
 @functools.lru_cache(maxsize=64)

@@ -28,6 +28,7 @@ from .protocol import (
     SingleRank,
     Work,
     at_step,
+    check_all_gather,
     check_all_to_all,
     check_timeout,
     split_hybrid,
@@ -133,6 +134,23 @@ class DistCommunicator:
             return DoneWork()
         work = self._dist.all_to_all_single(recv, send, group=self.group, async_op=True)
         return _DistWork([work], [(f"in all-to-all {tag}", None)], self._who(), step, self._bound(send.device))
+
+    def all_gather(
+        self, send: torch.Tensor, recv: torch.Tensor, tag: str, backend: Any, step: int | None = None
+    ) -> Work:
+        """Every rank's ``send`` into ``recv[j]`` (dim 0 indexes the ranks; ``recv`` contiguous), through
+        ``all_gather_single`` (``all_gather_into_tensor`` before torch had it) on flat views, the form
+        every process group serves, issued on the current stream; ``wait()`` as for :meth:`exchange`."""
+        check_all_gather(send, recv, self._size)
+        if not recv.is_contiguous():
+            raise ValueError(f"recv: expected a contiguous tensor; got strides {recv.stride()}")
+        send = send.contiguous()  # a copy made here lives on the current stream, which the group orders
+        if self._size == 1:
+            recv[0].copy_(send)
+            return DoneWork()
+        gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
+        work = gather(recv.view(-1), send.view(-1), group=self.group, async_op=True)
+        return _DistWork([work], [(f"in all-gather {tag}", None)], self._who(), step, self._bound(send.device))
 
     def hybrid_groups(self, ulysses: int) -> tuple[Communicator, Communicator]:
         """The head group and ring of this rank (see :func:`xcp.comm.hybrid_groups`), over ProcessGroups

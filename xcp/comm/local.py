@@ -19,6 +19,7 @@ from .protocol import (
     Recvs,
     Sends,
     at_step,
+    check_all_gather,
     check_all_to_all,
     check_timeout,
     split_hybrid,
@@ -333,6 +334,17 @@ class LocalGroup:
         recv[me].copy_(send[me])
         peers = [j for j in range(n) if j != me]
         return self.exchange([(send[j], j) for j in peers], [(recv[j], j) for j in peers], tag, backend, step)
+
+    def all_gather(
+        self, send: torch.Tensor, recv: torch.Tensor, tag: str, backend: Any, step: int | None = None
+    ) -> _LocalWork:
+        """Every rank's ``send`` into ``recv[j]`` (dim 0 indexes the ranks), as :meth:`all_to_all` moves its
+        pieces: this rank's own copied on the current stream, then one :meth:`exchange` with every peer."""
+        n, me = self.size(), self._rank
+        check_all_gather(send, recv, n)
+        recv[me].copy_(send)
+        peers = [j for j in range(n) if j != me]
+        return self.exchange([(send, j) for j in peers], [(recv[j], j) for j in peers], tag, backend, step)
 
 
 class _LocalWork:

@@ -19,10 +19,11 @@ from ..lifetime import thread_store
 Sends = Sequence[tuple[torch.Tensor, int]]
 Recvs = Sequence[tuple[torch.Tensor, int]]
 
-TAGS: dict[str, int] = {"kv": 1, "dkv": 2, "agree": 3, "a2a": 4}
+TAGS: dict[str, int] = {"kv": 1, "dkv": 2, "agree": 3, "a2a": 4, "combine": 5}
 """The channels of an exchange, each with its number (a torch.distributed tag base): ``kv`` the K/V shards
 the ring forward passes on, ``dkv`` the dK/dV the backward sends home, ``agree`` the fingerprint of the
-first call of a configuration (xcp.agreement), ``a2a`` the hybrid's all-to-all over heads."""
+first call of a configuration (xcp.agreement), ``a2a`` the hybrid's all-to-all over heads, ``combine`` the
+all-gather of the packed partial [out | lse] of a KV cache's attention (xcp.cache)."""
 
 
 class RankAborted(RuntimeError):
@@ -74,6 +75,11 @@ class Communicator(Protocol):
     The hybrid (``ulysses > 1``) needs two more methods, optional here (a communicator without them serves
     the ring only): ``all_to_all(send, recv, tag, backend, step=None) -> Work`` (``send[j]`` to group rank
     j, ``recv[j]`` from it) and ``hybrid_groups(ulysses) -> (head group, ring)`` (see :func:`split_hybrid`).
+    The KV cache (:class:`xcp.KVCache`) needs one more, optional too:
+    ``all_gather(send, recv, tag, backend, step=None) -> Work``: every rank's ``send`` into ``recv``
+    [size, *send.shape] (``recv[j]`` is group rank j's), issued on the backend's current stream like
+    :meth:`exchange`, ``wait()`` making the current stream wait until ``recv`` holds every piece
+    (:func:`check_all_gather`). Optional members keep a ring-only communicator a Communicator.
     """
 
     ranks_are_threads: bool
@@ -106,6 +112,15 @@ def check_all_to_all(send: torch.Tensor, recv: torch.Tensor, size: int) -> None:
         )
 
 
+def check_all_gather(send: torch.Tensor, recv: torch.Tensor, size: int) -> None:
+    """Raise unless ``recv`` is [size, *send.shape] in send's dtype."""
+    want = (size, *send.shape)
+    if tuple(recv.shape) != want or recv.dtype != send.dtype:
+        raise ValueError(
+            f"recv: expected shape {want} {send.dtype} (one send per rank); got {tuple(recv.shape)} {recv.dtype}"
+        )
+
+
 class SingleRank:
     """A world of one rank: nothing to exchange."""
 
@@ -123,6 +138,14 @@ class SingleRank:
     def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any, step: int | None = None) -> Work:
         if sends or recvs:
             raise RuntimeError("a world of one rank has no peer to exchange with")
+        return DoneWork()
+
+    def all_gather(
+        self, send: torch.Tensor, recv: torch.Tensor, tag: str, backend: Any, step: int | None = None
+    ) -> Work:
+        """``recv[0]`` is ``send``: a copy on the current stream."""
+        check_all_gather(send, recv, 1)
+        recv[0].copy_(send)
         return DoneWork()
 
     def hybrid_groups(self, ulysses: int) -> tuple[Communicator, Communicator]:

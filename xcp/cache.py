@@ -1,0 +1,302 @@
+"""A KV cache sharded across the ranks of a group, for inference: prefill, append, attention.
+
+Each rank keeps some tokens of one layer's keys and values, with their global positions
+(:mod:`xcp.cache_plan` says which: a prefill's shard as :func:`xcp.shard` placed it, then one contiguous
+piece of each appended chunk, rank ``position % P`` for a single token). :meth:`KVCache.attention` runs the
+queries of the last T tokens against the rank's own tokens (the *local partial*: kernel calls through the
+backend's ``forward`` / ``forward_varlen``), then combines the P partials with one collective: every rank
+all-gathers every rank's ``[out | lse]`` packed in one buffer (float32; float64 for float64 inputs) and
+merges them, ``L = logsumexp_r L_r``, ``O = sum_r exp(L_r - L) O_r`` (a rank that sees nothing of a row
+has ``L_r = -inf`` and weight 0), folding the sinks in once after. So every rank ends with the same output,
+and no rank ever holds more than its share of the keys and values. A world of one makes the local call
+alone.
+
+Lifetimes (docs/lifetime.md, rule 3.3): the packed partial is written on the caller's stream C and read
+by the all-gather on the comm stream M, so it is handed to M under the backend's hand-off policy, and the
+gather's receive buffer is made on C before M forks, as rule 1 has it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import cache_plan, schedule
+from .agreement import agree, fingerprint
+from .checks import (
+    CacheLayout,
+    check_backend_serves,
+    check_cache_capacity,
+    check_cache_kv,
+    check_cache_query,
+    check_causal,
+    check_scale,
+    check_sinks,
+    check_ulysses,
+)
+from .comm import resolve_group
+from .documents import check_window
+from .kernels.merge import NEG_INF, accumulator_dtype, apply_sinks_
+from .lifetime import RingCall
+from .plugins import select_backend
+from .ring import BlockCall
+
+GROWTH = 2
+"""Without ``capacity``, storage that runs out grows to this many times what it needs (amortised appends)."""
+
+
+class KVCache:
+    """This rank's part of ONE layer's keys and values of a batch of equal-length sequences.
+
+    :param group: as for :func:`xcp.attention` (a ProcessGroup, a LocalWorld group, or None).
+    :param balance: how the prompt given to :meth:`prefill` was sharded (as for :func:`xcp.shard`).
+    :param capacity: N global tokens to preallocate room for, never reallocating (the graph-safe mode):
+        rank r keeps room for ``N // P + (r < N % P)`` tokens, exactly its share at N (see
+        :mod:`xcp.cache_plan`), allocated with the first tokens (which fix batch, heads, dtype and device).
+        More than N tokens is a ValueError naming the capacity. None: storage grows as needed.
+    :param device: backend name, as for :func:`xcp.attention`; default the tensors' device type.
+    :param handoff: the hand-off policy of the combine, overriding the backend's.
+    :param timeout: as for :func:`xcp.attention`.
+    :param ulysses: only 1: the cache is sharded over the ranks of ``group`` alone.
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        balance: str = schedule.DEFAULT_BALANCE,
+        capacity: int | None = None,
+        *,
+        device: str | None = None,
+        handoff: str | None = None,
+        timeout: float | None = None,
+        ulysses: int = 1,
+    ) -> None:
+        if check_ulysses(ulysses) != 1:
+            raise NotImplementedError(
+                f"ulysses: expected 1 (a KV cache is sharded over the ranks of its group, not over heads); "
+                f"got ulysses={ulysses}"
+            )
+        self.balance = schedule.check_balance(balance)
+        self.capacity = check_cache_capacity(capacity)
+        self._comm = resolve_group(group, timeout)
+        self._device = device
+        self._handoff = handoff
+        self._world, self._rank = self._comm.size(), self._comm.rank()
+        self._layout: CacheLayout | None = None
+        self._k: torch.Tensor | None = None  # storage [B, room, Hkv, D]; rows [0, local_len) hold tokens
+        self._v: torch.Tensor | None = None
+        self._local = 0
+        self._seq = 0
+        self._runs: tuple[cache_plan.Run, ...] = ()
+        self._appended = False
+
+    # ------------------------------------------------------------------ what the cache holds
+    @property
+    def seq_len(self) -> int:
+        """Tokens held by all ranks together (the next token's global position)."""
+        return self._seq
+
+    @property
+    def local_len(self) -> int:
+        """Tokens held by this rank."""
+        return self._local
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this rank's key and value storage (room included)."""
+        return sum(t.numel() * t.element_size() for t in (self._k, self._v) if t is not None)
+
+    def positions(self) -> list[int]:
+        """The global positions of this rank's tokens, in storage order (increasing)."""
+        return [r.global0 + r.stride * t for r in self._runs for t in range(r.count)]
+
+    def keys(self) -> torch.Tensor | None:
+        """This rank's keys [B, local_len, Hkv, D] (a view of the storage), or None while empty."""
+        return None if self._k is None else self._k[:, : self._local]
+
+    def values(self) -> torch.Tensor | None:
+        """This rank's values, as :meth:`keys`."""
+        return None if self._v is None else self._v[:, : self._local]
+
+    def __repr__(self) -> str:
+        return (
+            f"<KVCache rank {self._rank} of {self._world}: {self._local} of {self._seq} tokens, "
+            f"balance {self.balance!r}, capacity {self.capacity}>"
+        )
+
+    # ------------------------------------------------------------------ filling
+    def prefill(self, k_l: torch.Tensor, v_l: torch.Tensor) -> None:
+        """Keep this rank's shard of a prompt, ``k_l``, ``v_l`` [B, S / P, Hkv, D], as :func:`xcp.shard`
+        made it with this cache's balance (what the rank passed to :func:`xcp.attention`). No
+        communication; the tensors are copied, never kept."""
+        if self._seq:
+            what = "append" if self._appended else "prefill"
+            raise ValueError(f"prefill: expected an empty cache (prefill comes first, once); got one after {what}")
+        layout = check_cache_kv(k_l, v_l, None, ("k_l", "v_l"))
+        n = k_l.shape[1]
+        seq = n * self._world
+        schedule.check_seq_len(seq, self._world, self.balance, what=f"k_l.shape[1] x {self._world} ranks")
+        self._check_room(seq)
+        self._store(layout, k_l, v_l)
+        self._runs = cache_plan.prefill_runs(seq, self._world, self._rank, self.balance)
+        self._seq = seq
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Add the next T tokens, ``k``, ``v`` [B, T, Hkv, D], the same on every rank, at global positions
+        ``seq_len .. seq_len + T - 1``; this rank keeps its piece of them (:mod:`xcp.cache_plan`). No
+        communication; the piece is copied."""
+        layout = check_cache_kv(k, v, self._layout)
+        t = k.shape[1]
+        self._check_room(self._seq + t)
+        first, count = cache_plan.chunk_pieces(self._seq, t, self._world)[self._rank]
+        lo = first - self._seq
+        self._store(layout, k[:, lo : lo + count], v[:, lo : lo + count])
+        self._runs = cache_plan.extend(self._runs, first, count)
+        self._seq += t
+        self._appended = True
+
+    def _check_room(self, seq: int) -> None:
+        if self.capacity is not None and seq > self.capacity:
+            raise ValueError(
+                f"capacity: expected at most {self.capacity} tokens in the cache (KVCache(capacity={self.capacity})); "
+                f"got {seq} (seq_len {self._seq} + {seq - self._seq} new)"
+            )
+
+    def _store(self, layout: CacheLayout, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy k, v (this rank's new tokens) after the tokens held, growing storage where allowed."""
+        n = k.shape[1]
+        need = self._local + n
+        if self._k is None or self._v is None or need > self._k.shape[1]:
+            if self.capacity is not None:
+                room = cache_plan.held(self.capacity, self._world, self._rank)
+            else:
+                room = max(need, GROWTH * (0 if self._k is None else self._k.shape[1]))
+            b, h, d, dtype, device = layout
+            grown = [torch.empty((b, room, h, d), dtype=dtype, device=device) for _ in range(2)]
+            if self._k is not None and self._v is not None:
+                grown[0][:, : self._local].copy_(self._k[:, : self._local])
+                grown[1][:, : self._local].copy_(self._v[:, : self._local])
+            self._k, self._v = grown
+        self._k[:, self._local : need].copy_(k)
+        self._v[:, self._local : need].copy_(v)
+        self._local, self._layout = need, layout
+
+    # ------------------------------------------------------------------ attention
+    def attention(
+        self,
+        q: torch.Tensor,
+        causal: bool = True,
+        scale: float | None = None,
+        window: tuple[int | None, int | None] | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Exact attention of the last T tokens' queries over every cached token, the same on every rank.
+
+        :param q: [B, T, H, D], the same on every rank: the queries at positions ``seq_len - T ..
+            seq_len - 1`` (T = 1 decode, T > 1 a chunk of a chunked prefill); H a multiple of the cache's
+            kv_heads (GQA).
+        :param causal: query i sees the cached tokens at positions <= its own; else every cached token.
+        :param scale: factor on q·k; default 1/sqrt(head_dim).
+        :param window: ``(left, right)`` over global positions, as for :func:`xcp.attention`.
+        :param sinks: [H], one value-less logit per head, as for :func:`xcp.attention`.
+        :returns: [B, T, H, D] in q's dtype, equal on every rank.
+        """
+        t = check_cache_query(q, self._layout, self._seq)
+        causal = check_causal(causal)
+        scale = check_scale(scale, q.shape[3])
+        window = check_window(window, causal)
+        sinks = check_sinks(sinks, q)
+        backend = select_backend(self._device, q.device.type)
+        check_backend_serves(backend, q, 1, causal, self.balance)
+        comm = self._comm
+        if self._world > 1 and not backend.is_capturing():
+            agree(comm, backend, self._fingerprint(q, causal, scale, window, sinks), q.device)
+        calls = cache_plan.partial_calls(self._runs, self._seq, t, causal, window)
+        k, v = self.keys(), self.values()
+        assert k is not None and v is not None  # a cache with tokens has storage
+        acc = accumulator_dtype(q.dtype)
+        d = q.shape[3]
+        if self._world == 1:
+            out, lse = _local_partial(backend, calls, q, k, v, scale, acc)
+        else:
+            packed = _packed_partial(backend, calls, q, k, v, scale, acc)
+            gathered = self._gather(backend, packed)
+            del packed
+            out, lse = _merge(gathered[..., :d], gathered[..., d])
+        if sinks is not None:
+            apply_sinks_(out, lse, sinks)
+        return out.to(q.dtype)
+
+    def _fingerprint(self, q, causal: bool, scale: float, window, sinks) -> tuple:
+        """The configuration of a call as :func:`xcp.agreement.fingerprint` has it; the cache's keys and
+        values as shape [B, 0, Hkv, D] (their length is each rank's own, the global one follows from the
+        calls every rank makes alike)."""
+        assert self._layout is not None
+        b, h, d, dtype, _ = self._layout
+        like = torch.empty((b, 0, h, d), dtype=dtype, device="meta")
+        return fingerprint(q, like, like, causal, self.balance, scale, None, sinks, window)
+
+    def _gather(self, backend: Any, packed: torch.Tensor) -> torch.Tensor:
+        """Every rank's packed partial [P, *packed.shape]: one all-gather on the comm stream (rules 1, 3.3)."""
+        comm = self._comm
+        gather = getattr(comm, "all_gather", None)
+        if not callable(gather):
+            raise TypeError(
+                f"group: a KV cache over {self._world} ranks needs a communicator with all_gather(); got "
+                f"{type(comm).__name__}"
+            )
+        recv = torch.empty((self._world, *packed.shape), dtype=packed.dtype, device=packed.device)  # on C
+        call = RingCall(comm, backend, packed.device, "bounded", self._handoff)
+        with call:
+            with call.on_comm():
+                (send,) = call.hand_to_comm([packed], "combine")  # rule 3.3: C wrote it, M reads it
+                gather(send, recv, "combine", backend).wait()
+                del send
+        return recv
+
+
+def _run_calls(backend, calls, q, k, v, scale: float):
+    """Each call's (query rows, out, lse) on this rank's storage."""
+    for call in calls:
+        block = BlockCall.of(call)
+        yield block.qs, *block.forward(backend, q[:, block.qs], k[:, block.ks], v[:, block.ks], scale)
+
+
+def _local_partial(backend, calls, q, k, v, scale: float, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rank's (out [B, T, H, D], lse [B, H, T]) in ``acc``: zeros and -inf on rows no call covers."""
+    b, t, h, d = q.shape
+    if len(calls) == 1 and calls[0].q0 == 0 and calls[0].q1 == t:  # one call covers every row (decode)
+        _, out, lse = next(_run_calls(backend, calls, q, k, v, scale))
+        return out.to(acc, copy=True), lse.to(acc, copy=True)
+    out = torch.zeros((b, t, h, d), dtype=acc, device=q.device)
+    lse = torch.full((b, h, t), NEG_INF, dtype=acc, device=q.device)
+    for rows, o, lse_rows in _run_calls(backend, calls, q, k, v, scale):
+        out[:, rows] = o
+        lse[:, :, rows] = lse_rows
+    return out, lse
+
+
+def _packed_partial(backend, calls, q, k, v, scale: float, acc: torch.dtype) -> torch.Tensor:
+    """The rank's partial packed as one buffer [B, T, H, D + 1] in ``acc``: out, then lse in the last
+    channel (zeros and -inf on rows no call covers)."""
+    b, t, h, d = q.shape
+    packed = torch.zeros((b, t, h, d + 1), dtype=acc, device=q.device)
+    packed[..., d] = NEG_INF
+    for rows, o, lse_rows in _run_calls(backend, calls, q, k, v, scale):
+        packed[:, rows, :, :d] = o
+        packed[:, rows, :, d] = lse_rows.transpose(1, 2)
+    return packed
+
+
+def _merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge of P partials, ``outs`` [P, B, T, H, D] and ``lses`` [P, B, T, H]: (out [B, T, H, D],
+    lse [B, H, T]); a partial whose lse is -inf weighs 0, and a row no rank sees stays 0 / -inf."""
+    lse = torch.logsumexp(lses, dim=0)
+    safe = torch.where(lse == NEG_INF, 0.0, lse)
+    weights = torch.exp(lses - safe)  # exp(-inf) = 0: never NaN
+    out = (weights.unsqueeze(-1) * outs).sum(dim=0)
+    return out, lse.transpose(1, 2).contiguous()
+
+
+__all__ = ["KVCache"]
