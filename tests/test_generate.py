@@ -128,10 +128,15 @@ def test_greedy_equals_one_device(faithful, kind, prompt, balance):
     model = faithful(make_model(kind))
     ids = torch.randint(0, VOCAB, (2, prompt), generator=torch.Generator().manual_seed(1))
     ref, ref_steps = one_device(model, ids, do_sample=False)
-    for out, steps in on_ranks(model, ids, balance=balance, do_sample=False):
+    results = on_ranks(model, ids, balance=balance, do_sample=False)
+    for out, steps in results:
         assert torch.equal(out.sequences, ref.sequences)
         assert worst(steps, ref_steps) <= 1e-9, kind
         assert len(out.logits) == NEW and all(torch.allclose(a, b, rtol=1e-6) for a, b in zip(out.logits, ref.logits))
+    cached = prompt + NEW - 1  # the last token is never run through the model
+    for layer in range(2):  # every token on one rank, no rank more than its share
+        held = [out.cache.sharded[layer].kv.local_len for out, _ in results]
+        assert sum(held) == cached and max(held) <= (prompt + NEW) // 4 + 1, held
     if kind in ("mistral", "gpt_oss"):  # the window (4) changes the result: the test sees it
         _, wide = one_device(faithful(make_model(kind, sliding_window=64)), ids, do_sample=False)
         assert worst(wide, ref_steps) > 1e-3

@@ -27,7 +27,6 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import schedule
-from ..agreement import ring_gather
 from ..cache import KVCache
 from ..comm import Communicator, resolve_group
 from ..context import Context
@@ -115,13 +114,13 @@ class ShardedCache(Cache):
     """A transformers ``Cache`` holding one :class:`xcp.KVCache` per layer of ``config``; also the
     :class:`xcp.integrations.decoding.Decoder` that the attention function asks for a layer's attention."""
 
-    def __init__(self, config: Any, group: Any, balance: str) -> None:
+    def __init__(self, config: Any, group: Any, balance: str, capacity: int | None = None) -> None:
         text = config.get_text_config(decoder=True)
         types = getattr(text, "layer_types", None) or (
             ["sliding_attention" if getattr(text, "sliding_window", None) else "full_attention"]
             * text.num_hidden_layers
         )
-        self.sharded = [ShardedLayer(KVCache(group=group, balance=balance), t == "sliding_attention") for t in types]
+        self.sharded = [ShardedLayer(KVCache(group, balance, capacity), t == "sliding_attention") for t in types]
         super().__init__(layers=list(self.sharded))
 
     def set_ring(self, on: bool) -> None:
@@ -154,7 +153,8 @@ class RankZeroChooses(LogitsProcessor):
     generate's own argmax takes it. The scores generate would have recorded are kept in ``scores``."""
 
     def __init__(self, comm: Communicator, backend: Any, warpers: LogitsProcessorList | None) -> None:
-        self.comm, self.backend, self.warpers = comm, backend, warpers
+        self.comm: Any = comm  # with all_gather, as the caches' combine needs (an optional member of the protocol)
+        self.backend, self.warpers = backend, warpers
         self.scores: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -167,9 +167,15 @@ class RankZeroChooses(LogitsProcessor):
         else:
             mine = torch.zeros(final.shape[0], dtype=torch.long, device=final.device)
         if self.comm.size() > 1:
-            mine = torch.tensor(ring_gather(self.comm, self.backend, mine)[0], device=final.device)
+            mine = self._rank_zeros(mine)
         out = torch.full_like(scores, float("-inf"))
         return cast(torch.FloatTensor, out.scatter_(1, mine[:, None], 0.0))
+
+    def _rank_zeros(self, mine: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``mine``, by one all-gather (which the KV caches' combine needed of the group already)."""
+        every = mine.new_empty((self.comm.size(), *mine.shape))
+        self.comm.all_gather(mine.contiguous(), every, "agree", self.backend).wait()
+        return every[0]
 
 
 def _warpers(model: Any, config: GenerationConfig, prompt: torch.Tensor) -> LogitsProcessorList | None:
@@ -257,7 +263,7 @@ def generate(
 
     unit = schedule.required_multiple(ctx.world_size, ctx.balance)
     ring = (input_ids.shape[1] - 1) // unit * unit  # the prompt's longest prefix the balance splits, less a token
-    cache = ShardedCache(model.config, group, ctx.balance)
+    cache = ShardedCache(model.config, group, ctx.balance, capacity=input_ids.shape[1] + max_new_tokens)
     name = _cache_name(model)
     with ctx, decoding.using(cache):
         if ring:
