@@ -11,26 +11,15 @@ transformers.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Protocol
 
 import torch
 
-
-class Decoder(Protocol):
-    """A cache that answers a layer's attention over the tokens the ranks hold."""
-
-    def attention(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        causal: bool,
-        scale: float | None,
-        window: tuple[int, int] | None,
-        sinks: torch.Tensor | None,
-    ) -> torch.Tensor | None:
-        """``q`` ``[B, T, H, D]`` (the same on every rank) -> ``[B, T, H, D]``; None: run the ring instead."""
+Window = tuple[int, int] | None
+Decoder = Callable[[int, torch.Tensor, bool, float | None, Window, torch.Tensor | None], torch.Tensor | None]
+"""``decoder(layer_idx, q, causal, scale, window, sinks)``: layer ``layer_idx``'s attention of ``q``
+``[B, T, H, D]`` (the same on every rank) over the sharded cache, ``[B, T, H, D]``; None: run the ring."""
 
 
 _local = threading.local()

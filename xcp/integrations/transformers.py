@@ -162,7 +162,7 @@ def attention_forward(
     decoder = None if compiling else decoding.current()
     if decoder is not None:  # xt.generate: a step over the sharded KV cache (None: the prompt's ring)
         layer = cast(int, module.layer_idx)  # transformers numbers every attention module's layer
-        out = decoder.attention(layer, query.transpose(1, 2), is_causal, scaling, window, sinks)
+        out = decoder(layer, query.transpose(1, 2), is_causal, scaling, window, sinks)
         if out is not None:
             return out, None
     cu_seqlens = _documents_traced(ctx, query, kwargs, who) if compiling else _documents(ctx, query, kwargs, who)
@@ -627,4 +627,4 @@ def generate(
         )
     from .transformers_generate import generate as run
 
-    return run(model, input_ids, group, max_new_tokens, balance, **generate_kwargs)
+    return run(model, input_ids, group, max_new_tokens, balance, generate_kwargs)

@@ -111,8 +111,8 @@ class ShardedLayer(CacheLayerMixin):
 
 
 class ShardedCache(Cache):
-    """A transformers ``Cache`` holding one :class:`xcp.KVCache` per layer of ``config``; also the
-    :class:`xcp.integrations.decoding.Decoder` that the attention function asks for a layer's attention."""
+    """A transformers ``Cache`` holding one :class:`xcp.KVCache` per layer of ``config``; its
+    :meth:`attention` is what the attention function asks for a layer's attention."""
 
     def __init__(self, config: Any, group: Any, balance: str, capacity: int | None = None) -> None:
         text = config.get_text_config(decoder=True)
@@ -128,19 +128,13 @@ class ShardedCache(Cache):
         for layer in self.sharded:
             layer.ring = on
 
-    def attention(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        causal: bool,
-        scale: float | None,
-        window: tuple[int, int] | None,
-        sinks: torch.Tensor | None,
-    ) -> torch.Tensor | None:
+    def attention(self, layer_idx: int, q: torch.Tensor, *options: Any) -> torch.Tensor | None:
+        """The :data:`xcp.integrations.decoding.Decoder` of this cache (``options``: causal, scale, window,
+        sinks): layer ``layer_idx``'s attention over the sharded cache, or None during the ring prefill."""
         layer = self.sharded[layer_idx]
         if layer.ring:
             return None
-        return layer.kv.attention(q, causal=causal, scale=scale, window=window, sinks=sinks)
+        return layer.kv.attention(q, *options)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -243,15 +237,9 @@ def _cache_name(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def generate(
-    model: Any,
-    input_ids: torch.Tensor,
-    group: Any = None,
-    max_new_tokens: int = 16,
-    balance: str = "zigzag",
-    **generate_kwargs: Any,
-) -> Any:
-    """See :func:`xcp.integrations.transformers.generate`."""
+def generate(model: Any, input_ids: torch.Tensor, group: Any, max_new_tokens: int, balance: str, options: dict) -> Any:
+    """:func:`xcp.integrations.transformers.generate`, ``options`` its ``**generate_kwargs`` (not mutated)."""
+    generate_kwargs = dict(options)
     _check(input_ids, max_new_tokens, generate_kwargs)
     ctx = Context(group, balance)
     given = generate_kwargs.pop("generation_config", None)
@@ -265,7 +253,7 @@ def generate(
     ring = (input_ids.shape[1] - 1) // unit * unit  # the prompt's longest prefix the balance splits, less a token
     cache = ShardedCache(model.config, group, ctx.balance, capacity=input_ids.shape[1] + max_new_tokens)
     name = _cache_name(model)
-    with ctx, decoding.using(cache):
+    with ctx, decoding.using(cache.attention):
         if ring:
             positions = torch.arange(ring, device=input_ids.device).expand(input_ids.shape[0], ring)
             cache.set_ring(True)
