@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import independent_masked_reference
+from helpers import independent_masked_reference, pairs_of_runs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -153,6 +153,46 @@ def test_placement_rule():
             pieces = cache_plan.chunk_pieces(start, count, 3)
             assert sum(n for _, n in pieces) == count and pieces[0][0] == start
             assert max(n for _, n in pieces) - min(n for _, n in pieces) <= 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    world=st.integers(1, 5),
+    balance=st.sampled_from(xcp.BALANCES),
+    chunks=st.integers(0, 2),
+    steps=st.lists(st.integers(1, 9), max_size=5),
+    queries=st.integers(1, 12),
+    causal=st.booleans(),
+    left=st.one_of(st.none(), st.integers(0, 10)),
+    right=st.one_of(st.none(), st.integers(0, 4)),
+)
+def test_partial_calls_compute_exactly_the_visible_pairs(world, balance, chunks, steps, queries, causal, left, right):
+    """Brute force over the plan: every (query, stored key) pair the mask allows, once, and nothing else."""
+    prompt = chunks * xcp.schedule.required_multiple(world, balance)
+    seq = prompt + sum(steps)
+    if seq == 0:
+        return
+    window = xcp.documents.check_window((left, 0 if causal else right), causal)
+    queries = min(queries, seq)
+    for r in range(world):
+        stored = cache_plan.prefill_runs(prompt, world, r, balance) if prompt else ()
+        s = prompt
+        for t in steps:
+            first, count = cache_plan.chunk_pieces(s, t, world)[r]
+            stored = cache_plan.extend(stored, first, count)
+            s += t
+        positions = [p.global0 + p.stride * i for p in stored for i in range(p.count)]
+        assert positions == sorted(positions)
+        want = []
+        for i in range(queries):
+            at = seq - queries + i
+            for j, p in enumerate(positions):
+                lo = window is None or window[0] is None or p >= at - window[0]
+                hi = (p <= at if causal else True) and (window is None or window[1] is None or p <= at + window[1])
+                if lo and hi:
+                    want.append((i, j))
+        got = pairs_of_runs(cache_plan.partial_calls(stored, seq, queries, causal, window))
+        assert sorted(got) == want
 
 
 def test_each_rank_holds_its_share_in_position_order():
@@ -370,3 +410,35 @@ def test_gloo_processes(tmp_path: Path, world):
         assert got["nbytes"] == got["local_len"] * token_bytes  # capacity = total: exactly its share
         for out, want in zip(got["outs"], wants):
             assert (out - want).abs().max().item() < 1e-10
+
+
+def test_attention_points_longer_keys_to_the_cache():
+    q, k, v = inputs(8)
+    with pytest.raises(ValueError, match="use xcp.KVCache"):
+        xcp.attention(q[:, :1], k, v, causal=True)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_lower_precision_dtypes(dtype, tol):
+    q, k, v = inputs(14, seed=3, dtype=dtype)
+
+    def rank(group):
+        cache = xcp.KVCache(group=group, balance="zigzag")
+        cache.prefill(*(xcp.shard(x[:, :8], 2, group.rank()) for x in (k, v)))
+        outs = []
+        for s, t in ((8, 1), (9, 4), (13, 1)):
+            cache.append(k[:, s : s + t], v[:, s : s + t])
+            outs.append(cache.attention(q[:, s : s + t]))
+        return outs
+
+    with LocalWorld(2) as w:
+        results = w.run(rank)
+    for i, (s, t) in enumerate(((8, 1), (9, 4), (13, 1))):
+        want = reference(q, k, v, s + t, t)
+        for outs in results:
+            assert outs[i].dtype == dtype
+            assert (outs[i].double() - want).abs().max().item() < tol
+
+
+def test_combine_bytes():
+    assert cache_plan.combine_bytes(4, 2, 1, 8, 64) == 4 * 2 * 8 * 65 * 4

@@ -3,6 +3,7 @@ documented command line that runs it."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -108,6 +109,14 @@ class HalfLse(CPUBackend):
         return out, lse.to(torch.bfloat16)
 
 
+class Base2Lse(CPUBackend):
+    """Keeps the log-sum-exp in base 2, as kernels that exponentiate with exp2 do internally."""
+
+    def forward(self, q, k, v, mask, scale):
+        out, lse = math_forward(q, k, v, mask, scale)
+        return out, lse * math.log2(math.e)
+
+
 class MutatesInput(CPUBackend):
     def forward(self, q, k, v, mask, scale):
         out, lse = math_forward(q, k, v, mask, scale)
@@ -133,6 +142,7 @@ F32 = {"dtype": torch.float32}
             "ring P=2",
         ),
         (HalfLse, conformance.check_forward, {**F32, "mask": "none", "heads": "mha"}, "forward lse: expected dtype"),
+        (Base2Lse, conformance.check_forward, {**F32, "mask": "causal", "heads": "gqa"}, "expected the natural-log"),
         (MutatesInput, conformance.check_forward, {**F32, "mask": "none", "heads": "mha"}, "modified in place"),
     ],
 )

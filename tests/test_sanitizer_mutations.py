@@ -15,6 +15,7 @@ import xcp
 from xcp import lifetime
 from xcp.lifetime import RingCall, ShardSlots
 from xcp.ring import RingConfig, ring_forward
+from xcp.testing.decode_sanitizer import sanitize_decode
 from xcp.testing.sanitizer import Sanitizer, sanitize_ring
 
 
@@ -223,3 +224,47 @@ def test_verdict_does_not_depend_on_thread_timing(monkeypatch):
     # interleaving (which of several equivalent access pairs a finding shows may differ)
     runs = [verdict(s) for s in (0, 0, 1)]
     assert runs[0] and runs[0] == runs[1] == runs[2]
+
+
+# ---------------------------------------------------------------------------------- the KV cache's combine
+
+
+def test_combine_hand_off_dropped(monkeypatch):
+    """Rule 3.3: without the hand-off, M's gather reads the packed partial C wrote without waiting for it."""
+    monkeypatch.setattr(RingCall, "hand_to_comm", lambda self, tensors, channel, ordered=False: list(tensors))
+    report = sanitize_decode(world=3, decode=2, chunk=3)
+    races = accesses(report, "race")
+    assert any(
+        first[1].endswith(":C") and first[2] and "p2p combine" in second[0] and second[1].endswith(":M")
+        and not second[2]
+        for first, second in races
+    ), report.format()
+    assert "race" in report.kinds() and report.kinds() <= {"race", "reuse"}
+
+
+def test_combine_partial_reused_before_the_gather_reads_it():
+    """Handed off under ``none`` on an asynchronous device, the dropped partial's block goes back to C's pool
+    while M's gather still reads it: C's next allocation (the merge's output) takes it."""
+    report = sanitize_decode(world=3, decode=2, chunk=3, handoff="none")
+    reuse = accesses(report, "reuse")
+    assert any(
+        "p2p combine" in old[0] and old[1].endswith(":M") and not old[2]
+        and new[1].endswith(":C") and new[0].startswith("aten.empty")
+        for old, new in reuse
+    ), report.format()
+    assert report.kinds() == {"reuse"}
+
+
+@pytest.mark.parametrize("handoff", [None, "clone", "event"])
+def test_combine_is_clean_with_a_hand_off(handoff):
+    report = sanitize_decode(world=3, decode=2, chunk=3, handoff=handoff)
+    assert report.ok, report.format()
+    assert report.max_error["out"] < 1e-12
+
+
+def test_sanitize_decode_command(capsys):
+    from xcp.cli import main
+
+    assert main(["sanitize", "--decode", "2", "--world", "2", "--chunk", "3", "--balance", "stripe"]) == 0
+    assert "no finding" in capsys.readouterr().out
+    assert main(["sanitize", "--decode", "1", "--world", "2", "--handoff", "none"]) == 1

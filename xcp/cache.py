@@ -216,14 +216,10 @@ class KVCache:
         k, v = self.keys(), self.values()
         assert k is not None and v is not None  # a cache with tokens has storage
         acc = accumulator_dtype(q.dtype)
-        d = q.shape[3]
         if self._world == 1:
             out, lse = _local_partial(backend, calls, q, k, v, scale, acc)
         else:
-            packed = _packed_partial(backend, calls, q, k, v, scale, acc)
-            gathered = self._gather(backend, packed)
-            del packed
-            out, lse = _merge(gathered[..., :d], gathered[..., d])
+            out, lse = self._combine(backend, calls, q, k, v, scale, acc)
         if sinks is not None:
             apply_sinks_(out, lse, sinks)
         return out.to(q.dtype)
@@ -237,8 +233,15 @@ class KVCache:
         like = torch.empty((b, 0, h, d), dtype=dtype, device="meta")
         return fingerprint(q, like, like, causal, self.balance, scale, None, sinks, window)
 
-    def _gather(self, backend: Any, packed: torch.Tensor) -> torch.Tensor:
-        """Every rank's packed partial [P, *packed.shape]: one all-gather on the comm stream (rules 1, 3.3)."""
+    def _combine(self, backend: Any, calls, q, k, v, scale: float, acc: torch.dtype):
+        """The merged (out [B, T, H, D], lse [B, H, T]) of every rank's partial: the partial packed on the
+        caller's stream C, one all-gather on the comm stream M, the merge on C after the join.
+
+        docs/lifetime.md: the gather's receive buffer is made on C before M forks (rule 1); the packed
+        partial, written on C after the fork, goes to M through the hand-off (rule 3.3), and the host drops
+        it at once: C allocates the merge's output while M gathers, so nothing but the hand-off keeps the
+        partial's memory from C's next allocation.
+        """
         comm = self._comm
         gather = getattr(comm, "all_gather", None)
         if not callable(gather):
@@ -246,14 +249,19 @@ class KVCache:
                 f"group: a KV cache over {self._world} ranks needs a communicator with all_gather(); got "
                 f"{type(comm).__name__}"
             )
-        recv = torch.empty((self._world, *packed.shape), dtype=packed.dtype, device=packed.device)  # on C
-        call = RingCall(comm, backend, packed.device, "bounded", self._handoff)
+        b, t, h, d = q.shape
+        recv = torch.empty((self._world, b, t, h, d + 1), dtype=acc, device=q.device)  # rule 1: on C, before M forks
+        call = RingCall(comm, backend, q.device, "bounded", self._handoff)
         with call:
+            packed = _packed_partial(backend, calls, q, k, v, scale, acc)
             with call.on_comm():
-                (send,) = call.hand_to_comm([packed], "combine")  # rule 3.3: C wrote it, M reads it
+                (send,) = call.hand_to_comm([packed], "combine")  # rule 3.3: M waits for C, then owns its read
+                del packed
                 gather(send, recv, "combine", backend).wait()
                 del send
-        return recv
+            out = torch.empty((b, t, h, d), dtype=acc, device=q.device)  # on C, while M gathers
+        lse = _merge_into(out, recv[..., :d], recv[..., d])
+        return out, lse
 
 
 def _run_calls(backend, calls, q, k, v, scale: float):
@@ -289,14 +297,15 @@ def _packed_partial(backend, calls, q, k, v, scale: float, acc: torch.dtype) -> 
     return packed
 
 
-def _merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The merge of P partials, ``outs`` [P, B, T, H, D] and ``lses`` [P, B, T, H]: (out [B, T, H, D],
-    lse [B, H, T]); a partial whose lse is -inf weighs 0, and a row no rank sees stays 0 / -inf."""
+def _merge_into(out: torch.Tensor, outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Merge P partials, ``outs`` [P, B, T, H, D] and ``lses`` [P, B, T, H], into ``out`` [B, T, H, D];
+    return the merged lse [B, H, T]. A partial whose lse is -inf weighs 0, and a row no rank sees stays
+    0 / -inf: never NaN."""
     lse = torch.logsumexp(lses, dim=0)
     safe = torch.where(lse == NEG_INF, 0.0, lse)
-    weights = torch.exp(lses - safe)  # exp(-inf) = 0: never NaN
-    out = (weights.unsqueeze(-1) * outs).sum(dim=0)
-    return out, lse.transpose(1, 2).contiguous()
+    weights = torch.exp(lses - safe)  # exp(-inf) = 0
+    torch.sum(weights.unsqueeze(-1) * outs, dim=0, out=out)
+    return lse.transpose(1, 2).contiguous()
 
 
 __all__ = ["KVCache"]

@@ -49,6 +49,12 @@ def chunk_pieces(start: int, count: int, world_size: int) -> tuple[tuple[int, in
     return tuple(out)
 
 
+def combine_bytes(world_size: int, batch: int, queries: int, heads: int, head_dim: int, element_size: int = 4) -> int:
+    """Bytes of the combine's receive buffer on each rank for one attention call: the P packed partials
+    ``[out | lse]``, ``P x B x T x H x (D + 1)`` elements of the accumulator dtype (4 bytes; 8 for float64)."""
+    return world_size * batch * queries * heads * (head_dim + 1) * element_size
+
+
 Run = _Piece
 """Stored tokens ``local0 .. local0 + count - 1`` at positions ``global0 + stride * t``, in storage order."""
 

@@ -57,7 +57,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, same_length: bo
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k: expected batch {q.shape[0]} (the batch of q); got {k.shape[0]}")
     if same_length and k.shape[1] != q.shape[1]:
-        raise ValueError(f"k: expected local sequence length {q.shape[1]} (that of q); got {k.shape[1]}")
+        hint = " (keys of a KV cache, longer than the queries: use xcp.KVCache)" if k.shape[1] > q.shape[1] else ""
+        raise ValueError(f"k: expected local sequence length {q.shape[1]} (that of q); got {k.shape[1]}{hint}")
     if k.shape[3] != q.shape[3]:
         raise ValueError(f"k: expected head_dim {q.shape[3]} (that of q); got {k.shape[3]}")
     h, hkv = q.shape[2], k.shape[2]

@@ -100,11 +100,28 @@ def _add_sanitize(sub) -> None:
                    "ranks; the bounds are the ring's, for its K/V shards (S/R tokens, H_kv'/U heads); reports of two "
                    "peers writing their own rows of one all-to-all receive buffer (U >= 3) are set aside and "
                    "counted")  # fmt: skip
+    p.add_argument("--decode", type=int, default=None, metavar="N",
+                   help="sanitize the decode path instead: an xcp.KVCache per rank, a prompt of --seq tokens "
+                   "(default: the fewest the balance splits) prefilled, N decode steps and one chunk of --chunk "
+                   "tokens, each followed by the cache's attention and its all-gather combine")  # fmt: skip
+    p.add_argument("--chunk", type=int, default=5, help="with --decode: the chunk's tokens (0: none)")
+
+
+def _cmd_sanitize_decode(args) -> int:
+    from ..testing.decode_sanitizer import sanitize_decode
+
+    report = sanitize_decode(world=args.world, balance=args.balance, handoff=args.handoff, decode=args.decode,
+                             chunk=args.chunk, prompt=args.seq, dtype=DTYPES[args.dtype], heads=args.heads,
+                             kv_heads=args.kv_heads, head_dim=args.head_dim, seed=args.seed)  # fmt: skip
+    print(report.format())
+    return 0 if report.ok else 1
 
 
 def _cmd_sanitize(args) -> int:
     from ..testing.sanitizer import sanitize_ring
 
+    if args.decode is not None:
+        return _cmd_sanitize_decode(args)
     window = windows.check(args.window, args.causal)
     if args.ulysses > 1:
         ulysses.check_flag(args.ulysses, args.world, args.heads)

@@ -12,6 +12,7 @@ Numbers are compared with :mod:`xcp.testing.reference` (float64, on the CPU) on 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -325,6 +326,25 @@ def _forward_checked(backend, q, k, v, mask, dtype):
     return out, lse
 
 
+LOG2_E = math.log2(math.e)
+"""A base-2 log-sum-exp (what kernels that exponentiate with exp2 keep) is this many times the natural one."""
+
+
+def assert_natural_log(what: str, lse: torch.Tensor, ref_lse: torch.Tensor) -> None:
+    """Raise when ``lse`` is the base-2 log-sum-exp of the scores (``LOG2_E`` x the natural-log ``ref_lse``)
+    rather than the natural-log one: partials merged across ranks or blocks (``exp(L_r - L)``) need
+    natural logs, and a base-2 lse silently weighs them wrong (a bug public decode systems have shipped)."""
+    seen = torch.isfinite(ref_lse)
+    got, want = lse.detach().double().cpu()[seen.cpu()], ref_lse.detach().double().cpu()[seen.cpu()]
+    if got.numel() == 0 or torch.allclose(got, want, rtol=1e-2, atol=1e-2):
+        return
+    if torch.allclose(got, want * LOG2_E, rtol=1e-2, atol=1e-2):
+        raise AssertionError(
+            f"{what}: expected the natural-log log-sum-exp, ln(sum exp(scale * q.k)); got the base-2 one "
+            f"({LOG2_E:.4f} x the natural one), which a log-sum-exp merge weighs wrongly"
+        )
+
+
 def check_forward(backend: Backend, dtype: torch.dtype, mask: str, heads: str, sq: int = SEQ, sk: int = SEQ) -> None:
     """Block forward against the reference: out, and lse = logsumexp of the scaled scores in float32
     [B, H, Sq] (float64 for float64), -inf with an all-zero output on rows that see no key."""
@@ -333,6 +353,7 @@ def check_forward(backend: Backend, dtype: torch.dtype, mask: str, heads: str, s
     ref_out, ref_lse = reference_attention(q, k, v, mask, SCALE)
     out, lse = _forward_checked(backend, q, k, v, mask, dtype)
     assert_close("forward out", out, ref_out, dtype)
+    assert_natural_log("forward lse", lse, ref_lse)
     assert_close("forward lse", lse, ref_lse, dtype)
     blind = ~allowed_pairs(sq, sk, mask).any(dim=1)
     if blind.any() and out[:, blind.to(out.device)].count_nonzero() > 0:

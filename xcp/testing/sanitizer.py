@@ -187,12 +187,14 @@ def _masked(documents: object, window: object) -> str:
     return f" with the {' '.join(kinds)} mask" if kinds else ""
 
 
-def peers_rows(finding: Finding) -> bool:
-    """True for a race between two different peers' copies into one all-to-all receive buffer (each writes its
-    own row, so the writes are disjoint; the model tracks whole storages and cannot tell): what
-    :func:`sanitize_ring` sets aside for the hybrid. A race involving anything else is not."""
+def peers_rows(finding: Finding, tags: tuple[str, ...] = ("a2a", "combine")) -> bool:
+    """True for a race between two different peers' copies into one receive buffer of an all-to-all or
+    all-gather (``tags``; each writes its own row, so the writes are disjoint; the model tracks whole storages
+    and cannot tell): what :func:`sanitize_ring` sets aside for the hybrid, and the decode sanitizer for the
+    KV cache's combine. A race involving anything else is not."""
     ops = [a.op for a in finding.accesses]
-    return finding.kind == "race" and len(ops) > 1 and all("(p2p a2a" in op for op in ops) and len(set(ops)) == len(ops)
+    one_tag = any(all(f"(p2p {tag}" in op for op in ops) for tag in tags)
+    return finding.kind == "race" and len(ops) > 1 and one_tag and len(set(ops)) == len(ops)
 
 
 def _by_rank(peaks: dict[str, int]) -> dict[int, int]:

@@ -1,0 +1,125 @@
+"""The lifetime sanitizer on the decode path: a sharded KV cache's prefill, decode steps and one chunk.
+
+:func:`sanitize_decode` (what ``xcp sanitize --decode`` runs) fills an :class:`xcp.KVCache` per virtual
+rank on the simulated device, runs its attention after each append, and reports what the sanitizer finds
+(races, reuses, leaks) and the largest error against float64 attention over the whole sequence. The rule
+it checks is docs/lifetime.md, rule 3.3 (the combine's hand-off).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .. import schedule
+from ..api import shard
+from ..cache import KVCache
+from ..comm import LocalWorld
+from ..lifetime import check_handoff, track_buffers
+from .sanitizer import TOLERANCE, Finding, Sanitizer, SanitizerReport, peers_rows
+
+
+def _reference(q, k, v, s: int, t: int, scale: float) -> torch.Tensor:
+    """float64 causal attention of the queries at ``s - t .. s - 1`` over the first s tokens."""
+    groups = q.shape[2] // k.shape[2]
+    qd = q[:, s - t : s].double().transpose(1, 2)
+    kd, vd = (x[:, :s].double().transpose(1, 2).repeat_interleave(groups, 1) for x in (k, v))
+    allowed = torch.arange(s).view(1, s) <= torch.arange(s - t, s).view(t, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=allowed, scale=scale)
+    return out.transpose(1, 2)
+
+
+def _largest_error(outs: list[list[torch.Tensor]], q, k, v, prompt: int, steps: list[int], scale: float) -> float:
+    """The largest error of every rank's outputs against the float64 reference, relative to its magnitude."""
+    error, s = 0.0, prompt
+    for i, t in enumerate(steps):
+        s += t
+        want = _reference(q, k, v, s, t, scale)
+        for mine in outs:
+            error = max(error, (mine[i].double() - want).abs().max().item() / max(1.0, want.abs().max().item()))
+    return error
+
+
+def sanitize_decode(
+    world: int = 4,
+    balance: str = "zigzag",
+    handoff: str | None = None,
+    decode: int = 3,
+    chunk: int = 5,
+    prompt: int | None = None,
+    dtype: torch.dtype = torch.float64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 8,
+    batch: int = 1,
+    seed: int = 0,
+) -> SanitizerReport:
+    """Prefill a KV cache on ``world`` virtual ranks of the sim device, then ``decode`` single tokens and one
+    chunk of ``chunk`` tokens, each followed by the cache's attention; check every lifetime rule.
+
+    :param handoff: the combine's hand-off policy; None: the sim backend's default, ``record_stream``.
+    :param prompt: the prompt's length (a multiple of what the balance splits); default 2 tokens per rank.
+    :returns: a :class:`xcp.testing.sanitizer.SanitizerReport`; findings of kind race, reuse, leak or numerics.
+    """
+    for name, value in (("world", world), ("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim),
+                        ("batch", batch), ("decode", decode)):  # fmt: skip
+        if not schedule.is_integer(value) or value < (0 if name == "decode" else 1):
+            raise ValueError(f"{name}: expected an integer >= {0 if name == 'decode' else 1}; got {value!r}")
+    if not schedule.is_integer(chunk) or chunk < 0:
+        raise ValueError(f"chunk: expected an integer >= 0 (0: no chunk); got {chunk!r}")
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads: expected a divisor of heads={heads}; got {kv_heads}")
+    if dtype not in TOLERANCE:
+        raise ValueError(f"dtype: expected one of {', '.join(map(str, TOLERANCE))}; got {dtype}")
+    if handoff is not None:
+        check_handoff(handoff)
+    prompt = schedule.required_multiple(world, balance) if prompt is None else prompt
+    schedule.check_seq_len(prompt, world, balance, what="prompt")
+    steps = [1] * decode + ([chunk] if chunk else [])
+    total = prompt + sum(steps)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, total, heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
+    k = torch.randn(batch, total, kv_heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
+    v = torch.randn(batch, total, kv_heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    config = {"world": world, "balance": balance, "handoff": handoff or "record_stream", "decode": decode,
+              "chunk": chunk, "prompt": prompt, "dtype": str(dtype).replace("torch.", ""), "heads": heads,
+              "kv_heads": kv_heads}  # fmt: skip
+
+    findings: list[Finding] = []
+    with Sanitizer() as san:
+        lw = LocalWorld(world, timeout=60.0)
+
+        def rank(group: Any) -> tuple:
+            with san.thread(f"rank{group.rank()}"), track_buffers() as ledger:
+                cache = KVCache(group=group, balance=balance, device="sim", handoff=handoff)
+                r = group.rank()
+                cache.prefill(shard(k[:, :prompt], world, r, balance=balance),
+                              shard(v[:, :prompt], world, r, balance=balance))  # fmt: skip
+                outs, s = [], prompt
+                for t in steps:
+                    cache.append(k[:, s : s + t], v[:, s : s + t])
+                    s += t
+                    outs.append(cache.attention(q[:, s - t : s]))
+                del cache
+                return ledger, outs
+
+        results = lw.run(rank)
+        error = _largest_error([r[1] for r in results], q, k, v, prompt, steps, scale)
+        ledgers = [r[0] for r in results]
+        del results
+        lw.release_buffers()
+        del lw
+        set_aside = [f for f in san.findings if peers_rows(f)]
+        findings.extend(f for f in san.findings if not any(f is a for a in set_aside))
+        for r, ledger in enumerate(ledgers):
+            if ledger.live_bytes:
+                findings.append(Finding("leak", f"rank{r}: the ledger counts {ledger.live_bytes} B after the calls"))
+        findings.extend(san.leaks())
+    if not error <= TOLERANCE[dtype]:
+        tol = TOLERANCE[dtype]
+        findings.append(Finding("numerics", f"out: error {error:.3e} against float64 attention exceeds {tol:g}"))
+    return SanitizerReport(config, findings, peak_kv_shards={}, peak_bytes={}, peak_comm_bytes={}, bound_shards=0,
+                           bound_comm_bytes=0, max_error={"out": error}, set_aside=len(set_aside))  # fmt: skip
