@@ -128,13 +128,15 @@ class ShardedCache(Cache):
         for layer in self.sharded:
             layer.ring = on
 
-    def attention(self, layer_idx: int, q: torch.Tensor, *options: Any) -> torch.Tensor | None:
-        """The :data:`xcp.integrations.decoding.Decoder` of this cache (``options``: causal, scale, window,
-        sinks): layer ``layer_idx``'s attention over the sharded cache, or None during the ring prefill."""
+    def attention(
+        self, layer_idx: int, q: torch.Tensor, causal: bool, scale: float | None, window: Any, sinks: Any
+    ) -> torch.Tensor | None:
+        """The :data:`xcp.integrations.decoding.Decoder` of this cache: layer ``layer_idx``'s attention over
+        the sharded cache, or None during the ring prefill (the attention function runs the ring then)."""
         layer = self.sharded[layer_idx]
         if layer.ring:
             return None
-        return layer.kv.attention(q, *options)
+        return layer.kv.attention(q, causal=causal, scale=scale, window=window, sinks=sinks)
 
 
 # --------------------------------------------------------------------------------------------------------
