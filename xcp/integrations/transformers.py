@@ -159,7 +159,9 @@ def attention_forward(
     sinks = getattr(module, "sinks", None)
     if sinks is None:
         sinks = kwargs.get("s_aux")
-    decoder = None if compiling else decoding.current()
+    decoder = decoding.current()
+    if decoder is not None and compiling:
+        raise ValueError(f"{who}: generate() over xcp's sharded KV cache runs the model eagerly; got a compiled model")
     if decoder is not None:  # xt.generate: a step over the sharded KV cache (None: the prompt's ring)
         layer = cast(int, module.layer_idx)  # transformers numbers every attention module's layer
         out = decoder(layer, query.transpose(1, 2), is_causal, scaling, window, sinks)
