@@ -119,12 +119,14 @@ def worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize(
-    ("kind", "prompt", "balance"),
-    [("llama", 1, "zigzag"), ("qwen2", 7, "stripe"), ("mistral", 11, "contiguous"), ("gpt_oss", 21, "zigzag")],
-)
-def test_greedy_equals_one_device(faithful, kind, prompt, balance):
-    """Tokens equal, logits of every step to 1e-9, on 4 virtual ranks: a ring prefix and a chunk (7 = 4 + 3
-    for stripe, 11 = 8 + 3 for contiguous, 21 = 16 + 5 for zigzag), or a prompt of one token (a chunk)."""
+    ("kind", "prompt", "balance", "world"),
+    [("llama", 1, "zigzag", 4), ("llama", 9, "zigzag", 1), ("qwen2", 7, "stripe", 4),
+     ("mistral", 11, "contiguous", 4), ("gpt_oss", 21, "zigzag", 4)],
+)  # fmt: skip
+def test_greedy_equals_one_device(faithful, kind, prompt, balance, world):
+    """Tokens equal, logits of every step to 1e-9, on 4 virtual ranks (and on one): a ring prefix and a chunk
+    (7 = 4 + 3 for stripe, 11 = 8 + 3 for contiguous, 21 = 16 + 5 for zigzag; 9 = 8 + 1 on one rank), or a
+    prompt of one token (a chunk alone)."""
     model = faithful(make_model(kind))
     if kind == "qwen2":  # a scale other than 1/sqrt(head_dim): the module's scaling must reach the cache
         for m in model.modules():
@@ -132,7 +134,7 @@ def test_greedy_equals_one_device(faithful, kind, prompt, balance):
                 m.scaling = 0.25
     ids = torch.randint(0, VOCAB, (2, prompt), generator=torch.Generator().manual_seed(1))
     ref, ref_steps = one_device(model, ids, do_sample=False)
-    results = on_ranks(model, ids, balance=balance, do_sample=False)
+    results = on_ranks(model, ids, world=world, balance=balance, do_sample=False)
     for out, steps in results:
         assert torch.equal(out.sequences, ref.sequences)
         assert worst(steps, ref_steps) <= 1e-9, kind
@@ -140,7 +142,7 @@ def test_greedy_equals_one_device(faithful, kind, prompt, balance):
     cached = prompt + NEW - 1  # the last token is never run through the model
     for layer in range(2):  # every token on one rank, no rank more than its share
         held = [out.cache.sharded[layer].kv.local_len for out, _ in results]
-        assert sum(held) == cached and max(held) <= (prompt + NEW) // 4 + 1, held
+        assert sum(held) == cached and max(held) <= (prompt + NEW) // world + 1, held
     if kind in ("mistral", "gpt_oss"):  # the window (4) changes the result: the test sees it
         _, wide = one_device(faithful(make_model(kind, sliding_window=64)), ids, do_sample=False)
         assert worst(wide, ref_steps) > 1e-3
