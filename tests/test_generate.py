@@ -184,6 +184,10 @@ def test_a_ragged_batch_and_what_the_sharded_cache_cannot_do_are_named():
         xt.generate(model, ids[:, :0])
     out = xt.generate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=2)  # no padding: served
     assert out.shape == (2, 7)
+    from xcp.integrations.transformers_generate import ShardedCache
+
+    with pytest.raises(NotImplementedError, match="crop: not supported by xcp's sharded KV cache"):
+        ShardedCache(model.config, None, "zigzag").crop(-1)  # what generate's assisted decoding would ask
 
 
 WORKER = textwrap.dedent(

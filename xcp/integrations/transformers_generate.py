@@ -92,22 +92,22 @@ class ShardedLayer(CacheLayerMixin):
         return -1
 
     def _cannot(self, what: str) -> None:
-        raise NotImplementedError(f"xcp's sharded KV cache cannot {what} (each rank holds only its share of it)")
+        raise NotImplementedError(f"{what}: not supported by xcp's sharded KV cache (each rank holds only its share)")
 
     def crop(self, tokens_to_remove: int) -> None:
-        self._cannot("crop tokens")
+        self._cannot("crop")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._cannot("reorder the batch (beam search)")
+        self._cannot("reorder_cache (beam search)")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._cannot("repeat the batch")
+        self._cannot("batch_repeat_interleave")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._cannot("select from the batch")
+        self._cannot("batch_select_indices")
 
     def reset(self) -> None:
-        self._cannot("be reset")
+        self._cannot("reset")
 
 
 class ShardedCache(Cache):
