@@ -8,6 +8,7 @@ agreement check, the combine's collective and gloo processes.
 
 from __future__ import annotations
 
+import math
 import random
 import subprocess
 import sys
@@ -206,7 +207,7 @@ def test_each_rank_holds_its_share_in_position_order():
     for r, (c, ps) in enumerate(zip(caches, positions)):
         assert ps == sorted(ps) and c.seq_len == total
         assert c.local_len == len(ps) == cache_plan.held(total, world, r)
-        assert c.nbytes <= xcp.cache.GROWTH * (total // world + 1) * token_bytes < total * token_bytes
+        assert c.nbytes <= math.ceil(xcp.cache.GROWTH * (total // world + 1)) * token_bytes < total * token_bytes
         k = c.keys()
         assert k is not None and k.shape[1] == c.local_len
 
@@ -319,6 +320,8 @@ def test_errors():
         xcp.KVCache(capacity=0)
     with pytest.raises(ValueError, match="balance: expected one of"):
         xcp.KVCache(balance="spiral")
+    with pytest.raises(ValueError, match="handoff: expected one of"):
+        xcp.KVCache(handoff="copy")
     with LocalWorld(2) as w:
         errors = w.run(lambda g: _prefill_error(g, k, v))
     want = "k_l.shape[1] x 2 ranks: balance 'zigzag' over 2 ranks needs a positive multiple of 4"
@@ -348,6 +351,15 @@ def test_ranks_that_disagree_are_named_once_per_configuration():
 
     with LocalWorld(2) as w:
         assert w.run(rank) == [1, 1]
+
+    def uneven(group):
+        cache = xcp.KVCache(group=group)
+        cache.append(k[:, : 4 + group.rank()], v[:, : 4 + group.rank()])  # rank 1 holds one more token
+        with pytest.raises(ValueError, match=r"k.shape \(rank 0: \(2, 4, 2, 8\); rank 1: \(2, 5, 2, 8\)\)"):
+            cache.attention(q[:, 3:4])
+
+    with LocalWorld(2) as w:
+        w.run(uneven)
 
 
 # ------------------------------------------------------------------------------------------ gloo processes

@@ -18,6 +18,8 @@ gather's receive buffer is made on C before M forks, as rule 1 has it.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import torch
@@ -38,12 +40,13 @@ from .checks import (
 from .comm import resolve_group
 from .documents import check_window
 from .kernels.merge import NEG_INF, accumulator_dtype, apply_sinks_
-from .lifetime import RingCall
+from .lifetime import RingCall, check_handoff
 from .plugins import select_backend
 from .ring import BlockCall
 
-GROWTH = 2
-"""Without ``capacity``, storage that runs out grows to this many times what it needs (amortised appends)."""
+GROWTH = 1.25
+"""Without ``capacity``, storage that runs out grows to this many times its room (at least to what it needs):
+appends stay amortised O(1) while room beyond the tokens held stays within a quarter of them."""
 
 
 class KVCache:
@@ -81,7 +84,7 @@ class KVCache:
         self.capacity = check_cache_capacity(capacity)
         self._comm = resolve_group(group, timeout)
         self._device = device
-        self._handoff = handoff
+        self._handoff = None if handoff is None else check_handoff(handoff)
         self._world, self._rank = self._comm.size(), self._comm.rank()
         self._layout: CacheLayout | None = None
         self._k: torch.Tensor | None = None  # storage [B, room, Hkv, D]; rows [0, local_len) hold tokens
@@ -171,7 +174,7 @@ class KVCache:
             if self.capacity is not None:
                 room = cache_plan.held(self.capacity, self._world, self._rank)
             else:
-                room = max(need, GROWTH * (0 if self._k is None else self._k.shape[1]))
+                room = max(need, math.ceil(GROWTH * (0 if self._k is None else self._k.shape[1])))
             b, h, d, dtype, device = layout
             grown = [torch.empty((b, room, h, d), dtype=dtype, device=device) for _ in range(2)]
             if self._k is not None and self._v is not None:
@@ -211,7 +214,9 @@ class KVCache:
         check_backend_serves(backend, q, 1, causal, self.balance)
         comm = self._comm
         if self._world > 1 and not backend.is_capturing():
-            agree(comm, backend, self._fingerprint(q, causal, scale, window, sinks), q.device)
+            key = self._fingerprint(q, causal, scale, window, sinks, 0)
+            compared = functools.partial(self._fingerprint, q, causal, scale, window, sinks, self._seq)
+            agree(comm, backend, compared, q.device, key)
         calls = cache_plan.partial_calls(self._runs, self._seq, t, causal, window)
         k, v = self.keys(), self.values()
         assert k is not None and v is not None  # a cache with tokens has storage
@@ -224,13 +229,13 @@ class KVCache:
             apply_sinks_(out, lse, sinks)
         return out.to(q.dtype)
 
-    def _fingerprint(self, q, causal: bool, scale: float, window, sinks) -> tuple:
-        """The configuration of a call as :func:`xcp.agreement.fingerprint` has it; the cache's keys and
-        values as shape [B, 0, Hkv, D] (their length is each rank's own, the global one follows from the
-        calls every rank makes alike)."""
+    def _fingerprint(self, q, causal: bool, scale: float, window, sinks, seq_len: int) -> tuple:
+        """A call as :func:`xcp.agreement.fingerprint` has it, the cache's keys and values as shape
+        [B, seq_len, Hkv, D]: the first call of a configuration compares the global length too (ranks that
+        prefilled or appended differently), the agreed set keeps it as 0 (each decode step's length differs)."""
         assert self._layout is not None
         b, h, d, dtype, _ = self._layout
-        like = torch.empty((b, 0, h, d), dtype=dtype, device="meta")
+        like = torch.empty((b, seq_len, h, d), dtype=dtype, device="meta")
         return fingerprint(q, like, like, causal, self.balance, scale, None, sinks, window)
 
     def _combine(self, backend: Any, calls, q, k, v, scale: float, acc: torch.dtype):
