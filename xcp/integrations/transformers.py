@@ -19,7 +19,11 @@ or the note there for DDP).
 
 What xcp cannot do raises an error naming the model's attention class and the option: padding masks and
 other 4-D masks, attention dropout in training, logit soft-capping, output_attentions, attention chunks
-and custom mask functions, a KV cache that makes keys longer than queries (generation).
+and custom mask functions, a transformers KV cache that makes keys longer than queries.
+
+Generation: :func:`generate` (``generate(model, input_ids, group=g, max_new_tokens=16)``) runs
+``model.generate`` over a KV cache sharded across the ranks (:mod:`xcp.integrations.transformers_generate`;
+docs/integrations.md, "Generation").
 
 Under ``torch.compile`` the attention function traces without a graph break (``fullgraph=True`` works)
 on a world of one and on torch.distributed groups; LocalWorld groups stay eager. What cannot be read on
@@ -35,11 +39,12 @@ import threading
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from ..context import Context, current
+from . import decoding
 
 DEFAULT_NAME = "xcp"
 IGNORE_INDEX = -100
@@ -132,8 +137,9 @@ def attention_forward(
         raise ValueError(f"{who}: output_attentions=True is not supported (xcp never forms the attention weights)")
     if key.shape[2] != query.shape[2]:
         raise ValueError(
-            f"{who}: keys ({key.shape[2]}) longer than queries ({query.shape[2]}): a KV cache (generation) is not "
-            "supported; run the whole sequence with use_cache=False"
+            f"{who}: keys ({key.shape[2]}) longer than queries ({query.shape[2]}): a transformers KV cache is not "
+            "supported; generate with xcp.integrations.transformers.generate (a KV cache sharded across the ranks), "
+            "or run the whole sequence with use_cache=False"
         )
 
     compiling = torch.compiler.is_compiling()
@@ -153,6 +159,14 @@ def attention_forward(
     sinks = getattr(module, "sinks", None)
     if sinks is None:
         sinks = kwargs.get("s_aux")
+    decoder = decoding.current()
+    if decoder is not None and compiling:
+        raise ValueError(f"{who}: generate() over xcp's sharded KV cache runs the model eagerly; got a compiled model")
+    if decoder is not None:  # xt.generate: a step over the sharded KV cache (None: the prompt's ring)
+        layer = cast(int, module.layer_idx)  # transformers numbers every attention module's layer
+        out = decoder(layer, query.transpose(1, 2), is_causal, scaling, window, sinks)
+        if out is not None:
+            return out, None
     cu_seqlens = _documents_traced(ctx, query, kwargs, who) if compiling else _documents(ctx, query, kwargs, who)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     out = ctx.attention(q, k, v, causal=is_causal, scale=scaling, window=window, sinks=sinks, cu_seqlens=cu_seqlens)
@@ -572,3 +586,47 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], ctx: Context | No
     for p in parameters:
         if p.grad is not None:
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Generation
+
+
+def generate(
+    model: Any,
+    input_ids: torch.Tensor,
+    group: Any = None,
+    max_new_tokens: int = 16,
+    balance: str = "zigzag",
+    **generate_kwargs: Any,
+) -> Any:
+    """``model.generate(input_ids, max_new_tokens=..., **generate_kwargs)`` with the KV cache sharded across
+    the ranks of ``group``; returns what that returns on one device (token ids ``[B, L + new]``, or the output
+    object with ``return_dict_in_generate=True``), the same on every rank.
+
+    Call it on every rank with the same model weights, prompt and options, the model built or switched to
+    ``attn_implementation="xcp"`` (:func:`register`). The prompt's longest prefix that ``balance`` can split
+    (leaving at least one token) is prefilled through the ring, each rank keeping its shard of every layer's
+    keys and values (one :class:`xcp.KVCache` per layer); the rest of the prompt goes in as one chunk and
+    then every new token runs through the whole model on every rank, attention combining the ranks'
+    partials (one collective per layer and step). Rank 0 chooses each token (greedy, or sampled with its
+    default generator: ``torch.manual_seed`` before the call seeds it as on one device) and every rank
+    takes it, so the ranks never drift apart.
+
+    :param group: the ranks that share the cache (a ProcessGroup, a LocalWorld group, None: the default
+        process group or a world of one), as for :func:`xcp.attention`.
+    :param balance: how the prompt's prefix is placed on the ranks for the ring.
+    :raises ValueError: a padding ``attention_mask`` (a ragged batch), a model whose attention is not
+        xcp's, and the options the sharded cache cannot serve (beam search, several sequences per prompt,
+        assisted decoding, a cache of the caller's, ``use_cache=False``).
+    """
+    transformers = _transformers()
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl is None or transformers.AttentionInterface().get(impl) is not attention_forward:
+        raise ValueError(
+            f"model: expected attention by xcp (register(), then from_config(..., attn_implementation='xcp') or "
+            f"model.set_attn_implementation('xcp')); got attn_implementation {impl!r}"
+        )
+    from .transformers_generate import generate as run
+
+    return run(model, input_ids, group, max_new_tokens, balance, generate_kwargs)

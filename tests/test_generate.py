@@ -1,0 +1,244 @@
+"""xt.generate: transformers generate() over a KV cache sharded across ranks, against one device's generate.
+
+Tiny models built from configs (no download), float64, with transformers' float32 steps (RMSNorm, the eager
+softmax) patched to float64 in both runs alike, so that per-step logits compare to 1e-9: each step's
+float64 logits are taken from the LM head (generate itself hands out float32 logits). Prompt lengths are
+odd: shorter than what the balance splits (the whole prompt one chunk), and a ring prefix plus a chunk.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import xcp
+
+transformers = pytest.importorskip("transformers")
+from xcp.integrations import transformers as xt  # noqa: E402 - after the skip
+
+VOCAB = 96
+NEW = 6
+
+
+def _config(kind: str, **over):
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)  # fmt: skip
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**common)
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+    elif kind == "mistral":
+        cfg = transformers.MistralConfig(**common, sliding_window=4)
+    else:
+        del common["max_position_embeddings"]
+        common.update(intermediate_size=32, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=4)
+        cfg = transformers.GptOssConfig(**common, layer_types=["sliding_attention", "full_attention"])
+    for key, value in over.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def make_model(kind: str, **over):
+    torch.manual_seed(0)
+    extra = {"experts_implementation": "eager"} if kind == "gpt_oss" else {}
+    model = transformers.AutoModelForCausalLM.from_config(
+        _config(kind, **over), attn_implementation="eager", dtype=torch.float64, **extra
+    )
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "sinks"):
+                m.sinks.normal_()  # nonzero sinks, so that they matter
+    return model.eval()
+
+
+@pytest.fixture
+def faithful(monkeypatch):
+    """transformers' float32 softmax (eager attention) and RMSNorm in float64, for both runs alike."""
+    softmax = torch.nn.functional.softmax
+
+    def softmax64(x, dim=None, _stacklevel=3, dtype=None):
+        return softmax(x, dim=dim, dtype=None if x.dtype == torch.float64 else dtype)
+
+    def rmsnorm64(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(torch.nn.functional, "softmax", softmax64)
+
+    def apply(model):
+        for m in model.modules():
+            if type(m).__name__.endswith("RMSNorm"):
+                monkeypatch.setattr(type(m), "forward", rmsnorm64)
+        return model
+
+    return apply
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    return xt.register()
+
+
+def recording(model):
+    """``model`` and the list its LM head appends each forward's last float64 logits to."""
+    steps: list[torch.Tensor] = []
+    model.get_output_embeddings().register_forward_hook(lambda m, a, out: steps.append(out[:, -1].detach().clone()))
+    return model, steps
+
+
+def one_device(model, ids, **kw):
+    model, steps = recording(copy.deepcopy(model))
+    out = model.generate(ids, max_new_tokens=NEW, return_dict_in_generate=True, output_logits=True, **kw)
+    return out, steps
+
+
+def on_ranks(model, ids, world=4, balance="zigzag", **kw):
+    """xt.generate on ``world`` virtual ranks, a model copy each: (output, float64 logits per step) per rank."""
+    copies = [recording(copy.deepcopy(model)) for _ in range(world)]
+    for m, _ in copies:
+        m.set_attn_implementation("xcp")
+
+    def rank(group):
+        m, steps = copies[group.rank()]
+        out = xt.generate(m, ids, group=group, max_new_tokens=NEW, balance=balance, return_dict_in_generate=True,
+                          output_logits=True, **kw)  # fmt: skip
+        return out, steps
+
+    return xcp.LocalWorld(world).run(rank)
+
+
+def worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert len(a) == len(b) == NEW
+    return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize(
+    ("kind", "prompt", "balance", "world"),
+    [("llama", 1, "zigzag", 4), ("llama", 9, "zigzag", 1), ("qwen2", 7, "stripe", 4),
+     ("mistral", 11, "contiguous", 4), ("gpt_oss", 21, "zigzag", 4)],
+)  # fmt: skip
+def test_greedy_equals_one_device(faithful, kind, prompt, balance, world):
+    """Tokens equal, logits of every step to 1e-9, on 4 virtual ranks (and on one): a ring prefix and a chunk
+    (7 = 4 + 3 for stripe, 11 = 8 + 3 for contiguous, 21 = 16 + 5 for zigzag; 9 = 8 + 1 on one rank), or a
+    prompt of one token (a chunk alone)."""
+    model = faithful(make_model(kind))
+    if kind == "qwen2":  # a scale other than 1/sqrt(head_dim): the module's scaling must reach the cache
+        for m in model.modules():
+            if hasattr(m, "scaling"):
+                m.scaling = 0.25
+    ids = torch.randint(0, VOCAB, (2, prompt), generator=torch.Generator().manual_seed(1))
+    ref, ref_steps = one_device(model, ids, do_sample=False)
+    results = on_ranks(model, ids, world=world, balance=balance, do_sample=False)
+    for out, steps in results:
+        assert torch.equal(out.sequences, ref.sequences)
+        assert worst(steps, ref_steps) <= 1e-9, kind
+        assert len(out.logits) == NEW and all(torch.allclose(a, b, rtol=1e-6) for a, b in zip(out.logits, ref.logits))
+    cached = prompt + NEW - 1  # the last token is never run through the model
+    for layer in range(2):  # every token on one rank, no rank more than its share
+        held = [out.cache.sharded[layer].kv.local_len for out, _ in results]
+        assert sum(held) == cached and max(held) <= (prompt + NEW) // world + 1, held
+    if kind in ("mistral", "gpt_oss"):  # the window (4) changes the result: the test sees it
+        _, wide = one_device(faithful(make_model(kind, sliding_window=64)), ids, do_sample=False)
+        assert worst(wide, ref_steps) > 1e-3
+
+
+def test_sampling_is_the_same_on_every_rank_and_seeded_as_on_one_device(faithful):
+    """Rank 0 draws (its default generator) and every rank takes its token: the same sequence on every
+    rank, equal to one device's with the same seed, and the scores generate records are the warped ones."""
+    model = faithful(make_model("llama"))
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(2))
+    kw = dict(do_sample=True, top_k=20, temperature=0.7, output_scores=True)
+    torch.manual_seed(123)
+    ref, _ = one_device(model, ids, **kw)
+    torch.manual_seed(123)
+    results = on_ranks(model, ids, **kw)
+    for out, _ in results:
+        assert torch.equal(out.sequences, results[0][0].sequences)
+        assert torch.equal(out.sequences, ref.sequences)
+        for got, want in zip(out.scores, ref.scores):  # top-k left 20 finite scores per row, as on one device
+            assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+            torch.testing.assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)], rtol=1e-6, atol=1e-6)
+
+
+def test_a_ragged_batch_and_what_the_sharded_cache_cannot_do_are_named():
+    model = make_model("llama")
+    ids = torch.randint(0, VOCAB, (2, 5))
+    with pytest.raises(ValueError, match=r"model: expected attention by xcp .*got attn_implementation 'eager'"):
+        xt.generate(model, ids)
+    model.set_attn_implementation("xcp")
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # the second prompt is 2 tokens shorter, padded on the left
+    with pytest.raises(ValueError, match=r"attention_mask: expected no padding .*got 2 padded token\(s\), a ragged"):
+        xt.generate(model, ids, attention_mask=mask)
+    with pytest.raises(ValueError, match=r"num_beams: not supported by xcp's generate \(beam search"):
+        xt.generate(model, ids, num_beams=2)
+    with pytest.raises(ValueError, match="max_new_tokens: expected a positive integer; got 0"):
+        xt.generate(model, ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"input_ids: expected at least one prompt of at least one token"):
+        xt.generate(model, ids[:, :0])
+    out = xt.generate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=2)  # no padding: served
+    assert out.shape == (2, 7)
+    from xcp.integrations.transformers_generate import ShardedCache
+
+    with pytest.raises(NotImplementedError, match="crop: not supported by xcp's sharded KV cache"):
+        ShardedCache(model.config, None, "zigzag").crop(-1)  # what generate's assisted decoding would ask
+
+
+WORKER = textwrap.dedent(
+    """
+    import datetime, sys
+    import torch, torch.distributed as dist
+    import transformers
+    from xcp.integrations import transformers as xt
+
+    rank, world, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    softmax = torch.nn.functional.softmax
+    torch.nn.functional.softmax = lambda x, dim=None, _stacklevel=3, dtype=None: softmax(x, dim=dim)
+    transformers.models.llama.modeling_llama.LlamaRMSNorm.forward = lambda self, x: self.weight * (
+        x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+    xt.register()
+    model = transformers.AutoModelForCausalLM.from_pretrained(f"{workdir}/model", attn_implementation="xcp",
+                                                              dtype=torch.float64).eval()
+    steps = []
+    model.get_output_embeddings().register_forward_hook(lambda m, a, out: steps.append(out[:, -1].clone()))
+    ids = torch.load(f"{workdir}/ids.pt")
+    greedy = xt.generate(model, ids, max_new_tokens=6, do_sample=False)
+    torch.manual_seed(rank)  # each process seeded differently: rank 0's draws decide
+    sampled = xt.generate(model, ids, max_new_tokens=6, do_sample=True, top_k=20)
+    torch.save({"greedy": greedy, "steps": steps[:6], "sampled": sampled}, f"{workdir}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="needs gloo")  # fmt: skip
+def test_two_gloo_processes_equal_one_device(tmp_path, faithful):
+    model = faithful(make_model("llama"))
+    model.save_pretrained(tmp_path / "model")
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))  # 9 = 8 (zigzag, P 2) + 1
+    torch.save(ids, tmp_path / "ids.pt")
+    (tmp_path / "worker.py").write_text(WORKER)
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    procs = [
+        subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(r), "2", str(tmp_path)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        for r in range(2)
+    ]
+    logs = [p.communicate(timeout=180)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    ref, ref_steps = one_device(model, ids, do_sample=False)
+    results = [torch.load(Path(tmp_path) / f"rank{r}.pt") for r in range(2)]
+    for res in results:
+        assert torch.equal(res["greedy"], ref.sequences)
+        assert worst(res["steps"], ref_steps) <= 1e-9
+        assert torch.equal(res["sampled"], results[0]["sampled"])

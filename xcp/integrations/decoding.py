@@ -1,0 +1,41 @@
+"""Which sharded KV cache a thread's model forward attends over, while ``xt.generate`` runs it.
+
+transformers hands a ``Cache`` the new keys and values (``Cache.update``) but never the queries, and hands
+the attention function the queries but never the cache. :func:`xcp.integrations.transformers.generate`
+therefore sets its cache here for the thread that runs the model (a virtual rank of a LocalWorld is a
+thread; a torchrun rank a process), and the attention function asks it for the attention of a layer: a
+tensor over the sharded cache, or None while the prompt goes through the ring. Nothing here imports
+transformers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+Window = tuple[int, int] | None
+Decoder = Callable[[int, torch.Tensor, bool, float | None, Window, torch.Tensor | None], torch.Tensor | None]
+"""``decoder(layer_idx, q, causal, scale, window, sinks)``: layer ``layer_idx``'s attention of ``q``
+``[B, T, H, D]`` (the same on every rank) over the sharded cache, ``[B, T, H, D]``; None: run the ring."""
+
+
+_local = threading.local()
+
+
+def current() -> Decoder | None:
+    """The decoder this thread set with :func:`using`, else None."""
+    return getattr(_local, "decoder", None)
+
+
+@contextmanager
+def using(decoder: Decoder) -> Iterator[Decoder]:
+    """Set ``decoder`` for this thread while the block runs (the one before it afterwards)."""
+    before = current()
+    _local.decoder = decoder
+    try:
+        yield decoder
+    finally:
+        _local.decoder = before

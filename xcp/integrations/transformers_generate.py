@@ -1,0 +1,281 @@
+"""transformers ``generate()`` over a KV cache sharded across the ranks (:func:`generate`).
+
+How a call runs, on every rank of the group:
+
+1. the prompt's longest prefix that the balance can split and that leaves at least one token (a multiple
+   of ``required_multiple(P, balance)``, at most ``L - 1``) goes through the ring, each rank running the
+   model on its shard (global positions) while every layer's :class:`ShardedCache` layer keeps that
+   shard (``KVCache.prefill``);
+2. ``model.generate`` then runs as on one device with the cache passed in: it finds the prefix cached and
+   feeds the rest of the prompt as one chunk (``KVCache.append`` of T > 1 tokens, then
+   ``KVCache.attention``), then one token per step, every rank running the whole model on the same tokens;
+   only attention talks to the other ranks (one combine per layer and step);
+3. the token of each step is rank 0's choice, passed to every rank (:class:`RankZeroChooses`), so ranks
+   never drift apart: neither by sampling each with its own random numbers, nor by a greedy tie that
+   rounding breaks differently on two ranks.
+
+This module imports transformers; :mod:`xcp.integrations.transformers` imports it only when generating.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, cast
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .. import schedule
+from ..cache import KVCache
+from ..comm import Communicator, resolve_group
+from ..context import Context
+from ..plugins import select_backend
+from . import decoding
+
+SAMPLING = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
+"""The generation options that shape the sampling distribution (transformers' logits warpers), which
+:class:`RankZeroChooses` applies itself before rank 0 draws."""
+
+REFUSED = {
+    "num_beams": "beam search reorders the cache, which the ranks' shards cannot follow",
+    "num_return_sequences": "more sequences than prompts would repeat the sharded cache; repeat input_ids instead",
+    "assistant_model": "assisted decoding crops the cache",
+    "prompt_lookup_num_tokens": "assisted decoding crops the cache",
+    "watermarking_config": "the watermark applies after the sampling that rank 0 does",
+}
+"""Options of generate that xcp does not serve, with the reason."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# The cache
+
+
+class ShardedLayer(CacheLayerMixin):
+    """One layer's transformers cache over an :class:`xcp.KVCache`: ``update`` keeps the new keys and values
+    (the prompt's shard, or the tokens of a step) and returns them as they came, so that the attention
+    function sees keys as long as its queries and takes the cache's attention (:class:`ShardedCache`)."""
+
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, kv: KVCache, sliding: bool) -> None:
+        super().__init__()
+        self.kv = kv
+        self.is_sliding = sliding
+        self.ring = False  # True while the prompt's shard goes through the ring
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)  # transformers' [B, H, T, D] -> xcp's
+        if self.ring:
+            self.kv.prefill(k, v)
+        else:
+            self.kv.append(k, v)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.kv.seq_len + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.kv.seq_len
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def _cannot(self, what: str) -> None:
+        raise NotImplementedError(f"{what}: not supported by xcp's sharded KV cache (each rank holds only its share)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._cannot("crop")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._cannot("reorder_cache (beam search)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._cannot("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._cannot("batch_select_indices")
+
+    def reset(self) -> None:
+        self._cannot("reset")
+
+
+class ShardedCache(Cache):
+    """A transformers ``Cache`` holding one :class:`xcp.KVCache` per layer of ``config``; its
+    :meth:`attention` is what the attention function asks for a layer's attention."""
+
+    def __init__(self, config: Any, group: Any, balance: str, capacity: int | None = None) -> None:
+        text = config.get_text_config(decoder=True)
+        types = getattr(text, "layer_types", None) or (
+            ["sliding_attention" if getattr(text, "sliding_window", None) else "full_attention"]
+            * text.num_hidden_layers
+        )
+        self.sharded = [ShardedLayer(KVCache(group, balance, capacity), t == "sliding_attention") for t in types]
+        super().__init__(layers=list(self.sharded))
+
+    def set_ring(self, on: bool) -> None:
+        """Whether the next forward is the prompt's ring prefill (True) or a step over the cache (False)."""
+        for layer in self.sharded:
+            layer.ring = on
+
+    def attention(
+        self, layer_idx: int, q: torch.Tensor, causal: bool, scale: float | None, window: Any, sinks: Any
+    ) -> torch.Tensor | None:
+        """The :data:`xcp.integrations.decoding.Decoder` of this cache: layer ``layer_idx``'s attention over
+        the sharded cache, or None during the ring prefill (the attention function runs the ring then)."""
+        layer = self.sharded[layer_idx]
+        if layer.ring:
+            return None
+        return layer.kv.attention(q, causal=causal, scale=scale, window=window, sinks=sinks)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The choice of each token
+
+
+class RankZeroChooses(LogitsProcessor):
+    """Rank 0 picks each step's token (argmax, or a draw from its default generator after the sampling
+    warpers); every rank receives it and hands generate scores where only that token is finite, so that
+    generate's own argmax takes it. The scores generate would have recorded are kept in ``scores``."""
+
+    def __init__(self, comm: Communicator, backend: Any, warpers: LogitsProcessorList | None) -> None:
+        self.comm: Any = comm  # with all_gather, as the caches' combine needs (an optional member of the protocol)
+        self.backend, self.warpers = backend, warpers
+        self.scores: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        final = scores if self.warpers is None else self.warpers(input_ids, scores)
+        self.scores.append(final)
+        if self.warpers is None:
+            mine = final.argmax(dim=-1)
+        elif self.comm.rank() == 0:  # the only rank that draws: one device's stream of random numbers
+            mine = torch.multinomial(torch.nn.functional.softmax(final, dim=-1), num_samples=1).squeeze(1)
+        else:
+            mine = torch.zeros(final.shape[0], dtype=torch.long, device=final.device)
+        if self.comm.size() > 1:
+            mine = self._rank_zeros(mine)
+        out = torch.full_like(scores, float("-inf"))
+        return cast(torch.FloatTensor, out.scatter_(1, mine[:, None], 0.0))
+
+    def _rank_zeros(self, mine: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``mine``, by one all-gather (which the KV caches' combine needed of the group already)."""
+        every = mine.new_empty((self.comm.size(), *mine.shape))
+        self.comm.all_gather(mine.contiguous(), every, "agree", self.backend).wait()
+        return every[0]
+
+
+def _warpers(model: Any, config: GenerationConfig, prompt: torch.Tensor) -> LogitsProcessorList | None:
+    """transformers' sampling warpers of ``config`` (None for greedy decoding)."""
+    if not config.do_sample:
+        return None
+    only = GenerationConfig(do_sample=True, **{name: getattr(config, name, None) for name in SAMPLING})
+    return model._get_logits_processor(
+        generation_config=only,
+        input_ids_seq_length=prompt.shape[1],
+        encoder_input_ids=prompt,
+        logits_processor=LogitsProcessorList(),
+        device=prompt.device,
+        model_kwargs={},
+    )
+
+
+def _greedy_config(config: GenerationConfig) -> GenerationConfig:
+    """``config`` for generate itself: greedy (the choice is :class:`RankZeroChooses`'), sampling options unset."""
+    config.do_sample = False
+    for name in SAMPLING:
+        if hasattr(config, name):
+            setattr(config, name, None)
+    return config
+
+
+# --------------------------------------------------------------------------------------------------------
+# generate
+
+
+def _check(input_ids: Any, max_new_tokens: Any, kwargs: dict[str, Any]) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        what = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids)
+        raise ValueError(f"input_ids: expected a 2-D integer tensor [batch, prompt length]; got {what}")
+    if input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids: expected at least one prompt of at least one token; got {tuple(input_ids.shape)}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected a positive integer; got {max_new_tokens!r}")
+    for name in ("cache", "past_key_values"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name}: expected None (xcp makes the sharded cache); got {type(kwargs[name]).__name__}")
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(input_ids.shape):
+            got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"attention_mask: expected shape {tuple(input_ids.shape)} (that of input_ids); got {got}")
+        if not bool(mask.all()):
+            raise ValueError(
+                f"attention_mask: expected no padding (prompts of equal length); got {int((mask == 0).sum())} padded "
+                "token(s), a ragged batch, which the sharded cache does not serve: generate each length apart"
+            )
+
+
+def _refuse(config: GenerationConfig, kwargs: dict[str, Any]) -> None:
+    for name, why in REFUSED.items():
+        value = kwargs.get(name, getattr(config, name, None))
+        if value is not None and value is not False and value != 1:
+            raise ValueError(f"{name}: not supported by xcp's generate ({why}); got {value!r}")
+    if config.use_cache is False:
+        raise ValueError("use_cache: expected True (generation runs over the sharded KV cache); got False")
+
+
+def _cache_name(model: Any) -> str:
+    """The keyword the model takes its cache by (``cache`` since transformers 5.x, ``past_key_values`` before)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def generate(model: Any, input_ids: torch.Tensor, group: Any, max_new_tokens: int, balance: str, options: dict) -> Any:
+    """:func:`xcp.integrations.transformers.generate`, ``options`` its ``**generate_kwargs`` (not mutated)."""
+    generate_kwargs = dict(options)
+    _check(input_ids, max_new_tokens, generate_kwargs)
+    ctx = Context(group, balance)
+    given = generate_kwargs.pop("generation_config", None)
+    config, model_kwargs = model._prepare_generation_config(given, max_new_tokens=max_new_tokens, **generate_kwargs)
+    _refuse(config, model_kwargs)
+    comm = resolve_group(group)
+    chooser = RankZeroChooses(comm, select_backend(None, input_ids.device.type), _warpers(model, config, input_ids))
+    processors = LogitsProcessorList([*(model_kwargs.pop("logits_processor", None) or []), chooser])
+
+    unit = schedule.required_multiple(ctx.world_size, ctx.balance)
+    ring = (input_ids.shape[1] - 1) // unit * unit  # the prompt's longest prefix the balance splits, less a token
+    cache = ShardedCache(model.config, group, ctx.balance, capacity=input_ids.shape[1] + max_new_tokens)
+    name = _cache_name(model)
+    with ctx, decoding.using(cache.attention):
+        if ring:
+            positions = torch.arange(ring, device=input_ids.device).expand(input_ids.shape[0], ring)
+            cache.set_ring(True)
+            try:
+                with torch.no_grad():
+                    model.base_model(
+                        input_ids=ctx.shard(input_ids[:, :ring]),
+                        position_ids=ctx.shard(positions),
+                        use_cache=True,
+                        **{name: cache},
+                    )
+            finally:
+                cache.set_ring(False)
+        out = model.generate(
+            input_ids,
+            generation_config=_greedy_config(config),
+            logits_processor=processors,
+            **{name: cache},
+            **model_kwargs,
+        )
+    if getattr(out, "scores", None) is not None:
+        out.scores = tuple(chooser.scores)
+    return out
