@@ -320,6 +320,8 @@ def test_errors():
         xcp.KVCache(capacity=0)
     with pytest.raises(ValueError, match="balance: expected one of"):
         xcp.KVCache(balance="spiral")
+    with pytest.raises(ValueError, match="handoff: expected one of"):
+        xcp.KVCache(handoff="copy")
     with LocalWorld(2) as w:
         errors = w.run(lambda g: _prefill_error(g, k, v))
     want = "k_l.shape[1] x 2 ranks: balance 'zigzag' over 2 ranks needs a positive multiple of 4"

@@ -39,7 +39,7 @@ from .checks import (
 from .comm import resolve_group
 from .documents import check_window
 from .kernels.merge import NEG_INF, accumulator_dtype, apply_sinks_
-from .lifetime import RingCall
+from .lifetime import RingCall, check_handoff
 from .plugins import select_backend
 from .ring import BlockCall
 
@@ -83,7 +83,7 @@ class KVCache:
         self.capacity = check_cache_capacity(capacity)
         self._comm = resolve_group(group, timeout)
         self._device = device
-        self._handoff = handoff
+        self._handoff = None if handoff is None else check_handoff(handoff)
         self._world, self._rank = self._comm.size(), self._comm.rank()
         self._layout: CacheLayout | None = None
         self._k: torch.Tensor | None = None  # storage [B, room, Hkv, D]; rows [0, local_len) hold tokens

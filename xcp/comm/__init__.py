@@ -15,7 +15,10 @@ The hybrid (``ulysses=U``) path also needs an all-to-all, ``all_to_all(send, rec
 two sub-groups of a rank, which each communicator builds itself (``comm.hybrid_groups(U)``; called through
 :func:`hybrid_groups`, which names a communicator without them): its head group of U consecutive ranks and
 its ring of the ranks with the same ``rank % U`` (torch.distributed groups made by ``new_group`` and
-cached; LocalWorld sub-groups that share the parent's threads and mailbox).
+cached; LocalWorld sub-groups that share the parent's threads and mailbox). The KV cache
+(:class:`xcp.KVCache`) needs an all-gather, ``all_gather(send, recv, tag, backend)`` (``recv[j]`` is group
+rank j's ``send``): ``all_gather_single`` on a process group, one exchange with every peer on a LocalWorld,
+a copy in a world of one.
 """
 
 from .dist import DEFAULT_TIMEOUT, DistCommunicator, group_timeout, process_group_of_mesh, resolve_group
