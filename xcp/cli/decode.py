@@ -101,24 +101,30 @@ class DecodeResult:
         self.ok = all(passes(c.error, self.config.dtype) for c in self.checks)
 
     def table(self) -> str:
-        c = self.config
-        tol = REL_TOLERANCE[DTYPES[c.dtype]]
-        lines = [
-            f"xcp run --decode: {self.mode}, world {c.world}, batch {c.batch}, prompt {c.seq}, {c.decode} decode "
-            f"steps, chunk {c.chunk}, heads {c.heads}/{c.kv_heads} kv, head_dim {c.head_dim}, {c.dtype}, causal, "
-            f"balance {c.balance}, device {c.device}",
-            "the prompt runs through the ring (xcp.attention) and each rank keeps its shard (KVCache.prefill); each",
-            "step appends T tokens (KVCache.append: each kept by one rank) and attends over the whole cache",
-            "(KVCache.attention: each rank's local partial, one all-gather of [out | lse], the merge); every",
-            "rank's output is checked against float64 attention over the whole sequence",
-            f"{'step':<10}{'T':>6}{'max abs err':>14}{'rel err':>12}{'tolerance':>12}  result  tokens held per rank",
-        ]
+        tol = REL_TOLERANCE[DTYPES[self.config.dtype]]
+        lines = [_header(self.config, self.mode), *ABOUT_RUN]
+        lines.append(f"{'step':<10}{'T':>6}{'max abs err':>14}{'rel err':>12}{'tolerance':>12}  result  tokens held "
+                     "per rank")  # fmt: skip
         for check in self.checks:
-            verdict = "ok" if passes(check.error, c.dtype) else "FAIL"
+            verdict = "ok" if passes(check.error, self.config.dtype) else "FAIL"
             lines.append(f"{check.name:<10}{check.tokens:>6}{check.error.max_abs:>14.3e}{check.error.rel:>12.3e}"
                          f"{tol:>12.1e}  {verdict:<8}{' '.join(map(str, check.held))}")  # fmt: skip
         lines.append("PASS" if self.ok else "FAIL: an error is above its tolerance")
         return "\n".join(lines)
+
+
+ABOUT_RUN = (
+    "the prompt runs through the ring (xcp.attention) and each rank keeps its shard (KVCache.prefill); each",
+    "step appends T tokens (KVCache.append: each kept by one rank) and attends over the whole cache",
+    "(KVCache.attention: each rank's local partial, one all-gather of [out | lse], the merge); every",
+    "rank's output is checked against float64 attention over the whole sequence",
+)
+
+
+def _header(c: DecodeConfig, mode: str) -> str:
+    return (f"xcp run --decode: {mode}, world {c.world}, batch {c.batch}, prompt {c.seq}, {c.decode} decode steps, "
+            f"chunk {c.chunk}, heads {c.heads}/{c.kv_heads} kv, head_dim {c.head_dim}, {c.dtype}, causal, balance "
+            f"{c.balance}, device {c.device}")  # fmt: skip
 
 
 def passes(err: Error, dtype: str) -> bool:
