@@ -510,7 +510,7 @@ def add_parser(sub) -> None:
                    f"tokens (none without --seq), N decode steps and one chunk of {decode.CHUNK_FLAG} tokens; per "
                    "step the tokens each rank holds, the kernel calls of each rank's local partial and the bytes "
                    "each rank sends and gathers in the combine (causal; with --window, banded)")  # fmt: skip
-    p.add_argument(decode.CHUNK_FLAG, type=int, default=decode.DEFAULT_CHUNK, help=decode.CHUNK_HELP)
+    p.add_argument(decode.CHUNK_FLAG, type=int, default=decode.DEFAULT_CHUNK, metavar="T", help=decode.CHUNK_HELP)
 
 
 def command(args) -> int:

@@ -226,7 +226,7 @@ def add_parser(sub) -> None:
                    "the ring, its shards kept by each rank's cache, then N decode steps of one token and one chunk "
                    f"of {decode.CHUNK_FLAG} tokens, every step's output on every rank checked against float64 "
                    "attention over the whole sequence (causal; exit 1 on a failed check)")  # fmt: skip
-    p.add_argument(decode.CHUNK_FLAG, type=int, default=decode.DEFAULT_CHUNK, help=decode.CHUNK_HELP)
+    p.add_argument(decode.CHUNK_FLAG, type=int, default=decode.DEFAULT_CHUNK, metavar="T", help=decode.CHUNK_HELP)
 
 
 def command(args: argparse.Namespace) -> int:
