@@ -352,6 +352,15 @@ def test_ranks_that_disagree_are_named_once_per_configuration():
     with LocalWorld(2) as w:
         assert w.run(rank) == [1, 1]
 
+    def uneven(group):
+        cache = xcp.KVCache(group=group)
+        cache.append(k[:, : 4 + group.rank()], v[:, : 4 + group.rank()])  # rank 1 holds one more token
+        with pytest.raises(ValueError, match=r"k.shape \(rank 0: \(2, 4, 2, 8\); rank 1: \(2, 5, 2, 8\)\)"):
+            cache.attention(q[:, 3:4])
+
+    with LocalWorld(2) as w:
+        w.run(uneven)
+
 
 # ------------------------------------------------------------------------------------------ gloo processes
 

@@ -20,11 +20,12 @@ LAYERS: dict[str, int] = {
     "xcp.settings": 0,
     "xcp.schedule": 0,
     "xcp.kernels": 0,
-    # 1: plans over documents, buffer lifetimes, traffic counts, the call spec
+    # 1: plans over documents and a KV cache's tokens, buffer lifetimes, traffic counts, the call spec
     "xcp.documents": 1,
     "xcp.lifetime": 1,
     "xcp.traffic": 1,
     "xcp.spec": 1,
+    "xcp.cache_plan": 1,
     # 2: every argument check of a call
     "xcp.checks": 2,
     # 3: communicators and backends
@@ -35,8 +36,7 @@ LAYERS: dict[str, int] = {
     # 4: the ring and the agreement its ranks reach first
     "xcp.agreement": 4,
     "xcp.ring": 4,
-    # 5: the KV cache over the ring's placement (its plan is pure)
-    "xcp.cache_plan": 1,
+    # 5: the KV cache (its block calls and lifetimes are the ring's)
     "xcp.cache": 5,
     # 5: the hybrid all-to-all around the ring
     "xcp.hybrid": 5,

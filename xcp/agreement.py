@@ -187,12 +187,19 @@ def check_agreement(
           q.device)  # fmt: skip
 
 
-def agree(comm: Any, backend: Any, values: tuple, device: torch.device) -> None:
+def agree(comm: Any, backend: Any, values: Any, device: torch.device, key: tuple | None = None) -> None:
     """Raise a ValueError on every rank when the ranks' fingerprints ``values`` (see :func:`fingerprint`)
-    differ; a no-op for a fingerprint the group has agreed on before. Every rank of the group calls it."""
+    differ; a no-op for a configuration the group has agreed on before. Every rank of the group calls it.
+
+    :param values: the fingerprint, or a function that makes it (called only when the check runs).
+    :param key: what the group remembers as agreed, where it is not the fingerprint itself (the KV cache
+        compares its global length on the first call of a configuration, and leaves it out of the key).
+    """
     agreed = agreed_set(comm)
-    if values in agreed:
+    if (values if key is None else key) in agreed:
         return
+    if callable(values):
+        values = values()
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     rows = ring_gather(comm, backend, mine)
     message = disagreement(rows)
@@ -200,4 +207,4 @@ def agree(comm: Any, backend: Any, values: tuple, device: torch.device) -> None:
         raise ValueError(message)
     if len(agreed) >= MAX_AGREED:
         agreed.clear()
-    agreed.add(values)
+    agreed.add(values if key is None else key)

@@ -18,6 +18,7 @@ gather's receive buffer is made on C before M forks, as rule 1 has it.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -213,7 +214,9 @@ class KVCache:
         check_backend_serves(backend, q, 1, causal, self.balance)
         comm = self._comm
         if self._world > 1 and not backend.is_capturing():
-            agree(comm, backend, self._fingerprint(q, causal, scale, window, sinks), q.device)
+            key = self._fingerprint(q, causal, scale, window, sinks, 0)
+            compared = functools.partial(self._fingerprint, q, causal, scale, window, sinks, self._seq)
+            agree(comm, backend, compared, q.device, key)
         calls = cache_plan.partial_calls(self._runs, self._seq, t, causal, window)
         k, v = self.keys(), self.values()
         assert k is not None and v is not None  # a cache with tokens has storage
@@ -226,13 +229,13 @@ class KVCache:
             apply_sinks_(out, lse, sinks)
         return out.to(q.dtype)
 
-    def _fingerprint(self, q, causal: bool, scale: float, window, sinks) -> tuple:
-        """The configuration of a call as :func:`xcp.agreement.fingerprint` has it; the cache's keys and
-        values as shape [B, 0, Hkv, D] (their length is each rank's own, the global one follows from the
-        calls every rank makes alike)."""
+    def _fingerprint(self, q, causal: bool, scale: float, window, sinks, seq_len: int) -> tuple:
+        """A call as :func:`xcp.agreement.fingerprint` has it, the cache's keys and values as shape
+        [B, seq_len, Hkv, D]: the first call of a configuration compares the global length too (ranks that
+        prefilled or appended differently), the agreed set keeps it as 0 (each decode step's length differs)."""
         assert self._layout is not None
         b, h, d, dtype, _ = self._layout
-        like = torch.empty((b, 0, h, d), dtype=dtype, device="meta")
+        like = torch.empty((b, seq_len, h, d), dtype=dtype, device="meta")
         return fingerprint(q, like, like, causal, self.balance, scale, None, sinks, window)
 
     def _combine(self, backend: Any, calls, q, k, v, scale: float, acc: torch.dtype):
