@@ -144,20 +144,25 @@ def test_sanitize_keep_all_is_a_finding(capsys):
     assert "[bound]" in capsys.readouterr().out
 
 
-def test_run_under_torchrun_uses_the_process_group(tmp_path):
-    """With RANK/WORLD_SIZE set (torchrun), ``xcp run`` runs on the real gloo process group."""
+@pytest.mark.parametrize("extra", [[], ["--decode", "2", "--chunk", "3"]], ids=["ring", "decode"])
+def test_run_under_torchrun_uses_the_process_group(tmp_path, extra):
+    """With RANK/WORLD_SIZE set (torchrun), ``xcp run`` runs on the real gloo process group; with --decode,
+    each process's KVCache combines over it."""
     import os
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "xcp.cli",
-           "run", "--seq", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "8"]  # fmt: skip
+           "run", "--seq", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", *extra]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("torch.distributed (gloo), rank") == 1  # rank 0 alone prints the report
     assert "rank 0 of 2" in proc.stdout
     assert proc.stdout.count("PASS") == 1
+    if extra:  # every step checked, with the tokens each process holds
+        rows = decode_rows(proc.stdout)
+        assert list(rows) == ["prefill", "decode 1", "decode 2", "chunk"] and rows["chunk"][3] == [35, 34]
 
 
 @pytest.mark.parametrize(("rank", "flags", "prints"), [("0", [], True), ("1", [], False), ("1", ["--all-ranks"], True)])
@@ -875,3 +880,171 @@ def test_sanitize_ulysses_runs_the_hybrid_and_sets_aside_only_the_peers_rows(cap
     alone = capsys.readouterr().out
     peak = re.search(r"\[bound\] rank0: (\d+) received shards alive at once \(ledger\); bound 4", alone).group(0)
     assert peak in hybrid and "set aside" not in hybrid  # U = 2: nothing to set aside
+
+
+# --- inference over a sharded KV cache: xcp run --decode, xcp plan --decode ---
+
+
+def decode_rows(text):
+    """The step rows of ``xcp run --decode``: {name: (T, rel err, result, tokens held per rank)}."""
+    import re
+
+    rows = {}
+    row = r"^(prefill|decode \d+|chunk)\s+(\d+)\s+\S+\s+(\S+)\s+\S+\s+(ok|FAIL)\s+([\d ]+)$"
+    for m in re.finditer(row, text, re.M):
+        rows[m.group(1)] = (int(m.group(2)), float(m.group(3)), m.group(4), [int(x) for x in m.group(5).split()])
+    return rows
+
+
+@pytest.mark.parametrize(("world", "extra"), [(4, []), (3, ["--dtype", "float64", "--balance", "stripe"])])
+def test_run_decode_checks_every_step_against_the_whole_sequence(capsys, world, extra):
+    args = ["run", "--world", str(world), "--seq", "48", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+            "--decode", "3", "--chunk", "5", *extra]  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    rows = decode_rows(text)
+    assert list(rows) == ["prefill", "decode 1", "decode 2", "decode 3", "chunk"] and text.endswith("PASS\n")
+    tol = 1e-10 if "float64" in extra else 1e-4
+    seq = 48
+    for name, (t, rel, result, held) in rows.items():
+        seq += 0 if name == "prefill" else t
+        assert result == "ok" and rel <= tol / 10, (name, rel)
+        assert held == [seq // world + (r < seq % world) for r in range(world)]  # dealt round-robin: within one
+
+
+class _Base2Lse(CPUBackend):
+    """A backend whose log-sum-exp is base 2 (what kernels that exponentiate with exp2 keep): merges weigh
+    the partials wrongly, in the ring and in the cache's combine."""
+
+    name = "cli-test-base2"
+
+    def forward(self, q, k, v, mask, scale):
+        out, lse = super().forward(q, k, v, mask, scale)
+        return out, lse * 1.4426950408889634
+
+
+class _Base2Plugin:
+    @hookimpl
+    def xcp_register_backends(self, register):
+        register(_Base2Lse())
+
+
+def test_run_decode_fails_when_the_lse_is_wrong(capsys):
+    plugin = _Base2Plugin()
+    register_plugin(plugin, "cli-test-base2")
+    try:
+        code = main(["run", "--device", "cli-test-base2", "--decode", "2", "--chunk", "3", *SMALL])
+    finally:
+        unregister_plugin(plugin)
+    text = capsys.readouterr().out
+    assert code == 1 and "FAIL: an error is above its tolerance" in text
+    assert {name: row[2] for name, row in decode_rows(text).items()} == dict.fromkeys(
+        ["prefill", "decode 1", "decode 2", "chunk"], "FAIL"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--decode", "-1"], "--decode: expected an integer >= 0; got -1"),
+        (["--decode", "1", "--chunk", "-2"], "--chunk: expected an integer >= 0; got -2"),
+        (["--decode", "0", "--chunk", "0"], "--decode: expected a step to run"),
+        (["--decode", "1", "--no-causal"], "--decode: expected a causal mask"),
+        (["--decode", "1", "--ulysses", "2"], "--decode: expected --ulysses 1"),
+        (["--decode", "1", "--seq", "30"], "--seq"),
+    ],
+)
+def test_run_decode_bad_flags_name_the_flag(capsys, args, message):
+    assert main(["run", "--world", "2", "--seq", "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "4",
+                 *args]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.startswith("xcp run: error: ") and message in err
+
+
+def counted_decode(world, prompt, steps, balance, window, heads, dim, dtype):
+    """A KVCache per rank of a LocalWorld, prefilled and appended to as xcp plan --decode plans it; per rank
+    and step the tokens held, the kernel calls of the local partial and the bytes sent in the combine
+    (counted at the communicator and at the block call)."""
+    import threading
+
+    from xcp.comm import LocalGroup
+    from xcp.ring import BlockCall
+
+    gen = torch.Generator().manual_seed(0)
+    total = prompt + sum(steps)
+    q = torch.randn(1, total, heads, dim, generator=gen).to(dtype)
+    k, v = (torch.randn(1, total, 1, dim, generator=gen).to(dtype) for _ in range(2))
+    mine = threading.local()
+    exchange, forward = LocalGroup.exchange, BlockCall.forward
+
+    def counting_exchange(self, sends, recvs, tag, backend, step=None):
+        if tag == "combine":
+            mine.sent += sum(t.numel() * t.element_size() for t, _ in sends)
+        return exchange(self, sends, recvs, tag, backend, step)
+
+    def counting_forward(self, *args):
+        mine.calls += 1
+        return forward(self, *args)
+
+    def rank_fn(group):
+        cache, rows, s = xcp.KVCache(group=group, balance=balance), [], prompt
+        if prompt:
+            cache.prefill(*(xcp.shard(x[:, :prompt], world, group.rank(), balance=balance) for x in (k, v)))
+        for t in steps:
+            cache.append(k[:, s : s + t], v[:, s : s + t])
+            s += t
+            mine.sent = mine.calls = 0
+            cache.attention(q[:, s - t : s], window=window)
+            rows.append((cache.local_len, mine.calls, mine.sent))
+        return rows
+
+    LocalGroup.exchange, BlockCall.forward = counting_exchange, counting_forward
+    try:
+        return xcp.LocalWorld(world).run(rank_fn)
+    finally:
+        LocalGroup.exchange, BlockCall.forward = exchange, forward
+
+
+@pytest.mark.parametrize(
+    ("world", "prompt", "balance", "window", "dtype"),
+    [(4, 16, "zigzag", None, "float32"), (3, 0, "contiguous", (2, 0), "float64"), (1, 8, "stripe", None, "bfloat16")],
+)
+def test_plan_decode_is_what_the_cache_holds_calls_and_sends(capsys, world, prompt, balance, window, dtype):
+    import re
+
+    from xcp.cli.common import DTYPES, human_bytes
+
+    args = ["plan", "--world", str(world), "--decode", "3", "--chunk", "7", "--balance", balance, "--heads", "4",
+            "--kv-heads", "1", "--head-dim", "8", "--dtype", dtype]  # fmt: skip
+    args += (["--seq", str(prompt)] if prompt else []) + (["--window", f"{window[0]},0"] if window else [])
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    counted = counted_decode(world, prompt, [1, 1, 1, 7], balance, window, 4, 8, DTYPES[dtype])
+    cell = r"(\d+(?:\.\d+)? \w+)"
+    rows = re.findall(rf"^(?:decode \d+|chunk)\s+(\d+)\s+(\d+)\s+([\d ]+?)\s\s+([\d ]+?)\s\s+{cell}\s+{cell}$", text,
+                      re.M)  # fmt: skip
+    assert len(rows) == 4, text
+    item = 8 if dtype == "float64" else 4
+    for i, (t, seq, held, calls, sends, gathers) in enumerate(rows):
+        assert int(seq) == prompt + [1, 2, 3, 10][i]
+        assert [int(x) for x in held.split()] == [c[i][0] for c in counted]
+        assert [int(x) for x in calls.split()] == [c[i][1] for c in counted]
+        assert {c[i][2] for c in counted} == {(world - 1) * int(t) * 4 * 9 * item}  # P-1 partials [out | lse]
+        assert sends == human_bytes(counted[0][i][2])
+        assert gathers == human_bytes(world * int(t) * 4 * 9 * item if world > 1 else 0)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ulysses", "2"], "--decode: expected no --ulysses"),
+        (["--documents", "8,8"], "--decode: expected no --documents"),
+        (["--seq", "12"], "--seq"),
+        (["--window", "2,3"], "--window: with a causal mask R must be 0 or none"),
+        (["--chunk", "-1"], "--chunk: expected an integer >= 0; got -1"),
+    ],
+)
+def test_plan_decode_bad_flags_name_the_flag(capsys, args, message):
+    assert main(["plan", "--world", "4", "--decode", "2", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xcp plan: error: ") and message in err

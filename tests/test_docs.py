@@ -28,6 +28,7 @@ DOCUMENTS = [
     "docs/benchmarks.md",
     "docs/design.md",
     "docs/integrations.md",
+    "docs/inference.md",
     "examples/xcp-tiled-backend/README.md",
 ]
 FRAGMENT = "<!-- fragment -->"

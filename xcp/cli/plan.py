@@ -1,5 +1,6 @@
 """``xcp plan``: the ring schedule as a step x rank table (or a picture), so that who computes on which
-shard, and who sends to whom, can be read before anything runs."""
+shard, and who sends to whom, can be read before anything runs; with ``--decode``, the steps of a sharded KV
+cache (:mod:`xcp.cli.decode`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from ..documents import document_plan
 from ..hybrid import hybrid_traffic, kv_replicas
 from ..kernels.merge import accumulator_dtype
 from ..traffic import ring_traffic
-from . import packing, ulysses, windows
+from . import decode, packing, ulysses, windows
 from .common import (
     DTYPES,
     Problem,
@@ -504,14 +505,22 @@ def add_parser(sub) -> None:
                    "with --seq, the bytes each rank sends at each step: the all-to-alls (q, k, v in and out back; "
                    "dout in and dq, dk, dv back) and the ring's K/V and dK/dV")  # fmt: skip
     p.add_argument("--plot", metavar="FILE.png", help="also draw the plan into this file (needs matplotlib)")
+    p.add_argument(decode.FLAG, type=int, default=None, metavar="N",
+                   help="the plan of inference over a sharded KV cache (xcp.KVCache) instead: a prompt of --seq "
+                   f"tokens (none without --seq), N decode steps and one chunk of {decode.CHUNK_FLAG} tokens; per "
+                   "step the tokens each rank holds, the kernel calls of each rank's local partial and the bytes "
+                   "each rank sends and gathers in the combine (causal; with --window, banded)")  # fmt: skip
+    p.add_argument(decode.CHUNK_FLAG, type=int, default=decode.DEFAULT_CHUNK, metavar="T", help=decode.CHUNK_HELP)
 
 
 def command(args) -> int:
     world, causal, u = args.world, args.causal, args.ulysses
-    ring = ulysses.check_flag(u, world, args.heads)  # the ring's ranks: P, or R = P/U with --ulysses
-    window = windows.check(args.window, causal)
     if args.heads % args.kv_heads:
         raise ValueError(f"--kv-heads: expected a divisor of --heads {args.heads}; got {args.kv_heads}")
+    if args.decode is not None:
+        return decode.plan_command(args)
+    ring = ulysses.check_flag(u, world, args.heads)  # the ring's ranks: P, or R = P/U with --ulysses
+    window = windows.check(args.window, causal)
     cu = documents = None
     if args.documents is not None:
         lengths, _ = packing.resolve_lengths(args.documents, args.seq, ring, windows.check_balance(args.balance))

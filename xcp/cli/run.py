@@ -4,7 +4,8 @@ on their own device that the ring is exact before they trust it.
 It runs on a LocalWorld of virtual ranks (the default, on the CPU) or, under torchrun, on the real process
 group, and reports the error of out, dq, dk and dv, the time of a warm call (and, apart, of the first, which
 builds plans and launches kernels for the first time), and the peak received-KV bytes per rank. With
-``--ulysses U`` it runs the hybrid all-to-all + ring (``xcp.attention(..., ulysses=U)``), checked alike.
+``--ulysses U`` it runs the hybrid all-to-all + ring (``xcp.attention(..., ulysses=U)``), checked alike; with
+``--decode N``, inference over a sharded KV cache (:mod:`xcp.cli.decode`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..comm import LocalWorld, resolve_group
 from ..hybrid import hybrid_backward, hybrid_config, hybrid_forward
 from ..lifetime import track_buffers
 from ..ring import RingConfig, ring_backward, ring_forward
-from . import ulysses
+from . import decode, ulysses
 from .common import (
     DTYPES,
     REL_TOLERANCE,
@@ -220,10 +221,18 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the random inputs")
     p.add_argument(ulysses.FLAG, type=positive, default=d.ulysses,
                    help=ulysses.HELP + " (under torchrun, U divides the world size)")  # fmt: skip
+    p.add_argument(decode.FLAG, type=int, default=None, metavar="N",
+                   help="inference over a sharded KV cache instead (xcp.KVCache): the prompt of --seq tokens through "
+                   "the ring, its shards kept by each rank's cache, then N decode steps of one token and one chunk "
+                   f"of {decode.CHUNK_FLAG} tokens, every step's output on every rank checked against float64 "
+                   "attention over the whole sequence (causal; exit 1 on a failed check)")  # fmt: skip
+    p.add_argument(decode.CHUNK_FLAG, type=int, default=decode.DEFAULT_CHUNK, metavar="T", help=decode.CHUNK_HELP)
 
 
 def command(args: argparse.Namespace) -> int:
     tool_backend(args.device)  # an unknown or unusable backend: xcp's error and the backend table, first
+    if args.decode is not None:
+        return decode.run_command(args, problem_args(args))
     cfg = RunConfig(world=args.world, seq=args.seq, causal=args.causal, seed=args.seed, ulysses=args.ulysses,
                     **problem_args(args))  # fmt: skip
     if args.ulysses > 1 and not under_torchrun():  # under torchrun, once the world size is known
