@@ -10,10 +10,16 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
+import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import xcp
@@ -268,3 +274,89 @@ def installed(backend: Any) -> Iterator[Any]:
         yield backend
     finally:
         unregister_plugin(plugin)
+
+
+# ------------------------------------------------------------------------------------- gloo processes
+
+GLOO_WORKER_HEAD = textwrap.dedent(
+    """
+    import datetime, sys
+    import torch, torch.distributed as dist
+
+    rank, world, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group(
+        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    """
+)
+"""The start of a worker script for :func:`start_ranks`: ``rank``, ``world`` and ``workdir`` from its
+arguments, then the default process group over gloo (60 s timeout), rendezvous in ``workdir``."""
+
+
+def gloo_worker(body: str) -> str:
+    """A worker script: :data:`GLOO_WORKER_HEAD`, then ``body`` (dedented)."""
+    return GLOO_WORKER_HEAD + textwrap.dedent(body)
+
+
+def start_ranks(source: str, world: int, workdir: Path, *args: str, **env: str) -> list[subprocess.Popen]:
+    """Write ``source`` to ``workdir`` and start ``world`` processes of it: ``python script rank world workdir
+    *args``, one thread each for OpenMP, gloo on the loopback device, ``env`` added to the environment."""
+    script = workdir / "worker.py"
+    script.write_text(source)
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    if sys.platform.startswith("linux"):
+        full_env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback, whatever the host name resolves to
+    return [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(world), str(workdir), *args],
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+
+
+def finish_ranks(procs: Sequence[subprocess.Popen], timeout: float = 180) -> list[str]:
+    """Wait for every rank (``timeout`` seconds each at most) and return their logs; fail the test, with the
+    logs, when one does not finish (all are killed then) or exits non-zero."""
+    logs = []
+    try:
+        for r, proc in enumerate(procs):
+            out, _ = proc.communicate(timeout=timeout)
+            logs.append(f"--- rank {r} (exit {proc.returncode}):\n{out}")
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        pytest.fail(f"gloo ranks did not finish within {timeout} s:\n" + "\n".join(logs))
+    failed = [p.returncode for p in procs if p.returncode != 0]
+    assert not failed, "a gloo rank failed:\n" + "\n".join(logs)
+    return logs
+
+
+# ------------------------------------------------------------------------------------------- transformers
+
+
+def float64_transformers(monkeypatch: Any) -> Any:
+    """Patch transformers' float32 steps (the eager attention's softmax, RMSNorm) to stay in float64, for a
+    one-device run and an xcp run alike; returns ``apply(model)``, which patches the model's RMSNorm
+    classes and returns the model."""
+    softmax = torch.nn.functional.softmax
+
+    def softmax64(x, dim=None, _stacklevel=3, dtype=None):
+        return softmax(x, dim=dim, dtype=None if x.dtype == torch.float64 else dtype)
+
+    def rmsnorm64(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(torch.nn.functional, "softmax", softmax64)
+
+    def apply(model: Any) -> Any:
+        for m in model.modules():
+            if type(m).__name__.endswith("RMSNorm"):
+                monkeypatch.setattr(type(m), "forward", rmsnorm64)
+        return model
+
+    return apply

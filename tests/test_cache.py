@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import math
 import random
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import independent_masked_reference, pairs_of_runs
+from helpers import finish_ranks, gloo_worker, independent_masked_reference, pairs_of_runs, start_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -364,17 +361,9 @@ def test_ranks_that_disagree_are_named_once_per_configuration():
 
 # ------------------------------------------------------------------------------------------ gloo processes
 
-WORKER = textwrap.dedent(
+WORKER = gloo_worker(
     """
-    import datetime, sys
-    import torch, torch.distributed as dist
     import xcp
-
-    rank, world, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    dist.init_process_group(
-        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
     case = torch.load(f"{workdir}/case.pt")
     q, k, v, prompt, steps = case["q"], case["k"], case["v"], case["prompt"], case["steps"]
     cache = xcp.KVCache(balance="stripe", capacity=case["capacity"])
@@ -402,15 +391,7 @@ def test_gloo_processes(tmp_path: Path, world):
     window = (5, 0)
     torch.save(dict(q=q, k=k, v=v, prompt=prompt, steps=steps, capacity=total, sinks=sinks, window=window),
                tmp_path / "case.pt")  # fmt: skip
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(r), str(world), str(tmp_path)], stderr=subprocess.PIPE)
-        for r in range(world)
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err.decode()[-3000:]
+    finish_ranks(start_ranks(WORKER, world, tmp_path), timeout=120)
     wants, s = [], prompt
     for t in steps:
         s += t

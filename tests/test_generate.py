@@ -9,14 +9,11 @@ odd: shorter than what the balance splits (the whole prompt one chunk), and a ri
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import finish_ranks, float64_transformers, gloo_worker, start_ranks
 
 import xcp
 
@@ -61,23 +58,7 @@ def make_model(kind: str, **over):
 @pytest.fixture
 def faithful(monkeypatch):
     """transformers' float32 softmax (eager attention) and RMSNorm in float64, for both runs alike."""
-    softmax = torch.nn.functional.softmax
-
-    def softmax64(x, dim=None, _stacklevel=3, dtype=None):
-        return softmax(x, dim=dim, dtype=None if x.dtype == torch.float64 else dtype)
-
-    def rmsnorm64(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    monkeypatch.setattr(torch.nn.functional, "softmax", softmax64)
-
-    def apply(model):
-        for m in model.modules():
-            if type(m).__name__.endswith("RMSNorm"):
-                monkeypatch.setattr(type(m), "forward", rmsnorm64)
-        return model
-
-    return apply
+    return float64_transformers(monkeypatch)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -190,16 +171,11 @@ def test_a_ragged_batch_and_what_the_sharded_cache_cannot_do_are_named():
         ShardedCache(model.config, None, "zigzag").crop(-1)  # what generate's assisted decoding would ask
 
 
-WORKER = textwrap.dedent(
+WORKER = gloo_worker(
     """
-    import datetime, sys
-    import torch, torch.distributed as dist
     import transformers
     from xcp.integrations import transformers as xt
 
-    rank, world, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
     softmax = torch.nn.functional.softmax
     torch.nn.functional.softmax = lambda x, dim=None, _stacklevel=3, dtype=None: softmax(x, dim=dim)
     transformers.models.llama.modeling_llama.LlamaRMSNorm.forward = lambda self, x: self.weight * (
@@ -227,15 +203,7 @@ def test_two_gloo_processes_equal_one_device(tmp_path, faithful):
     model.save_pretrained(tmp_path / "model")
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))  # 9 = 8 (zigzag, P 2) + 1
     torch.save(ids, tmp_path / "ids.pt")
-    (tmp_path / "worker.py").write_text(WORKER)
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    procs = [
-        subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(r), "2", str(tmp_path)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        for r in range(2)
-    ]
-    logs = [p.communicate(timeout=180)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    finish_ranks(start_ranks(WORKER, 2, tmp_path))
     ref, ref_steps = one_device(model, ids, do_sample=False)
     results = [torch.load(Path(tmp_path) / f"rank{r}.pt") for r in range(2)]
     for res in results:

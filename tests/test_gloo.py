@@ -10,32 +10,23 @@ saves its shards. The parent unshards them and compares with the float64 whole-s
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import finish_ranks, gloo_worker, start_ranks
 from strategies import random_inputs
 
 import xcp
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
-WORKER = textwrap.dedent(
+WORKER = gloo_worker(
     """
-    import datetime, sys
-    import torch, torch.distributed as dist
     import xcp
-
-    rank, world, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    dist.init_process_group(
-        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
     cases = torch.load(f"{workdir}/cases.pt")
     groups = {"default": None, "new": dist.new_group(list(range(world)))}
     if world == 3:
@@ -77,39 +68,8 @@ def make_cases(world: int) -> dict[str, dict]:
     return cases
 
 
-def start_ranks(source: str, world: int, workdir: Path, *args: str, **env: str) -> list[subprocess.Popen]:
-    """Write ``source`` to ``workdir`` and start ``world`` processes of it: ``python script rank world workdir
-    *args``, one thread each for OpenMP, gloo on the loopback device, ``env`` added to the environment."""
-    script = workdir / "worker.py"
-    script.write_text(source)
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", **env)
-    if sys.platform.startswith("linux"):
-        full_env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback, whatever the host name resolves to
-    return [
-        subprocess.Popen(
-            [sys.executable, str(script), str(r), str(world), str(workdir), *args],
-            env=full_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-
-
 def run_ranks(world: int, workdir: Path, timeout: float = 120) -> None:
-    procs = start_ranks(WORKER, world, workdir)
-    logs = []
-    try:
-        for r, proc in enumerate(procs):
-            out, _ = proc.communicate(timeout=timeout)
-            logs.append(f"--- rank {r} (exit {proc.returncode}):\n{out}")
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        pytest.fail(f"gloo ranks did not finish within {timeout} s:\n" + "\n".join(logs))
-    failed = [p.returncode for p in procs if p.returncode != 0]
-    assert not failed, "a gloo rank failed:\n" + "\n".join(logs)
+    finish_ranks(start_ranks(WORKER, world, workdir), timeout)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -267,19 +227,12 @@ def test_which_waits_xcp_bounds(monkeypatch):
     assert comm.wait_bound(torch.device("cpu")) == 60.0  # asked for: longer than the group's own, as asked
 
 
-COMPILE_WORKER = textwrap.dedent(
+COMPILE_WORKER = gloo_worker(
     """
-    import datetime, json, sys
-    import torch, torch.distributed as dist
+    import json
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch.distributed.device_mesh import init_device_mesh
     import xcp
-
-    rank, world, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    dist.init_process_group(
-        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 8 * world, 2, 4, dtype=torch.float64) for _ in range(3))
     local = [xcp.shard(x, world, rank).requires_grad_() for x in (q, k, v)]
@@ -318,9 +271,7 @@ COMPILE_WORKER = textwrap.dedent(
 def test_compiled_attention_and_device_mesh_groups_on_gloo(tmp_path):
     """torch.compile(fullgraph=True) on real ranks: one graph, equal to eager for the default group, a new
     group, a 1-D DeviceMesh and a named dim of a 2-D mesh; a 2-D mesh as group= is refused by name."""
-    procs = start_ranks(COMPILE_WORKER, 2, tmp_path)
-    logs = [p.communicate(timeout=180)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    finish_ranks(start_ranks(COMPILE_WORKER, 2, tmp_path))
     for r in range(2):
         results = json.loads((tmp_path / f"rank{r}.json").read_text())
         for name in ("default", "new", "mesh", "mesh dim"):
@@ -330,17 +281,9 @@ def test_compiled_attention_and_device_mesh_groups_on_gloo(tmp_path):
         assert "expected a DeviceMesh of 1 dim" in results["2-d mesh"] and "('dp', 'cp')" in results["2-d mesh"]
 
 
-HYBRID_WORKER = textwrap.dedent(
+HYBRID_WORKER = gloo_worker(
     """
-    import datetime, sys
-    import torch, torch.distributed as dist
     import xcp
-
-    rank, world, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    dist.init_process_group(
-        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
     cases = torch.load(f"{workdir}/cases.pt")
     groups = {"default": None, "new": dist.new_group(list(range(world)))}
     if world > 4:
@@ -406,14 +349,7 @@ def test_gloo_hybrid_all_to_all_and_ring_matches_the_reference(tmp_path, world):
 
     cases = hybrid_cases(world)
     torch.save(cases, tmp_path / "cases.pt")
-    procs = start_ranks(HYBRID_WORKER, world, tmp_path)
-    try:
-        logs = [p.communicate(timeout=180)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    finish_ranks(start_ranks(HYBRID_WORKER, world, tmp_path))
     per_rank = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(world)}
     for r in range(world):  # the sub-groups xcp made keep the timeout of the group they split (60 s)
         assert per_rank[r]["sub-group timeouts"] == [60.0, 60.0], per_rank[r]["sub-group timeouts"]

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from helpers import float64_transformers
 
 import xcp
 from xcp.context import Context, current
@@ -189,20 +190,10 @@ def float64_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_ind
 @pytest.fixture
 def float64_faithful(monkeypatch):
     """Patch transformers' float32 steps (eager softmax, RMSNorm, loss) to float64, for both models alike."""
-    softmax = torch.nn.functional.softmax
-
-    def softmax64(x, dim=None, _stacklevel=3, dtype=None):
-        return softmax(x, dim=dim, dtype=None if x.dtype == torch.float64 else dtype)
-
-    def rmsnorm64(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    monkeypatch.setattr(torch.nn.functional, "softmax", softmax64)
+    patch = float64_transformers(monkeypatch)
 
     def apply(model):
-        for m in model.modules():
-            if type(m).__name__.endswith("RMSNorm"):
-                monkeypatch.setattr(type(m), "forward", rmsnorm64)
+        model = patch(model)
         model.loss_function = float64_loss
         return model
 
