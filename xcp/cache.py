@@ -278,16 +278,12 @@ def _run_calls(backend, calls, q, k, v, scale: float):
 
 def _local_partial(backend, calls, q, k, v, scale: float, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The rank's (out [B, T, H, D], lse [B, H, T]) in ``acc``: zeros and -inf on rows no call covers."""
-    b, t, h, d = q.shape
+    t, d = q.shape[1], q.shape[3]
     if len(calls) == 1 and calls[0].q0 == 0 and calls[0].q1 == t:  # one call covers every row (decode)
         _, out, lse = next(_run_calls(backend, calls, q, k, v, scale))
         return out.to(acc, copy=True), lse.to(acc, copy=True)
-    out = torch.zeros((b, t, h, d), dtype=acc, device=q.device)
-    lse = torch.full((b, h, t), NEG_INF, dtype=acc, device=q.device)
-    for rows, o, lse_rows in _run_calls(backend, calls, q, k, v, scale):
-        out[:, rows] = o
-        lse[:, :, rows] = lse_rows
-    return out, lse
+    packed = _packed_partial(backend, calls, q, k, v, scale, acc)
+    return packed[..., :d].contiguous(), packed[..., d].transpose(1, 2)  # out as the caller gets it: dense
 
 
 def _packed_partial(backend, calls, q, k, v, scale: float, acc: torch.dtype) -> torch.Tensor:
