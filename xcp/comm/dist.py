@@ -10,6 +10,7 @@ only orders streams and is left to the process group unless a bound is given.
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 import time
 from typing import Any, cast
@@ -75,8 +76,12 @@ class DistCommunicator:
         self._global = [dist.get_global_rank(self.group, r) for r in range(self._size)]
         timeout = check_timeout(timeout)
         self.timeout: float | None = timeout if timeout is not None else settings.TIMEOUT.read()
-        self.group_timeout = group_timeout(self.group)
-        """The group's own timeout for host waits (seconds; None where torch does not say)."""
+
+    @functools.cached_property
+    def group_timeout(self) -> float | None:
+        """The group's own timeout for host waits (seconds; None where torch does not say), read at the
+        first wait that needs it: a call with a bound of its own, or on a device, never does."""
+        return group_timeout(self.group)
 
     @property
     def members(self) -> tuple[int, ...]:
