@@ -19,11 +19,12 @@ from ..lifetime import thread_store
 Sends = Sequence[tuple[torch.Tensor, int]]
 Recvs = Sequence[tuple[torch.Tensor, int]]
 
-TAGS: dict[str, int] = {"kv": 1, "dkv": 2, "agree": 3, "a2a": 4, "combine": 5}
+TAGS: dict[str, int] = {"kv": 1, "dkv": 2, "agree": 3, "a2a": 4, "combine": 5, "token": 6}
 """The channels of an exchange, each with its number (a torch.distributed tag base): ``kv`` the K/V shards
 the ring forward passes on, ``dkv`` the dK/dV the backward sends home, ``agree`` the fingerprint of the
 first call of a configuration (xcp.agreement), ``a2a`` the hybrid's all-to-all over heads, ``combine`` the
-all-gather of the packed partial [out | lse] of a KV cache's attention (xcp.cache)."""
+all-gather of the packed partial [out | lse] of a KV cache's attention (xcp.cache), ``token`` the token
+rank 0 chose at a step of generation (xcp.integrations.transformers_generate)."""
 
 
 class RankAborted(RuntimeError):
@@ -93,8 +94,8 @@ class Communicator(Protocol):
     def exchange(self, sends: Sends, recvs: Recvs, tag: str, backend: Any, step: int | None = None) -> Work:
         """Send each ``(tensor, peer)`` of ``sends`` and receive into each ``(buffer, peer)`` of ``recvs``.
 
-        Issued on the backend's current stream; ``tag`` (one of :data:`TAGS`: ``kv``, ``dkv``, ``agree``,
-        ``a2a``) keeps channels apart; ``step`` (the ring step, when there is one) is for error messages.
+        Issued on the backend's current stream; ``tag`` (one of :data:`TAGS`) keeps channels apart;
+        ``step`` (the ring step, when there is one) is for error messages.
         """
 
     def rank_store(self) -> dict:

@@ -170,7 +170,7 @@ class RankZeroChooses(LogitsProcessor):
     def _rank_zeros(self, mine: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``mine``, by one all-gather (which the KV caches' combine needed of the group already)."""
         every = mine.new_empty((self.comm.size(), *mine.shape))
-        self.comm.all_gather(mine.contiguous(), every, "agree", self.backend).wait()
+        self.comm.all_gather(mine.contiguous(), every, "token", self.backend).wait()
         return every[0]
 
 
