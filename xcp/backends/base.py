@@ -5,9 +5,9 @@ required device primitives  identity (``name``, ``device_type``, ``dist_backend`
                             the block ``forward`` / ``backward``: what the ring runs on. ``forward`` and
                             ``backward`` have no default (a class without them is refused at registration);
                             the rest default to torch's device module.
-optional fast paths         ``whole_attention``, ``forward_varlen`` / ``backward_varlen``, ``fused_merge_``,
-                            ``fused_merge_pair_``, ``fused_add_pair_``, ``folds_pairs``: the defaults are
-                            correct (not served, or one block call per segment), only slower.
+optional fast paths         ``whole_attention``, ``forward_varlen`` / ``backward_varlen``, ``forward_range``,
+                            ``fused_merge_``, ``fused_merge_pair_``, ``fused_add_pair_``, ``folds_pairs``: the
+                            defaults are correct (not served, or one block call per segment), only slower.
 tool hooks                  ``new_graph``, ``capture_graph``, ``memory_stats``, ``reset_peak_memory``,
                             ``settings``: used by the CLI, the bench and the tests, never by the ring.
 
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..kernels.math import math_backward, math_forward
+from ..kernels.math import math_backward, math_forward, math_forward_range
 from ..lifetime import HANDOFF_POLICIES
 from ..schedule import MASKS
 from ..settings import Setting
@@ -42,8 +42,8 @@ REQUIRED_PRIMITIVES = (
 """What every backend gives (``forward`` and ``backward`` without a default: see :func:`required`)."""
 
 FAST_PATHS = (
-    "whole_attention", "forward_varlen", "backward_varlen", "fused_merge_", "fused_merge_pair_", "fused_add_pair_",
-    "folds_pairs",
+    "whole_attention", "forward_varlen", "backward_varlen", "forward_range", "fused_merge_", "fused_merge_pair_",
+    "fused_add_pair_", "folds_pairs",
 )  # fmt: skip
 """What a backend may override to run faster; the defaults are correct."""
 
@@ -292,6 +292,28 @@ class Backend:
         parts = _per_segment(self.backward, math_backward, args, cu_q, cu_k, causal, scale, window)
         dq, dk, dv = (torch.cat([p[i] for p in parts], dim=1) for i in range(3))
         return dq, dk, dv
+
+    def forward_range(
+        self, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """Attention of every query row against the keys of one storage range whose ends live on the device:
+        what a KV cache's decode step runs (:class:`xcp.KVCache` with ``capacity``), captured once into a
+        device graph and replayed while the range grows, so the host must never read ``lo`` or ``hi``.
+
+        :param q: queries [B, T, H, D].
+        :param k: the cache's key storage [B, room, Hkv, D] (contiguous; rows outside the range hold stale or
+            zeroed tokens, finite), H % Hkv == 0.
+        :param v: the value storage, as k.
+        :param lo: int64 tensor of one element on k's device: the first key row every query sees.
+        :param hi: int64 tensor of one element: one past the last; ``0 <= lo <= hi <= room``. ``lo == hi``
+            is an empty range: out 0 and lse -inf on every row, never NaN.
+        :param scale: the factor on q·k.
+        :returns: ``(out, lse)`` shaped and typed as :meth:`forward`'s. The default runs the math kernel over
+            the whole storage under a mask built on the device (correct, reads every row of the room); a
+            backend with a kernel that takes lengths on the device (flash's ``seqused_k``) overrides it.
+        """
+        out, lse = math_forward_range(q, k, v, lo, hi, scale)
+        return (out.to(q.dtype) if q.dtype != torch.float64 else out), lse
 
     def fused_merge_(
         self, out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor, rows: slice

@@ -41,10 +41,12 @@ def _heads_first(x: torch.Tensor, dtype: torch.dtype, groups: int = 1) -> torch.
     return x.repeat_interleave(groups, dim=1) if groups > 1 else x
 
 
-def _probabilities(q, k, mask: str, scale: float, lse=None, window=None):
-    """Scores' softmax probabilities [B, H, Sq, Sk] and lse [B, H, Sq] (given or computed)."""
+def _probabilities(q, k, mask: str, scale: float, lse=None, window=None, allowed=None):
+    """Scores' softmax probabilities [B, H, Sq, Sk] and lse [B, H, Sq] (given or computed); ``allowed``, a
+    boolean matrix broadcasting to [Sq, Sk], replaces the one ``mask`` and ``window`` give."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    allowed = allowed_keys(q.shape[-2], k.shape[-2], mask, q.device, window)
+    if allowed is None:
+        allowed = allowed_keys(q.shape[-2], k.shape[-2], mask, q.device, window)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, NEG_INF)
     if lse is None:
@@ -53,14 +55,21 @@ def _probabilities(q, k, mask: str, scale: float, lse=None, window=None):
     return torch.exp(scores - safe.unsqueeze(-1)), lse
 
 
-def math_forward(q, k, v, mask: str, scale: float, window=None) -> tuple[torch.Tensor, torch.Tensor]:
+def math_forward(q, k, v, mask: str, scale: float, window=None, allowed=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Block attention in the accumulator dtype: out [B, Sq, H, D] and lse [B, H, Sq]."""
     acc = accumulator_dtype(q.dtype)
     groups = q.shape[2] // k.shape[2]
     qh = _heads_first(q, acc)
-    p, lse = _probabilities(qh, _heads_first(k, acc, groups), mask, scale, window=window)
+    p, lse = _probabilities(qh, _heads_first(k, acc, groups), mask, scale, window=window, allowed=allowed)
     out = torch.matmul(p, _heads_first(v, acc, groups))
     return out.transpose(1, 2), lse
+
+
+def math_forward_range(q, k, v, lo: torch.Tensor, hi: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`math_forward` of every query row against keys ``lo .. hi - 1`` alone, ``lo`` and ``hi`` int
+    tensors of one element on k's device: the mask is built there, so the host never reads them."""
+    cols = torch.arange(k.shape[1], device=k.device)
+    return math_forward(q, k, v, "none", scale, allowed=((cols >= lo) & (cols < hi)).unsqueeze(0))
 
 
 def math_backward(dout, q, k, v, out, lse, mask: str, scale: float, window=None):
