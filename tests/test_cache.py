@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,7 @@ def run_steps(world, balance, prompt, steps, *, causal=True, window=None, sinks=
     total = prompt + sum(steps)
     q, k, v = inputs(total, seed, hkv)
     first_queries = min(first_queries, prompt)
+    capacity = {True: total, False: None}.get(capacity, capacity)  # True: exactly the tokens of the run
 
     def rank(group):
         cache = xcp.KVCache(group=group, balance=balance, capacity=capacity)
@@ -90,13 +92,17 @@ def prompt_length(world: int, balance: str, rng: random.Random) -> int:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("balance", xcp.BALANCES)
-def test_prefill_then_decode_and_chunks(world, balance):
+@pytest.mark.parametrize("preallocated", [False, True], ids=["growing", "capacity"])
+def test_prefill_then_decode_and_chunks(world, balance, preallocated):
+    """With ``capacity`` the decode steps take the device path (counters and positions on the device,
+    ``forward_range``), the chunks the host's plan; both must give the reference's rows."""
     rng = random.Random(world * 7 + len(balance))
     prompt = prompt_length(world, balance, rng)
     steps = [1, 1, rng.randint(2, 9), 1, rng.randint(2, 2 * world + 3), 1]
     window = rng.choice([None, (rng.randint(0, 4), 0), (rng.randint(5, 20), None)])
     sinks = torch.randn(H, dtype=torch.float64) if rng.random() < 0.5 else None
-    results, wants = run_steps(world, balance, prompt, steps, window=window, sinks=sinks, first_queries=3)
+    results, wants = run_steps(world, balance, prompt, steps, window=window, sinks=sinks, first_queries=3,
+                               capacity=preallocated)  # fmt: skip
     assert_steps(results, wants)
 
 
@@ -130,12 +136,14 @@ def test_non_causal_and_multi_query():
     steps=st.lists(st.integers(1, 7), min_size=1, max_size=4),
     window=st.one_of(st.none(), st.tuples(st.integers(0, 12), st.just(0))),
     with_sinks=st.booleans(),
+    preallocated=st.booleans(),
     seed=st.integers(0, 100),
 )
-def test_random_caches(world, balance, chunks, steps, window, with_sinks, seed):
+def test_random_caches(world, balance, chunks, steps, window, with_sinks, preallocated, seed):
     prompt = chunks * xcp.schedule.required_multiple(world, balance)
     sinks = torch.randn(H, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) if with_sinks else None
-    results, wants = run_steps(world, balance, prompt, steps, window=window, sinks=sinks, seed=seed)
+    results, wants = run_steps(world, balance, prompt, steps, window=window, sinks=sinks, seed=seed,
+                               capacity=preallocated)  # fmt: skip
     assert_steps(results, wants)
 
 
@@ -230,7 +238,109 @@ def test_capacity_preallocates_and_never_reallocates():
     with LocalWorld(world) as w:
         rooms = w.run(rank)
     token_bytes = B * HKV * D * 8 * 2
-    assert rooms == [cache_plan.held(capacity, world, r) * token_bytes for r in range(world)]
+    assert rooms == [(cache_plan.held(capacity, world, r) + 1) * token_bytes for r in range(world)]  # + a scratch row
+
+
+def _replays(monkeypatch) -> threading.local:
+    """Let each thread make the CPU backend report a capture in progress (``.on = True`` on what this
+    returns): a step then does what a replay of a captured step does (its device work, run here eagerly)
+    and the host's counters lag, as they do after real replays."""
+    capturing = threading.local()
+    monkeypatch.setattr(type(xcp.get_backend("cpu")), "is_capturing", lambda self: getattr(capturing, "on", False))
+    return capturing
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_replayed_decode_steps_read_their_lengths_back(monkeypatch, world):
+    prompt, decode, capacity = 2 * world, 7, 2 * world + 10
+    q, k, v = inputs(capacity + 1, seed=world)
+    window, sinks = (4, 0), torch.randn(H, dtype=torch.float64)
+    capturing = _replays(monkeypatch)
+
+    def rank(group):
+        cache = xcp.KVCache(group=group, balance="zigzag", capacity=capacity)
+        cache.prefill(*(xcp.shard(x[:, :prompt], world, group.rank()) for x in (k, v)))
+        cache.append(k[:, prompt : prompt + 1], v[:, prompt : prompt + 1])  # eager: the host keeps up
+        outs = [cache.attention(q[:, prompt : prompt + 1], window=window, sinks=sinks)]
+        capturing.on = True
+        for s in range(prompt + 1, prompt + 1 + decode):
+            cache.append(k[:, s : s + 1], v[:, s : s + 1])
+            outs.append(cache.attention(q[:, s : s + 1], window=window, sinks=sinks))
+            assert cache._seq == prompt + 1  # the host's own counter waits (a replay runs no Python)
+        with pytest.raises(RuntimeError, match=r"append: expected a decode step \(T = 1\)"):
+            cache.append(k[:, :2], v[:, :2])
+        capturing.on = False
+        s = prompt + 1 + decode
+        assert cache.seq_len == s and cache.local_len == cache_plan.held(s, world, group.rank())
+        cache.append(k[:, s : s + 2], v[:, s : s + 2])  # a chunk after replays: the host's plan is whole again
+        outs.append(cache.attention(q[:, s : s + 2], window=window, sinks=sinks))
+        return outs, cache
+
+    with LocalWorld(world) as w:
+        results = w.run(rank)
+    wants = [reference(q, k, v, s, 1, True, window, sinks) for s in range(prompt + 1, prompt + 2 + decode)]
+    wants.append(reference(q, k, v, prompt + 3 + decode, 2, True, window, sinks))
+    assert_steps(results, wants)
+    for r, (_, cache) in enumerate(results):  # every token kept where the placement rule puts it, in order
+        positions = xcp.schedule.shard_indices(prompt, world, r, "zigzag")
+        positions += [p for p in range(prompt, prompt + 1 + decode) if p % world == r]
+        first, count = cache_plan.chunk_pieces(prompt + 1 + decode, 2, world)[r]
+        positions += list(range(first, first + count))
+        assert cache.positions() == positions
+        assert torch.equal(cache.keys(), k[:, positions]) and torch.equal(cache.values(), v[:, positions])
+
+
+def test_replayed_steps_past_capacity_are_reported(monkeypatch):
+    capacity = 4
+    q, k, v = inputs(capacity + 2)
+    cache = xcp.KVCache(capacity=capacity)
+    cache.append(k[:, :1], v[:, :1])
+    _replays(monkeypatch).on = True
+    for s in range(1, capacity + 2):  # two steps past the capacity: nothing can raise inside a replay
+        cache.append(k[:, s : s + 1], v[:, s : s + 1])
+        cache.attention(q[:, s : s + 1])
+    monkeypatch.undo()
+    for _ in range(2):  # and every later call raises again
+        with pytest.raises(ValueError, match=r"capacity: expected at most 4 tokens .* got 6 .* the 2 past"):
+            cache.seq_len  # noqa: B018
+    with pytest.raises(ValueError, match="capacity: expected at most 4"):
+        cache.attention(q[:, :2])
+
+
+def test_graph_capture_takes_only_decode_steps_of_a_capacity_cache(monkeypatch):
+    q, k, v = inputs(4)
+    growing, preallocated = xcp.KVCache(), xcp.KVCache(capacity=8)
+    for cache in (growing, preallocated):
+        cache.append(k[:, :2], v[:, :2])
+    _replays(monkeypatch).on = True
+    with pytest.raises(RuntimeError, match="on a cache without capacity"):
+        growing.append(k[:, 2:3], v[:, 2:3])
+    with pytest.raises(RuntimeError, match=r"attention: expected a decode step .* got T = 2"):
+        preallocated.attention(q[:, :2])
+    with pytest.raises(RuntimeError, match=r"attention: .* on a cache without capacity"):
+        growing.attention(q[:, 1:2])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    world=st.integers(1, 5),
+    balance=st.sampled_from(xcp.BALANCES),
+    chunks=st.lists(st.integers(1, 7), max_size=2),
+    decoded=st.integers(0, 20),
+    data=st.data(),
+)
+def test_decoded_positions_join_runs_as_token_by_token_appends(world, balance, chunks, decoded, data):
+    rank = data.draw(st.integers(0, world - 1))
+    prompt = xcp.schedule.required_multiple(world, balance) * data.draw(st.integers(0, 2))
+    runs = cache_plan.prefill_runs(prompt, world, rank, balance) if prompt else ()
+    s = prompt
+    for t in chunks:
+        runs = cache_plan.extend(runs, *cache_plan.chunk_pieces(s, t, world)[rank])
+        s += t
+    one_by_one = runs
+    for p in range(s, s + decoded):
+        one_by_one = cache_plan.extend(one_by_one, *cache_plan.chunk_pieces(p, 1, world)[rank])
+    assert cache_plan.extend_decoded(runs, s, s + decoded, world, rank) == one_by_one
 
 
 def test_world_of_one_makes_one_call_and_no_collective(monkeypatch):
@@ -400,7 +510,7 @@ def test_gloo_processes(tmp_path: Path, world):
     for r in range(world):
         got = torch.load(tmp_path / f"rank{r}.pt")
         assert got["local_len"] == cache_plan.held(total, world, r)
-        assert got["nbytes"] == got["local_len"] * token_bytes  # capacity = total: exactly its share
+        assert got["nbytes"] == (got["local_len"] + 1) * token_bytes  # capacity = total: its share and a scratch row
         for out, want in zip(got["outs"], wants):
             assert (out - want).abs().max().item() < 1e-10
 

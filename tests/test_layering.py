@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "xcp.traffic": 1,
     "xcp.spec": 1,
     "xcp.cache_plan": 1,
+    "xcp.cache_state": 1,
     # 2: every argument check of a call
     "xcp.checks": 2,
     # 3: communicators and backends

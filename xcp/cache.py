@@ -11,6 +11,12 @@ has ``L_r = -inf`` and weight 0), folding the sinks in once after. So every rank
 and no rank ever holds more than its share of the keys and values. A world of one makes the local call
 alone.
 
+A cache with ``capacity`` is graph-safe: its storage is allocated once, and its lengths and positions also
+live on the device (:mod:`xcp.cache_state`), so a decode step (``append`` of one token, ``attention`` of its
+query) reads and advances them with device ops alone, runs its local partial through the backend's
+``forward_range`` (the visible storage range given on the device), and can be captured into a device graph
+and replayed. The host's own counters then lag behind and are read back from the device when next needed.
+
 Lifetimes (docs/lifetime.md, rule 3.3): the packed partial is written on the caller's stream C and read
 by the all-gather on the comm stream M, so it is handed to M under the backend's hand-off policy, and the
 gather's receive buffer is made on C before M forks, as rule 1 has it.
@@ -20,12 +26,14 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from . import cache_plan, schedule
 from .agreement import agree, fingerprint
+from .cache_state import DeviceCounts
 from .checks import (
     CacheLayout,
     check_backend_serves,
@@ -56,8 +64,11 @@ class KVCache:
     :param balance: how the prompt given to :meth:`prefill` was sharded (as for :func:`xcp.shard`).
     :param capacity: N global tokens to preallocate room for, never reallocating (the graph-safe mode):
         rank r keeps room for ``N // P + (r < N % P)`` tokens, exactly its share at N (see
-        :mod:`xcp.cache_plan`), allocated with the first tokens (which fix batch, heads, dtype and device).
-        More than N tokens is a ValueError naming the capacity. None: storage grows as needed.
+        :mod:`xcp.cache_plan`), plus one scratch row, allocated with the first tokens (which fix batch,
+        heads, dtype and device). A decode step (T = 1) then never reads a length on the host and can be
+        captured into a device graph (module docstring). More than N tokens is a ValueError naming the
+        capacity: at once in an eager step, at the next host read after replayed ones. None: storage grows
+        as needed.
     :param device: backend name, as for :func:`xcp.attention`; default the tensors' device type.
     :param handoff: the hand-off policy of the combine, overriding the backend's.
     :param timeout: as for :func:`xcp.attention`.
@@ -93,16 +104,21 @@ class KVCache:
         self._seq = 0
         self._runs: tuple[cache_plan.PositionRun, ...] = ()
         self._appended = False
+        self._counts: DeviceCounts | None = None  # capacity caches: lengths and positions on the device
+        self._lagging = False  # captured steps advance the device's counters, not these: read them back first
 
     # ------------------------------------------------------------------ what the cache holds
     @property
     def seq_len(self) -> int:
-        """Tokens held by all ranks together (the next token's global position)."""
+        """Tokens held by all ranks together (the next token's global position). After replayed steps
+        this reads the device's counters (the host waits for the device)."""
+        self._catch_up()
         return self._seq
 
     @property
     def local_len(self) -> int:
-        """Tokens held by this rank."""
+        """Tokens held by this rank (read as :attr:`seq_len` is)."""
+        self._catch_up()
         return self._local
 
     @property
@@ -112,15 +128,37 @@ class KVCache:
 
     def positions(self) -> list[int]:
         """The global positions of this rank's tokens, in storage order (increasing)."""
+        self._catch_up()
         return [r.global0 + r.stride * t for r in self._runs for t in range(r.count)]
 
     def keys(self) -> torch.Tensor | None:
         """This rank's keys [B, local_len, Hkv, D] (a view of the storage), or None while empty."""
+        self._catch_up()
         return None if self._k is None else self._k[:, : self._local]
 
     def values(self) -> torch.Tensor | None:
         """This rank's values, as :meth:`keys`."""
+        self._catch_up()
         return None if self._v is None else self._v[:, : self._local]
+
+    def _catch_up(self) -> None:
+        """Read the device's counters back after captured steps ran (one host read), or raise if a replayed
+        step went past the capacity."""
+        if self._counts is None or not self._lagging:
+            return
+        seq, local, overflow = self._counts.read()
+        if overflow:  # the host stays behind: every later call reads again and raises again
+            raise ValueError(
+                f"capacity: expected at most {self.capacity} tokens in the cache (KVCache(capacity={self.capacity})); "
+                f"got {seq} after replayed decode steps: the {overflow} past the capacity were not kept, so the cache "
+                "refuses every call"
+            )
+        runs = cache_plan.extend_decoded(self._runs, self._seq, seq, self._world, self._rank)
+        held = sum(r.count for r in runs)
+        if held != local:
+            raise AssertionError(f"xcp.KVCache: the device holds {local} tokens of rank {self._rank}; the plan {held}")
+        self._runs, self._seq, self._local, self._lagging = runs, seq, local, False
+        self._appended = self._appended or seq > 0
 
     def __repr__(self) -> str:
         return (
@@ -133,6 +171,7 @@ class KVCache:
         """Keep this rank's shard of a prompt, ``k_l``, ``v_l`` [B, S / P, Hkv, D], as :func:`xcp.shard`
         made it with this cache's balance (what the rank passed to :func:`xcp.attention`). No
         communication; the tensors are copied, never kept."""
+        self._catch_up()
         if self._seq:
             what = "append" if self._appended else "prefill"
             raise ValueError(f"prefill: expected an empty cache (prefill comes first, once); got one after {what}")
@@ -144,6 +183,8 @@ class KVCache:
         self._store(layout, k_l, v_l)
         self._runs = cache_plan.prefill_runs(seq, self._world, self._rank, self.balance)
         self._seq = seq
+        if self._counts is not None:
+            self._counts.record(self._runs, self._seq, self._local)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Add the next T tokens, ``k``, ``v`` [B, T, Hkv, D], the same on every rank, at global positions
@@ -151,13 +192,48 @@ class KVCache:
         communication; the piece is copied."""
         layout = check_cache_kv(k, v, self._layout)
         t = k.shape[1]
+        if t == 1 and self._counts is not None and self._k is not None and self._v is not None:
+            self._append_on_device(k, v)
+            return
+        self._catch_up()
+        self._refuse_capture("append", t, k.device)
         self._check_room(self._seq + t)
         first, count = cache_plan.chunk_pieces(self._seq, t, self._world)[self._rank]
         lo = first - self._seq
+        local0 = self._local
         self._store(layout, k[:, lo : lo + count], v[:, lo : lo + count])
         self._runs = cache_plan.extend(self._runs, first, count)
         self._seq += t
         self._appended = True
+        if self._counts is not None:
+            self._counts.record((cache_plan.PositionRun(local0, first, 1, count),), self._seq, self._local)
+
+    def _append_on_device(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A decode step's append on a capacity cache: written in place at the row the device's counters
+        name (:meth:`xcp.cache_state.DeviceCounts.append_token`). Eagerly the host keeps its counters in
+        step and checks the capacity first; while capturing it cannot (the step runs again at every
+        replay), so its counters lag until they are read back."""
+        assert self._counts is not None and self._k is not None and self._v is not None
+        backend = select_backend(self._device, k.device.type)
+        capturing = backend.is_capturing()
+        if not capturing and not self._lagging:
+            self._check_room(self._seq + 1)
+        self._counts.append_token(self._k, self._v, k, v)
+        if capturing or self._lagging:
+            self._lagging = True
+            return
+        first, count = cache_plan.chunk_pieces(self._seq, 1, self._world)[self._rank]
+        self._runs = cache_plan.extend(self._runs, first, count)
+        self._seq, self._local, self._appended = self._seq + 1, self._local + count, True
+
+    def _refuse_capture(self, what: str, t: int, device: torch.device) -> None:
+        """A step the host must plan (a chunk, or any step of a cache without capacity) cannot be captured."""
+        if select_backend(self._device, device.type).is_capturing():
+            raise RuntimeError(
+                f"{what}: expected a decode step (T = 1) of a cache with capacity while capturing a device graph; "
+                f"got T = {t}{'' if self.capacity is not None else ' on a cache without capacity'} (its kernel "
+                "calls and placement are planned on the host from the cache's length, which a replay cannot change)"
+            )
 
     def _check_room(self, seq: int) -> None:
         if self.capacity is not None and seq > self.capacity:
@@ -171,12 +247,14 @@ class KVCache:
         n = k.shape[1]
         need = self._local + n
         if self._k is None or self._v is None or need > self._k.shape[1]:
-            if self.capacity is not None:
+            b, h, d, dtype, device = layout
+            if self.capacity is not None:  # once: the share at full capacity and a scratch row, zeroed (finite)
                 room = cache_plan.held(self.capacity, self._world, self._rank)
+                self._counts = DeviceCounts(room, self.capacity, self._world, self._rank, device)
+                grown = [torch.zeros((b, room + 1, h, d), dtype=dtype, device=device) for _ in range(2)]
             else:
                 room = max(need, math.ceil(GROWTH * (0 if self._k is None else self._k.shape[1])))
-            b, h, d, dtype, device = layout
-            grown = [torch.empty((b, room, h, d), dtype=dtype, device=device) for _ in range(2)]
+                grown = [torch.empty((b, room, h, d), dtype=dtype, device=device) for _ in range(2)]
             if self._k is not None and self._v is not None:
                 grown[0][:, : self._local].copy_(self._k[:, : self._local])
                 grown[1][:, : self._local].copy_(self._v[:, : self._local])
@@ -205,6 +283,9 @@ class KVCache:
         :param sinks: [H], one value-less logit per head, as for :func:`xcp.attention`.
         :returns: [B, T, H, D] in q's dtype, equal on every rank.
         """
+        decode = self._counts is not None and isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] == 1
+        if not decode:
+            self._catch_up()
         t = check_cache_query(q, self._layout, self._seq)
         causal = check_causal(causal)
         scale = check_scale(scale, q.shape[3])
@@ -212,22 +293,36 @@ class KVCache:
         sinks = check_sinks(sinks, q)
         backend = select_backend(self._device, q.device.type)
         check_backend_serves(backend, q, 1, causal, self.balance)
+        if not decode:
+            self._refuse_capture("attention", t, q.device)
         comm = self._comm
         if self._world > 1 and not backend.is_capturing():
             key = self._fingerprint(q, causal, scale, window, sinks, 0)
-            compared = functools.partial(self._fingerprint, q, causal, scale, window, sinks, self._seq)
+            compared = lambda: self._fingerprint(q, causal, scale, window, sinks, self.seq_len)  # noqa: E731
             agree(comm, backend, compared, q.device, key)
-        calls = cache_plan.partial_calls(self._runs, self._seq, t, causal, window)
-        k, v = self.keys(), self.values()
-        assert k is not None and v is not None  # a cache with tokens has storage
         acc = accumulator_dtype(q.dtype)
-        if self._world == 1:
-            out, lse = _local_partial(backend, calls, q, k, v, scale, acc)
+        if decode:
+            local = functools.partial(self._decode_partial, backend, q, scale, window, acc)
+            packed = lambda: _pack(*local(), acc)  # noqa: E731
         else:
-            out, lse = self._combine(backend, calls, q, k, v, scale, acc)
+            calls = cache_plan.partial_calls(self._runs, self._seq, t, causal, window)
+            k, v = self.keys(), self.values()
+            assert k is not None and v is not None  # a cache with tokens has storage
+            local = functools.partial(_local_partial, backend, calls, q, k, v, scale, acc)
+            packed = functools.partial(_packed_partial, backend, calls, q, k, v, scale, acc)
+        out, lse = local() if self._world == 1 else self._combine(backend, packed, q, acc)
         if sinks is not None:
             apply_sinks_(out, lse, sinks)
         return out.to(q.dtype)
+
+    def _decode_partial(self, backend: Any, q, scale: float, window, acc: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """A capacity cache's local partial (out, lse) of the newest token's query in ``acc``: one
+        ``backend.forward_range`` call over the storage range the device's counters give (every token held;
+        with a window, those it reaches), so the host reads no length."""
+        assert self._counts is not None and self._k is not None and self._v is not None
+        lo, hi = self._counts.visible(None if window is None else window[0])
+        out, lse = backend.forward_range(q, self._k, self._v, lo, hi, scale)
+        return out.to(acc), lse.to(acc)
 
     def _fingerprint(self, q, causal: bool, scale: float, window, sinks, seq_len: int) -> tuple:
         """A call as :func:`xcp.agreement.fingerprint` has it, the cache's keys and values as shape
@@ -238,9 +333,9 @@ class KVCache:
         like = torch.empty((b, seq_len, h, d), dtype=dtype, device="meta")
         return fingerprint(q, like, like, causal, self.balance, scale, None, sinks, window)
 
-    def _combine(self, backend: Any, calls, q, k, v, scale: float, acc: torch.dtype):
-        """The merged (out [B, T, H, D], lse [B, H, T]) of every rank's partial: the partial packed on the
-        caller's stream C, one all-gather on the comm stream M, the merge on C after the join.
+    def _combine(self, backend: Any, partial: Callable[[], torch.Tensor], q, acc: torch.dtype):
+        """The merged (out [B, T, H, D], lse [B, H, T]) of every rank's partial: ``partial()`` packs this
+        rank's on the caller's stream C, one all-gather on the comm stream M, the merge on C after the join.
 
         docs/lifetime.md: the gather's receive buffer is made on C before M forks (rule 1); the packed
         partial, written on C after the fork, goes to M through the hand-off (rule 3.3), and the host drops
@@ -258,7 +353,7 @@ class KVCache:
         recv = torch.empty((self._world, b, t, h, d + 1), dtype=acc, device=q.device)  # rule 1: on C, before M forks
         call = RingCall(comm, backend, q.device, "bounded", self._handoff)
         with call:
-            packed = _packed_partial(backend, calls, q, k, v, scale, acc)
+            packed = partial()
             with call.on_comm():
                 (send,) = call.hand_to_comm([packed], "combine")  # rule 3.3: M waits for C, then owns its read
                 del packed
@@ -274,6 +369,15 @@ def _run_calls(backend, calls, q, k, v, scale: float):
     for call in calls:
         block = BlockCall.of(call)
         yield block.qs, *block.forward(backend, q[:, block.qs], k[:, block.ks], v[:, block.ks], scale)
+
+
+def _pack(out: torch.Tensor, lse: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """One block's (out [B, T, H, D], lse [B, H, T]) packed as [B, T, H, D + 1] in ``acc``, lse last."""
+    b, t, h, d = out.shape
+    packed = torch.empty((b, t, h, d + 1), dtype=acc, device=out.device)
+    packed[..., :d] = out
+    packed[..., d] = lse.transpose(1, 2)
+    return packed
 
 
 def _local_partial(backend, calls, q, k, v, scale: float, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

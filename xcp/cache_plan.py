@@ -82,6 +82,21 @@ def extend(stored: Sequence[PositionRun], first: int, count: int) -> tuple[Posit
     return tuple(out)
 
 
+def extend_decoded(
+    stored: Sequence[PositionRun], start: int, stop: int, world_size: int, rank: int
+) -> tuple[PositionRun, ...]:
+    """``stored`` after single-token appends of positions ``start .. stop - 1`` (decode steps: rank
+    ``p % P`` keeps position p), as :func:`extend` one token at a time gives it, in O(1)."""
+    out, position = tuple(stored), start + (rank - start) % world_size
+    left = max(0, (stop - 1 - position) // world_size + 1)
+    while left:  # at most three tokens one at a time, until the last run steps by P: the rest join it at once
+        out, left, position = extend(out, position, 1), left - 1, position + world_size
+        last = out[-1]
+        if left and last.count > 1 and last.stride == world_size:
+            return (*out[:-1], PositionRun(last.local0, last.global0, world_size, last.count + left))
+    return out
+
+
 def visible(stored: Sequence[PositionRun], position: int, window: tuple[int, int]) -> tuple[int, int]:
     """The storage range ``[lo, hi)`` a query at ``position`` sees under ``window`` (``(left, right)``,
     with :data:`_FAR` for an unbounded side)."""

@@ -1,0 +1,88 @@
+"""A preallocated KV cache's bookkeeping on the device, so that a decode step never asks the host.
+
+A cache with ``capacity`` (:class:`xcp.KVCache`) is meant to be captured into a device graph once and
+replayed for every token: a replay runs the device work alone, so whatever the step must know about the
+cache's length has to be read and advanced by device ops. :class:`DeviceCounts` keeps it: one small int64
+tensor holding the global length, this rank's length and an overflow count, and the global position of every
+storage row (what a window needs). A decode step's append writes the token in place at the row the device
+counters name and advances them; its attention reads the visible storage range ``[lo, hi)`` from them.
+
+Placement is :mod:`xcp.cache_plan`'s: a single token at position p is kept by rank ``p % P``. Every rank
+writes the token at the row after its last one (so no rank branches on the host), but only the owner
+counts it; the storage has one scratch row past its room, so a rank whose share is full still has a row to
+write into. A step past the capacity is counted on the device (no host check is possible inside a graph)
+and reported at the next host read (:meth:`DeviceCounts.read`): the cache then refuses every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from .documents import PositionRun
+
+FAR = (1 << 62) - 1
+"""The position of a storage row that holds no token yet: after every real position."""
+
+SEQ, LOCAL, OVERFLOW = 0, 1, 2
+"""The entries of :attr:`DeviceCounts.counts`."""
+
+
+class DeviceCounts:
+    """The lengths and positions of one rank's storage of ``room`` rows (+ 1 scratch row) on ``device``.
+
+    :param room: the rows that hold this rank's tokens at full capacity.
+    :param capacity: the global tokens the cache may hold.
+    :param world_size: P; :param rank: this rank.
+    """
+
+    def __init__(self, room: int, capacity: int, world_size: int, rank: int, device: torch.device) -> None:
+        self.room, self.capacity, self.world_size, self.rank = room, capacity, world_size, rank
+        self.counts = torch.zeros(3, dtype=torch.int64, device=device)
+        """``[seq_len, local_len, overflow]``: tokens of all ranks, of this rank, steps past the capacity."""
+        self.positions = torch.full((room + 1,), FAR, dtype=torch.int64, device=device)
+        """The global position of each storage row (:data:`FAR` where none is held)."""
+        self._rows = torch.arange(room + 1, device=device)
+        self._one = torch.ones(1, dtype=torch.int64, device=device)
+        self._zero = torch.zeros(1, dtype=torch.int64, device=device)
+
+    # ------------------------------------------------------------------ host side (eager, outside steps)
+    def record(self, runs: Iterable[PositionRun], seq_len: int, local_len: int) -> None:
+        """Tokens stored by the host path (a prefill or a chunk): their rows' positions, then the lengths."""
+        for run in runs:
+            rows = self.positions[run.local0 : run.local0 + run.count]
+            torch.arange(run.count, device=rows.device, out=rows).mul_(run.stride).add_(run.global0)
+        self.counts.copy_(torch.tensor([seq_len, local_len, 0], dtype=torch.int64))
+
+    def read(self) -> tuple[int, int, int]:
+        """``(seq_len, local_len, overflow)`` as the device has them now: one host read (it waits for the
+        device), for use between steps."""
+        seq, local, overflow = (int(x) for x in self.counts.tolist())
+        return seq, local, overflow
+
+    # ------------------------------------------------------------------ device side (inside a step)
+    def append_token(self, k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one token (``k``, ``v`` [B, 1, Hkv, D]) at the row after this rank's last and count it
+        where this rank owns its position; device ops only."""
+        seq, local = self.counts[SEQ : SEQ + 1], self.counts[LOCAL : LOCAL + 1]
+        row = torch.clamp(local, max=self.room)  # a full share writes into the scratch row
+        k_store.index_copy_(1, row, k)
+        v_store.index_copy_(1, row, v)
+        self.positions.index_copy_(0, row, seq)
+        owner = self._one if self.world_size == 1 else torch.remainder(seq, self.world_size) == self.rank
+        self.counts.add_(torch.cat((self._one, owner, seq >= self.capacity)))
+
+    def visible(self, left: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The storage range ``[lo, hi)`` the newest token's query sees, as device tensors of one element:
+        every token held, or with a window of ``left`` tokens those at positions ``>= newest - left``
+        (positions increase along the storage, so they form a suffix of it)."""
+        seq, local = self.counts[SEQ : SEQ + 1], self.counts[LOCAL : LOCAL + 1]
+        hi = torch.clamp(local, max=self.room)
+        if left is None:
+            return self._zero, hi
+        early = (self.positions < seq - 1 - left) & (self._rows < hi)
+        return early.sum(0, keepdim=True), hi
+
+
+__all__ = ["FAR", "DeviceCounts"]
