@@ -315,7 +315,9 @@ class KVCache:
             apply_sinks_(out, lse, sinks)
         return out.to(q.dtype)
 
-    def _decode_partial(self, backend: Any, q, scale: float, window, acc: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def _decode_partial(
+        self, backend: Any, q, scale: float, window, acc: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A capacity cache's local partial (out, lse) of the newest token's query in ``acc``: one
         ``backend.forward_range`` call over the storage range the device's counters give (every token held;
         with a window, those it reaches), so the host reads no length."""
