@@ -6,6 +6,7 @@ The reference everywhere is xcp.kernels.math.math_forward / math_backward in flo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import subprocess
 import sys
@@ -314,6 +315,7 @@ class FakeAten:
 
     def __init__(self):
         self.calls = []
+        self.lengths = []  # (cum_seq_q, cum_seq_k, seqused_k, max_q, max_k) of each varlen call with seqused_k
 
     @staticmethod
     def _layout(*xs):
@@ -418,15 +420,17 @@ class FakeAten:
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     # The varlen flash ops: packed [total, H, D], int32 cumulative lengths, each segment attended on its
-    # own (causal bottom-right per segment, +inf lse on rows without keys), lse float32 [H, total_q].
+    # own (causal bottom-right per segment, +inf lse on rows without keys), lse float32 [H, total_q]. With
+    # seqused_k (int32 [B]) the forward reads cum_seq_k for the starts of the key segments alone.
     @staticmethod
     def _packed(*xs):
         for x in xs:
             assert x.dim() == 3 and x.is_contiguous(), "the varlen flash ops take contiguous [total, H, D]"
 
     @staticmethod
-    def _segments(q, k, cq, ck, max_q, max_k):
-        for name, c, total, longest in (("q", cq, q.shape[0], max_q), ("k", ck, k.shape[0], max_k)):
+    def _segments(q, k, cq, ck, max_q, max_k, used=None):
+        tiled = (("q", cq, q.shape[0], max_q), ("k", ck, k.shape[0], max_k))
+        for name, c, total, longest in tiled if used is None else tiled[:1]:
             assert c.dtype == torch.int32 and c.dim() == 1 and c.device == q.device, f"cum_seq_{name}: int32 1-D"
             bounds = c.tolist()
             assert bounds[0] == 0 and bounds[-1] == total, f"cum_seq_{name} {bounds} does not tile {total} rows"
@@ -434,7 +438,14 @@ class FakeAten:
             assert longest == true_longest or (name == "k" and longest > true_longest), f"max_{name}: {longest}"
         assert cq.shape == ck.shape, "as many query segments as key segments"
         qb, kb = cq.tolist(), ck.tolist()
-        return [(slice(a, b), slice(c, d)) for a, b, c, d in zip(qb, qb[1:], kb, kb[1:])]
+        if used is None:
+            return [(slice(a, b), slice(c, d)) for a, b, c, d in zip(qb, qb[1:], kb, kb[1:])]
+        assert ck.dtype == torch.int32 and ck.dim() == 1 and ck.device == q.device, "cum_seq_k: int32 1-D"
+        assert used.dtype == torch.int32 and used.shape == (len(qb) - 1,) and used.device == q.device
+        assert used.is_contiguous(), "seqused_k must be contiguous"
+        lengths = used.tolist()
+        assert all(0 <= c and 0 <= n <= max_k and c + n <= k.shape[0] for c, n in zip(kb, lengths)), (kb, lengths)
+        return [(slice(a, b), slice(c, c + n)) for a, b, c, n in zip(qb, qb[1:], kb, lengths)]
 
     def _flash_attention_forward(
         self, q, k, v, cq, ck, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None,
@@ -442,9 +453,11 @@ class FakeAten:
     ):  # fmt: skip
         self._packed(q, k, v)
         assert q.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0.0 and not return_debug_mask
-        assert q.shape[1] % k.shape[1] == 0 and seqused_k is None
+        assert q.shape[1] % k.shape[1] == 0
         window = self._flash_window(window_size_left, window_size_right, max_k)
-        segs = self._segments(q, k, cq, ck, max_q, max_k)
+        segs = self._segments(q, k, cq, ck, max_q, max_k, seqused_k)
+        if seqused_k is not None:
+            self.lengths.append((cq.tolist(), ck.tolist(), seqused_k.tolist(), max_q, max_k))
         self.calls.append(("flash_varlen_fwd", q.shape[0], k.shape[0], k.shape[1], is_causal, len(segs)))
         out = torch.empty(q.shape, dtype=q.dtype)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
@@ -857,6 +870,178 @@ def test_varlen_conformance_catches_a_broken_kernel(monkeypatch, fake, check, kw
 
 @pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
 def test_varlen_conformance_on_a_gpu(case):
+    backend = CUDABackend()
+    ok, reason = backend.available()
+    if not ok:
+        pytest.skip(f"needs a CUDA GPU ({reason})")
+    case.run(backend)
+
+
+# ---------------------------------------------------------------------------------------------- storage range
+RANGE_CASES = {  # name: (B, T, H, Hkv, room, lo, hi)
+    "decode-gqa": (1, 1, 4, 2, 9, 0, 5),
+    "batch-mqa-inner": (2, 3, 4, 1, 10, 3, 8),
+    "batch-decode-whole-room": (3, 1, 4, 2, 6, 0, 6),
+    "empty": (2, 2, 4, 2, 7, 4, 4),
+    "empty-at-the-end": (2, 1, 2, 2, 5, 5, 5),
+}
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__")
+"""The Python ways the host reads a tensor's value (each a device sync on a GPU, and a value frozen into a
+captured graph)."""
+
+
+class _RangeAten(FakeAten):
+    """The stand-in varlen forward as the device runs it for forward_range: it reads the lengths (the kernel's
+    side, ``on_device``), and it leaves NaN in the output of rows without keys next to flash's +inf lse, so
+    only the wrapper's own masking can make those rows exactly 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.on_device = False
+
+    def _flash_attention_forward(self, *args, **kwargs):
+        self.on_device = True
+        try:
+            out, lse, *rest = super()._flash_attention_forward(*args, **kwargs)
+            out[(lse == math.inf).transpose(0, 1)] = math.nan
+        finally:
+            self.on_device = False
+        return out, lse, *rest
+
+
+@contextlib.contextmanager
+def _host_reads_refused(fake):
+    """Within: any Python read of a tensor's value (:data:`HOST_READS`) fails, except inside the stand-in op."""
+
+    def refusing(name):
+        real = getattr(torch.Tensor, name)
+
+        def refuse(self, *args, **kwargs):
+            assert getattr(fake, "on_device", False), f"the host read a tensor's value ({name}) outside the kernel"
+            return real(self, *args, **kwargs)
+
+        return refuse
+
+    with pytest.MonkeyPatch.context() as m:
+        for name in HOST_READS:
+            m.setattr(torch.Tensor, name, refusing(name))
+        yield
+
+
+def _range_inputs(b, t, h, hkv, room, lo, hi, dtype, head_dim=16, seed=0):
+    """q (a strided view), k and v (a cache's contiguous storage, every row random) and lo, hi (int64 on the
+    CPU; 0-d for a batch of one, [1] otherwise: both are tensors of one element)."""
+    q, k, v = _block(b, t, room, h, hkv, head_dim, dtype=dtype, seed=seed)
+    ends = [torch.tensor(x) if b == 1 else torch.tensor([x]) for x in (lo, hi)]
+    return _strided(q), k, v, *ends
+
+
+def _range_reference(q, k, v, lo, hi, scale):
+    """float64 math of every query against key rows lo..hi-1 alone (sliced on the host: the test may read them)."""
+    return math_forward(q.double(), k[:, lo:hi].double(), v[:, lo:hi].double(), "none", scale)
+
+
+@pytest.mark.parametrize("dtype", list(VARLEN_TOL))
+@pytest.mark.parametrize("case", list(RANGE_CASES))
+def test_forward_range_is_one_flash_varlen_call_with_lengths_made_on_the_device(monkeypatch, dtype, case):
+    """The batch packed as one varlen segment per row: cum_seq_q i*T, cum_seq_k i*room + lo, seqused_k hi - lo,
+    K/V heads as they are (GQA native), the host reading no value; against float64 math of rows lo..hi-1
+    and the base class's math default. An empty range is out 0 and lse -inf on every row, never NaN."""
+    b, t, h, hkv, room, lo, hi = RANGE_CASES[case]
+    backend, _ = _cpu_backend(monkeypatch)
+    fake = _RangeAten()
+    monkeypatch.setattr(kernels, "ATEN", fake)
+    q, k, v, lo_t, hi_t = _range_inputs(b, t, h, hkv, room, lo, hi, dtype, seed=room + lo)
+    before = [x.clone() for x in (q, k, v, lo_t, hi_t)]
+    with _host_reads_refused(fake):
+        out, lse = backend.forward_range(q, k, v, lo_t, hi_t, 0.3)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (b, h, t) and lse.dtype == torch.float32
+    assert fake.calls == [("flash_varlen_fwd", b * t, b * room, hkv, False, b)]
+    cum_q, cum_k = [i * t for i in range(b + 1)], [i * room + lo for i in range(b + 1)]
+    assert fake.lengths == [(cum_q, cum_k, [hi - lo] * b, t, room)]
+    ref_out, ref_lse = _range_reference(q, k, v, lo, hi, 0.3)
+    default_out, default_lse = xcp.Backend.forward_range(backend, q, k, v, lo_t, hi_t, 0.3)
+    for want_out, want_lse in ((ref_out, ref_lse), (default_out, default_lse)):
+        _close("out", out, want_out, VARLEN_TOL[dtype])
+        _close("lse", lse, want_lse, VARLEN_TOL[dtype])
+    if lo == hi:
+        assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    for x, y in zip((q, k, v, lo_t, hi_t), before):
+        assert torch.equal(x, y)
+
+
+def test_forward_range_repeats_the_storage_under_gqa_repeat(monkeypatch):
+    backend, fake = _cpu_backend(monkeypatch, gqa="repeat")
+    q, k, v, lo, hi = _range_inputs(2, 1, 4, 2, 8, 1, 6, torch.bfloat16, seed=3)
+    out, lse = backend.forward_range(q, k, v, lo, hi, 0.3)
+    assert fake.calls == [("flash_varlen_fwd", 2, 16, 4, False, 2)]
+    ref_out, ref_lse = _range_reference(q, k, v, 1, 6, 0.3)
+    _close("out", out, ref_out, VARLEN_TOL[torch.bfloat16])
+    _close("lse", lse, ref_lse, VARLEN_TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize(
+    "dtype,head_dim,capability",
+    [
+        (torch.float64, 16, (9, 0)),
+        (torch.float32, 16, (9, 0)),  # the efficient op takes no lengths on the device
+        (torch.bfloat16, 20, (9, 0)),  # head_dim not a multiple of 8
+        (torch.float16, 16, (7, 5)),  # pre-Ampere: no flash
+    ],
+)
+def test_forward_range_falls_back_to_the_math_default_where_flash_does_not_serve(
+    monkeypatch, dtype, head_dim, capability
+):
+    backend, fake = _cpu_backend(monkeypatch)
+    monkeypatch.setattr(backend, "_capability", lambda device: capability)
+    q, k, v, lo, hi = _range_inputs(2, 2, 4, 2, 7, 2, 6, dtype, head_dim=head_dim, seed=4)
+    with _host_reads_refused(fake):
+        got = backend.forward_range(q, k, v, lo, hi, 0.3)
+    want = xcp.Backend.forward_range(backend, q, k, v, lo, hi, 0.3)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and fake.calls == []
+
+
+def test_forward_range_checks_its_range_ends(monkeypatch):
+    backend, _ = _cpu_backend(monkeypatch)
+    q, k, v, lo, hi = _range_inputs(2, 1, 2, 2, 5, 0, 3, torch.bfloat16)
+    expected = "expected an int64 tensor of one element on cpu; got"
+    with pytest.raises(ValueError, match=rf"hi: {expected} a torch.int32 tensor of shape \(1,\) on cpu"):
+        backend.forward_range(q, k, v, lo, hi.int(), 0.3)
+    with pytest.raises(ValueError, match=rf"lo: {expected} a torch.int64 tensor of shape \(2,\) on cpu"):
+        backend.forward_range(q, k, v, torch.tensor([0, 1]), hi, 0.3)
+    with pytest.raises(ValueError, match=rf"lo: {expected} int"):
+        backend.forward_range(q, k, v, 0, hi, 0.3)
+
+
+# The conformance suite's range checks on the stand-in ops (fp16/bf16: the flash varlen op with seqused_k;
+# fp32 and float64: the math default) and, where there is one, on a GPU.
+RANGE_CONFORMANCE = [c for c in conformance.cases(CUDABackend()) if c.id.startswith("range-")]
+
+
+@pytest.mark.parametrize("case", RANGE_CONFORMANCE, ids=str)
+def test_range_conformance_on_the_stand_in(monkeypatch, case):
+    backend, _ = _cpu_backend(monkeypatch)
+    monkeypatch.setattr(kernels, "ATEN", _RangeAten())
+    case.run(backend)
+
+
+class _FromTheFirstKey(_RangeAten):
+    """A range kernel that ignores lo: every batch row attends its keys 0..hi-1."""
+
+    def _flash_attention_forward(self, q, k, v, cq, ck, *args, seqused_k=None, **kwargs):
+        lo = ck[:1]
+        return super()._flash_attention_forward(q, k, v, cq, ck - lo, *args, seqused_k=seqused_k + lo, **kwargs)
+
+
+def test_range_conformance_catches_a_kernel_that_reads_outside_the_range(monkeypatch):
+    backend, _ = _cpu_backend(monkeypatch)
+    monkeypatch.setattr(kernels, "ATEN", _FromTheFirstKey())
+    with pytest.raises(AssertionError, match=r"range forward out \(inner: key rows \[4, 11\)\)"):
+        conformance.check_forward_range(backend, torch.bfloat16, ends="inner", heads="gqa")
+
+
+@pytest.mark.parametrize("case", RANGE_CONFORMANCE, ids=str)
+def test_range_conformance_on_a_gpu(case):
     backend = CUDABackend()
     ok, reason = backend.available()
     if not ok:
@@ -1293,3 +1478,78 @@ def test_every_rank_of_a_localworld_replays_from_one_graph_on_a_gpu(causal):
     got += [xcp.unshard([r[2][i] for r in captured], balance="zigzag") for i in range(3)]
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert error(a, b).rel <= REL_TOLERANCE[torch.bfloat16], name
+
+
+def _flash_on_this_gpu() -> CUDABackend:
+    """A CUDA backend whose bf16 blocks of head_dim 64 and 128 run on the flash op, or a skip."""
+    backend = CUDABackend()
+    if backend.kernel_for(torch.empty(1, 1, 1, 64, dtype=torch.bfloat16, device="cuda")) != "flash":
+        pytest.skip("needs an sm80+ GPU (the flash op)")
+    return backend
+
+
+def _range_error(out, lse, q, k, v, lo: int, hi: int, scale: float) -> tuple[float, float]:
+    """forward_range's (relative 2-norm error of out, max abs error of lse) against float64 math of rows
+    lo..hi-1; an empty range must be out 0 and lse -inf exactly (both errors then 0)."""
+    if lo == hi:
+        assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+        return 0.0, 0.0
+    ref_out, ref_lse = _range_reference(q, k, v, lo, hi, scale)
+    rel = ((out.double() - ref_out).norm() / ref_out.norm()).item()
+    return rel, (lse.double() - ref_lse).abs().max().item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "b,t,hkv,lo,hi",
+    [
+        (1, 1, 2, 0, 300),  # decode, GQA: flash runs the query heads of a KV head as rows
+        (3, 1, 2, 17, 1000),  # the same with a batch: its lse comes back in another order inside the op
+        (2, 4, 8, 5, 1024),  # MHA, several queries, the range up to the room's end
+        (2, 3, 1, 100, 100),  # empty
+    ],
+)
+def test_forward_range_matches_float64_math_on_a_gpu(b, t, hkv, lo, hi):
+    """bf16 forward_range (one flash varlen call) against float64 math of key rows lo..hi-1 on random inputs:
+    out within a relative 2-norm error of 2e-2 (about 5 bf16 ulps, as the block test), lse within 1e-3
+    (computed in float32 from the same bf16 inputs)."""
+    backend = _flash_on_this_gpu()
+    room, h, d = 1024, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(b * 100 + lo)
+    q = torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(b, room, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    lo_t, hi_t = (torch.tensor([x], device="cuda") for x in (lo, hi))
+    out, lse = backend.forward_range(q, k, v, lo_t, hi_t, d**-0.5)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (b, h, t)
+    rel, lse_err = _range_error(out, lse, q, k, v, lo, hi, d**-0.5)
+    assert rel <= 2e-2 and lse_err <= 1e-3, (rel, lse_err)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_forward_range_replays_from_a_cuda_graph_as_the_range_changes_on_the_device():
+    """forward_range captured once into a CUDA graph (with an empty range) replays right after lo and hi
+    are changed on the device (fill_, copy_), and after q is: the lengths are recomputed at every replay,
+    nothing of the range was frozen into the graph, and the capture itself read no value on the host."""
+    backend = _flash_on_this_gpu()
+    b, t, h, hkv, d, room = 2, 1, 8, 2, 64, 512
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(b, room, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    lo, hi = torch.tensor([3], device="cuda"), torch.tensor([3], device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graph asks
+        backend.forward_range(q, k, v, lo, hi, d**-0.5)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = backend.new_graph()
+    with backend.capture_graph(graph):
+        out, lse = backend.forward_range(q, k, v, lo, hi, d**-0.5)
+    for step, (new_lo, new_hi) in enumerate(((3, 3), (3, 4), (3, 200), (0, room), (40, 40), (40, 41))):
+        lo.fill_(new_lo)
+        hi.copy_(torch.tensor([new_hi], device="cuda"))
+        if step == 4:
+            q.copy_(torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        rel, lse_err = _range_error(out, lse, q, k, v, new_lo, new_hi, d**-0.5)
+        assert rel <= 2e-2 and lse_err <= 1e-3, (new_lo, new_hi, rel, lse_err)

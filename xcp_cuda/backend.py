@@ -65,7 +65,8 @@ class CUDABackend(FusedKernelBackend):
     aten memory-efficient op serves fp32 and the other aligned head dims, the math kernel the rest (float64,
     unaligned head dims). Masks beyond none / square causal are cut by the base class. Packed documents
     (:meth:`forward_varlen`) take one call of the aten flash varlen op where the flash op serves the block,
-    else one block call per segment (the base class). A world of one runs torch's SDPA
+    else one block call per segment (the base class); so does a KV cache's storage range given on the device
+    (:meth:`forward_range`), else the base class's math kernel over the whole room. A world of one runs torch's SDPA
     (:meth:`whole_attention`). Each argument left at None takes its ``XCP_CUDA_*`` setting
     (:mod:`xcp_cuda.settings`), read here.
 
@@ -298,3 +299,17 @@ class CUDABackend(FusedKernelBackend):
         if self.kv_groups(q, k) > 1:
             op = kernels.with_repeated_kv_backward(op)
         return op(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
+
+    def forward_range(self, q, k, v, lo, hi, scale: float):
+        """One flash varlen call where the flash op serves q (:func:`kernels.flash_range_forward`: each batch
+        row a segment whose key start and length are computed on the device from lo and hi, GQA native),
+        else the base class (the math kernel over the whole room under a mask built on the device). The
+        choice depends on q's dtype, head dim and GPU alone, never on lo or hi, so a captured graph replays
+        the same kernels whatever the range."""
+        kernels.check_range_ends(lo, hi, k)
+        if self.kernel_for(q) != kernels.FLASH:
+            return super().forward_range(q, k, v, lo, hi, scale)
+        op = kernels.flash_range_forward
+        if self.kv_groups(q, k) > 1:  # gqa="repeat": the storage repeated per query head
+            op = kernels.with_repeated_kv(op)
+        return op(q, k, v, lo, hi, scale)

@@ -46,7 +46,12 @@ is_causal, return_debug_mask, *, scale=None, window_size_left=None, window_size_
     packed inputs [total, H, D], cum_seq_* int32 device tensors of cumulative lengths (segment i is
     queries [cum_seq_q[i], cum_seq_q[i+1]) against keys [cum_seq_k[i], cum_seq_k[i+1])), max_* the
     longest segment; logsumexp float32 [H, total_q]. Same dtypes, head dims, GPUs and native GQA as the
-    dense op; causal is bottom-right per segment (ours are square, so top-left alike).
+    dense op; causal is bottom-right per segment (ours are square, so top-left alike). With ``seqused_k``
+    (int32 [B], on the device) key segment i is keys [cum_seq_k[i], cum_seq_k[i] + seqused_k[i]): the op
+    then reads cum_seq_k only for where each segment starts, and max_k bounds the lengths. A row whose
+    segment has no key comes back with out 0 and lse +inf (flash-attn's convention for empty rows, also
+    after its split-KV combine), not -inf. With max_q == 1 and GQA the op runs the query heads of a KV head
+    as rows ("seqlenq_ngroups_swapped") and still returns lse [H, total_q].
 
 ``aten._flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
 max_q, max_k, dropout_p, is_causal, rng_state, unused, *, scale=None, window_size_left=None,
@@ -349,6 +354,16 @@ def _varlen_lengths(
     return cu_seqlens(cu_q, device), cu_seqlens(cu_k, device), max_seqlen(cu_q), _max_keys(cu_q, cu_k, window)
 
 
+def _packed_lse(lse: torch.Tensor, heads: int, total_q: int) -> torch.Tensor:
+    """The varlen op's logsumexp, checked to be [H, total_q] (older flash kernels padded it per segment)."""
+    if tuple(lse.shape) != (heads, total_q):
+        raise RuntimeError(
+            f"aten._flash_attention_forward: expected logsumexp [H, total_q] = {(heads, total_q)}; "
+            f"got {tuple(lse.shape)} (torch {torch.__version__})"
+        )
+    return lse
+
+
 def flash_varlen_forward(
     q, k, v, cu_q, cu_k, causal: bool, scale: float, window: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,12 +380,7 @@ def flash_varlen_forward(
         scale=scale,
         **_window_sizes(window),
     )
-    out, lse = res[0], res[1]
-    if tuple(lse.shape) != (q.shape[2], q.shape[1]):  # older flash kernels padded it per segment
-        raise RuntimeError(
-            f"aten._flash_attention_forward: expected logsumexp [H, total_q] = {(q.shape[2], q.shape[1])}; "
-            f"got {tuple(lse.shape)} (torch {torch.__version__})"
-        )
+    out, lse = res[0], _packed_lse(res[1], q.shape[2], q.shape[1])
     if window is not None:  # a row the window leaves without keys comes back +inf (flash's empty row)
         lse = torch.where(lse == float("inf"), float("-inf"), lse)
     return out.unsqueeze(0), lse.unsqueeze(0)
@@ -397,6 +407,69 @@ def flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, sca
     return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
 
 
+# ---------------------------------------------------------------------------------------------- flash range
+def check_range_ends(lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> None:
+    """Raise unless ``lo`` and ``hi`` are int64 tensors of one element on k's device (their metadata
+    alone: the host never reads their values, which may change between replays of a captured graph)."""
+    for name, end in (("lo", lo), ("hi", hi)):
+        if isinstance(end, torch.Tensor):
+            if end.dtype == torch.int64 and end.numel() == 1 and end.device == k.device:
+                continue
+            got = f"a {end.dtype} tensor of shape {tuple(end.shape)} on {end.device}"
+        else:
+            got = type(end).__name__
+        raise ValueError(f"{name}: expected an int64 tensor of one element on {k.device}; got {got}")
+
+
+def range_lengths(
+    batch: int, queries: int, room: int, lo: torch.Tensor, hi: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The varlen op's ``cum_seq_q, cum_seq_k, seqused_k`` (int32) for ``batch`` rows of ``queries`` queries,
+    each against keys lo..hi-1 of its own ``room`` rows of the packed storage: query segment i is rows
+    [i*T, (i+1)*T), key segment i starts at i*room + lo and holds hi - lo keys.
+
+    Tensor arithmetic on lo's device alone, made anew at every call: the host never reads lo or hi (no
+    sync), and a graph that captured the call recomputes them from the values lo and hi hold at each replay.
+    """
+    steps = torch.arange(batch + 1, dtype=torch.int32, device=lo.device)
+    lo32 = lo.reshape(1).to(torch.int32)
+    cum_k = torch.add(lo32, steps, alpha=room)  # cum_seq_k[batch] is never read: seqused_k gives the lengths
+    used = (hi.reshape(1) - lo.reshape(1)).to(torch.int32).expand(batch).contiguous()  # the op wants it dense
+    return steps * queries, cum_k, used
+
+
+def flash_range_forward(q, k, v, lo, hi, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query row against keys lo..hi-1 of the storage, in one aten flash varlen call: out [B, T, H, D]
+    in q's dtype and lse float32 [B, H, T]. K/V may be GQA (read as they are).
+
+    The batch is packed as varlen segments, one per batch row, whose key lengths (``seqused_k``) and starts
+    live on the device. An empty range (lo == hi) comes back from flash with lse +inf: those rows, and any
+    +inf row, get lse -inf and out exactly 0 through device ops, so nothing here waits for the device.
+    """
+    b, t, h, d = q.shape
+    room, hkv = k.shape[1], k.shape[2]
+    cum_q, cum_k, used = range_lengths(b, t, room, lo, hi)
+    res = ATEN._flash_attention_forward(
+        q.contiguous().view(b * t, h, d),
+        k.contiguous().view(b * room, hkv, d),
+        v.contiguous().view(b * room, hkv, d),
+        cum_q,
+        cum_k,
+        t,
+        room,
+        0.0,
+        False,
+        False,
+        scale=scale,
+        seqused_k=used,
+    )
+    out, lse = res[0], _packed_lse(res[1], h, b * t)
+    blind = (lse == math.inf) | (hi <= lo)  # [H, B*T]: flash's empty rows, and every row of an empty range
+    lse.masked_fill_(blind, -math.inf)  # both are the op's own fresh tensors
+    out.masked_fill_(blind.transpose(0, 1).unsqueeze(-1), 0.0)
+    return out.reshape(b, t, h, d), lse.reshape(h, b, t).transpose(0, 1)
+
+
 # ---------------------------------------------------------------------------------------------- flash_attn
 def flash_attn_forward(module: Any, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The flash-attn package's forward: out [B, Sq, H, D] in q's dtype, lse float32 [B, H, Sq]; GQA native."""
@@ -416,7 +489,8 @@ def flash_attn_forward(module: Any, q, k, v, causal: bool, scale: float) -> tupl
 # ---------------------------------------------------------------------------------------------- GQA wrappers
 def with_repeated_kv(forward_op):
     """A forward that takes GQA K/V by repeating them per query head (for kernels without GQA). The
-    arguments after q, k, v (``causal, scale``, or ``cu_q, cu_k, causal, scale``) pass through."""
+    arguments after q, k, v (``causal, scale``, ``cu_q, cu_k, causal, scale`` or ``lo, hi, scale``) pass
+    through."""
 
     def run(q, k, v, *args):
         groups = q.shape[2] // k.shape[2]

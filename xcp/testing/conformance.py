@@ -51,6 +51,15 @@ VARLEN_LAYOUTS = {  # name: (cu_q, cu_k, causal) of packed segments; segments of
 }
 VARLEN_SPLIT = ((0, 1, 8, 9, SEQ), (0, 4, 6, 14, 17))
 """Segments whose keys (each at least 2) the ``varlen-split-keys`` check cuts into two varlen calls."""
+RANGE_ROOM = 13
+"""Rows of the KV storage the ``range-*`` checks give ``forward_range``; those outside the range hold
+random (finite) tokens, which a kernel that reads past the range's ends mixes in."""
+RANGE_CASES = {  # name: (queries T, lo, hi)
+    "decode": (1, 0, 9),
+    "inner": (3, 4, 11),
+    "full": (2, 0, RANGE_ROOM),
+    "empty": (2, 6, 6),
+}
 RING_LAYOUTS = (  # (causal, balance, masks the backend must serve)
     (False, "contiguous", ("none",)),
     (True, "zigzag", ("none", "causal")),
@@ -525,6 +534,33 @@ def check_split_keys_varlen(backend: Backend, dtype: torch.dtype) -> None:
     )  # fmt: skip
 
 
+# ---------------------------------------------------------------------------------------------- range
+
+
+def check_forward_range(backend: Backend, dtype: torch.dtype, ends: str, heads: str) -> None:
+    """``forward_range`` of queries against rows lo..hi-1 of a KV storage, lo and hi int64 tensors of one
+    element on the device, against the reference on those rows alone: out, and lse float32 [B, H, T]
+    (float64 for float64); an empty range (lo == hi) gives out exactly 0 and lse -inf on every row."""
+    t, lo, hi = RANGE_CASES[ends]
+    h, hkv = HEADS[heads]
+    dev = _device(backend)
+    q = _sequence_view(BATCH, t, h, dtype, dev, seed=81)
+    k = _random((BATCH, RANGE_ROOM, hkv, HEAD_DIM), dtype, dev, 82)  # a cache's storage: contiguous
+    v = _random((BATCH, RANGE_ROOM, hkv, HEAD_DIM), dtype, dev, 83)
+    lo_t, hi_t = (torch.tensor([end], dtype=torch.int64, device=dev) for end in (lo, hi))
+    inputs = [x.clone() for x in (q, k, v, lo_t, hi_t)]
+    ref_out, ref_lse = reference_attention(q, k[:, lo:hi], v[:, lo:hi], "none", SCALE)
+    out, lse = backend.forward_range(q, k, v, lo_t, hi_t, SCALE)
+    _assert_result("range forward out", out, q, tuple(q.shape), _value_dtypes(dtype))
+    _assert_result("range forward lse", lse, q, (BATCH, h, t), (accumulator_dtype(dtype),))
+    assert_close(f"range forward out ({ends}: key rows [{lo}, {hi}))", out, ref_out, dtype)
+    assert_natural_log("range forward lse", lse, ref_lse)
+    assert_close(f"range forward lse ({ends}: key rows [{lo}, {hi}))", lse, ref_lse, dtype)
+    if lo == hi and out.count_nonzero() > 0:
+        raise AssertionError("range forward out: an empty range (lo == hi) must give an all-zero output")
+    _assert_unchanged("range forward", inputs, [q, k, v, lo_t, hi_t])
+
+
 # ---------------------------------------------------------------------------------------------- ring
 
 
@@ -584,7 +620,8 @@ def _case(name: str, check: Callable[..., None], **kwargs: Any) -> Case:
 
 def cases(backend: Backend) -> list[Case]:
     """Every check for ``backend``: for each dtype and mask it claims, in MHA and GQA, dense and packed
-    (varlen) blocks, plus streams, events, hand-off, memory statistics and full rings of 2 and 3 ranks."""
+    (varlen) blocks and storage ranges (``forward_range``), plus streams, events, hand-off, memory
+    statistics and full rings of 2 and 3 ranks."""
     out = [
         _case("identity", check_identity),
         _case("registered", check_registered),
@@ -616,6 +653,11 @@ def cases(backend: Backend) -> list[Case]:
                 out.append(_case(f"varlen-forward-{d}-{layout}-{heads}", check_forward_varlen, **shape))
                 out.append(_case(f"varlen-backward-{d}-{layout}-{heads}", check_backward_varlen, **shape))
         out.append(_case(f"varlen-split-keys-{d}", check_split_keys_varlen, dtype=dtype))
+        # A KV cache's decode step: forward_range over a storage range given on the device.
+        for ends in RANGE_CASES:
+            for heads in HEADS if ends == "inner" else ("gqa",):
+                shape = {"dtype": dtype, "ends": ends, "heads": heads}
+                out.append(_case(f"range-{d}-{ends}-{heads}", check_forward_range, **shape))
         for world_size in (2, 3):
             for causal, balance, needs in RING_LAYOUTS:
                 if all(m in backend.masks for m in needs):
