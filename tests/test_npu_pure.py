@@ -13,6 +13,10 @@ hardware is not settled by the docs (see xcp_npu.convert); the device test at th
 Windows: the stand-in models the band sparse_mode 4 as the docs state it (the compressed 2048×2048 mask,
 pre_tockens / next_tockens counted from each segment's bottom-right corner, no fully masked row in TND); a stand-in
 built with band_origin="top_left" shows the tests would catch a backend relying on the other alignment.
+
+KV-cache ranges (forward_range): a stricter stand-in (_StrictTND: the documented dtypes, no segment without queries or
+keys) checks the one TND call against the base class's masked math; empty ranges, refused head dims, float64 and graph
+capture go to that default without calling the op.
 """
 
 from __future__ import annotations
@@ -864,6 +868,136 @@ def test_ring_with_a_window_uses_band_calls(fake_npu, monkeypatch, balance, caus
     assert all(c[6:] == (c[6], c[7]) and c[6] >= 0 and c[7] >= 0 for c in bands)
 
 
+# ---------------------------------------------------------------------------------------------- KV-cache ranges
+class _StrictTND(FakeTorchNPU):
+    """The stand-in with the TND constraints the docs state and the varlen tests above do not need: q, k, v of one
+    dtype among float16, bfloat16, float32; D a multiple of 16 up to 512 (xcp's assumption); at most 1K segments;
+    every segment with at least one query and one key (S is 1..1M; TND allows no fully masked row)."""
+
+    def _tnd_segments(self, query, key, value, head_num, actual_seq_qlen, actual_seq_kvlen, softmax_layout):
+        assert query.dtype == key.dtype == value.dtype
+        assert query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        assert query.shape[2] % 16 == 0 and query.shape[2] <= 512 and len(actual_seq_qlen) <= 1024
+        segs = super()._tnd_segments(query, key, value, head_num, actual_seq_qlen, actual_seq_kvlen, softmax_layout)
+        assert all(q1 > q0 and k1 > k0 for q0, q1, k0, k1 in segs), "an empty segment"
+        return segs
+
+
+@pytest.fixture
+def strict_npu(monkeypatch):
+    fake = _StrictTND()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    return fake
+
+
+def _cache(b, t, room, h=4, hkv=2, d=16, dtype=torch.float32):
+    """q [b, t, h, d] and contiguous storage k, v [b, room, hkv, d] (every row finite, as a cache's stale rows are)."""
+    q = _rand(b, t, h, d, dtype=dtype, seed=1)
+    k, v = (_rand(b, room, hkv, d, dtype=dtype, seed=i) for i in (2, 3))
+    return q, k, v
+
+
+def _range_reference(q, k, v, lo, hi, scale):
+    """The base class's masked math in float64 (lse float64 too)."""
+    return Backend.forward_range(Backend(), q.double(), k.double(), v.double(), lo, hi, scale)
+
+
+RANGES = [  # (b, t, lo, hi, gqa, tnd_stats): T = 1 and T > 1, lo = 0 and lo > 0, B = 1 and B > 1, one key, the room
+    (1, 1, 0, 7, "native", "segment"),
+    (3, 1, 2, 9, "native", "global"),
+    (2, 3, 4, 5, "repeat", "tnd"),
+    (2, 2, 0, 12, "native", "segment"),
+    (3, 2, 5, 11, "native", "global"),
+]
+
+
+@pytest.mark.parametrize("b,t,lo,hi,gqa,layout", RANGES, ids=str)
+def test_forward_range_against_the_math_default(monkeypatch, b, t, lo, hi, gqa, layout):
+    """One TND call (B segments of T queries against their own copy of keys lo..hi-1, cumulative lists, no mask) that
+    agrees with the base class's masked math, whatever the stats layout; out in q's dtype, lse float32 [B, H, T]."""
+    fake = _StrictTND(tnd_stats="segment" if layout == "tnd" else layout)
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    backend = NPUBackend(gqa=gqa, tnd_stats=layout)
+    backend.device_type = "cpu"
+    room, h, hkv = 12, 4, 2
+    q, k, v = _cache(b, t, room)
+    scale = 0.25
+    before = [x.clone() for x in (q, k, v)]
+    lo_t, hi_t = torch.tensor(lo), torch.tensor([hi])  # one element: a 0-d tensor or a 1-d one
+    out, lse = backend.forward_range(q, k, v, lo_t, hi_t, scale)
+    ref_out, ref_lse = _range_reference(q, k, v, lo_t, hi_t, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (b, h, t) and lse.dtype == torch.float32
+    assert_close_to("out", out, ref_out, 1e-5)
+    assert_close_to("lse", lse, ref_lse, 1e-6)
+    assert all(torch.equal(x, y) for x, y in zip((q, k, v), before))
+    n = hi - lo
+    kv_heads = hkv if gqa == "native" else h
+    softmax_layout = "TND" if layout == "tnd" else ""
+    qlen, kvlen = [t * (i + 1) for i in range(b)], [n * (i + 1) for i in range(b)]
+    assert fake.varlen_calls == [("fwd", qlen, kvlen, kv_heads, 0, softmax_layout, 2147483647, 2147483647)]
+    assert fake.calls == []
+
+
+@pytest.mark.parametrize("lo", [0, 5])
+def test_forward_range_empty_range_gives_zeros_and_minus_inf(strict_npu, lo):
+    """lo == hi: out exactly 0 and lse -inf on every row, never NaN, and no call of the op (which takes no segment
+    without keys); the base class's default agrees."""
+    backend = _npu_on_cpu()
+    q, k, v = _cache(2, 3, 8)
+    out, lse = backend.forward_range(q, k, v, torch.tensor(lo), torch.tensor(lo), 0.25)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, 4, 3) and lse.dtype == torch.float32
+    assert (out == 0).all() and (lse == NEG_INF).all()
+    ref_out, ref_lse = _range_reference(q, k, v, torch.tensor(lo), torch.tensor(lo), 0.25)
+    assert_close_to("out", out, ref_out, 0.0)
+    assert_close_to("lse", lse, ref_lse, 0.0)
+    assert strict_npu.varlen_calls == [] and strict_npu.calls == []
+
+
+@pytest.mark.parametrize("case", ["d8", "d24", "float64", "capturing"])
+def test_forward_range_falls_back_to_the_math_default(strict_npu, monkeypatch, case):
+    """Head dims the op refuses, float64, and a stream under graph capture (the op's host lengths would be frozen into
+    the graph) go to the base class's masked math: no op call, no host read, the same result."""
+    backend = _npu_on_cpu()
+    d = {"d8": 8, "d24": 24}.get(case, 16)
+    dtype = torch.float64 if case == "float64" else torch.float32
+    q, k, v = _cache(2, 1, 9, d=d, dtype=dtype)
+    if case == "capturing":
+        monkeypatch.setattr(backend, "is_capturing", lambda: True)
+    else:
+        assert convert.range_unsupported(q, k, v)
+    monkeypatch.setattr(convert, "range_bounds", lambda *a: pytest.fail("read lo/hi on the host"))
+    lo, hi = torch.tensor(3), torch.tensor(8)
+    out, lse = backend.forward_range(q, k, v, lo, hi, 0.3)
+    ref_out, ref_lse = _range_reference(q, k, v, lo, hi, 0.3)
+    assert out.dtype == dtype and lse.dtype == (torch.float64 if case == "float64" else torch.float32)
+    assert_close_to("out", out, ref_out, 1e-6)
+    assert_close_to("lse", lse, ref_lse, 1e-6)
+    assert strict_npu.varlen_calls == [] and strict_npu.calls == []
+
+
+def test_range_arguments():
+    assert convert.range_cuts(3, 2) == (0, 2, 4, 6) and convert.range_cuts(2, 0) == (0, 0, 0)
+    assert convert.range_bounds(torch.tensor(2), torch.tensor([7]), 7) == (2, 7)
+    assert type(convert.range_bounds(torch.tensor(0), torch.tensor(0), 4)[0]) is int
+    with pytest.raises(ValueError, match=r"lo, hi: expected 0 <= lo <= hi <= 7 \(the storage's room\); got 5, 3"):
+        convert.range_bounds(torch.tensor(5), torch.tensor(3), 7)
+    with pytest.raises(ValueError, match="lo, hi: expected 0 <= lo <= hi <= 7 .*; got 0, 8"):
+        convert.range_bounds(torch.tensor(0), torch.tensor(8), 7)
+    with pytest.raises(ValueError, match=r"hi: expected an integer tensor of one element; got torch.int64 \(2,\)"):
+        convert.range_bounds(torch.tensor(0), torch.tensor([1, 2]), 7)
+    with pytest.raises(ValueError, match="lo: expected an integer tensor of one element; got torch.float32"):
+        convert.range_bounds(torch.tensor(0.0), torch.tensor(1), 7)
+    q, k = torch.zeros(2, 1, 8, 128), torch.zeros(2, 9, 2, 128)
+    assert convert.range_unsupported(q, k, k) is None
+    assert "dtypes torch.float64" in convert.range_unsupported(q.double(), k.double(), k.double())
+    assert "head dim 8" in convert.range_unsupported(q[..., :8], k[..., :8], k[..., :8])
+    assert "3 K/V heads do not divide 8" in convert.range_unsupported(q, k[:, :, :1].expand(2, 9, 3, 128), k)
+    big_q, big_k = torch.zeros(1025, 1, 8, 16), torch.zeros(1025, 2, 8, 16)
+    assert "batch 1025" in convert.range_unsupported(big_q, big_k, big_k)
+    lse = torch.arange(2 * 3 * 4.0).reshape(1, 2, 12)  # N = 2 heads, B = 3 entries of T = 4 queries
+    assert torch.equal(convert.range_lse(lse, 3), lse[0].reshape(2, 3, 4).transpose(0, 1))
+
+
 # ---------------------------------------------------------------------------------------------- on Ascend hardware
 def test_device_varlen_stats_layout():
     """On an NPU: forward_varlen/backward_varlen of each stats layout against the per-segment dense calls (the
@@ -937,3 +1071,28 @@ def test_device_varlen_window():
                 *((g.float() - r.float()).abs().max().item() / scale_of(r) for g, r in zip(grads, ref)),
             )
     assert max(errors.values()) < 4e-2, f"the fused band does not match the math band: {errors}"
+
+
+def test_device_forward_range():
+    """On an NPU: forward_range (one TND call per step, the range read on the host) against the base class's masked
+    math, GQA, B > 1, T = 1 and T > 1, lo > 0, and an empty range."""
+    probe = NPUBackend()
+    ok, reason = probe.available()
+    if not ok:
+        pytest.skip(f"needs torch_npu ({reason})")
+    device, dtype = torch.device("npu"), torch.bfloat16
+    h, hkv, d, room, scale = 8, 2, 128, 256, 128**-0.5
+    errors = {}
+    for b, t, lo, hi in [(1, 1, 0, 200), (3, 1, 17, 256), (2, 4, 64, 65), (2, 1, 9, 9)]:
+        q = _rand(b, t, h, d, dtype=dtype, seed=1).to(device)
+        k, v = (_rand(b, room, hkv, d, dtype=dtype, seed=i).to(device) for i in (2, 3))
+        lo_t, hi_t = torch.tensor(lo, device=device), torch.tensor(hi, device=device)
+        ref_out, ref_lse = Backend.forward_range(probe, q, k, v, lo_t, hi_t, scale)
+        out, lse = probe.forward_range(q, k, v, lo_t, hi_t, scale)
+        finite = ref_lse.isfinite()
+        assert torch.equal(lse.isfinite(), finite) and not out.isnan().any()
+        errors[b, t, lo, hi] = max(
+            (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0,
+            (out.float() - ref_out.float()).abs().max().item() / max(1.0, ref_out.float().abs().max().item()),
+        )
+    assert max(errors.values()) < 4e-2, f"forward_range does not match the math default: {errors}"

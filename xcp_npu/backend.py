@@ -15,6 +15,11 @@ layout with the cumulative ``actual_seq_qlen`` / ``actual_seq_kvlen``; how that 
 statistics is not settled by the docs (see :mod:`xcp_npu.convert`), hence ``tnd_stats``. A sliding window
 ``(left, right)`` on packed segments is the band sparse_mode 4 (pre_tockens = left, next_tockens = right, aligned to
 each segment's bottom-right corner, as the docs state; sources in :mod:`xcp_npu.convert`).
+
+A KV cache's range (``forward_range``, the decode step of ``xcp.KVCache(capacity=...)``) is one TND call too, but the
+op takes its lengths only as host lists: the call reads ``lo`` / ``hi`` to the host once, so on Ascend it is not
+capturable into a graph (under capture it leaves the step to the base class's masked math; sources in
+:mod:`xcp_npu.convert`).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ class NPUBackend(FusedKernelBackend):
     handoff_policy = "clone"
     kernel = (
         "torch_npu.npu_fusion_attention (+ _grad), BSND; packed segments TND; causal as sparse_mode 3, "
-        "windows as sparse_mode 4"
+        "windows as sparse_mode 4; KV-cache ranges TND (host lengths)"
     )
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     gqa_setting = npu_settings.GQA
@@ -229,3 +234,39 @@ class NPUBackend(FusedKernelBackend):
         )
         dq, dk, dv = grads[0].unsqueeze(0), grads[1].unsqueeze(0), grads[2].unsqueeze(0)
         return dq, sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)
+
+    # ------------------------------------------------------------------ KV-cache ranges
+    def forward_range(self, q, k, v, lo, hi, scale: float):
+        """Every query row against key rows ``lo .. hi - 1`` of the cache's storage, in one TND npu_fusion_attention
+        call: B segments of T queries, each against its own copy of the range (see :mod:`xcp_npu.convert`).
+
+        Not capturable on Ascend; one host read per step: the op takes actual_seq_qlen / actual_seq_kvlen only as host
+        lists, so ``lo`` and ``hi`` are read to the host once per call (which waits for the device work queued before
+        it). While the current stream is being captured into a graph the call goes to the base class's masked math
+        instead (lengths on the device, capturable, reads the whole room). An empty range (``lo == hi``) gives out 0
+        and lse -inf without calling the op; dtypes, head dims or batches the op does not take go to the base class.
+        """
+        if convert.range_unsupported(q, k, v) or self.is_capturing():
+            return super().forward_range(q, k, v, lo, hi, scale)
+        start, stop = convert.range_bounds(lo, hi, k.shape[1])  # the one host read
+        length = stop - start
+        if length == 0:
+            return convert.empty_range(q, v)
+        b, t, n, d = q.shape
+        groups = self.kv_groups(q, k)
+        qt = q.reshape(b * t, n, d).contiguous()
+        kt, vt = (repeat_kv(x[:, start:stop], groups).reshape(b * length, -1, x.shape[3]).contiguous() for x in (k, v))
+        cu_q, cu_k = convert.range_cuts(b, t), convert.range_cuts(b, length)
+        outputs = self.vendor().npu_fusion_attention(
+            qt,
+            kt,
+            vt,
+            n,  # head_num: the query heads; K/V may have fewer (GQA)
+            convert.VARLEN_LAYOUT,
+            scale=scale,
+            keep_prob=1.0,
+            **self._varlen(cu_q, cu_k, False, b * t, b * length, q.device),
+        )
+        out, softmax_max, softmax_sum = convert.check_varlen_forward_outputs(qt, vt, outputs)
+        lse = convert.lse_from_tnd_stats(softmax_max, softmax_sum, cu_q, self.tnd_stats)
+        return out.reshape(b, t, n, -1), convert.range_lse(lse, b)

@@ -367,3 +367,89 @@ def band_has_empty_rows(cu_q: tuple[int, ...], cu_k: tuple[int, ...], window: tu
         if sq - sk > right:
             return f"segment {i} ({sq} queries, {sk} keys): its first {sq - sk - right} queries see no key in {window}"
     return None
+
+
+# ---------------------------------------------------------------------------------------------- KV-cache ranges
+# What the sources say about serving Backend.forward_range (every query row against key rows lo..hi-1 of a KV cache's
+# storage; lo and hi live on the device) with torch_npu (checked for this code; translations ours):
+#
+# - npu_fusion_attention takes actual_seq_qlen / actual_seq_kvlen only as host int lists (``int[]?`` in the signature of
+#   hiascend.com's "torch_npu.npu_fusion_attention"; ``List[int]`` in Ascend/op-plugin
+#   docs/context/torch_npu-npu_fusion_attention.md). The same page says the op is for training and "暂不支持图模式" (not
+#   yet in graph mode); Ascend/op-plugin merge request !4123 (npu_fusion_attention_v3) says its NPU-graph (aclgraph)
+#   capture covers only the BNSD layout without actual_seq_qlen / actual_seq_kvlen. So the TND call needs the range
+#   on the host: one host read of (lo, hi) per call, and a graph captured with it would replay the lengths of the
+#   capture. Hence forward_range reads the range once per call and, while the stream is being captured, leaves the
+#   call to the base class's masked math (built on the device, capturable).
+# - npu_fused_infer_attention_score (Ascend/op-plugin docs/context/torch_npu-npu_fused_infer_attention_score.md) is the
+#   inference op; a query of S = 1 takes its IncreFlashAttention (decode) branch, the cache is read in place with
+#   actual_seq_lengths_kv per batch, and softmax_lse_flag returns the lse itself. But actual_seq_lengths_kv is also a
+#   host list (``SymInt[]?``); query dtypes are float16 / bfloat16 only; a range that does not start at row 0 needs the
+#   kv left-padding mode (kv_padding_size), documented only by a formula. The device-tensor form of
+#   actual_seq_lengths_kv exists in TorchAir's own npu_fused_infer_attention_score (hiascend.com TorchAir guide,
+#   "npu_fused_infer_attention_score", torchair_00086) for torch.compile graphs with tiling sunk to the device, not
+#   for eager calls or torch.npu.graph; torch.npu.graph captures can instead have the host lists patched before each
+#   replay (NPUGraph.update(cpu_update_input=[{"actual_seq_lengths": ...}]) in Ascend/pytorch
+#   test/npu/test_aclgraph_update.py), which needs the host to know the lengths at every step. Neither serves xcp's
+#   device-only contract; this module uses the TND call, whose conversions the varlen path already has.
+# - Packing: B sequences of T queries each against its own copy of the range: q [B * T, N, D], keys k[:, lo:hi]
+#   flattened to [B * (hi - lo), N_kv, D] (a view when B == 1 and the storage is contiguous, else one copy of the
+#   range), actual_seq_qlen = T, 2T, .., B*T and actual_seq_kvlen = L, 2L, .., B*L with L = hi - lo; no mask
+#   (sparse_mode 0). The op's docs bound S to 1..1M, allow a batch with query length 0 but say nothing of a batch
+#   whose query has no key (and TND forbids fully masked rows), so an empty range (lo == hi) never reaches the op:
+#   its out is 0 and its lse -inf, made here. The varlen batch count is at most 1K ("varlen场景下长度最大支持1K"):
+#   B above :data:`TND_MAX_SEGMENTS` goes to the base class, as do dtypes the op lacks and head dims outside
+#   :data:`TND_HEAD_DIM_MULTIPLE` .. :data:`TND_MAX_HEAD_DIM`.
+
+RANGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""The dtypes npu_fusion_attention takes (float64 goes to the base class's math)."""
+TND_MAX_SEGMENTS = 1024
+"""The most segments (batch entries) of one TND call the docs allow."""
+
+
+def range_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the fused TND call cannot serve a KV-cache range for q [B, T, N, D], k / v [B, room, N_kv, D]; None
+    when it can."""
+    b, t, n, d = q.shape
+    n_kv = k.shape[2]
+    if q.dtype not in RANGE_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (the op takes one of float16, bfloat16, float32)"
+    if d % TND_HEAD_DIM_MULTIPLE or not 0 < d <= TND_MAX_HEAD_DIM or k.shape[3] != d or v.shape[3] != d:
+        return f"head dim {d} is not a multiple of {TND_HEAD_DIM_MULTIPLE} in 16..{TND_MAX_HEAD_DIM}"
+    if n_kv == 0 or n % n_kv or v.shape[2] != n_kv:
+        return f"{n_kv} K/V heads do not divide {n} query heads"
+    if not 0 < b <= TND_MAX_SEGMENTS or t == 0:
+        return f"batch {b} of {t} queries (one TND call packs 1..{TND_MAX_SEGMENTS} non-empty batch entries)"
+    return None
+
+
+def range_bounds(lo: torch.Tensor, hi: torch.Tensor, room: int) -> tuple[int, int]:
+    """``(lo, hi)`` as host ints, read in ONE device-to-host copy (which waits for the work queued before it).
+
+    Raises a ValueError unless each is an integer tensor of one element with ``0 <= lo <= hi <= room``.
+    """
+    for name, x in (("lo", lo), ("hi", hi)):
+        if x.numel() != 1 or x.dtype.is_floating_point or x.dtype == torch.bool:
+            raise ValueError(f"{name}: expected an integer tensor of one element; got {x.dtype} {tuple(x.shape)}")
+    start, stop = (int(x) for x in torch.cat((lo.reshape(1), hi.reshape(1).to(lo.dtype))).tolist())
+    if not 0 <= start <= stop <= room:
+        raise ValueError(f"lo, hi: expected 0 <= lo <= hi <= {room} (the storage's room); got {start}, {stop}")
+    return start, stop
+
+
+def range_cuts(batch: int, length: int) -> tuple[int, ...]:
+    """The boundaries of ``batch`` segments of ``length`` tokens each: ``(0, length, 2 * length, ...)``."""
+    return tuple(range(0, batch * length + 1, length)) if length else (0,) * (batch + 1)
+
+
+def empty_range(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of queries that see no key: out 0 [B, T, N, Dv] in q's dtype, lse -inf float32 [B, N, T]."""
+    b, t, n, _ = q.shape
+    out = torch.zeros(b, t, n, v.shape[3], dtype=q.dtype, device=q.device)
+    return out, torch.full((b, n, t), NEG_INF, dtype=torch.float32, device=q.device)
+
+
+def range_lse(lse: torch.Tensor, batch: int) -> torch.Tensor:
+    """The TND lse [1, N, B * T] (batch entries one after another) as the block's [B, N, T]."""
+    n, total = lse.shape[1], lse.shape[2]
+    return lse[0].reshape(n, batch, total // batch).transpose(0, 1).contiguous()
