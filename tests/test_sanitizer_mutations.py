@@ -229,10 +229,12 @@ def test_verdict_does_not_depend_on_thread_timing(monkeypatch):
 # ---------------------------------------------------------------------------------- the KV cache's combine
 
 
-def test_combine_hand_off_dropped(monkeypatch):
-    """Rule 3.3: without the hand-off, M's gather reads the packed partial C wrote without waiting for it."""
+@pytest.mark.parametrize("preallocated", [False, True])
+def test_combine_hand_off_dropped(monkeypatch, preallocated):
+    """Rule 3.3: without the hand-off, M's gather reads the packed partial C wrote without waiting for it
+    (on the host-planned path and on the device path of a preallocated cache's decode steps alike)."""
     monkeypatch.setattr(RingCall, "hand_to_comm", lambda self, tensors, channel, ordered=False: list(tensors))
-    report = sanitize_decode(world=3, decode=2, chunk=3)
+    report = sanitize_decode(world=3, decode=2, chunk=3 if not preallocated else 0, preallocated=preallocated)
     races = accesses(report, "race")
     assert any(
         first[1].endswith(":C") and first[2] and "p2p combine" in second[0] and second[1].endswith(":M")
@@ -256,8 +258,9 @@ def test_combine_partial_reused_before_the_gather_reads_it():
 
 
 @pytest.mark.parametrize("handoff", [None, "clone", "event"])
-def test_combine_is_clean_with_a_hand_off(handoff):
-    report = sanitize_decode(world=3, decode=2, chunk=3, handoff=handoff)
+@pytest.mark.parametrize("preallocated", [False, True])
+def test_combine_is_clean_with_a_hand_off(handoff, preallocated):
+    report = sanitize_decode(world=3, decode=2, chunk=3, handoff=handoff, preallocated=preallocated)
     assert report.ok, report.format()
     assert report.max_error["out"] < 1e-12
 
@@ -266,5 +269,7 @@ def test_sanitize_decode_command(capsys):
     from xcp.cli import main
 
     assert main(["sanitize", "--decode", "2", "--world", "2", "--chunk", "3", "--balance", "stripe"]) == 0
+    assert "no finding" in capsys.readouterr().out
+    assert main(["sanitize", "--decode", "2", "--world", "3", "--chunk", "0", "--capacity"]) == 0
     assert "no finding" in capsys.readouterr().out
     assert main(["sanitize", "--decode", "1", "--world", "2", "--handoff", "none"]) == 1

@@ -105,6 +105,9 @@ def _add_sanitize(sub) -> None:
                    "(default: the fewest the balance splits) prefilled, N decode steps and one chunk of --chunk "
                    "tokens, each followed by the cache's attention and its all-gather combine")  # fmt: skip
     p.add_argument("--chunk", type=int, default=5, help="with --decode: the chunk's tokens (0: none)")
+    p.add_argument("--capacity", action="store_true",
+                   help="with --decode: preallocated caches (KVCache(capacity=...)), whose decode steps keep their "
+                   "lengths on the device")  # fmt: skip
 
 
 def _cmd_sanitize_decode(args) -> int:
@@ -112,7 +115,8 @@ def _cmd_sanitize_decode(args) -> int:
 
     report = sanitize_decode(world=args.world, balance=args.balance, handoff=args.handoff, decode=args.decode,
                              chunk=args.chunk, prompt=args.seq, dtype=DTYPES[args.dtype], heads=args.heads,
-                             kv_heads=args.kv_heads, head_dim=args.head_dim, seed=args.seed)  # fmt: skip
+                             kv_heads=args.kv_heads, head_dim=args.head_dim, seed=args.seed,
+                             preallocated=args.capacity)  # fmt: skip
     print(report.format())
     return 0 if report.ok else 1
 

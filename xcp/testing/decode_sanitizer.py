@@ -55,12 +55,15 @@ def sanitize_decode(
     head_dim: int = 8,
     batch: int = 1,
     seed: int = 0,
+    preallocated: bool = False,
 ) -> SanitizerReport:
     """Prefill a KV cache on ``world`` virtual ranks of the sim device, then ``decode`` single tokens and one
     chunk of ``chunk`` tokens, each followed by the cache's attention; check every lifetime rule.
 
     :param handoff: the combine's hand-off policy; None: the sim backend's default, ``record_stream``.
     :param prompt: the prompt's length (a multiple of what the balance splits); default 2 tokens per rank.
+    :param preallocated: caches with ``capacity`` for exactly the run's tokens: the decode steps then keep
+        their lengths on the device and run ``forward_range`` (the path a captured step takes).
     :returns: a :class:`xcp.testing.sanitizer.SanitizerReport`; findings of kind race, reuse, leak or numerics.
     """
     for name, value in (("world", world), ("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim),
@@ -86,7 +89,7 @@ def sanitize_decode(
     scale = 1.0 / math.sqrt(head_dim)
     config = {"world": world, "balance": balance, "handoff": handoff or "record_stream", "decode": decode,
               "chunk": chunk, "prompt": prompt, "dtype": str(dtype).replace("torch.", ""), "heads": heads,
-              "kv_heads": kv_heads}  # fmt: skip
+              "kv_heads": kv_heads, "preallocated": preallocated}  # fmt: skip
 
     findings: list[Finding] = []
     with Sanitizer() as san:
@@ -94,7 +97,8 @@ def sanitize_decode(
 
         def rank(group: Any) -> tuple:
             with san.thread(f"rank{group.rank()}"), track_buffers() as ledger:
-                cache = KVCache(group=group, balance=balance, device="sim", handoff=handoff)
+                capacity = total if preallocated else None
+                cache = KVCache(group=group, balance=balance, capacity=capacity, device="sim", handoff=handoff)
                 r = group.rank()
                 cache.prefill(shard(k[:, :prompt], world, r, balance=balance),
                               shard(v[:, :prompt], world, r, balance=balance))  # fmt: skip
