@@ -362,7 +362,9 @@ class KVCache:
                 gather(send, recv, "combine", backend).wait()
                 del send
             out = torch.empty((b, t, h, d), dtype=acc, device=q.device)  # on C, while M gathers
-        lse = _merge_into(out, recv[..., :d], recv[..., d])
+        lse = backend.fused_merge_partials_(out, recv)
+        if lse is None:
+            lse = _merge_into(out, recv[..., :d], recv[..., d])
         return out, lse
 
 

@@ -6,7 +6,8 @@ required device primitives  identity (``name``, ``device_type``, ``dist_backend`
                             ``backward`` have no default (a class without them is refused at registration);
                             the rest default to torch's device module.
 optional fast paths         ``whole_attention``, ``forward_varlen`` / ``backward_varlen``, ``forward_range``,
-                            ``fused_merge_``, ``fused_merge_pair_``, ``fused_add_pair_``, ``folds_pairs``: the
+                            ``fused_merge_``, ``fused_merge_pair_``, ``fused_add_pair_``,
+                            ``fused_merge_partials_``, ``folds_pairs``: the
                             defaults are correct (not served, or one block call per segment), only slower.
 tool hooks                  ``new_graph``, ``capture_graph``, ``memory_stats``, ``reset_peak_memory``,
                             ``settings``: used by the CLI, the bench and the tests, never by the ring.
@@ -43,7 +44,7 @@ REQUIRED_PRIMITIVES = (
 
 FAST_PATHS = (
     "whole_attention", "forward_varlen", "backward_varlen", "forward_range", "fused_merge_", "fused_merge_pair_",
-    "fused_add_pair_", "folds_pairs",
+    "fused_add_pair_", "fused_merge_partials_", "folds_pairs",
 )  # fmt: skip
 """What a backend may override to run faster; the defaults are correct."""
 
@@ -346,6 +347,19 @@ class Backend:
         :returns: True when both were added.
         """
         return False
+
+    def fused_merge_partials_(self, out: torch.Tensor, parts: torch.Tensor) -> torch.Tensor | None:
+        """Merge P ranks' packed partials into ``out`` in one pass over them, if the backend has a kernel that
+        serves these tensors (a KV cache's combine, :class:`xcp.KVCache`); return None (the default) to let
+        the core merge eagerly.
+
+        :param out: [B, T, H, D], float32 or float64, contiguous, written whole: ``sum_r exp(L_r - L) O_r``.
+        :param parts: [P, B, T, H, D + 1] in out's dtype, contiguous: rank r's out in ``[..., :D]`` and its
+            natural-log lse in ``[..., D]``; -inf where rank r saw nothing of the row (weight 0).
+        :returns: the merged lse [B, H, T] (``L = logsumexp_r L_r``; -inf, with out 0, on rows no rank saw,
+            never NaN), or None when not served.
+        """
+        return None
 
     # ================================================================== tool hooks
     settings: tuple[Setting, ...] = ()
