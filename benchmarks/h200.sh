@@ -13,6 +13,8 @@
 #   benchmarks/h200.sh pairs    # cuda tests, 16K/64K over 8 ranks with and without the pair kernels, GPU profile
 #   benchmarks/h200.sh renovated  # cuda tests, conformance, settings, the files of one call, xcp run
 #   benchmarks/h200.sh renovated-bench  # 16K/64K over 8 ranks eager and replayed, world of one, host µs per step
+#   benchmarks/h200.sh decode   # KV cache: graph-replay, memory and CSAN tests, forward_range tests, xcp bench --decode
+#                               # (B 8, 32/8 heads, D 128, bf16, P 8: L 128K with a chunk of 4096, L 1M)
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -197,6 +199,17 @@ renovated-bench)
   section "xcp bench --host (host µs per ring step at 2K tokens per rank)"
   timeout 100 xcp bench --host --worlds 8 --host-tokens 2048 --mask causal --seqs 1024 --quiet 2>&1 | tee "$out/host.txt"
   ;;
-*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench" >&2; exit 2 ;;
+decode)
+  section "KV cache on cuda: captured decode steps replayed (world of one, 4 ranks in one graph), memory; CSAN of the combine; forward_range"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short -rs tests/test_cache_cuda.py tests/test_lifetime_cuda.py \
+    tests/test_cuda_backend.py -k "test_cache_cuda or cache or range" 2>&1 | tail -30 | tee "$out/decode_tests.txt"
+  section "xcp bench --decode: L = 128K over P = 8, and a chunk of 4096 after it (B 8, 32/8 heads, D 128, bf16)"
+  timeout 180 xcp bench --decode --batch 8 --seqs 131072 --worlds 8 --chunk 4096 --heads 32 --kv-heads 8 --head-dim 128 \
+    --dtype bfloat16 --warmup 1 --reps 5 --quiet --json "$out/decode128k.json" 2>&1 | tee "$out/decode128k.txt"
+  section "xcp bench --decode: L = 1M over P = 8 (the whole cache 32 GiB beside the 8 caches of 4 GiB)"
+  timeout 210 xcp bench --decode --batch 8 --seqs 1048576 --worlds 8 --heads 32 --kv-heads 8 --head-dim 128 \
+    --dtype bfloat16 --warmup 1 --reps 3 --quiet --json "$out/decode1m.json" 2>&1 | tee "$out/decode1m.txt"
+  ;;
+*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench|decode" >&2; exit 2 ;;
 esac
 section done

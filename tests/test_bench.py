@@ -728,3 +728,76 @@ def test_bench_replay_check_catches_a_captured_ring_that_is_wrong(monkeypatch, c
 def test_bench_replay_refuses_what_it_cannot_measure(capsys, args, message):
     assert main(REPLAY_FLAGS + args) == 2
     assert message in capsys.readouterr().err
+
+
+# --- --decode: a decode step over a sharded KV cache against one whole-cache call ---
+
+DECODE_FLAGS = ["bench", "--decode", "--device", "cpu", "--batch", "2", "--heads", "4", "--kv-heads", "2",
+                "--head-dim", "8", "--dtype", "float64", "--reps", "2", "--warmup", "1", "--quiet", "--seqs", "32",
+                "--worlds", "2,4"]  # fmt: skip
+
+
+def test_cli_bench_decode_checks_times_and_sizes_each_cache(tmp_path, capsys):
+    """Per (L, P): xcp's decode step over P virtual ranks checked against SDPA over the whole cache, then timed
+    beside it (no graphs on the CPU); the bytes each rank's cache holds beside the whole cache's over P, the
+    tokens each holds, the host µs of a step; the chunk of T tokens checked and timed likewise."""
+    path = tmp_path / "decode.json"
+    code = main([*DECODE_FLAGS, "--chunk", "3", "--json", str(path)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    data = json.loads(path.read_text())
+    assert data["meta"]["config"]["decode"] and data["meta"]["config"]["chunk"] == 3 and data["timing"] == []
+    rows, chunks = data["decode"], data["chunk"]
+    assert [(r["seq"], r["world"], r["batch"]) for r in rows] == [(32, 2, 2), (32, 4, 2)]
+    for r in rows:
+        assert r["decode_check_ok"] and r["decode_errors"]["xcp"] < 1e-12, r["decode_errors"]
+        assert r["replay"] == "no graphs on cpu" and not r["flash"]  # no flash varlen op on the CPU either
+        assert r["eager_xcp_over_sdpa"] == pytest.approx(r["eager_xcp_s"] / r["eager_sdpa_s"])
+        assert math.isfinite(r["host_step_us"]) and r["host_step_us"] > 0
+        steps = 1 + 1 + 2  # the checked step, one warm-up, two timed
+        assert r["steps"] == steps and r["capacity"] == 32 + steps + 3 * (1 + 1 + 2) == r["tokens"]
+        whole = 2 * 2 * r["capacity"] * 2 * 8 * 8  # K and V of the whole cache: B x N x Hkv x D float64
+        assert r["whole_cache_bytes"] == whole and r["whole_cache_bytes_per_rank"] == whole / r["world"]
+        share = 2 * 2 * (r["capacity"] // r["world"] + 1) * 2 * 8 * 8  # a rank's share and its scratch row
+        assert r["cache_bytes"] == [share] * r["world"]
+        assert r["tokens_ok"] and sum(r["tokens_per_rank"]) == r["tokens"]
+    assert [(c["seq"], c["world"], c["chunk"], c["cached"], c["reference"]) for c in chunks] == [
+        (32, 2, 3, 36, "sdpa"), (32, 4, 3, 36, "sdpa")]  # fmt: skip
+    assert all(c["chunk_check_ok"] and c["chunk_errors"]["xcp"] < 1e-12 for c in chunks)
+    assert "no graphs on cpu" in text and "host µs/step" in text and "whole/P" in text and "FAIL" not in text
+    lines = [line.split() for line in text.splitlines() if line.strip().startswith("32 ")]
+    assert [line[:2] for line in lines] == [["32", "2"], ["32", "4"]] * 3  # decode, per rank, chunk
+    decode_lines, chunk_lines = lines[:2], lines[4:]
+    assert [line[-1] for line in decode_lines] == [f"({r['decode_errors']['xcp']:.1e})" for r in rows]
+    assert all(line[-2] == "ok" for line in decode_lines + chunk_lines)
+
+
+def test_bench_decode_check_is_against_the_whole_cache(monkeypatch, capsys):
+    """The check is real: a whole-cache reference 10% off fails it (the bound is bf16's, 2e-2, as for the ring
+    figures), the rows say FAIL and the exit status is 1."""
+    from xcp.cli.bench import decode
+
+    real = decode.WholeCache.sdpa
+    monkeypatch.setattr(decode.WholeCache, "sdpa", lambda self, q, at: real(self, q, at) * 1.1)
+    assert main([*DECODE_FLAGS, "--worlds", "2", "--chunk", "2"]) == 1
+    assert capsys.readouterr().out.count("FAIL (9.1e-02)") == 2  # the decode row and the chunk row
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--replay"], "--replay: not measured with --decode (it replays its steps as device graphs"),
+        (["--window", "4,0"], "--window: not measured with --decode; got '4,0'"),
+        (["--mask", "full"], "--mask: --decode attends causally"),
+        (["--seqs", "30"], "--seqs: balance 'zigzag' over 2 ranks needs a positive multiple of 4; got 30"),
+        (["--distributed"], "--decode: measured in one process"),
+    ],
+)
+def test_bench_decode_refuses_what_it_does_not_measure(capsys, args, message):
+    assert main([*DECODE_FLAGS, "--worlds", "2", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_chunk_needs_decode(capsys):
+    assert main(["bench", "--device", "cpu", "--chunk", "3", "--quiet"]) == 2
+    assert "--chunk: expected together with --decode; got 3" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from xcp.lifetime import track_buffers, workspace_disabled
 from xcp.ring import RingConfig, ring_backward, ring_forward
 from xcp.testing.reference import sdpa_reference
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 class CudaMath(Backend):
@@ -86,8 +86,11 @@ CSAN_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
     import xcp, test_lifetime_cuda as t
     from xcp.lifetime import RingCall
-    if sys.argv[2] == "mutant":
+    handoff, variant, what, world = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    if variant == "mutant" and what == "ring":
         RingCall.comm_after_compute = lambda self: None  # the receive no longer waits for the compute
+    if variant == "mutant" and what == "cache":  # the combine's hand-off dropped: M reads the partial unordered
+        RingCall.hand_to_comm = lambda self, tensors, channel, ordered=False: list(tensors)
     csan.enable_cuda_sanitizer()
     run = xcp.LocalWorld.run
     def run_sanitized(self, fn, *args):  # CSAN's dispatch mode is per thread: enter it in every rank
@@ -96,16 +99,20 @@ CSAN_SCRIPT = textwrap.dedent(
                 return fn(g, *a)
         return run(self, body, *args)
     xcp.LocalWorld.run = run_sanitized
-    peaks, errors = t.run_world(4, sys.argv[1])
-    print("clean", peaks, max(errors))
+    if what == "ring":
+        peaks, errors = t.run_world(world, handoff)
+        print("clean", peaks, max(errors))
+    else:
+        print("clean cache", t.run_cache_world(world, handoff))
     """
 )
 
 
-def csan(handoff, variant):
+def csan(handoff, variant, what="ring", world=4):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = CSAN_SCRIPT.format(root=root, tests=os.path.join(root, "tests"))
-    return subprocess.run([sys.executable, "-c", script, handoff, variant], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", script, handoff, variant, what, str(world)], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
 
 
 @pytest.mark.parametrize("handoff", ["record_stream", "clone"])
@@ -123,6 +130,74 @@ def test_pytorch_cuda_sanitizer_sees_the_missing_wait():
     assert "/xcp/" in report.split("Previous access")[0]  # the racing access is the ring's, not the test's
     assert "aten::randn" not in report  # and not the inputs' creation
     assert "CSAN detected a possible data race" in done.stdout + done.stderr
+
+
+def run_cache_world(world, handoff, decode=3, chunk=3, seed=0):
+    """A KV cache with capacity (the graph-safe decode path) on ``world`` virtual ranks of one GPU, each rank
+    on its own caller stream: a prompt, ``decode`` steps of one token, one chunk; bf16 on the cuda backend
+    (flash for the storage range). Returns the largest relative error of any rank's output at any step
+    against float64 attention over the whole sequence."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    prompt = 4 * world  # zigzag: a multiple of 2P
+    steps = [1] * decode + [chunk]
+    total = prompt + sum(steps)
+    q = torch.randn(1, total, 4, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, total, 2, 64, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    producer = torch.cuda.current_stream()  # made the inputs; every rank's stream must wait for it
+
+    def rank(g):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(producer)
+        with torch.cuda.stream(stream):
+            r = g.rank()
+            cache = xcp.KVCache(group=g, capacity=total, handoff=handoff)
+            cache.prefill(xcp.shard(k[:, :prompt], world, r), xcp.shard(v[:, :prompt], world, r))
+            outs, s = [], prompt
+            for t in steps:
+                cache.append(k[:, s : s + t], v[:, s : s + t])
+                s += t
+                outs.append(cache.attention(q[:, s - t : s]))
+            torch.cuda.current_stream().synchronize()
+            return [out.cpu() for out in outs]
+
+    results = xcp.LocalWorld(world, device="cuda").run(rank)
+    qd, kd, vd = (x.cpu().double().transpose(1, 2) for x in (q, k, v))
+    kd, vd = kd.repeat_interleave(2, 1), vd.repeat_interleave(2, 1)
+    worst, s = 0.0, prompt
+    for i, t in enumerate(steps):
+        s += t
+        seen = torch.arange(s).view(1, s) <= torch.arange(s - t, s).view(t, 1)  # causal, bottom-right
+        want = torch.nn.functional.scaled_dot_product_attention(qd[:, :, s - t : s], kd[:, :, :s], vd[:, :, :s],
+                                                                attn_mask=seen).transpose(1, 2)  # fmt: skip
+        for outs in results:
+            worst = max(worst, ((outs[i].double() - want).norm() / want.norm()).item())
+    return worst
+
+
+@pytest.mark.parametrize("handoff", ["record_stream", "clone", "event"])
+def test_cuda_cache_matches_the_reference_with_each_handoff(handoff):
+    assert run_cache_world(3, handoff) < 2e-2  # bf16's bound
+
+
+@pytest.mark.parametrize("handoff", ["record_stream", "clone"])
+def test_pytorch_cuda_sanitizer_reports_nothing_in_the_cache_combine(handoff):
+    """Decode steps and a chunk of a KV cache over 3 virtual ranks under CSAN: the combine's packed partial,
+    written on the caller's stream and gathered on the comm stream, is handed off without a race."""
+    done = csan(handoff, "correct", "cache", 3)
+    assert done.returncode == 0 and "clean cache" in done.stdout, done.stdout + done.stderr
+    assert float(done.stdout.split("clean cache")[1].split()[0]) < 2e-2
+    assert "CSAN detected a possible data race" not in done.stderr
+
+
+def test_pytorch_cuda_sanitizer_sees_the_cache_combine_without_its_hand_off():
+    """With the combine's hand-off dropped (the comm stream no longer waits for the partial's writes), CSAN
+    reports the race, and the racing access is xcp's."""
+    done = csan("record_stream", "mutant", "cache", 3)
+    assert done.returncode != 0
+    report = done.stderr
+    assert "CSAN detected a possible data race" in report, done.stdout + report
+    assert "/xcp/" in report.split("Previous access")[0]
+    assert "aten::randn" not in report
 
 
 class MirrorComm:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .. import decode as decode_flags
 from .. import packing, ulysses, windows
 from ..common import (
     FLAGS,
@@ -20,6 +21,7 @@ from ..common import (
 )
 from . import distributed
 from .config import HOST_MIN_REPS, REPLAY_FLAG, REPLAY_HELP, SIZE_FLAGS, BenchConfig
+from .decode import format_decode, rows_failed, run_decode
 from .dense import plot_report
 from .host import HOST_TARGETS_US
 from .report import row_ok
@@ -103,6 +105,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "checked against the formula",
     )  # fmt: skip
     p.add_argument(REPLAY_FLAG, action="store_true", help=REPLAY_HELP)
+    p.add_argument(
+        decode_flags.FLAG, action="store_true",
+        help="instead of the ring figures: a decode step over a sharded KV cache (xcp.KVCache with capacity) of L "
+        "= each of --seqs tokens of --batch sequences over P = each of --worlds virtual ranks on one device, "
+        "prefilled from xcp.shard of a random whole K/V: xcp's step (every rank's append, attention and combine) "
+        "eager and captured as one device graph holding every rank's work and replayed (each replay appends a "
+        "token), against one whole-cache call (torch SDPA, default dispatch, enable_gqa; and the aten flash varlen "
+        "op with seqused_k on CUDA) eager and replayed, every output checked first; the bytes each rank's cache "
+        "holds beside the whole cache's / P, and the host µs of one rank's step; --no-graph leaves the replays out "
+        "(no graphs on cpu)",
+    )  # fmt: skip
+    p.add_argument(
+        decode_flags.CHUNK_FLAG, type=nonnegative, default=0, metavar="T",
+        help=f"with {decode_flags.FLAG}: also a chunk of T tokens appended after the cached ones, xcp over P ranks "
+        "(eager) against one whole-cache call with the same causal mask (bottom-right: flash varlen on CUDA), "
+        "checked first; 0: decode only",
+    )  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw ratio vs S and memory vs P")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -119,6 +138,17 @@ def _size_flag(name: str) -> dict[str, Any]:
 
 MASKS = {"both": [False, True], "causal": [True], "full": [False]}
 """``--mask``: the masks each figure is timed with."""
+
+
+def nonnegative(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}")
+    return value
 
 
 def positive_list(text: str) -> list[int]:
@@ -190,6 +220,29 @@ def _host_args(args: argparse.Namespace) -> str | None:
     return f"seqs {','.join(map(str, WORLD_OF_ONE_SEQS))} (the world of one's, on any device)"
 
 
+def _decode_args(args: argparse.Namespace) -> None:
+    """With --decode: refuse the ring figures' flags (a causal mask only), keep the memory figure's length out
+    of the size defaults; without it, refuse --chunk."""
+    if not args.decode:
+        if args.chunk:
+            raise ValueError(f"{decode_flags.CHUNK_FLAG}: expected together with {decode_flags.FLAG}; got {args.chunk}")
+        return
+    if args.mask not in (None, "causal"):
+        raise ValueError(f"--mask: {decode_flags.FLAG} attends causally (a step's queries see every cached token up "
+                         f"to their own); got {args.mask!r}")  # fmt: skip
+    for flag, value in (("--plot", args.plot), (packing.FLAG, args.documents and args.documents.text),
+                        (windows.FLAG, args.window and windows.text_of(args.window))):  # fmt: skip
+        if value is not None:
+            raise ValueError(f"{flag}: not measured with {decode_flags.FLAG}; got {value!r}")
+    for flag, on in (("--host", args.host), ("--world-of-one", args.world_of_one), (ulysses.FLAG, args.ulysses),
+                     ("--compare-dense", args.compare_dense)):  # fmt: skip
+        if on:
+            raise ValueError(f"{flag}: not measured with {decode_flags.FLAG}")
+    args.mask = "causal"
+    if args.memory_seq is None:
+        args.memory_seq = 1  # no memory figure here: kept out of the size defaults and their note
+
+
 def _ulysses_args(args: argparse.Namespace) -> None:
     """With --ulysses: refuse what it does not measure; the memory figure's length stays out of the size
     defaults (there is no memory figure)."""
@@ -218,6 +271,7 @@ def command(args: argparse.Namespace) -> int:
         _distributed_args(args)
         return distributed.command(args)
     backend, _ = tool_backend(args.device, 0)  # an unknown or unusable backend: the error and the table, first
+    _decode_args(args)
     host_note = _host_args(args)
     _ulysses_args(args)
     _document_sizes(args)
@@ -240,10 +294,16 @@ def command(args: argparse.Namespace) -> int:
         host_tokens=args.host_tokens,
         ulysses=args.ulysses,
         replay=args.replay,
+        decode=args.decode,
+        chunk=args.chunk,
         **measurement_args(args),
     )
-    report = run_bench(cfg, progress=not args.quiet, checkpoint=args.json)
-    print(format_report(report))
+    if cfg.decode:
+        report = run_decode(cfg, progress=not args.quiet, checkpoint=args.json)
+        print(format_decode(report))
+    else:
+        report = run_bench(cfg, progress=not args.quiet, checkpoint=args.json)
+        print(format_report(report))
     if args.json:
         write_json(report, args.json)
         print(f"JSON written to {args.json}")
@@ -252,7 +312,7 @@ def command(args: argparse.Namespace) -> int:
         print(f"plot written to {args.plot}")
     rows = report["timing"] + report.get("documents", []) + (report.get("host") or [])
     rows += (report.get("world_of_one") or []) + (report.get("ulysses") or [])
-    failed = [r for r in rows if not row_ok(r)]
+    failed = [r for r in rows if not row_ok(r)] + rows_failed(report)
     return 1 if failed else 0
 
 
@@ -268,6 +328,9 @@ def _distributed_args(args: argparse.Namespace) -> None:
     if args.ulysses is not None:
         raise ValueError(f"{ulysses.FLAG}: measured in one process (LocalWorld virtual ranks), not with --distributed "
                          f"yet; got {','.join(map(str, args.ulysses))}")  # fmt: skip
+    if args.decode or args.chunk:
+        raise ValueError(f"{decode_flags.FLAG}: measured in one process (LocalWorld virtual ranks on one device), not "
+                         "with --distributed yet")  # fmt: skip
     if args.replay:
         raise ValueError(f"{REPLAY_FLAG}: measured in one process (every virtual rank's work in one graph), not "
                          "with --distributed yet")  # fmt: skip

@@ -12,6 +12,8 @@ from typing import TypeVar
 from ... import schedule
 from .. import packing, ulysses, windows
 from ..common import DTYPES, Measurement
+from ..decode import CHUNK_FLAG as DECODE_CHUNK_FLAG
+from ..decode import FLAG as DECODE_FLAG
 
 T = TypeVar("T")
 
@@ -27,6 +29,9 @@ REPLAY_HELP = (
     "whole-sequence call replayed as a graph too, checked first: the ring's device time without the host, "
     "what ranks whose host keeps ahead of the device (or that replay captured step loops) would see"
 )
+
+DECODE_REPLAYS = " (it replays its steps as device graphs wherever the backend has them; --no-graph leaves them out)"
+"""Why ``--replay`` is not a flag of ``--decode``."""
 
 
 @dataclass
@@ -61,6 +66,12 @@ class BenchConfig(Measurement):
     replay: bool = False
     """``--replay``: besides the eager times, each ring row replayed as one device graph holding every rank's
     work, against the whole-sequence call replayed as a graph too (the ring's device time without the host)."""
+    decode: bool = False
+    """``--decode``: instead of the ring figures, a decode step over a sharded KV cache of L = each of ``seqs``
+    tokens over P = each of ``worlds`` virtual ranks (eager, and replayed as one device graph where the backend
+    has graphs and ``graph`` is on) against one whole-cache call (:mod:`.decode`)."""
+    chunk: int = 0
+    """With ``decode``: T > 0 also times a chunk of T tokens appended after the cached ones; 0: decode only."""
 
     def window_sides(self) -> tuple[int | None, int | None] | None:
         """``window`` parsed (None: no window); a ValueError naming ``--window`` where it does not parse."""
@@ -78,6 +89,10 @@ class BenchConfig(Measurement):
 
     def validate(self) -> None:
         """Raise a ValueError naming the first field that cannot be measured."""
+        if self.decode:
+            return self._validate_decode()
+        if self.chunk:
+            raise ValueError(f"{DECODE_CHUNK_FLAG}: expected together with {DECODE_FLAG}; got {self.chunk!r}")
         if self.replay and (self.host or self.world_of_one):
             flag = "--host" if self.host else "--world-of-one"
             raise ValueError(f"{REPLAY_FLAG}: applies to the ring timings, not to {flag} (a replay has no host "
@@ -154,6 +169,30 @@ class BenchConfig(Measurement):
                 for u in values:
                     balance = windows.resolve_balance(self.balance, p // u, True, None, None)
                     ulysses.check_seq(s, p, u, balance, "--seqs")
+
+    def _validate_decode(self) -> None:
+        """The checks of ``--decode``: the ring figures' flags are refused, the sizes are >= 1, the chunk >= 0,
+        and every L of ``seqs`` is split by the balance over every P of ``worlds`` (the prefill's shards)."""
+        refused = ((REPLAY_FLAG, self.replay), ("--host", self.host), ("--world-of-one", self.world_of_one),
+                   (packing.FLAG, self.documents is not None), (windows.FLAG, self.window is not None),
+                   (ulysses.FLAG, self.ulysses is not None), ("--compare-dense", self.compare_dense))  # fmt: skip
+        for flag, on in refused:
+            if on:
+                why = DECODE_REPLAYS if flag == REPLAY_FLAG else ""
+                raise ValueError(f"{flag}: not measured with {DECODE_FLAG}{why}")
+        self._validate_problem("batch")
+        for name in ("seqs", "worlds"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"{name}: expected a non-empty list of integers >= 1; got {values!r}")
+        if not isinstance(self.chunk, int) or self.chunk < 0:
+            raise ValueError(f"{DECODE_CHUNK_FLAG}: expected an integer >= 0 (0: decode only); got {self.chunk!r}")
+        if self.balance not in windows.BALANCE_CHOICES:
+            raise ValueError(f"--balance: expected one of {', '.join(windows.BALANCE_CHOICES)}; got {self.balance!r}")
+        for seq in self.seqs:
+            for world in self.worlds:
+                balance = windows.resolve_balance(self.balance, world, True, None, None)
+                schedule.check_seq_len(seq, world, balance, what="--seqs")
 
     def _validate_host(self) -> None:
         """The checks of ``--host`` / ``--world-of-one``: the dense grid's flags that do not apply are refused,
