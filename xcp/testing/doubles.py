@@ -70,6 +70,12 @@ class LoopbackCommunicator:
             buf.copy_(sent)
         return DoneWork()
 
+    def all_gather(self, send, recv, tag: str, backend, step: int | None = None) -> DoneWork:
+        """Every rank's piece is this rank's own: one copy per rank, as a gather's receives would land."""
+        for piece in recv:
+            piece.copy_(send)
+        return DoneWork()
+
 
 class NullKernels:
     """A backend whose block kernels compute nothing: each call returns the outputs the wrapped backend's

@@ -1,0 +1,73 @@
+"""Where the host time of a KV cache's decode step goes: one rank's eager steps (``append`` of one token and
+``attention`` of its query on a ``capacity`` cache, the combine's all-gather a loopback when P > 1, so the
+rank runs alone) on a short cache, whose kernels are short: the wall time per step is the host's. Prints µs
+per step for each P, then the functions with the most own time under cProfile for the last P.
+
+    PYTHONPATH=. python3 benchmarks/decode_host_profile.py [--device cuda] [--worlds 1,8] [--cached 1024]
+
+Profiling slows Python down about twice; read the profile for shares, the first table for the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+import xcp
+from xcp.testing.doubles import LoopbackCommunicator
+
+
+def steps(cache: xcp.KVCache, q, k, v, n: int) -> None:
+    for _ in range(n):
+        cache.append(k, v)
+        cache.attention(q)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--worlds", default="1,8")
+    ap.add_argument("--cached", type=int, default=1024, help="tokens each rank holds")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    b, h, hkv, d = 8, 32, 8, 128
+    sync = getattr(torch.get_device_module(device.type), "synchronize", lambda: None)
+    print(f"host µs per eager decode step of one rank (B {b}, {h}/{hkv} heads, D {d}, {dtype}, {args.cached} "
+          f"tokens per rank, {device.type}; P > 1: the all-gather a loopback)")  # fmt: skip
+    profile = None
+    for world in (int(w) for w in args.worlds.split(",")):
+        group = None if world == 1 else LoopbackCommunicator(world, 0)
+        cache = xcp.KVCache(group=group, capacity=world * (args.cached + 2 * args.steps + 16))
+        kv = [torch.randn(b, args.cached, hkv, d, device=device, dtype=dtype) for _ in range(2)]
+        cache.prefill(*kv) if world == 1 else cache.append(*(x.repeat(1, world, 1, 1) for x in kv))
+        q, k, v = (torch.randn(b, 1, n, d, device=device, dtype=dtype) for n in (h, hkv, hkv))
+        steps(cache, q, k, v, 20)
+        sync()
+        start = time.perf_counter()
+        steps(cache, q, k, v, args.steps)
+        host = time.perf_counter() - start
+        sync()
+        wall = time.perf_counter() - start
+        print(f"P {world}: {host / args.steps * 1e6:8.1f} µs per step on the host ({wall / args.steps * 1e6:8.1f} "
+              "µs with the device's tail)")  # fmt: skip
+        profile = cProfile.Profile()
+        profile.enable()
+        steps(cache, q, k, v, args.steps // 2)
+        profile.disable()
+        sync()
+    if profile is not None:
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.top)
+        print(text.getvalue())
+
+
+if __name__ == "__main__":
+    main()
