@@ -3,15 +3,16 @@
 A cache with ``capacity`` (:class:`xcp.KVCache`) is meant to be captured into a device graph once and
 replayed for every token: a replay runs the device work alone, so whatever the step must know about the
 cache's length has to be read and advanced by device ops. :class:`DeviceCounts` keeps it: one small int64
-tensor holding the global length, this rank's length and an overflow count, and the global position of every
-storage row (what a window needs). A decode step's append writes the token in place at the row the device
-counters name and advances them; its attention reads the visible storage range ``[lo, hi)`` from them.
+tensor holding the global length and this rank's length, and the global position of every storage row (what a
+window needs). A decode step's append writes the token in place at the row the device
+counters name and advances them; its attention reads the visible storage range ``[lo, hi)`` from them. Each
+is a handful of small device ops, since eagerly every op costs host time.
 
 Placement is :mod:`xcp.cache_plan`'s: a single token at position p is kept by rank ``p % P``. Every rank
 writes the token at the row after its last one (so no rank branches on the host), but only the owner
 counts it; the storage has one scratch row past its room, so a rank whose share is full still has a row to
-write into. A step past the capacity is counted on the device (no host check is possible inside a graph)
-and reported at the next host read (:meth:`DeviceCounts.read`): the cache then refuses every call.
+write into. A step past the capacity still counts in the global length (no host check is possible inside a
+graph), so the next host read (:meth:`DeviceCounts.read`) sees it: the cache then refuses every call.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .documents import PositionRun
 FAR = (1 << 62) - 1
 """The position of a storage row that holds no token yet: after every real position."""
 
-SEQ, LOCAL, OVERFLOW = 0, 1, 2
+SEQ, LOCAL = 0, 1
 """The entries of :attr:`DeviceCounts.counts`."""
 
 
@@ -39,13 +40,16 @@ class DeviceCounts:
 
     def __init__(self, room: int, capacity: int, world_size: int, rank: int, device: torch.device) -> None:
         self.room, self.capacity, self.world_size, self.rank = room, capacity, world_size, rank
-        self.counts = torch.zeros(3, dtype=torch.int64, device=device)
-        """``[seq_len, local_len, overflow]``: tokens of all ranks, of this rank, steps past the capacity."""
+        self.counts = torch.zeros(2, dtype=torch.int64, device=device)
+        """``[seq_len, local_len]``: the tokens of all ranks (past the capacity too), of this rank."""
         self.positions = torch.full((room + 1,), FAR, dtype=torch.int64, device=device)
         """The global position of each storage row (:data:`FAR` where none is held)."""
         self._rows = torch.arange(room + 1, device=device)
-        self._one = torch.ones(1, dtype=torch.int64, device=device)
         self._zero = torch.zeros(1, dtype=torch.int64, device=device)
+        owners = torch.arange(world_size, device=device) == rank
+        self._steps = torch.stack((torch.ones_like(owners, dtype=torch.int64), owners.long()), dim=1)
+        """Row j: what a token at a position ``p`` with ``p % P == j`` adds to :attr:`counts` (1, and 1 for its
+        owner): one lookup instead of computing the owner."""
 
     # ------------------------------------------------------------------ host side (eager, outside steps)
     def record(self, runs: Iterable[PositionRun], seq_len: int, local_len: int) -> None:
@@ -53,13 +57,13 @@ class DeviceCounts:
         for run in runs:
             rows = self.positions[run.local0 : run.local0 + run.count]
             torch.arange(run.count, device=rows.device, out=rows).mul_(run.stride).add_(run.global0)
-        self.counts.copy_(torch.tensor([seq_len, local_len, 0], dtype=torch.int64))
+        self.counts.copy_(torch.tensor([seq_len, local_len], dtype=torch.int64))
 
     def read(self) -> tuple[int, int, int]:
-        """``(seq_len, local_len, overflow)`` as the device has them now: one host read (it waits for the
-        device), for use between steps."""
-        seq, local, overflow = (int(x) for x in self.counts.tolist())
-        return seq, local, overflow
+        """``(seq_len, local_len, overflow)`` as the device has them now, overflow the tokens past the
+        capacity (not kept): one host read (it waits for the device), for use between steps."""
+        seq, local = (int(x) for x in self.counts.tolist())
+        return seq, local, max(0, seq - self.capacity)
 
     # ------------------------------------------------------------------ device side (inside a step)
     def append_token(self, k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -70,8 +74,10 @@ class DeviceCounts:
         k_store.index_copy_(1, row, k)
         v_store.index_copy_(1, row, v)
         self.positions.index_copy_(0, row, seq)
-        owner = self._one if self.world_size == 1 else torch.remainder(seq, self.world_size) == self.rank
-        self.counts.add_(torch.cat((self._one, owner, seq >= self.capacity)))
+        if self.world_size == 1:
+            self.counts.add_(self._steps[0])
+        else:
+            self.counts.add_(torch.index_select(self._steps, 0, torch.remainder(seq, self.world_size)).view(2))
 
     def visible(self, left: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The storage range ``[lo, hi)`` the newest token's query sees, as device tensors of one element:
