@@ -1,13 +1,18 @@
-"""Check the fused Triton merge against the eager merge on a GPU, and time both (run on a CUDA machine)."""
+"""Check the fused Triton merges against the eager ones on a GPU, and time both (run on a CUDA machine): the
+ring's merge of one block, and a KV cache's merge of P ranks' packed partials (decode and chunk shapes)."""
 
 import sys
 
 import torch
 
+from xcp.cache import _merge_into
 from xcp.cli.common import Clock, median
 from xcp.kernels.merge import merge_
 from xcp.plugins import select_backend
-from xcp_cuda.kernels import fused_merge_
+from xcp_cuda.kernels import fused_merge_, fused_merge_partials_
+
+PARTIAL_SHAPES = (("decode", (8, 8, 1, 32, 128)), ("chunk", (8, 1, 4096, 32, 128)))
+"""The P-way merge's shapes (P, B, T, H, D): a decode step's 8 ranks, and a chunk of 4096 queries."""
 
 
 def main() -> int:
@@ -48,7 +53,69 @@ def main() -> int:
         t = median([clock.time(lambda f=fn: f(out, lse, bo, bl)) for _ in range(20)])
         moved = out.numel() * (4 + 4 + 2) + lse.numel() * 4 * 3
         print(f"merge {name}: {t * 1e3:.3f} ms over [1, 16K, 32, 128], {moved / t / 1e9:.0f} GB/s")
+    for label, shape in PARTIAL_SHAPES:
+        ok &= partials(clock, dev, label, *shape)
     return 0 if ok else 1
+
+
+def _packed(p: int, b: int, t: int, h: int, d: int, dev: torch.device) -> torch.Tensor:
+    """Packed partials [P, B, T, H, D + 1] float32: outs N(0, 1), lse 4 N(0, 1); a third of the (rank, row)
+    pairs saw nothing (lse -inf, out 0), and row (t 0, h 0) of every batch no rank saw."""
+    parts = torch.randn(p, b, t, h, d + 1, device=dev)
+    parts[..., d] *= 4
+    unseen = torch.rand(p, b, t, h, device=dev) < 0.3
+    unseen[:, :, :1, :1] = True
+    parts[..., d].masked_fill_(unseen, float("-inf"))
+    parts[..., :d].masked_fill_(unseen.unsqueeze(-1), 0.0)
+    return parts
+
+
+def partials(clock: Clock, dev: torch.device, label: str, p: int, b: int, t: int, h: int, d: int) -> bool:
+    """The P-way merge of packed partials: the fused kernel against the eager merge (xcp.cache._merge_into)
+    and float64, then both timed (each call repeated ``reps`` times in one timed region, median of 15)."""
+    parts = _packed(p, b, t, h, d, dev)
+    o_eager, o_fused = torch.empty(b, t, h, d, device=dev), torch.full((b, t, h, d), float("nan"), device=dev)
+    l_eager = _merge_into(o_eager, parts[..., :d], parts[..., d])
+    l_fused = fused_merge_partials_(o_fused, parts)
+    p64 = parts.double()
+    l64 = torch.logsumexp(p64[..., d], dim=0)
+    o64 = (torch.exp(p64[..., d] - torch.where(l64 == float("-inf"), 0.0, l64)).unsqueeze(-1) * p64[..., :d]).sum(0)
+    l64 = l64.transpose(1, 2)
+    fin = torch.isfinite(l_eager)
+    eo = (o_eager - o_fused).abs().max().item()
+    el = (l_eager[fin] - l_fused[fin]).abs().max().item()
+    e64 = max((o_fused.double() - o64).abs().max().item(), (l_fused.double() - l64)[fin].abs().max().item())
+    same_inf = torch.equal(torch.isneginf(l_eager), torch.isneginf(l_fused))
+    nan = bool(o_fused.isnan().any().item() or l_fused.isnan().any().item())
+    unseen_zero = bool((o_fused[:, 0, 0] == 0).all().item())
+    good = eo < 1e-5 and el < 1e-5 and e64 < 1e-4 and same_inf and not nan and unseen_zero
+    name = f"partials {label} (P, B, T, H, D) = {(p, b, t, h, d)}"
+    print(
+        f"{name}: max|dO|={eo:.2e} max|dL|={el:.2e} vs float64 {e64:.2e} inf-equal={same_inf} nan={nan}",
+        "ok" if good else "FAIL",
+    )
+    if not good:
+        return False
+    reps = 20 if t == 1 else 5
+    times: dict[str, float] = {}
+    for kind, fn in (
+        ("eager", lambda: _merge_into(o_eager, parts[..., :d], parts[..., d])),
+        ("fused", lambda: fused_merge_partials_(o_fused, parts)),
+    ):
+        for _ in range(3):
+            fn()
+
+        def region(fn=fn) -> None:
+            for _ in range(reps):
+                fn()
+
+        times[kind] = median([clock.time(region) for _ in range(15)]) / reps
+    moved = parts.numel() * 4 + o_fused.numel() * 4 + l_fused.numel() * 4
+    print(
+        f"{name}: eager {times['eager'] * 1e3:.4f} ms, fused {times['fused'] * 1e3:.4f} ms "
+        f"({moved / times['fused'] / 1e9:.0f} GB/s), eager/fused {times['eager'] / times['fused']:.2f}x"
+    )
+    return True
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ The reference everywhere is xcp.kernels.math.math_forward / math_backward in flo
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
+import os
 import subprocess
 import sys
 import types
@@ -1553,3 +1555,214 @@ def test_forward_range_replays_from_a_cuda_graph_as_the_range_changes_on_the_dev
         torch.cuda.synchronize()
         rel, lse_err = _range_error(out, lse, q, k, v, new_lo, new_hi, d**-0.5)
         assert rel <= 2e-2 and lse_err <= 1e-3, (new_lo, new_hi, rel, lse_err)
+
+
+# ---------------------------------------------------------------------------------------------- P-way merge
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+NEEDS_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+
+def _partials(p, b, t, h, d, device="cpu", seed=0, dtype=torch.float32):
+    """Packed partials [P, B, T, H, D + 1] as a KV cache gathers them: outs N(0, 1), lse 4 N(0, 1); about a
+    third of the (rank, row) pairs saw nothing (lse -inf, out 0), and row (t 0, h 0) of every batch no rank
+    saw at all."""
+    g = torch.Generator().manual_seed(seed)
+    parts = torch.randn(p, b, t, h, d + 1, generator=g, dtype=torch.float64)
+    parts[..., d] *= 4
+    unseen = torch.rand(p, b, t, h, generator=g) < 0.3
+    unseen[:, :, :1, :1] = True
+    parts[..., d][unseen] = NEG_INF
+    parts[..., :d][unseen] = 0.0
+    return parts.to(device=device, dtype=dtype)
+
+
+def _float64_merge(parts):
+    """float64 (out [B, T, H, D], lse [B, H, T]) of packed partials, written independently of the core's."""
+    parts = parts.double()
+    d = parts.shape[-1] - 1
+    lse = torch.logsumexp(parts[..., d], dim=0)
+    weights = torch.exp(parts[..., d] - torch.where(lse == NEG_INF, 0.0, lse))
+    return torch.einsum("pbth,pbthd->bthd", weights, parts[..., :d]), lse.transpose(1, 2)
+
+
+def test_the_partials_merge_is_not_served_on_the_cpu_in_float64_or_when_the_fused_merge_is_off():
+    """None (the cache's eager merge) for CPU tensors, with the fused merge off, for float64; the kernel's own
+    check refuses float64, a non-contiguous buffer, mismatched shapes and too large a head_dim."""
+    parts, out = _partials(3, 2, 5, 4, 16), torch.empty(2, 5, 4, 16)
+    assert kernels.fused_merge_partials_supported(out, parts)
+    for fused_merge in (True, False):
+        assert CUDABackend(fused_merge=fused_merge).fused_merge_partials_(out, parts) is None
+    assert CUDABackend(fused_merge=True).fused_merge_partials_(out.double(), parts.double()) is None
+    big = kernels.PARTIALS_MAX_DIM + 1
+    refused = [
+        (out.double(), parts.double()),
+        (out, parts.double()),
+        (out, parts.transpose(1, 2).contiguous().transpose(1, 2)),  # right shape, not contiguous
+        (out.transpose(1, 2).contiguous().transpose(1, 2), parts),
+        (torch.empty(2, 5, 4, 15), parts),  # D + 1 != 17
+        (torch.empty(2, 5, 3, 16), parts),
+        (torch.empty(2, 5, 4, 16, 1), parts),
+        (torch.empty(1, 1, 1, big), torch.empty(2, 1, 1, 1, big + 1)),
+    ]
+    for o, p in refused:
+        assert not kernels.fused_merge_partials_supported(o, p)
+        with pytest.raises(ValueError, match="out, parts: expected float32 contiguous"):
+            kernels.fused_merge_partials_(o, p, kernels.Launcher(builders={}))
+    assert kernels.fused_merge_partials_supported(torch.empty(1, 1, 1, 1024), torch.empty(2, 1, 1, 1, 1025))
+
+
+@pytest.mark.parametrize(
+    "p,b,t,h,d,block_r,block_d,unroll,programs",
+    [
+        (8, 8, 1, 32, 128, 1, 128, 8, 256),  # decode: one row a program (8 programs would idle the GPU), P unrolled
+        (8, 1, 4096, 32, 128, 16, 128, 2, 8192),  # a chunk: 2048 values a program, 16 a thread
+        (1, 2, 3, 4, 72, 1, 128, 1, 24),  # D not a power of 2: the tile padded and masked
+        (4, 1, 1024, 8, 576, 2, 1024, 2, 4096),
+        (64, 1, 64, 8, 16, 2, 16, 32, 256),
+        (64, 4, 1, 8, 512, 1, 512, 8, 32),
+    ],
+)
+def test_the_partials_merge_is_one_launch_writing_out_and_a_b_h_t_lse(
+    p, b, t, h, d, block_r, block_d, unroll, programs
+):
+    """One launch of the partials kernel with the grid, tiles and unroll of :func:`kernels.partials_tiling`
+    (at most 32 loads of out in flight a thread), the P partials' stride, and a fresh float32 lse [B, H, T]
+    (contiguous) it writes and returns; a signature seen before launches directly; no rows: no launch."""
+    fake = _FakeJit()
+    launch = kernels.Launcher(fast=True, builders={"partials": lambda: fake})
+    parts = torch.empty(p, b, t, h, d + 1)
+    out = torch.empty(b, t, h, d)
+    lse = kernels.fused_merge_partials_(out, parts, launch)
+    assert lse.shape == (b, h, t) and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert len(fake.jit_calls) == 1 and not fake.direct_calls
+    grid, o, lo, pa, *ints = fake.jit_calls[0]
+    assert grid == (programs,) and o is out and lo is lse and pa is parts
+    assert ints == [b * t * h, t, h, d, b * t * h * (d + 1), *lse.stride(), block_r, block_d, p, unroll]
+    assert kernels.partials_tiling(b * t * h, d, p) == ((programs,), block_r, block_d, unroll)
+    assert unroll * max(1, block_r * block_d // 128) <= kernels.PARTIALS_IN_FLIGHT or unroll == 1
+    kernels.fused_merge_partials_(out, parts, launch)
+    assert len(fake.jit_calls) == 1 and len(fake.direct_calls) == 1 and fake.direct_calls[0][0] == (programs, 1, 1)
+    none = kernels.fused_merge_partials_(torch.empty(b, 0, h, d), torch.empty(p, b, 0, h, d + 1), launch)
+    assert none.shape == (b, h, 0) and len(fake.jit_calls) + len(fake.direct_calls) == 2
+
+
+_INTERPRETED = """
+import math, torch
+from xcp.cache import _merge_into
+from xcp_cuda import kernels
+for p, b, t, h, d in ((1, 2, 3, 4, 64), (3, 1, 5, 3, 72), (5, 2, 64, 4, 16), (5, 1, 2, 2, 576), (40, 1, 3, 2, 8)):
+    g = torch.Generator().manual_seed(p)
+    parts = torch.randn(p, b, t, h, d + 1, generator=g)
+    parts[..., d] *= 4
+    unseen = torch.rand(p, b, t, h, generator=g) < 0.3
+    unseen[:, :, :1, :1] = True
+    parts[..., d][unseen] = -math.inf
+    parts[..., :d][unseen] = 0.0
+    out = torch.full((b, t, h, d), math.nan)
+    lse = kernels.fused_merge_partials_(out, parts)
+    want = torch.empty_like(out)
+    want_lse = _merge_into(want, parts[..., :d], parts[..., d])
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert (out[:, 0, 0] == 0).all() and torch.isneginf(lse[:, 0, 0]).all()
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+print("interpreted ok")
+"""
+
+
+@NEEDS_TRITON
+def test_the_partials_kernel_under_tritons_interpreter_equals_the_eager_merge():
+    """The kernel itself, run on CPU tensors by Triton's interpreter (TRITON_INTERPRET=1, in a fresh process:
+    triton reads it at import), against the cache's eager merge (float32, to 1e-6): P = 1, D 72 and 576
+    (padded tiles), several rows a program, partials left over after the unrolled groups (P 5 by 4) and
+    groups looped over (P 40 by 32), rows some ranks or no rank saw (out 0, lse -inf, no NaN)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "interpreted ok" in run.stdout, run.stdout + run.stderr
+
+
+PARTIAL_SHAPES = [
+    (1, 2, 3, 4, 64),  # one rank: its partial as it is
+    (2, 1, 5, 3, 72),  # D not a power of 2
+    (8, 8, 1, 32, 128),  # decode
+    (8, 1, 512, 32, 128),  # a chunk: 32 rows a program
+    (5, 2, 7, 4, 576),  # D > 512
+    (3, 1, 33, 2, 512),
+    (64, 1, 2, 4, 128),  # many ranks
+]
+
+
+@NEEDS_TRITON
+@NEEDS_CUDA
+@pytest.mark.parametrize("p,b,t,h,d", PARTIAL_SHAPES)
+def test_the_partials_merge_equals_the_eager_merge_and_float64_on_a_gpu(p, b, t, h, d):
+    """On a GPU: the fused P-way merge writes every element of out (NaN before) and returns lse [B, H, T]
+    equal to the cache's eager merge (float32, to 1e-6) and to float64 math (to 1e-5 of the largest value);
+    rows no rank saw are out 0 and lse -inf, nothing is NaN, and the partials are left as they were."""
+    from xcp.cache import _merge_into
+
+    backend = CUDABackend(fused_merge=True)
+    parts = _partials(p, b, t, h, d, device="cuda", seed=p + d)
+    before = parts.clone()
+    out = torch.full((b, t, h, d), math.nan, device="cuda")
+    lse = backend.fused_merge_partials_(out, parts)
+    assert lse is not None and lse.shape == (b, h, t) and lse.dtype == torch.float32 and lse.is_contiguous()
+    want = torch.empty_like(out)
+    want_lse = _merge_into(want, parts[..., :d], parts[..., d])
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(out[:, 0, 0], torch.zeros_like(out[:, 0, 0])) and torch.isneginf(lse[:, 0, 0]).all()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+    ref_out, ref_lse = _float64_merge(parts)
+    _close("out", out, ref_out, 1e-5)
+    _close("lse", lse, ref_lse, 1e-5)
+    assert torch.equal(parts, before)
+    if p == 1:  # one rank's partial comes back as it is
+        assert torch.equal(out, parts[0, ..., :d]) and torch.equal(lse, parts[0, ..., d].transpose(1, 2))
+
+
+@NEEDS_TRITON
+@NEEDS_CUDA
+def test_the_partials_merge_is_not_served_for_float64_or_strided_buffers_on_a_gpu():
+    """On a GPU too: float64 partials and buffers that are not contiguous go to the eager merge (None), and so
+    does everything with the fused merge turned off."""
+    parts, out = _partials(3, 2, 5, 4, 16, device="cuda"), torch.empty(2, 5, 4, 16, device="cuda")
+    backend = CUDABackend(fused_merge=True)
+    assert backend.fused_merge_partials_(out.double(), parts.double()) is None
+    assert backend.fused_merge_partials_(out, parts.transpose(1, 2).contiguous().transpose(1, 2)) is None
+    assert CUDABackend(fused_merge=False).fused_merge_partials_(out, parts) is None
+    assert backend.fused_merge_partials_(out, parts) is not None
+
+
+@NEEDS_TRITON
+@NEEDS_CUDA
+def test_the_partials_merge_replays_from_a_cuda_graph_on_a_gpu():
+    """Captured once into a CUDA graph (the current stream then is the capture's side stream: a launch on any
+    other stream would fail the capture or be missing from the replays), the merge replays on partials
+    written in place, each replay equal to the eager merge; the lse it returned is the graph's output."""
+    from xcp.cache import _merge_into
+
+    p, b, t, h, d = 8, 4, 1, 8, 128
+    backend = CUDABackend(fused_merge=True)
+    parts = _partials(p, b, t, h, d, device="cuda")
+    out = torch.empty(b, t, h, d, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream: the kernel compiled before the capture
+        backend.fused_merge_partials_(out, parts)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = backend.new_graph()
+    with backend.capture_graph(graph):
+        lse = backend.fused_merge_partials_(out, parts)
+    assert lse is not None
+    for seed in (1, 2, 3):
+        parts.copy_(_partials(p, b, t, h, d, device="cuda", seed=seed))
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = torch.empty_like(out)
+        want_lse = _merge_into(want, parts[..., :d], parts[..., d])
+        assert not out.isnan().any() and torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)

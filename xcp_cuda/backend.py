@@ -74,7 +74,8 @@ class CUDABackend(FusedKernelBackend):
     :param use_flash_attn: use flash-attn's forward when importable (default True).
     :param use_cudnn: run blocks on cuDNN where SDPA would (default True; ``torch.nn.attention.sdpa_kernel``
         without ``CUDNN_ATTENTION`` turns it off too).
-    :param fused_merge: merge blocks with the one-pass Triton kernel (default: where triton is installed).
+    :param fused_merge: merge blocks with the one-pass Triton kernel, and a KV cache's P ranks' partials with
+        another (:meth:`fused_merge_partials_`; default: where triton is installed).
     :param pair_merge: with ``fused_merge``, fold two blocks (and add two dQ) at once (default True).
     :param fast_launch: launch a Triton kernel seen before directly (default True; see
         :class:`xcp_cuda.kernels.Launcher`).
@@ -199,6 +200,19 @@ class CUDABackend(FusedKernelBackend):
             kernels.fused_add_pair_(acc, first, second, self.launcher)
             return True
         return False
+
+    def fused_merge_partials_(self, out, parts):
+        """A KV cache's P-way merge of packed partials in one Triton kernel where it applies (float32 CUDA
+        tensors, contiguous, head_dim <= :data:`kernels.PARTIALS_MAX_DIM`, ``fused_merge`` on and triton
+        importable): the merged lse [B, H, T]; else None, and the cache merges eagerly (float64 among others)."""
+        if (
+            self.fused_merge
+            and out.is_cuda
+            and kernels.fused_merge_partials_supported(out, parts)
+            and kernels.triton_importable()
+        ):
+            return kernels.fused_merge_partials_(out, parts, self.launcher)
+        return None
 
     def kernel_for(self, q: torch.Tensor) -> str:
         """The aten kernel that serves blocks shaped and typed like ``q`` on its device."""

@@ -73,7 +73,9 @@ which makes P = 0 and every gradient of the row 0, so :func:`lse_for_backward` m
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
 import math
 import threading
 from collections import OrderedDict
@@ -520,15 +522,17 @@ BUILDERS: dict[str, Callable[[], Any]] = {
     "merge": lambda: _triton_kernels().merge_kernel,
     "pair": lambda: _triton_kernels().merge_pair_kernel,
     "add_pair": lambda: _triton_kernels().add_pair_kernel,
+    "partials": lambda: _triton_kernels().merge_partials_kernel,
 }
 """The Triton kernels by name, each returned by a function called at its first launch."""
 _CONSTEXPRS = {
     "merge": ("BLOCK_R", "BLOCK_D"),
     "pair": ("BLOCK_R", "BLOCK_D", "FRESH"),
     "add_pair": ("BLOCK_R", "BLOCK_D"),
+    "partials": ("BLOCK_R", "BLOCK_D", "N_PARTS", "UNROLL"),
 }
 """Each kernel's constexpr parameters, last in its launch arguments."""
-_TENSORS = {"merge": 4, "pair": 6, "add_pair": 3}
+_TENSORS = {"merge": 4, "pair": 6, "add_pair": 3, "partials": 3}
 """How many tensors each kernel's launch arguments start with."""
 
 
@@ -557,8 +561,8 @@ class Launcher:
         """The kernels as Triton compiled them, per launch signature."""
 
     def __call__(self, kind: str, grid: tuple[int], args: tuple) -> None:
-        """Launch the kernel ``kind`` (``merge``, ``pair``, ``add_pair``) on ``args``: its parameters in
-        order, then its constexprs (the block sizes; FRESH for ``pair``)."""
+        """Launch the kernel ``kind`` (``merge``, ``pair``, ``add_pair``, ``partials``) on ``args``: its parameters
+        in order, then its constexprs (the block sizes; FRESH for ``pair``, N_PARTS and UNROLL for ``partials``)."""
         n_tensors = _TENSORS[kind]
         tensors = args[:n_tensors]
         key = (
@@ -696,3 +700,83 @@ def fused_add_pair_(
         block_r, block_d,
     )  # fmt: skip
     (launch or LAUNCHER)("add_pair", grid, args)
+
+
+PARTIALS_MAX_DIM = 1024
+"""The largest head_dim the partials merge serves (one program holds BLOCK_R x next_pow2(D) floats)."""
+PARTIALS_MIN_PROGRAMS = 256
+"""The partials merge halves its rows per program until it has at least this many programs (or one row
+each): a decode step's few rows (B * H) would otherwise leave most of the GPU's SMs idle."""
+PARTIALS_TILE = 2048
+"""Values of a program's tile in the partials merge (BLOCK_R x BLOCK_D, at least one row)."""
+PARTIALS_IN_FLIGHT = 32
+"""Loads of out values per thread that the partials merge keeps in flight (the partials unrolled together
+times the tile's values per thread). With this tile and bound, ptxas -v for sm90 (Triton 3.6 and 3.9) shows
+no spill at any head_dim or P; a 4096 tile or 64 in flight spill at some."""
+_THREADS = 128
+"""Threads of a program: Triton's default four warps."""
+
+
+@functools.cache
+def triton_importable() -> bool:
+    """Whether triton can be imported here (asked once)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def partials_tiling(n_rows: int, dim: int, parts: int) -> tuple[tuple[int], int, int, int]:
+    """How the partials merge covers ``n_rows`` rows of ``dim`` values from ``parts`` partials: the grid, the
+    rows per program (:data:`PARTIALS_TILE` values, fewer rows where the grid would have fewer than
+    :data:`PARTIALS_MIN_PROGRAMS` programs), the head_dim tile (the next power of 2), and how many partials
+    are unrolled together (their loads in flight at once, :data:`PARTIALS_IN_FLIGHT` a thread)."""
+    block_d = 1 << (dim - 1).bit_length()
+    block_r = max(1, PARTIALS_TILE // block_d)
+    while block_r > 1 and -(-n_rows // block_r) < PARTIALS_MIN_PROGRAMS:
+        block_r //= 2
+    per_thread = max(1, block_r * block_d // _THREADS)
+    unroll = max(1, min(parts, PARTIALS_IN_FLIGHT // per_thread))
+    return (-(-n_rows // block_r),), block_r, block_d, unroll
+
+
+def fused_merge_partials_supported(out: torch.Tensor, parts: torch.Tensor) -> bool:
+    """True where the partials kernel applies: float32 out [B, T, H, D] and parts [P, B, T, H, D + 1] on one
+    device, both contiguous, 1 <= D <= :data:`PARTIALS_MAX_DIM` (float64 and the rest: the eager merge)."""
+    return (
+        out.dtype == torch.float32
+        and parts.dtype == torch.float32
+        and out.dim() == 4
+        and parts.dim() == 5
+        and tuple(parts.shape[1:4]) == tuple(out.shape[:3])
+        and parts.shape[4] == out.shape[3] + 1
+        and 1 <= out.shape[3] <= PARTIALS_MAX_DIM
+        and parts.device == out.device
+        and out.is_contiguous()
+        and parts.is_contiguous()
+    )
+
+
+def fused_merge_partials_(out: torch.Tensor, parts: torch.Tensor, launch: Launcher | None = None) -> torch.Tensor:
+    """Merge P ranks' packed partials ``parts`` [P, B, T, H, D + 1] (float32, contiguous; rank r's out in
+    ``[..., :D]``, its lse in ``[..., D]``) into ``out`` [B, T, H, D] (float32, contiguous, written whole) in
+    one kernel on the current stream; return the merged lse [B, H, T] (float32, contiguous, allocated here
+    with ``torch.empty``: nothing else is allocated and the host reads nothing from the device, so a CUDA
+    graph can capture it). Rows no rank saw get out 0 and lse -inf."""
+    if not fused_merge_partials_supported(out, parts):
+        raise ValueError(
+            f"out, parts: expected float32 contiguous out [B, T, H, D] (1 <= D <= {PARTIALS_MAX_DIM}) and parts "
+            f"[P, B, T, H, D + 1] on its device; got out {tuple(out.shape)} {out.dtype} and parts "
+            f"{tuple(parts.shape)} {parts.dtype}"
+        )
+    bsz, seq, heads, dim = out.shape
+    lse = torch.empty((bsz, heads, seq), dtype=torch.float32, device=out.device)
+    n_rows = bsz * seq * heads
+    if n_rows == 0:
+        return lse
+    grid, block_r, block_d, unroll = partials_tiling(n_rows, dim, parts.shape[0])
+    args = (
+        out, lse, parts,
+        n_rows, seq, heads, dim, parts.stride(0),
+        *lse.stride(),
+        block_r, block_d, parts.shape[0], unroll,
+    )  # fmt: skip
+    (launch or LAUNCHER)("partials", grid, args)
+    return lse

@@ -1,5 +1,5 @@
 """The one-pass Triton kernels of the CUDA backend: the log-sum-exp merge of one block, of two blocks at once,
-and the backward's dQ add of two blocks.
+the backward's dQ add of two blocks, and a KV cache's merge of P ranks' packed partials.
 
 This module imports triton, so :mod:`xcp_cuda.kernels` imports it only at the first launch (importing the
 plugin touches no vendor package). Each kernel covers a [B, S, H, D] tensor as ``n_rows = B * S * H`` rows
@@ -116,3 +116,80 @@ def add_pair_kernel(
     y = tl.load(b_ptr + (b * b_sb + i * b_ss + h * b_sh)[:, None] + d[None, :], mask=mask2, other=0.0)
     c = tl.load(c_ptrs, mask=mask2, other=0.0)
     tl.store(c_ptrs, c + (x.to(tl.float32) + y.to(tl.float32)), mask=mask2)
+
+
+# A KV cache's combine (xcp.cache.KVCache._combine): P ranks' partials, gathered as one packed buffer
+# parts [P, B, T, H, D + 1] (rank r's out in [..., :D], its lse in [..., D]), merged into out [B, T, H, D]
+# and the merged lse [B, H, T] in one kernel. Each program takes BLOCK_R rows (n_rows = B * T * H):
+#     pass 1, over the P lse only: the running max m and sum s = sum_r exp(L_r - m), rescaled as m grows;
+#             L = m + log(s), or -inf on a row no rank saw (m = -inf);
+#     pass 2, over the P outs: O = sum_r exp(L_r - L) O_r (a -inf partial weighs exp(-inf) = 0);
+# so every partial's out is read once (its lse twice, the second time from cache) and out and lse are
+# written once. The weights are the eager merge's (xcp.cache._merge_into): w_r = exp(L_r - L). A row no
+# rank saw gets L = -inf and, with L taken as 0 in the weights, O = 0: never NaN.
+# P is a constexpr (one compile per world size) and the loops over it run UNROLL partials at a time
+# unrolled, so that many loads are in flight together: a decode step has few rows (B * H), so few
+# programs, and P loads one after another would be P memory latencies. UNROLL is bounded by the tile's
+# values per thread (xcp_cuda.kernels.partials_tiling) so that nothing spills.
+@triton.jit
+def _partial_lse(m, s, part, lse_offs, rmask):
+    """Pass 1's step: fold one partial's lse into the running max ``m`` and sum ``s = sum exp(L_r - m)``."""
+    neg_inf = float("-inf")
+    lr = tl.load(part + lse_offs, mask=rmask, other=neg_inf)
+    m_new = tl.maximum(m, lr)
+    m_safe = tl.where(m_new == neg_inf, 0.0, m_new)
+    s = s * tl.exp(m - m_safe) + tl.exp(lr - m_safe)  # both exp(-inf) = 0 while no rank saw the row
+    return m_new, s
+
+
+@triton.jit
+def _partial_out(acc, part, lse_offs, o_offs, rmask, mask2, lse_safe):
+    """Pass 2's step: add one partial's out, weighted ``exp(L_r - L)``, to ``acc``."""
+    w = tl.exp(tl.load(part + lse_offs, mask=rmask, other=float("-inf")) - lse_safe)
+    o = tl.load(part + o_offs, mask=mask2, other=0.0)
+    return acc + w[:, None] * o
+
+
+@triton.jit
+def merge_partials_kernel(
+    out_ptr, lse_ptr, parts_ptr,
+    n_rows, seq, heads, dim, part_stride,
+    l_sb, l_sh, l_ss,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, N_PARTS: tl.constexpr, UNROLL: tl.constexpr,
+):  # fmt: skip
+    rmask, b, i, h = row_coordinates(n_rows, seq, heads, BLOCK_R)
+    neg_inf = float("-inf")
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_R
+    r = tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    mask2 = rmask[:, None] & (d < dim)[None, :]
+    # An int64 base per partial, int32 offsets in the tile shared by the P partials: the loads in flight
+    # cost a base each, not a tile of 64-bit pointers each. The base steps one partial on at a time (no
+    # int32 product r * part_stride to overflow).
+    base = parts_ptr + row0 * (dim + 1)  # this program's first packed row of rank 0: out in [0, dim), lse at dim
+    lse_offs = r * (dim + 1) + dim
+    o_offs = (r * (dim + 1))[:, None] + d[None, :]
+    m = tl.full([BLOCK_R], neg_inf, tl.float32)
+    s = tl.zeros([BLOCK_R], tl.float32)
+    part = base
+    for _ in range(N_PARTS // UNROLL):
+        for _ in tl.static_range(UNROLL):
+            m, s = _partial_lse(m, s, part, lse_offs, rmask)
+            part += part_stride
+    for _ in tl.static_range(N_PARTS % UNROLL):
+        m, s = _partial_lse(m, s, part, lse_offs, rmask)
+        part += part_stride
+    empty = m == neg_inf
+    lse = tl.where(empty, neg_inf, m + tl.log(tl.where(empty, 1.0, s)))
+    lse_safe = tl.where(empty, 0.0, lse)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    part = base
+    for _ in range(N_PARTS // UNROLL):
+        for _ in tl.static_range(UNROLL):
+            acc = _partial_out(acc, part, lse_offs, o_offs, rmask, mask2, lse_safe)
+            part += part_stride
+    for _ in tl.static_range(N_PARTS % UNROLL):
+        acc = _partial_out(acc, part, lse_offs, o_offs, rmask, mask2, lse_safe)
+        part += part_stride
+    tl.store(out_ptr + row0 * dim + (r * dim)[:, None] + d[None, :], acc, mask=mask2)
+    tl.store(lse_ptr + b * l_sb + h * l_sh + i * l_ss, lse, mask=rmask)
