@@ -735,10 +735,36 @@ def test_varlen_needs_keys_and_queries_in_every_segment(monkeypatch):
     backend, fake = _cpu_backend(monkeypatch)
     q, k, v = _varlen_block((0, 2, 5), (0, 0, 4), 2, 2, 16, torch.float16, seed=1)
     assert not backend.varlen_kernel(q, (0, 2, 5), (0, 0, 4))
-    assert not backend.varlen_kernel(torch.cat([q, q]), (0, 2, 5), (0, 1, 4))  # batch 2: not packed
     out, lse = backend.forward_varlen(q, k, v, (0, 2, 5), (0, 0, 4), False, 0.25)
     assert (out[:, :2] == 0).all() and torch.isneginf(lse[:, :, :2]).all()
     assert not any(c[0].startswith("flash_varlen") for c in fake.calls)
+
+
+@pytest.mark.parametrize(("layout", "window"), [("causal", None), ("full", None), ("full", (2, 1))])
+def test_varlen_folds_a_batch_into_one_packed_call(monkeypatch, layout, window):
+    """B > 1 rows go as one packed block of B times the segments (a KV cache's chunk of a batch): one flash
+    call forward and one backward, equal to the base class's per-segment loop on each row (which runs the
+    math kernel under a window)."""
+    cu_q, cu_k, causal = VARLEN_LAYOUTS[layout]
+    backend, fake = _cpu_backend(monkeypatch)
+    rows = [_varlen_block(cu_q, cu_k, 4, 2, 16, torch.float16, seed=s) for s in (1, 2, 3)]
+    q, k, v = (torch.cat([r[i] for r in rows]) for i in range(3))
+    assert backend.varlen_kernel(q, cu_q, cu_k)
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, 0.3, window=window)
+    dout, merged_out = _rand(*out.shape, dtype=q.dtype, seed=3), _rand(*out.shape, dtype=q.dtype, seed=4)
+    merged_lse = _merged(lse.double()).to(lse.dtype)
+    grads = backend.backward_varlen(dout, q, k, v, merged_out, merged_lse, cu_q, cu_k, causal, 0.3, window=window)
+    assert [c[:3] for c in fake.calls] == [
+        ("flash_varlen_fwd", 3 * cu_q[-1], 3 * cu_k[-1]),
+        ("flash_varlen_bwd", 3 * cu_q[-1], 3 * cu_k[-1]),
+    ]
+    for i in range(3):
+        one = (q[i : i + 1], k[i : i + 1], v[i : i + 1])
+        want = xcp.Backend.forward_varlen(backend, *one, cu_q, cu_k, causal, 0.3, window=window)
+        want_grads = xcp.Backend.backward_varlen(backend, dout[i : i + 1], *one, merged_out[i : i + 1],
+                                                 merged_lse[i : i + 1], cu_q, cu_k, causal, 0.3, window=window)  # fmt: skip
+        got = (out[i : i + 1], lse[i : i + 1], *(g[i : i + 1] for g in grads))
+        _close_all(got, (*want, *want_grads), VARLEN_TOL[torch.float16])
 
 
 def test_varlen_blocks_the_flash_path_does_not_serve_go_to_the_base_class(monkeypatch):

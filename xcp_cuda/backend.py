@@ -56,6 +56,11 @@ class _StreamSwitch:
             torch.cuda.set_device(self.device)
 
 
+def _one_row(x: torch.Tensor) -> torch.Tensor:
+    """[B, S, ...] as one batch row [1, B * S, ...] (a copy where the rows are strided)."""
+    return x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:])
+
+
 class CUDABackend(FusedKernelBackend):
     """NVIDIA GPUs (any device torch calls ``cuda``).
 
@@ -292,27 +297,42 @@ class CUDABackend(FusedKernelBackend):
 
     def varlen_kernel(self, q: torch.Tensor, cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> bool:
         """Whether packed segments like these take one aten flash varlen call: the flash op serves q
-        (:func:`kernels.choose_kernel`), batch 1, and every segment has queries and keys."""
-        return q.shape[0] == 1 and self.kernel_for(q) == kernels.FLASH and kernels.varlen_served(cu_q, cu_k)
+        (:func:`kernels.choose_kernel`) and every segment has queries and keys. A batch of B > 1 rows goes
+        as one packed block of B times the segments (:func:`kernels.batch_cuts`), so its segments must tile
+        q's rows from 0 to the end."""
+        if self.kernel_for(q) != kernels.FLASH or not kernels.varlen_served(cu_q, cu_k):
+            return False
+        return q.shape[0] == 1 or (cu_q[0] == 0 and cu_q[-1] == q.shape[1] and cu_k[0] == 0)
 
     def forward_varlen(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=None):
-        """One flash varlen call for all segments where it serves them (a window too: the op's
-        window_size_left/right), else one call per segment (the base class)."""
-        if not self.varlen_kernel(q, cu_q, cu_k):
+        """One flash varlen call for all segments (of every batch row) where it serves them (a window too:
+        the op's window_size_left/right), else one call per segment (the base class)."""
+        if not self.varlen_kernel(q, cu_q, cu_k) or (q.shape[0] > 1 and cu_k[-1] != k.shape[1]):
             return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale, window)
         op = kernels.flash_varlen_forward
         if self.kv_groups(q, k) > 1:
             op = kernels.with_repeated_kv(op)
-        return op(q, k, v, cu_q, cu_k, causal, scale, window)
+        b, sq, h, _ = q.shape
+        if b == 1:
+            return op(q, k, v, cu_q, cu_k, causal, scale, window)
+        cuts = kernels.batch_cuts(cu_q, sq, b), kernels.batch_cuts(cu_k, k.shape[1], b)
+        out, lse = op(*(_one_row(x) for x in (q, k, v)), *cuts, causal, scale, window)
+        return out.view(b, sq, h, out.shape[3]), lse.view(h, b, sq).transpose(0, 1).contiguous()
 
     def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, window=None):
         """One flash varlen backward from the merged out/lse where it serves, else one call per segment."""
-        if not self.varlen_kernel(q, cu_q, cu_k):
+        if not self.varlen_kernel(q, cu_q, cu_k) or (q.shape[0] > 1 and cu_k[-1] != k.shape[1]):
             return super().backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
         op = kernels.flash_varlen_backward
         if self.kv_groups(q, k) > 1:
             op = kernels.with_repeated_kv_backward(op)
-        return op(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
+        b, sq, h, _ = q.shape
+        if b == 1:
+            return op(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
+        cuts = kernels.batch_cuts(cu_q, sq, b), kernels.batch_cuts(cu_k, k.shape[1], b)
+        lse_row = lse.transpose(0, 1).reshape(1, h, b * sq)
+        grads = op(*(_one_row(x) for x in (dout, q, k, v, out)), lse_row, *cuts, causal, scale, window)
+        return tuple(g.view(b, -1, *g.shape[2:]) for g in grads)
 
     def forward_range(self, q, k, v, lo, hi, scale: float):
         """One flash varlen call where the flash op serves q (:func:`kernels.flash_range_forward`: each batch

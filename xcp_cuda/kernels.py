@@ -332,6 +332,12 @@ def varlen_served(cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> bool:
     return all(b > a for a, b in zip(cu_q, cu_q[1:])) and all(b > a for a, b in zip(cu_k, cu_k[1:]))
 
 
+def batch_cuts(cu: tuple[int, ...], length: int, batch: int) -> tuple[int, ...]:
+    """The cumulative boundaries of ``cu`` (segments tiling ``length`` rows) repeated for each of ``batch``
+    rows laid end to end: a batch of packed blocks as one packed block of ``batch * length`` rows."""
+    return tuple(i * length + c for i in range(batch) for c in cu[:-1]) + (batch * length,)
+
+
 def _window_sizes(window: tuple[int, int] | None) -> dict[str, int]:
     """The op's keyword arguments for a sliding window (both sides measured, as xcp's bands are, from
     each segment's bottom-right corner, which is where flash aligns its window)."""
