@@ -761,8 +761,9 @@ def test_varlen_folds_a_batch_into_one_packed_call(monkeypatch, layout, window):
     for i in range(3):
         one = (q[i : i + 1], k[i : i + 1], v[i : i + 1])
         want = xcp.Backend.forward_varlen(backend, *one, cu_q, cu_k, causal, 0.3, window=window)
-        want_grads = xcp.Backend.backward_varlen(backend, dout[i : i + 1], *one, merged_out[i : i + 1],
-                                                 merged_lse[i : i + 1], cu_q, cu_k, causal, 0.3, window=window)  # fmt: skip
+        merged = merged_out[i : i + 1], merged_lse[i : i + 1]
+        want_grads = xcp.Backend.backward_varlen(backend, dout[i : i + 1], *one, *merged, cu_q, cu_k, causal, 0.3,
+                                                 window=window)  # fmt: skip
         got = (out[i : i + 1], lse[i : i + 1], *(g[i : i + 1] for g in grads))
         _close_all(got, (*want, *want_grads), VARLEN_TOL[torch.float16])
 

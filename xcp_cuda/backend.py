@@ -316,7 +316,7 @@ class CUDABackend(FusedKernelBackend):
         if b == 1:
             return op(q, k, v, cu_q, cu_k, causal, scale, window)
         cuts = kernels.batch_cuts(cu_q, sq, b), kernels.batch_cuts(cu_k, k.shape[1], b)
-        out, lse = op(*(_one_row(x) for x in (q, k, v)), *cuts, causal, scale, window)
+        out, lse = op(_one_row(q), _one_row(k), _one_row(v), *cuts, causal, scale, window)
         return out.view(b, sq, h, out.shape[3]), lse.view(h, b, sq).transpose(0, 1).contiguous()
 
     def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, window=None):
@@ -331,7 +331,8 @@ class CUDABackend(FusedKernelBackend):
             return op(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
         cuts = kernels.batch_cuts(cu_q, sq, b), kernels.batch_cuts(cu_k, k.shape[1], b)
         lse_row = lse.transpose(0, 1).reshape(1, h, b * sq)
-        grads = op(*(_one_row(x) for x in (dout, q, k, v, out)), lse_row, *cuts, causal, scale, window)
+        rows = _one_row(dout), _one_row(q), _one_row(k), _one_row(v), _one_row(out)
+        grads = op(*rows, lse_row, *cuts, causal, scale, window)
         return tuple(g.view(b, -1, *g.shape[2:]) for g in grads)
 
     def forward_range(self, q, k, v, lo, hi, scale: float):
