@@ -203,12 +203,19 @@ decode)
   section "KV cache on cuda: captured decode steps replayed (world of one, 4 ranks in one graph), memory; CSAN of the combine; forward_range"
   timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short -rs tests/test_cache_cuda.py tests/test_lifetime_cuda.py \
     tests/test_cuda_backend.py -k "test_cache_cuda or cache or range" 2>&1 | tail -30 | tee "$out/decode_tests.txt"
+  section "fused P-way merge (the KV cache's combine) against the eager merge"
+  timeout 90 python3 benchmarks/merge_check.py 2>&1 | tail -12 | tee "$out/decode_merge.txt"
+  section "host µs per eager decode step of one rank alone (world of one; P = 8 with a loopback all-gather)"
+  timeout 60 python3 benchmarks/decode_host_profile.py --worlds 1,8 --cached 1024 --top 25 2>&1 | tee "$out/decode_host.txt"
   section "xcp bench --decode: L = 128K over P = 8, and a chunk of 4096 after it (B 8, 32/8 heads, D 128, bf16)"
   timeout 180 xcp bench --decode --batch 8 --seqs 131072 --worlds 8 --chunk 4096 --heads 32 --kv-heads 8 --head-dim 128 \
     --dtype bfloat16 --warmup 1 --reps 5 --quiet --json "$out/decode128k.json" 2>&1 | tee "$out/decode128k.txt"
+  section "xcp bench --decode: a chunk of 4096 after 128K, one sequence (B 1: chunked prefill), P = 8"
+  timeout 120 xcp bench --decode --batch 1 --seqs 131072 --worlds 8 --chunk 4096 --heads 32 --kv-heads 8 --head-dim 128 \
+    --dtype bfloat16 --warmup 1 --reps 5 --quiet --no-graph 2>&1 | tee "$out/decode128k_b1.txt"
   section "xcp bench --decode: L = 1M over P = 8 (the whole cache 32 GiB beside the 8 caches of 4 GiB)"
   timeout 210 xcp bench --decode --batch 8 --seqs 1048576 --worlds 8 --heads 32 --kv-heads 8 --head-dim 128 \
-    --dtype bfloat16 --warmup 1 --reps 3 --quiet --json "$out/decode1m.json" 2>&1 | tee "$out/decode1m.txt"
+    --dtype bfloat16 --warmup 1 --reps 3 --quiet 2>&1 | tee "$out/decode1m.txt"
   ;;
 *) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench|decode" >&2; exit 2 ;;
 esac
