@@ -1,7 +1,8 @@
 """Where the host time of a KV cache's decode step goes: one rank's eager steps (``append`` of one token and
 ``attention`` of its query on a ``capacity`` cache, the combine's all-gather a loopback when P > 1, so the
 rank runs alone) on a short cache, whose kernels are short: the wall time per step is the host's. Prints µs
-per step for each P, then the functions with the most own time under cProfile for the last P.
+per step for each P, then the functions with the most own and the most cumulative time under cProfile for
+the last P. With ``--chunk T``, then the same for chunks of T tokens (wall time with the device's).
 
     PYTHONPATH=. python3 benchmarks/decode_host_profile.py [--device cuda] [--worlds 1,8] [--cached 1024]
 
@@ -28,6 +29,13 @@ def steps(cache: xcp.KVCache, q, k, v, n: int) -> None:
         cache.attention(q)
 
 
+def show(profile: cProfile.Profile, top: int) -> None:
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(top)
+        print(text.getvalue())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -35,6 +43,7 @@ def main() -> None:
     ap.add_argument("--cached", type=int, default=1024, help="tokens each rank holds")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--chunk", type=int, default=0, help="then chunks of T tokens (0: none)")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -45,7 +54,8 @@ def main() -> None:
     profile = None
     for world in (int(w) for w in args.worlds.split(",")):
         group = None if world == 1 else LoopbackCommunicator(world, 0)
-        cache = xcp.KVCache(group=group, capacity=world * (args.cached + 2 * args.steps + 16))
+        room = args.cached + 2 * args.steps + 16 + 6 * args.chunk
+        cache = xcp.KVCache(group=group, capacity=world * room)
         kv = [torch.randn(b, args.cached, hkv, d, device=device, dtype=dtype) for _ in range(2)]
         cache.prefill(*kv) if world == 1 else cache.append(*(x.repeat(1, world, 1, 1) for x in kv))
         q, k, v = (torch.randn(b, 1, n, d, device=device, dtype=dtype) for n in (h, hkv, hkv))
@@ -64,9 +74,21 @@ def main() -> None:
         profile.disable()
         sync()
     if profile is not None:
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.top)
-        print(text.getvalue())
+        show(profile, args.top)
+    if args.chunk and profile is not None:
+        qc, kc, vc = (torch.randn(b, args.chunk, n, d, device=device, dtype=dtype) for n in (h, hkv, hkv))
+        steps(cache, qc, kc, vc, 1)
+        sync()
+        start = time.perf_counter()
+        steps(cache, qc, kc, vc, 2)
+        sync()
+        print(f"P {world}: chunk of {args.chunk}: {(time.perf_counter() - start) / 2 * 1e3:.2f} ms per chunk")
+        profile = cProfile.Profile()
+        profile.enable()
+        steps(cache, qc, kc, vc, 2)
+        sync()
+        profile.disable()
+        show(profile, args.top)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ class DeviceCounts:
         for run in runs:
             rows = self.positions[run.local0 : run.local0 + run.count]
             torch.arange(run.count, device=rows.device, out=rows).mul_(run.stride).add_(run.global0)
-        self.counts.copy_(torch.tensor([seq_len, local_len], dtype=torch.int64))
+        self.counts[SEQ].fill_(seq_len)  # fills, not a copy from host memory: that would wait for the stream
+        self.counts[LOCAL].fill_(local_len)
 
     def read(self) -> tuple[int, int, int]:
         """``(seq_len, local_len, overflow)`` as the device has them now, overflow the tokens past the

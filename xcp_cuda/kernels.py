@@ -298,8 +298,10 @@ _CU_LOCK = threading.Lock()  # LocalWorld ranks are threads sharing one backend
 def cu_seqlens(cu: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """``cu`` as an int32 tensor on ``device``, uploaded once and then served from a small LRU cache.
 
-    A cached tensor is read by later calls on any stream, so each use records the current stream (the
-    allocator then waits for that work before reusing the memory of an evicted entry). One used during
+    A cached tensor is read by later calls on any stream, so its upload is waited for once, on the host
+    (another virtual rank's stream may read it with no event between them: PyTorch's CUDA sanitizer caught
+    that race in a KV cache's chunk), and each use records the current stream (the allocator then waits for
+    that work before reusing the memory of an evicted entry). One used during
     graph capture is kept for good: the graph reads its address at every replay. A cache miss during
     capture cannot upload (a synchronous copy); warm up before capturing, as for any CUDA graph.
     """
@@ -308,6 +310,8 @@ def cu_seqlens(cu: tuple[int, ...], device: torch.device) -> torch.Tensor:
         t = _CU_CACHE.get(key)
         if t is None:
             t = torch.tensor(cu, dtype=torch.int32, device=device)
+            if t.is_cuda:  # from pageable memory the copy may still be in flight when torch.tensor returns, and
+                torch.cuda.current_stream(t.device).synchronize()  # other streams (ranks) read the entry unordered
             _CU_CACHE[key] = t
             if len(_CU_CACHE) > CU_CACHE_SIZE:
                 _CU_CACHE.popitem(last=False)
