@@ -302,7 +302,7 @@ class KVCache:
             agree(comm, backend, compared, q.device, key)
         acc = accumulator_dtype(q.dtype)
         if decode:
-            local = functools.partial(self._decode_partial, backend, q, scale, window, acc)
+            local = functools.partial(self._decode_partial, backend, q, scale, window)
             packed = lambda: _pack(*local(), acc)  # noqa: E731
         else:
             calls = cache_plan.partial_calls(self._runs, self._seq, t, causal, window)
@@ -312,19 +312,20 @@ class KVCache:
             packed = functools.partial(_packed_partial, backend, calls, q, k, v, scale, acc)
         out, lse = local() if self._world == 1 else self._combine(backend, packed, q, acc)
         if sinks is not None:
+            out, lse = out.to(acc), lse.to(acc)  # fresh tensors (a kernel's, or the merge's): written in place
             apply_sinks_(out, lse, sinks)
         return out.to(q.dtype)
 
     def _decode_partial(
-        self, backend: Any, q, scale: float, window, acc: torch.dtype
+        self, backend: Any, q, scale: float, window
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A capacity cache's local partial (out, lse) of the newest token's query in ``acc``: one
+        """A capacity cache's local partial (out, lse) of the newest token's query, as the kernel gives them
+        (a world of one without sinks returns that out as it is; the combine packs it in float32): one
         ``backend.forward_range`` call over the storage range the device's counters give (every token held;
         with a window, those it reaches), so the host reads no length."""
         assert self._counts is not None and self._k is not None and self._v is not None
         lo, hi = self._counts.visible(None if window is None else window[0])
-        out, lse = backend.forward_range(q, self._k, self._v, lo, hi, scale)
-        return out.to(acc), lse.to(acc)
+        return backend.forward_range(q, self._k, self._v, lo, hi, scale)
 
     def _fingerprint(self, q, causal: bool, scale: float, window, sinks, seq_len: int) -> tuple:
         """A call as :func:`xcp.agreement.fingerprint` has it, the cache's keys and values as shape
