@@ -201,6 +201,90 @@ def test_partial_calls_compute_exactly_the_visible_pairs(world, balance, chunks,
         assert sorted(got) == want
 
 
+def _partial_calls_row_by_row(stored, seq_len, queries, causal, window):
+    """The plan as it was first written, one query row at a time: the reference of the stretch walk."""
+    far = 1 << 62
+    left, right = window if window is not None else (None, None)
+    sides = (far if left is None else left, 0 if causal else (far if right is None else right))
+
+    def fits(prev, row, rising_lo, flat_hi):
+        dlo, dhi = row[0] - prev[0], row[1] - prev[1]
+        if dlo not in (0, 1) or dhi not in (0, 1):
+            return False
+        if rising_lo and dlo == 0:
+            return False
+        return not (flat_hi and dhi == 1)
+
+    def segment(rows, r0):
+        k0, k1, sq = rows[0][0], rows[-1][1], len(rows)
+        lo, hi = rows[-1][0] - k0 - (sq - 1), rows[0][1] - 1 - k0
+        return xcp.documents.diagonal_segment((r0, r0 + sq), (k0, k1), lo, hi, False)
+
+    segs, group, r0, rising_lo, flat_hi = [], [], 0, False, False
+    for i in range(queries):
+        row = cache_plan.visible(stored, seq_len - queries + i, sides)
+        if group and row[0] < row[1] and fits(group[-1], row, rising_lo, flat_hi):
+            rising_lo = rising_lo or row[0] > group[-1][0]
+            flat_hi = flat_hi or row[1] == group[-1][1]
+            group.append(row)
+            continue
+        if group:
+            segs.append(segment(group, r0))
+        group, r0, rising_lo, flat_hi = ([row] if row[0] < row[1] else []), i, False, False
+    if group:
+        segs.append(segment(group, r0))
+    return xcp.documents.runs(segs)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    world=st.integers(1, 8),
+    balance=st.sampled_from(xcp.BALANCES),
+    chunks=st.integers(0, 3),
+    appends=st.lists(st.tuples(st.booleans(), st.integers(0, 24)), max_size=5),
+    causal=st.booleans(),
+    left=st.one_of(st.none(), st.integers(0, 40)),
+    right=st.one_of(st.none(), st.integers(0, 40)),
+    data=st.data(),
+)
+def test_partial_calls_walk_the_rows_as_row_by_row(world, balance, chunks, appends, causal, left, right, data):
+    """The stretch walk plans exactly the calls of the row-by-row plan: prefills of every balance, chunks,
+    decode tokens (runs of stride P), windows of either side, rows that see nothing."""
+    rank = data.draw(st.integers(0, world - 1))
+    prompt = chunks * xcp.schedule.required_multiple(world, balance)
+    stored = cache_plan.prefill_runs(prompt, world, rank, balance) if prompt else ()
+    s = prompt
+    for decoded, count in appends:
+        if decoded:
+            stored = cache_plan.extend_decoded(stored, s, s + count, world, rank)
+        else:
+            stored = cache_plan.extend(stored, *cache_plan.chunk_pieces(s, count, world)[rank])
+        s += count
+    if s == 0:
+        return
+    queries = data.draw(st.integers(1, min(s, 40)))
+    window = data.draw(st.sampled_from([None, (left, 0), (left, 0 if causal else right)]))
+    want = _partial_calls_row_by_row(stored, s, queries, causal, window)
+    assert cache_plan.partial_calls.__wrapped__(stored, s, queries, causal, window) == want
+
+
+@pytest.mark.parametrize("window", [None, (1000, 0), (3000, None)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("balance", ["zigzag", "stripe"])
+def test_partial_calls_of_a_long_chunk_as_row_by_row(balance, causal, window):
+    """World 8, a 128K prefill, 7 decode tokens, a 4096-token chunk: every rank, as row by row."""
+    world, prompt, chunk = 8, 128 * 1024, 4096
+    if causal and window is not None:
+        window = (window[0], 0)
+    for rank in range(world):
+        stored = cache_plan.prefill_runs(prompt, world, rank, balance)
+        stored = cache_plan.extend_decoded(stored, prompt, prompt + 7, world, rank)
+        stored = cache_plan.extend(stored, *cache_plan.chunk_pieces(prompt + 7, chunk, world)[rank])
+        seq = prompt + 7 + chunk
+        want = _partial_calls_row_by_row(stored, seq, chunk, causal, window)
+        assert cache_plan.partial_calls.__wrapped__(stored, seq, chunk, causal, window) == want
+
+
 def test_each_rank_holds_its_share_in_position_order():
     world, prompt, steps = 4, 16, [1, 1, 5, 1, 3, 1, 1]
     results, _ = run_steps(world, "zigzag", prompt, steps)

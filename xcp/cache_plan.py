@@ -104,21 +104,29 @@ def visible(stored: Sequence[PositionRun], position: int, window: tuple[int, int
     return rows_at_most(stored, position - left - 1), rows_at_most(stored, position + right)
 
 
-def _fits(prev: tuple[int, int], row: tuple[int, int], rising_lo: bool, flat_hi: bool) -> bool:
-    dlo, dhi = row[0] - prev[0], row[1] - prev[1]
-    if dlo not in (0, 1) or dhi not in (0, 1):
-        return False
-    if rising_lo and dlo == 0:  # a lower end that rose must keep rising
-        return False
-    return not (flat_hi and dhi == 1)  # an upper end that stopped must stay
+def _stretch(stored: Sequence[PositionRun], at: int, x: int) -> tuple[int, int, int]:
+    """Whether position ``x`` is stored (0 or 1), for how many consecutive positions from ``x`` that stays
+    so (unbounded past the last run: :data:`_FAR`), and the index of the run to search from next (``x``
+    only grows)."""
+    while at < len(stored) and (
+        stored[at].count < 1 or stored[at].global0 + stored[at].stride * (stored[at].count - 1) < x
+    ):
+        at += 1
+    if at == len(stored):
+        return 0, _FAR, at
+    p = stored[at]
+    if x < p.global0:
+        return 0, p.global0 - x, at
+    t, off = divmod(x - p.global0, p.stride)
+    if off:
+        return 0, p.stride - off, at
+    return 1, (p.count - t if p.stride == 1 else 1), at
 
 
-def _segment(rows: list[tuple[int, int]], r0: int) -> Segment:
-    k0, k1 = rows[0][0], rows[-1][1]
-    sq = len(rows)
-    lo = rows[-1][0] - k0 - (sq - 1)
-    hi = rows[0][1] - 1 - k0
-    return diagonal_segment((r0, r0 + sq), (k0, k1), lo, hi, False)
+def _segment(first: tuple[int, int], last: tuple[int, int], r0: int, r1: int) -> Segment:
+    """The segment of rows ``[r0, r1)`` whose ranges run from ``first`` to ``last`` as a band does."""
+    k0, sq = first[0], r1 - r0
+    return diagonal_segment((r0, r1), (k0, last[1]), last[0] - k0 - (sq - 1), first[1] - 1 - k0, False)
 
 
 @functools.lru_cache(maxsize=256)
@@ -131,23 +139,52 @@ def partial_calls(
 ) -> tuple[Call, ...]:
     """The kernel calls of the local partial: the ``queries`` last positions of a cache of ``seq_len``
     tokens against the rank's ``stored`` runs, as :class:`xcp.documents.PositionRun` s over (query rows, storage
-    rows). Rows no call covers see none of the rank's tokens."""
+    rows). Rows no call covers see none of the rank's tokens.
+
+    Row i sees ``[lo(i), hi(i))`` (:func:`visible`); from one row to the next each end rises by 1 exactly
+    when the position it newly passes is stored, else stays. Rows are grouped as they come (a group takes
+    the next row while both its ends move as a band's do: a lower end that rose keeps rising, an upper end
+    that stopped stays stopped; an empty row ends a group and gets nothing). Both steps are constant over a
+    stretch of rows in which neither newly passed position changes between stored and not (a part of one
+    run, or a gap), and so is the slope of the width ``hi - lo``: after at most two rows of a stretch, every
+    row joins the group until the width reaches 0. So the plan walks stretches, not rows: its cost grows
+    with the runs and the segments, not with ``queries``."""
+    if queries < 1:
+        return ()
     left, right = window if window is not None else (None, None)
-    sides = (_FAR if left is None else left, 0 if causal else (_FAR if right is None else right))
+    lside, rside = (_FAR if left is None else left), (0 if causal else (_FAR if right is None else right))
+    first_at = seq_len - queries
+    lo, hi = visible(stored, first_at, (lside, rside))
     segs: list[Segment] = []
-    group: list[tuple[int, int]] = []
-    r0 = 0
+    # the open group: rows [r0, i), first row's range; empty when r0 is None
+    r0: int | None = 0 if lo < hi else None
+    first = (lo, hi)
     rising_lo = flat_hi = False
-    for i in range(queries):
-        row = visible(stored, seq_len - queries + i, sides)
-        if group and row[0] < row[1] and _fits(group[-1], row, rising_lo, flat_hi):
-            rising_lo = rising_lo or row[0] > group[-1][0]
-            flat_hi = flat_hi or row[1] == group[-1][1]
-            group.append(row)
-            continue
-        if group:
-            segs.append(_segment(group, r0))
-        group, r0, rising_lo, flat_hi = ([row] if row[0] < row[1] else []), i, False, False
-    if group:
-        segs.append(_segment(group, r0))
+    at_lo = at_hi = 0
+    i = 1
+    while i < queries:
+        # row i's steps: is the position its lower end newly passes (s - left - 1) stored, and its upper (s + right)?
+        dlo, nlo, at_lo = _stretch(stored, at_lo, first_at + i - lside - 1)
+        dhi, nhi, at_hi = _stretch(stored, at_hi, first_at + i + rside)
+        end = min(queries, i + nlo, i + nhi)  # rows [i, end) step alike
+        slope = dhi - dlo
+        while i < end:
+            lo, hi = lo + dlo, hi + dhi
+            width = hi - lo
+            if r0 is not None and width > 0 and not (rising_lo and not dlo) and not (flat_hi and dhi):
+                rising_lo, flat_hi = rising_lo or dlo == 1, flat_hi or dhi == 0
+                # every further row of the stretch fits too, while it sees something
+                n = end - i - 1 if slope >= 0 else min(end - i - 1, width - 1)
+            else:
+                if r0 is not None:
+                    segs.append(_segment(first, (lo - dlo, hi - dhi), r0, i))
+                if width > 0:
+                    r0, first, rising_lo, flat_hi = i, (lo, hi), False, False
+                    n = 0
+                else:  # rows that see nothing, until the width comes back above 0
+                    r0 = None
+                    n = end - i - 1 if slope <= 0 else min(end - i - 1, -width)
+            lo, hi, i = lo + n * dlo, hi + n * dhi, i + 1 + n
+    if r0 is not None:
+        segs.append(_segment(first, (lo, hi), r0, queries))
     return runs(segs)
