@@ -200,13 +200,16 @@ renovated-bench)
   timeout 100 xcp bench --host --worlds 8 --host-tokens 2048 --mask causal --seqs 1024 --quiet 2>&1 | tee "$out/host.txt"
   ;;
 decode)
-  section "KV cache on cuda: captured decode steps replayed (world of one, 4 ranks in one graph), memory; CSAN of the combine; forward_range"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short -rs tests/test_cache_cuda.py tests/test_lifetime_cuda.py \
-    tests/test_cuda_backend.py -k "test_cache_cuda or cache or range" 2>&1 | tail -30 | tee "$out/decode_tests.txt"
+  section "KV cache on cuda: captured decode steps replayed (world of one, 4 ranks in one graph), memory; CSAN of the ring and the combine; the cuda backend tests; conformance (range, varlen)"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short -rs tests/test_cache_cuda.py tests/test_lifetime_cuda.py \
+    tests/test_cuda_backend.py 2>&1 | tail -30 | tee "$out/decode_tests.txt"
+  timeout 120 python3 -m xcp.testing --xcp-backend cuda -q -p no:cacheprovider -k "range or varlen" 2>&1 | tail -3 \
+    | tee -a "$out/decode_tests.txt"
   section "fused P-way merge (the KV cache's combine) against the eager merge"
   timeout 90 python3 benchmarks/merge_check.py 2>&1 | tail -12 | tee "$out/decode_merge.txt"
   section "host µs per eager decode step of one rank alone (world of one; P = 8 with a loopback all-gather)"
-  timeout 60 python3 benchmarks/decode_host_profile.py --worlds 1,8 --cached 1024 --top 25 2>&1 | tee "$out/decode_host.txt"
+  timeout 90 python3 benchmarks/decode_host_profile.py --worlds 1,8 --cached 16384 --top 25 --chunk 4096 2>&1 \
+    | tee "$out/decode_host.txt" | grep -E "^P "
   section "xcp bench --decode: L = 128K over P = 8, and a chunk of 4096 after it (B 8, 32/8 heads, D 128, bf16)"
   timeout 180 xcp bench --decode --batch 8 --seqs 131072 --worlds 8 --chunk 4096 --heads 32 --kv-heads 8 --head-dim 128 \
     --dtype bfloat16 --warmup 1 --reps 5 --quiet --json "$out/decode128k.json" 2>&1 | tee "$out/decode128k.txt"
