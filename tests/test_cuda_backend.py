@@ -1724,7 +1724,7 @@ PARTIAL_SHAPES = [
 @pytest.mark.parametrize("p,b,t,h,d", PARTIAL_SHAPES)
 def test_the_partials_merge_equals_the_eager_merge_and_float64_on_a_gpu(p, b, t, h, d):
     """On a GPU: the fused P-way merge writes every element of out (NaN before) and returns lse [B, H, T]
-    equal to the cache's eager merge (float32, to 1e-6) and to float64 math (to 1e-5 of the largest value);
+    equal to the cache's eager merge (float32, to 1e-5) and to float64 math (to 1e-5 of the largest value);
     rows no rank saw are out 0 and lse -inf, nothing is NaN, and the partials are left as they were."""
     from xcp.cache import _merge_into
 
@@ -1739,8 +1739,10 @@ def test_the_partials_merge_equals_the_eager_merge_and_float64_on_a_gpu(p, b, t,
     assert not out.isnan().any() and not lse.isnan().any()
     assert torch.equal(out[:, 0, 0], torch.zeros_like(out[:, 0, 0])) and torch.isneginf(lse[:, 0, 0]).all()
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
-    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+    # float32 sums of P weighted terms in another order, with the GPU's exp and log: a few ulps per term
+    # (2e-6 relative seen on the H200 at P = 8, D = 128): 1e-5, i.e. about 80 ulps
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
     ref_out, ref_lse = _float64_merge(parts)
     _close("out", out, ref_out, 1e-5)
     _close("lse", lse, ref_lse, 1e-5)
@@ -1791,5 +1793,5 @@ def test_the_partials_merge_replays_from_a_cuda_graph_on_a_gpu():
         want = torch.empty_like(out)
         want_lse = _merge_into(want, parts[..., :d], parts[..., d])
         assert not out.isnan().any() and torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
-        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)  # as in the test above
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)

@@ -292,36 +292,50 @@ every batch, so only the recent ones (the ranks' steps and the backward repeat t
 
 _CU_CACHE: OrderedDict[tuple[tuple[int, ...], torch.device], torch.Tensor] = OrderedDict()
 _CU_GRAPHS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+_CU_LANDED: dict[tuple[tuple[int, ...], torch.device], tuple[Any, torch.Tensor]] = {}
+"""Per cached CUDA entry: the event recorded after its upload, and its pinned source."""
 _CU_LOCK = threading.Lock()  # LocalWorld ranks are threads sharing one backend
 
 
 def cu_seqlens(cu: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """``cu`` as an int32 tensor on ``device``, uploaded once and then served from a small LRU cache.
 
-    A cached tensor is read by later calls on any stream, so its upload is waited for once, on the host
-    (another virtual rank's stream may read it with no event between them: PyTorch's CUDA sanitizer caught
-    that race in a KV cache's chunk), and each use records the current stream (the allocator then waits for
-    that work before reusing the memory of an evicted entry). One used during
-    graph capture is kept for good: the graph reads its address at every replay. A cache miss during
-    capture cannot upload (a synchronous copy); warm up before capturing, as for any CUDA graph.
+    The upload never waits on the host: a copy from pageable memory would wait for the current stream
+    (in a cooperative LocalWorld that stalls every virtual rank behind this one's kernels), so it goes
+    from pinned memory, asynchronously, and an event recorded after it orders every later use: each use
+    on a stream makes that stream wait for it (another virtual rank's stream read an entry unordered once:
+    PyTorch's CUDA sanitizer caught the race), and records the stream (the allocator then waits for that
+    work before reusing the memory of an evicted entry). One used during graph capture is kept for good:
+    the graph reads its address at every replay; capture waits on no event recorded outside it, so warm
+    up before capturing, as for any CUDA graph.
     """
     key = (cu, device)
     with _CU_LOCK:
         t = _CU_CACHE.get(key)
         if t is None:
-            t = torch.tensor(cu, dtype=torch.int32, device=device)
-            if t.is_cuda:  # from pageable memory the copy may still be in flight when torch.tensor returns, and
-                torch.cuda.current_stream(t.device).synchronize()  # other streams (ranks) read the entry unordered
+            host = torch.tensor(cu, dtype=torch.int32)
+            if device.type == "cuda":
+                host = host.pin_memory()
+                t = host.to(device, non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record(torch.cuda.current_stream(t.device))
+                _CU_LANDED[key] = (landed, host)  # the pinned source stays alive until the cache drops the entry
+            else:
+                t = host.to(device)
             _CU_CACHE[key] = t
             if len(_CU_CACHE) > CU_CACHE_SIZE:
-                _CU_CACHE.popitem(last=False)
+                _CU_LANDED.pop(_CU_CACHE.popitem(last=False)[0], None)
         else:
             _CU_CACHE.move_to_end(key)
         if t.is_cuda:
+            stream = torch.cuda.current_stream(t.device)
             if torch.cuda.is_current_stream_capturing():
                 _CU_GRAPHS[key] = t
             else:
-                t.record_stream(torch.cuda.current_stream(t.device))
+                landed_at = _CU_LANDED.get(key)
+                if landed_at is not None:
+                    stream.wait_event(landed_at[0])
+                t.record_stream(stream)
     return t
 
 
