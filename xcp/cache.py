@@ -24,6 +24,7 @@ gather's receive buffer is made on C before M forks, as rule 1 has it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -370,9 +371,16 @@ class KVCache:
 
 
 def _run_calls(backend, calls, q, k, v, scale: float):
-    """Each call's (query rows, out, lse) on this rank's storage."""
+    """Each call's (query rows, out, lse) on this rank's storage.
+
+    Every call goes in varlen form, one segment included: a cache's calls change shape at every step (the
+    keys grow), and a varlen kernel takes the lengths at run time, where a dense one may plan per shape (on
+    the H200, cuDNN built a plan for each new shape: about 40 ms per rank and chunk, while the kernels
+    themselves took 3.5). Backends without a varlen kernel make the same dense call per segment."""
     for call in calls:
         block = BlockCall.of(call)
+        if block.cu is None:
+            block = dataclasses.replace(block, cu=(call.cu_q, call.cu_k))
         yield block.qs, *block.forward(backend, q[:, block.qs], k[:, block.ks], v[:, block.ks], scale)
 
 
