@@ -628,4 +628,24 @@ def test_lower_precision_dtypes(dtype, tol):
 
 
 def test_combine_bytes():
-    assert cache_plan.combine_bytes(4, 2, 1, 8, 64) == 4 * 2 * 8 * 65 * 4
+    assert cache_plan.combine_bytes(4, 2, 1, 8, 65, 4) == 4 * 2 * 8 * 65 * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_packed_partials_keep_the_lse_bit_for_bit(dtype):
+    """16-bit inputs pack out as it is and the float32 lse's bits in two more channels (half the bytes of
+    float32 packing); other dtypes pack both in the accumulator dtype. The lse comes back exactly, -inf too."""
+    from xcp.cache import _pack
+    from xcp.kernels.merge import packed_layout, packed_lse
+
+    b, t, h, d = 2, 3, 4, 8
+    out = torch.randn(b, t, h, d).to(dtype)
+    lse = torch.randn(b, h, t, dtype=torch.float64 if dtype == torch.float64 else torch.float32) * 50
+    lse[0, 1, 2] = float("-inf")
+    packed = _pack(out, lse, dtype)
+    half = dtype in (torch.bfloat16, torch.float16)
+    assert packed_layout(dtype, d) == (dtype if half else lse.dtype, d + (2 if half else 1))
+    assert packed.shape == (b, t, h, d + 2 if half else d + 1) and packed.dtype == (dtype if half else lse.dtype)
+    assert torch.equal(packed[..., :d], out.to(packed.dtype))
+    assert torch.equal(packed_lse(packed, d), lse.transpose(1, 2))
+    assert packed_layout(torch.bfloat16, 7) == (torch.float32, 8)  # an odd D: the lse's bits would not align

@@ -48,7 +48,7 @@ from .checks import (
 )
 from .comm import resolve_group
 from .documents import check_window
-from .kernels.merge import NEG_INF, accumulator_dtype, apply_sinks_
+from .kernels.merge import NEG_INF, accumulator_dtype, apply_sinks_, packed_layout, packed_lse
 from .lifetime import RingCall, check_handoff
 from .plugins import select_backend
 from .ring import BlockCall
@@ -304,13 +304,13 @@ class KVCache:
         acc = accumulator_dtype(q.dtype)
         if decode:
             local = functools.partial(self._decode_partial, backend, q, scale, window)
-            packed = lambda: _pack(*local(), acc)  # noqa: E731
+            packed = lambda: _pack(*local(), q.dtype)  # noqa: E731
         else:
             calls = cache_plan.partial_calls(self._runs, self._seq, t, causal, window)
             k, v = self.keys(), self.values()
             assert k is not None and v is not None  # a cache with tokens has storage
             local = functools.partial(_local_partial, backend, calls, q, k, v, scale, acc)
-            packed = functools.partial(_packed_partial, backend, calls, q, k, v, scale, acc)
+            packed = functools.partial(_packed_partial, backend, calls, q, k, v, scale, q.dtype)
         out, lse = local() if self._world == 1 else self._combine(backend, packed, q, acc)
         if sinks is not None:
             out, lse = out.to(acc), lse.to(acc)  # fresh tensors (a kernel's, or the merge's): written in place
@@ -354,7 +354,8 @@ class KVCache:
                 f"{type(comm).__name__}"
             )
         b, t, h, d = q.shape
-        recv = torch.empty((self._world, b, t, h, d + 1), dtype=acc, device=q.device)  # rule 1: on C, before M forks
+        dtype, channels = packed_layout(q.dtype, d)
+        recv = torch.empty((self._world, b, t, h, channels), dtype=dtype, device=q.device)  # rule 1: C, before M forks
         call = RingCall(comm, backend, q.device, "bounded", self._handoff)
         with call:
             packed = partial()
@@ -366,7 +367,7 @@ class KVCache:
             out = torch.empty((b, t, h, d), dtype=acc, device=q.device)  # on C, while M gathers
         lse = backend.fused_merge_partials_(out, recv)
         if lse is None:
-            lse = _merge_into(out, recv[..., :d], recv[..., d])
+            lse = _merge_into(out, recv[..., :d], packed_lse(recv, d))
         return out, lse
 
 
@@ -384,12 +385,14 @@ def _run_calls(backend, calls, q, k, v, scale: float):
         yield block.qs, *block.forward(backend, q[:, block.qs], k[:, block.ks], v[:, block.ks], scale)
 
 
-def _pack(out: torch.Tensor, lse: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """One block's (out [B, T, H, D], lse [B, H, T]) packed as [B, T, H, D + 1] in ``acc``, lse last."""
+def _pack(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One block's (out [B, T, H, D], lse [B, H, T]) packed for inputs of ``dtype`` as
+    :func:`xcp.kernels.merge.packed_layout` lays it out: [B, T, H, D + 1] or, 16-bit, [B, T, H, D + 2]."""
     b, t, h, d = out.shape
-    packed = torch.empty((b, t, h, d + 1), dtype=acc, device=out.device)
+    packed_dtype, channels = packed_layout(dtype, d)
+    packed = torch.empty((b, t, h, channels), dtype=packed_dtype, device=out.device)
     packed[..., :d] = out
-    packed[..., d] = lse.transpose(1, 2)
+    packed_lse(packed, d).copy_(lse.transpose(1, 2))
     return packed
 
 
@@ -399,19 +402,21 @@ def _local_partial(backend, calls, q, k, v, scale: float, acc: torch.dtype) -> t
     if len(calls) == 1 and calls[0].q0 == 0 and calls[0].q1 == t:  # one call covers every row (decode)
         _, out, lse = next(_run_calls(backend, calls, q, k, v, scale))
         return out.to(acc, copy=True), lse.to(acc, copy=True)
-    packed = _packed_partial(backend, calls, q, k, v, scale, acc)
+    packed = _packed_partial(backend, calls, q, k, v, scale, acc)  # in acc: a world of one keeps its precision
     return packed[..., :d].contiguous(), packed[..., d].transpose(1, 2)  # out as the caller gets it: dense
 
 
-def _packed_partial(backend, calls, q, k, v, scale: float, acc: torch.dtype) -> torch.Tensor:
-    """The rank's partial packed as one buffer [B, T, H, D + 1] in ``acc``: out, then lse in the last
-    channel (zeros and -inf on rows no call covers)."""
+def _packed_partial(backend, calls, q, k, v, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The rank's partial packed as one buffer, laid out for inputs of ``dtype`` as :func:`_pack` lays it
+    out: zeros and -inf on rows no call covers."""
     b, t, h, d = q.shape
-    packed = torch.zeros((b, t, h, d + 1), dtype=acc, device=q.device)
-    packed[..., d] = NEG_INF
+    packed_dtype, channels = packed_layout(dtype, d)
+    packed = torch.zeros((b, t, h, channels), dtype=packed_dtype, device=q.device)
+    lse = packed_lse(packed, d)
+    lse.fill_(NEG_INF)
     for rows, o, lse_rows in _run_calls(backend, calls, q, k, v, scale):
         packed[:, rows, :, :d] = o
-        packed[:, rows, :, d] = lse_rows.transpose(1, 2)
+        lse[:, rows] = lse_rows.transpose(1, 2)
     return packed
 
 

@@ -49,10 +49,11 @@ def chunk_pieces(start: int, count: int, world_size: int) -> tuple[tuple[int, in
     return tuple(out)
 
 
-def combine_bytes(world_size: int, batch: int, queries: int, heads: int, head_dim: int, element_size: int = 4) -> int:
+def combine_bytes(world_size: int, batch: int, queries: int, heads: int, channels: int, element_size: int) -> int:
     """Bytes of the combine's receive buffer on each rank for one attention call: the P packed partials
-    ``[out | lse]``, ``P x B x T x H x (D + 1)`` elements of the accumulator dtype (4 bytes; 8 for float64)."""
-    return world_size * batch * queries * heads * (head_dim + 1) * element_size
+    ``[out | lse]``, ``P x B x T x H x channels`` elements (``xcp.kernels.merge.packed_layout``: D + 2
+    16-bit channels for bfloat16/float16 inputs, D + 1 of the accumulator dtype otherwise)."""
+    return world_size * batch * queries * heads * channels * element_size
 
 
 def prefill_runs(seq_len: int, world_size: int, rank: int, balance: str) -> tuple[PositionRun, ...]:

@@ -354,8 +354,11 @@ class Backend:
         the core merge eagerly.
 
         :param out: [B, T, H, D], float32 or float64, contiguous, written whole: ``sum_r exp(L_r - L) O_r``.
-        :param parts: [P, B, T, H, D + 1] in out's dtype, contiguous: rank r's out in ``[..., :D]`` and its
-            natural-log lse in ``[..., D]``; -inf where rank r saw nothing of the row (weight 0).
+        :param parts: contiguous, laid out as :func:`xcp.kernels.merge.packed_layout` says: [P, B, T, H, D + 1]
+            in out's dtype, rank r's out in ``[..., :D]`` and its natural-log lse in ``[..., D]``; or, for
+            bfloat16/float16 inputs, [P, B, T, H, D + 2] in that dtype, the float32 lse's bits in the last
+            two channels (:func:`xcp.kernels.merge.packed_lse` reads them); -inf where rank r saw nothing
+            of the row (weight 0).
         :returns: the merged lse [B, H, T] (``L = logsumexp_r L_r``; -inf, with out 0, on rows no rank saw,
             never NaN), or None when not served.
         """

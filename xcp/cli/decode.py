@@ -25,7 +25,7 @@ from .. import cache_plan, schedule
 from ..api import attention, shard, unshard
 from ..cache import KVCache
 from ..comm import LocalWorld, resolve_group
-from ..kernels.merge import accumulator_dtype
+from ..kernels.merge import packed_layout
 from ..testing.reference import sdpa_reference
 from . import windows
 from .common import (
@@ -253,7 +253,7 @@ def plan_steps(world: int, prompt: int, decode: int, chunk: int, balance: str, h
     runs it): a prompt of ``prompt`` tokens prefilled (0: none), then :func:`steps`; causal attention of the
     last T queries, under ``window`` when given. A world of one makes its local calls and sends nothing."""
     stored = [cache_plan.prefill_runs(prompt, world, r, balance) if prompt else () for r in range(world)]
-    item = accumulator_dtype(dtype).itemsize
+    packed, channels = packed_layout(dtype, head_dim)
     out, s = [], prompt
     for name, t in steps(decode, chunk):
         pieces = cache_plan.chunk_pieces(s, t, world)
@@ -261,7 +261,7 @@ def plan_steps(world: int, prompt: int, decode: int, chunk: int, balance: str, h
         s += t
         calls = tuple(len(cache_plan.partial_calls(runs, s, t, True, window)) for runs in stored)
         held = tuple(sum(run.count for run in runs) for runs in stored)
-        shape = (batch, t, heads, head_dim, item)
+        shape = (batch, t, heads, channels, packed.itemsize)
         gathered = cache_plan.combine_bytes(world, *shape) if world > 1 else 0
         out.append(PlannedStep(name, t, s, held, calls, cache_plan.combine_bytes(world - 1, *shape), gathered))
     return out
@@ -279,17 +279,19 @@ def plan_lines(world: int, prompt: int, decode: int, chunk: int, balance: str, h
                head_dim: int, dtype: str, window: tuple | None = None) -> list[str]:  # fmt: skip
     """The table of ``xcp plan --decode``, with how its bytes are counted."""
     planned = plan_steps(world, prompt, decode, chunk, balance, heads, head_dim, DTYPES[dtype], window)
-    acc = accumulator_dtype(DTYPES[dtype])
-    item = acc.itemsize
-    acc_name = str(acc).replace("torch.", "")
-    partial = cache_plan.combine_bytes(1, 1, 1, heads, head_dim, item)
+    packed, channels = packed_layout(DTYPES[dtype], head_dim)
+    item = packed.itemsize
+    how = ("out as the kernel gives it, the float32 lse's bits in two more channels" if channels == head_dim + 2
+           else "out and lse in the accumulator dtype")  # fmt: skip
+    partial = cache_plan.combine_bytes(1, 1, 1, heads, channels, item)
     text = [
         "Each appended chunk is cut into P contiguous pieces in rank order, rank r keeping as many tokens as the "
         "chunk has positions p with p % P == r (one token: rank p % P), so holdings stay within one token.",
         "calls: the kernel calls of each rank's local partial (segments of its own tokens against the T queries).",
-        f"combine: one all-gather of every rank's partial [out | lse] of B·T·H·(D+1)·{item} bytes ({acc_name}; at "
-        f"T = 1: 1·1·{heads}·{head_dim + 1}·{item} = {human_bytes(partial)}); each rank sends its partial to the "
-        "P-1 others and gathers P partials (a world of one sends nothing).",
+        f"combine: one all-gather of every rank's partial [out | lse] of B·T·H·(D+{channels - head_dim})·{item} "
+        f"bytes ({str(packed).replace('torch.', '')}: {how}; at T = 1: 1·1·{heads}·{channels}·{item} = "
+        f"{human_bytes(partial)}); each rank sends its partial to the P-1 others and gathers P partials (a world "
+        "of one sends nothing).",
     ]
     if prompt:
         text.append(f"prefill: {prompt} tokens through the ring, {prompt // world} kept per rank, no communication "

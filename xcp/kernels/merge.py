@@ -21,6 +21,28 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def packed_layout(dtype: torch.dtype, head_dim: int) -> tuple[torch.dtype, int]:
+    """The dtype and channels of a partial ``[out | lse]`` packed in one buffer for the inputs' ``dtype``.
+
+    A 16-bit out goes as it is, its float32 lse stored bit for bit in two more 16-bit channels (D + 2): a
+    fused kernel's 16-bit out loses nothing, and the buffer is half the float32 one's bytes. Otherwise (or
+    for an odd D, where the lse's bits would not be aligned) out and lse in the accumulator dtype (D + 1).
+    """
+    if dtype in HALF_DTYPES and head_dim % 2 == 0:
+        return dtype, head_dim + 2
+    return accumulator_dtype(dtype), head_dim + 1
+
+
+def packed_lse(packed: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The lse channel of packed partials (any leading dims), as a view in float32 (or float64)."""
+    if packed.dtype in HALF_DTYPES:
+        return packed[..., head_dim : head_dim + 2].view(torch.float32)[..., 0]
+    return packed[..., head_dim]
+
+
 def new_accumulators(q: torch.Tensor, empty: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Running output [B, S, H, D] (zeros) and log-sum-exp [B, H, S] (-inf) for queries ``q``; with
     ``empty``, uninitialised (for a kernel that writes every element without reading any)."""
