@@ -1,18 +1,26 @@
 """Check the fused Triton merges against the eager ones on a GPU, and time both (run on a CUDA machine): the
-ring's merge of one block, and a KV cache's merge of P ranks' packed partials (decode and chunk shapes)."""
+ring's merge of one block, and a KV cache's merge of P ranks' packed partials (decode and chunk shapes, the
+float32 packing [D + 1]; the chunk also in the 16-bit packing [D + 2] that bfloat16 inputs gather)."""
 
+import functools
 import sys
 
 import torch
 
 from xcp.cache import _merge_into
 from xcp.cli.common import Clock, median
-from xcp.kernels.merge import merge_
+from xcp.kernels.merge import merge_, packed_lse
 from xcp.plugins import select_backend
 from xcp_cuda.kernels import fused_merge_, fused_merge_partials_
 
-PARTIAL_SHAPES = (("decode", (8, 8, 1, 32, 128)), ("chunk", (8, 1, 4096, 32, 128)))
-"""The P-way merge's shapes (P, B, T, H, D): a decode step's 8 ranks, and a chunk of 4096 queries."""
+PARTIAL_SHAPES = (
+    ("decode", (8, 8, 1, 32, 128), torch.float32),
+    ("chunk", (8, 1, 4096, 32, 128), torch.float32),
+    ("chunk", (8, 1, 4096, 32, 128), torch.bfloat16),
+)
+"""The P-way merge's shapes (P, B, T, H, D) and packings: a decode step's 8 ranks and a chunk of 4096
+queries in float32 [D + 1], then the chunk in bfloat16 [D + 2] (outs in 16 bits, the float32 lse's bits in
+the last two channels: half the bytes gathered and read)."""
 
 
 def main() -> int:
@@ -48,38 +56,60 @@ def main() -> int:
     bo = torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16)
     bl = torch.randn(b, h, s, device=dev)
     for name, fn in (("eager", merge_), ("fused", fused_merge_)):
+        call = functools.partial(fn, out, lse, bo, bl)
         for _ in range(3):
-            fn(out, lse, bo, bl)
-        t = median([clock.time(lambda f=fn: f(out, lse, bo, bl)) for _ in range(20)])
+            call()
+        t = median([clock.time(call) for _ in range(20)])
         moved = out.numel() * (4 + 4 + 2) + lse.numel() * 4 * 3
         print(f"merge {name}: {t * 1e3:.3f} ms over [1, 16K, 32, 128], {moved / t / 1e9:.0f} GB/s")
-    for label, shape in PARTIAL_SHAPES:
-        ok &= partials(clock, dev, label, *shape)
+    for label, shape, dtype in PARTIAL_SHAPES:
+        ok &= partials(clock, dev, label, *shape, dtype=dtype)
     return 0 if ok else 1
 
 
-def _packed(p: int, b: int, t: int, h: int, d: int, dev: torch.device) -> torch.Tensor:
-    """Packed partials [P, B, T, H, D + 1] float32: outs N(0, 1), lse 4 N(0, 1); a third of the (rank, row)
-    pairs saw nothing (lse -inf, out 0), and row (t 0, h 0) of every batch no rank saw."""
+def _packed(
+    p: int, b: int, t: int, h: int, d: int, dev: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Packed partials: outs N(0, 1), lse 4 N(0, 1); a third of the (rank, row) pairs saw nothing (lse -inf,
+    out 0), and row (t 0, h 0) of every batch no rank saw. float32: [P, B, T, H, D + 1], the lse in channel
+    D; bfloat16/float16: [P, B, T, H, D + 2] (D even), the outs rounded to it and the float32 lse's bits in
+    channels D, D + 1 (as xcp.cache packs 16-bit inputs)."""
     parts = torch.randn(p, b, t, h, d + 1, device=dev)
     parts[..., d] *= 4
     unseen = torch.rand(p, b, t, h, device=dev) < 0.3
     unseen[:, :, :1, :1] = True
     parts[..., d].masked_fill_(unseen, float("-inf"))
     parts[..., :d].masked_fill_(unseen.unsqueeze(-1), 0.0)
-    return parts
+    if dtype == torch.float32:
+        return parts
+    packed = torch.empty((p, b, t, h, d + 2), dtype=dtype, device=dev)
+    packed[..., :d] = parts[..., :d]
+    packed[..., d:].view(torch.float32)[..., 0] = parts[..., d]
+    return packed
 
 
-def partials(clock: Clock, dev: torch.device, label: str, p: int, b: int, t: int, h: int, d: int) -> bool:
-    """The P-way merge of packed partials: the fused kernel against the eager merge (xcp.cache._merge_into)
-    and float64, then both timed (each call repeated ``reps`` times in one timed region, median of 15)."""
-    parts = _packed(p, b, t, h, d, dev)
+def partials(
+    clock: Clock,
+    dev: torch.device,
+    label: str,
+    p: int,
+    b: int,
+    t: int,
+    h: int,
+    d: int,
+    dtype: torch.dtype = torch.float32,
+) -> bool:
+    """The P-way merge of packed partials (the packing of ``dtype``, see :func:`_packed`): the fused kernel
+    against the eager merge as the cache runs it (xcp.cache._merge_into on the outs and the lse view) and
+    float64, then both timed (each call repeated ``reps`` times in one timed region, median of 15)."""
+    parts = _packed(p, b, t, h, d, dev, dtype)
+    outs, lses = parts[..., :d], packed_lse(parts, d)
     o_eager, o_fused = torch.empty(b, t, h, d, device=dev), torch.full((b, t, h, d), float("nan"), device=dev)
-    l_eager = _merge_into(o_eager, parts[..., :d], parts[..., d])
+    l_eager = _merge_into(o_eager, outs, lses)
     l_fused = fused_merge_partials_(o_fused, parts)
-    p64 = parts.double()
-    l64 = torch.logsumexp(p64[..., d], dim=0)
-    o64 = (torch.exp(p64[..., d] - torch.where(l64 == float("-inf"), 0.0, l64)).unsqueeze(-1) * p64[..., :d]).sum(0)
+    o_in, l_in = outs.double(), lses.double()
+    l64 = torch.logsumexp(l_in, dim=0)
+    o64 = (torch.exp(l_in - torch.where(l64 == float("-inf"), 0.0, l64)).unsqueeze(-1) * o_in).sum(0)
     l64 = l64.transpose(1, 2)
     fin = torch.isfinite(l_eager)
     eo = (o_eager - o_fused).abs().max().item()
@@ -89,7 +119,7 @@ def partials(clock: Clock, dev: torch.device, label: str, p: int, b: int, t: int
     nan = bool(o_fused.isnan().any().item() or l_fused.isnan().any().item())
     unseen_zero = bool((o_fused[:, 0, 0] == 0).all().item())
     good = eo < 1e-5 and el < 1e-5 and e64 < 1e-4 and same_inf and not nan and unseen_zero
-    name = f"partials {label} (P, B, T, H, D) = {(p, b, t, h, d)}"
+    name = f"partials {label} {str(dtype).removeprefix('torch.')} (P, B, T, H, D) = {(p, b, t, h, d)}"
     print(
         f"{name}: max|dO|={eo:.2e} max|dL|={el:.2e} vs float64 {e64:.2e} inf-equal={same_inf} nan={nan}",
         "ok" if good else "FAIL",
@@ -99,7 +129,7 @@ def partials(clock: Clock, dev: torch.device, label: str, p: int, b: int, t: int
     reps = 20 if t == 1 else 5
     times: dict[str, float] = {}
     for kind, fn in (
-        ("eager", lambda: _merge_into(o_eager, parts[..., :d], parts[..., d])),
+        ("eager", lambda: _merge_into(o_eager, outs, lses)),
         ("fused", lambda: fused_merge_partials_(o_fused, parts)),
     ):
         for _ in range(3):
@@ -110,7 +140,7 @@ def partials(clock: Clock, dev: torch.device, label: str, p: int, b: int, t: int
                 fn()
 
         times[kind] = median([clock.time(region) for _ in range(15)]) / reps
-    moved = parts.numel() * 4 + o_fused.numel() * 4 + l_fused.numel() * 4
+    moved = parts.numel() * parts.element_size() + o_fused.numel() * 4 + l_fused.numel() * 4
     print(
         f"{name}: eager {times['eager'] * 1e3:.4f} ms, fused {times['fused'] * 1e3:.4f} ms "
         f"({moved / times['fused'] / 1e9:.0f} GB/s), eager/fused {times['eager'] / times['fused']:.2f}x"

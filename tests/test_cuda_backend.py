@@ -1603,13 +1603,53 @@ def _partials(p, b, t, h, d, device="cpu", seed=0, dtype=torch.float32):
     return parts.to(device=device, dtype=dtype)
 
 
+PARTIAL_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+"""The packings the fused merge serves: float32 [P, B, T, H, D + 1], and 16-bit [P, B, T, H, D + 2]."""
+
+
+def _pack16(parts, dtype):
+    """Float32 packed partials [P, B, T, H, D + 1] in the 16-bit packing [P, B, T, H, D + 2] of ``dtype``: the
+    outs rounded to it (as a 16-bit attention kernel gives them), the float32 lse's bits in the last two."""
+    d = parts.shape[-1] - 1
+    packed = torch.empty((*parts.shape[:-1], d + 2), dtype=dtype, device=parts.device)
+    packed[..., :d] = parts[..., :d]
+    packed[..., d:].view(torch.float32)[..., 0] = parts[..., d]
+    return packed
+
+
+def _packed_partials(p, b, t, h, d, device="cpu", seed=0, dtype=torch.float32):
+    """:func:`_partials` in the packing of ``dtype``: float32 [D + 1], or 16-bit [D + 2] (D even)."""
+    parts = _partials(p, b, t, h, d, device=device, seed=seed)
+    return parts if dtype == torch.float32 else _pack16(parts, dtype)
+
+
+def _unpack(parts):
+    """The (outs [P, B, T, H, D], lses [P, B, T, H]) of packed partials, both float32: channel D of a float32
+    (or float64) packing, channels D, D + 1 viewed as float32 of a 16-bit one."""
+    if parts.element_size() == 2:
+        d = parts.shape[-1] - 2
+        return parts[..., :d].float(), parts[..., d:].view(torch.float32)[..., 0]
+    d = parts.shape[-1] - 1
+    return parts[..., :d], parts[..., d]
+
+
 def _float64_merge(parts):
     """float64 (out [B, T, H, D], lse [B, H, T]) of packed partials, written independently of the core's."""
-    parts = parts.double()
-    d = parts.shape[-1] - 1
-    lse = torch.logsumexp(parts[..., d], dim=0)
-    weights = torch.exp(parts[..., d] - torch.where(lse == NEG_INF, 0.0, lse))
-    return torch.einsum("pbth,pbthd->bthd", weights, parts[..., :d]), lse.transpose(1, 2)
+    outs, lses = (x.double() for x in _unpack(parts))
+    lse = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - torch.where(lse == NEG_INF, 0.0, lse))
+    return torch.einsum("pbth,pbthd->bthd", weights, outs), lse.transpose(1, 2)
+
+
+def test_the_16_bit_packing_holds_the_float32_lse_bit_for_bit():
+    """The test helpers' 16-bit packing: outs rounded once to the dtype, the float32 lse (-inf included) read
+    back exactly through the float32 view of the last two channels."""
+    parts = _partials(3, 2, 5, 4, 72)
+    for dtype in (torch.bfloat16, torch.float16):
+        packed = _pack16(parts, dtype)
+        assert packed.shape == (3, 2, 5, 4, 74) and packed.dtype == dtype
+        outs, lses = _unpack(packed)
+        assert torch.equal(outs, parts[..., :72].to(dtype).float()) and torch.equal(lses, parts[..., 72])
 
 
 def test_the_partials_merge_is_not_served_on_the_cpu_in_float64_or_when_the_fused_merge_is_off():
@@ -1638,6 +1678,36 @@ def test_the_partials_merge_is_not_served_on_the_cpu_in_float64_or_when_the_fuse
     assert kernels.fused_merge_partials_supported(torch.empty(1, 1, 1, 1024), torch.empty(2, 1, 1, 1, 1025))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_16_bit_partials_merge_is_served_only_for_its_layout(dtype):
+    """The 16-bit packing [P, B, T, H, D + 2] (D even) with a float32 out is the kernel's (two lse channels), on
+    the CPU still not the backend's; refused: odd D, the float32 packing's D + 1 channels in 16 bits, a 16-bit
+    out, mismatched dtypes, strided buffers, and a buffer that cannot be viewed as float32 (odd offset)."""
+    parts, out = _packed_partials(3, 2, 5, 4, 16, dtype=dtype), torch.empty(2, 5, 4, 16)
+    assert kernels.fused_merge_partials_supported(out, parts) and kernels.partials_lse_words(out, parts) == 2
+    assert kernels.partials_lse_words(out, _partials(3, 2, 5, 4, 16)) == 1
+    assert CUDABackend(fused_merge=True).fused_merge_partials_(out, parts) is None
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    odd = torch.empty(3 * 2 * 5 * 4 * 18 + 1, dtype=dtype)[1:].view(3, 2, 5, 4, 18)
+    assert odd.is_contiguous() and odd.storage_offset() == 1
+    refused = [
+        (torch.empty(2, 5, 4, 15), torch.empty(3, 2, 5, 4, 17, dtype=dtype)),  # odd D: the lse not 4-byte aligned
+        (out, torch.empty(3, 2, 5, 4, 17, dtype=dtype)),  # D + 1 channels in 16 bits
+        (out, torch.empty(3, 2, 5, 4, 18)),  # D + 2 channels in float32
+        (out.to(dtype), parts),  # out is the float32 accumulator
+        (out.to(other), parts),
+        (out.double(), parts),
+        (out, parts.transpose(1, 2).contiguous().transpose(1, 2)),  # right shape, not contiguous
+        (out.transpose(1, 2).contiguous().transpose(1, 2), parts),
+        (out, odd),
+        (torch.empty(2, 5, 3, 16), parts),
+    ]
+    for o, p in refused:
+        assert not kernels.fused_merge_partials_supported(o, p) and kernels.partials_lse_words(o, p) == 0
+        with pytest.raises(ValueError, match="out, parts: expected float32 contiguous"):
+            kernels.fused_merge_partials_(o, p, kernels.Launcher(builders={}))
+
+
 @pytest.mark.parametrize(
     "p,b,t,h,d,block_r,block_d,unroll,programs",
     [
@@ -1649,50 +1719,86 @@ def test_the_partials_merge_is_not_served_on_the_cpu_in_float64_or_when_the_fuse
         (64, 4, 1, 8, 512, 1, 512, 8, 32),
     ],
 )
+@pytest.mark.parametrize("dtype", PARTIAL_DTYPES)
 def test_the_partials_merge_is_one_launch_writing_out_and_a_b_h_t_lse(
-    p, b, t, h, d, block_r, block_d, unroll, programs
+    p, b, t, h, d, block_r, block_d, unroll, programs, dtype
 ):
     """One launch of the partials kernel with the grid, tiles and unroll of :func:`kernels.partials_tiling`
-    (at most 32 loads of out in flight a thread), the P partials' stride, and a fresh float32 lse [B, H, T]
-    (contiguous) it writes and returns; a signature seen before launches directly; no rows: no launch."""
+    (at most 32 loads of out in flight a thread), the P partials' strides, and a fresh float32 lse [B, H, T]
+    (contiguous) it writes and returns; a signature seen before launches directly; no rows: no launch. The
+    outs are read through the buffer itself, the lses through it as float32: for the float32 packing the
+    same tensor (one lse word, rows of D + 1), for a 16-bit one its float32 view (two words: rows of D + 2
+    16-bit values, (D + 2) / 2 float32 ones)."""
     fake = _FakeJit()
     launch = kernels.Launcher(fast=True, builders={"partials": lambda: fake})
-    parts = torch.empty(p, b, t, h, d + 1)
+    words = 1 if dtype == torch.float32 else 2
+    parts = torch.empty(p, b, t, h, d + words, dtype=dtype)
     out = torch.empty(b, t, h, d)
     lse = kernels.fused_merge_partials_(out, parts, launch)
     assert lse.shape == (b, h, t) and lse.dtype == torch.float32 and lse.is_contiguous()
     assert len(fake.jit_calls) == 1 and not fake.direct_calls
-    grid, o, lo, pa, *ints = fake.jit_calls[0]
-    assert grid == (programs,) and o is out and lo is lse and pa is parts
-    assert ints == [b * t * h, t, h, d, b * t * h * (d + 1), *lse.stride(), block_r, block_d, p, unroll]
+    grid, o, lo, outs, lses, *ints = fake.jit_calls[0]
+    assert grid == (programs,) and o is out and lo is lse and outs is parts
+    if words == 1:
+        assert lses is parts
+    else:
+        assert lses.dtype == torch.float32 and lses.shape == (p, b, t, h, (d + 2) // 2) and lses.is_contiguous()
+        assert lses.data_ptr() == parts.data_ptr()
+    row = b * t * h * (d + words)
+    assert ints == [b * t * h, t, h, d, row, row // words, *lse.stride(), block_r, block_d, p, unroll, words]
     assert kernels.partials_tiling(b * t * h, d, p) == ((programs,), block_r, block_d, unroll)
     assert unroll * max(1, block_r * block_d // 128) <= kernels.PARTIALS_IN_FLIGHT or unroll == 1
     kernels.fused_merge_partials_(out, parts, launch)
     assert len(fake.jit_calls) == 1 and len(fake.direct_calls) == 1 and fake.direct_calls[0][0] == (programs, 1, 1)
-    none = kernels.fused_merge_partials_(torch.empty(b, 0, h, d), torch.empty(p, b, 0, h, d + 1), launch)
+    empty = torch.empty(p, b, 0, h, d + words, dtype=dtype)
+    none = kernels.fused_merge_partials_(torch.empty(b, 0, h, d), empty, launch)
     assert none.shape == (b, h, 0) and len(fake.jit_calls) + len(fake.direct_calls) == 2
+
+
+def test_the_partials_packings_compile_apart():
+    """The float32, bfloat16 and float16 packings of one shape are three signatures (each its own compile, the
+    launcher's key holding the outs' dtype and the lse words); each seen again launches directly."""
+    fake = _FakeJit()
+    launch = kernels.Launcher(fast=True, builders={"partials": lambda: fake})
+    out = torch.empty(1, 4, 2, 16)
+    for _ in range(2):
+        for dtype in PARTIAL_DTYPES:
+            kernels.fused_merge_partials_(out, _packed_partials(3, 1, 4, 2, 16, dtype=dtype), launch)
+    assert len(fake.jit_calls) == 3 and len(fake.direct_calls) == 3
+    assert [call[3].dtype for call in fake.jit_calls] == PARTIAL_DTYPES
+    assert [call[-1] for call in fake.jit_calls] == [1, 2, 2]
 
 
 _INTERPRETED = """
 import math, torch
 from xcp.cache import _merge_into
 from xcp_cuda import kernels
-for p, b, t, h, d in ((1, 2, 3, 4, 64), (3, 1, 5, 3, 72), (5, 2, 64, 4, 16), (5, 1, 2, 2, 576), (40, 1, 3, 2, 8)):
-    g = torch.Generator().manual_seed(p)
-    parts = torch.randn(p, b, t, h, d + 1, generator=g)
-    parts[..., d] *= 4
-    unseen = torch.rand(p, b, t, h, generator=g) < 0.3
-    unseen[:, :, :1, :1] = True
-    parts[..., d][unseen] = -math.inf
-    parts[..., :d][unseen] = 0.0
-    out = torch.full((b, t, h, d), math.nan)
-    lse = kernels.fused_merge_partials_(out, parts)
-    want = torch.empty_like(out)
-    want_lse = _merge_into(want, parts[..., :d], parts[..., d])
-    assert not out.isnan().any() and not lse.isnan().any()
-    assert (out[:, 0, 0] == 0).all() and torch.isneginf(lse[:, 0, 0]).all()
-    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+SHAPES = ((1, 2, 3, 4, 64), (3, 1, 5, 3, 72), (5, 2, 64, 4, 16), (5, 1, 2, 2, 576), (40, 1, 3, 2, 8), (2, 1, 3, 2, 128))
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for p, b, t, h, d in SHAPES:
+        g = torch.Generator().manual_seed(p)
+        outs = torch.randn(p, b, t, h, d, generator=g).to(dtype)
+        lses = torch.randn(p, b, t, h, generator=g) * 4
+        unseen = torch.rand(p, b, t, h, generator=g) < 0.3
+        unseen[:, :, :1, :1] = True
+        lses[unseen] = -math.inf
+        outs[unseen] = 0.0
+        if dtype == torch.float32:  # [D + 1]: the lse in channel D
+            parts = torch.cat([outs, lses.unsqueeze(-1)], dim=-1)
+        else:  # [D + 2]: the float32 lse's bits in channels D, D + 1
+            parts = torch.empty(p, b, t, h, d + 2, dtype=dtype)
+            parts[..., :d] = outs
+            parts[..., d:].view(torch.float32)[..., 0] = lses
+        out = torch.full((b, t, h, d), math.nan)
+        lse = kernels.fused_merge_partials_(out, parts)
+        want = torch.empty_like(out)
+        want_lse = _merge_into(want, outs.float(), lses)
+        assert not out.isnan().any() and not lse.isnan().any(), (dtype, p, d)
+        assert (out[:, 0, 0] == 0).all() and torch.isneginf(lse[:, 0, 0]).all(), (dtype, p, d)
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+        if p == 1:  # one rank's partial comes back as it is
+            assert torch.equal(out, outs[0].float()) and torch.equal(lse, lses[0].transpose(1, 2))
 print("interpreted ok")
 """
 
@@ -1700,9 +1806,11 @@ print("interpreted ok")
 @NEEDS_TRITON
 def test_the_partials_kernel_under_tritons_interpreter_equals_the_eager_merge():
     """The kernel itself, run on CPU tensors by Triton's interpreter (TRITON_INTERPRET=1, in a fresh process:
-    triton reads it at import), against the cache's eager merge (float32, to 1e-6): P = 1, D 72 and 576
-    (padded tiles), several rows a program, partials left over after the unrolled groups (P 5 by 4) and
-    groups looped over (P 40 by 32), rows some ranks or no rank saw (out 0, lse -inf, no NaN)."""
+    triton reads it at import), against the cache's eager merge (float32, to 1e-6), for the float32 packing
+    [D + 1] and the bfloat16 and float16 ones [D + 2] (outs converted in registers, the lse read through the
+    float32 view): P = 1 (its partial back as it is), D 72 and 576 (padded tiles) and 128, several rows a
+    program, partials left over after the unrolled groups (P 5 by 4) and groups looped over (P 40 by 32),
+    rows some ranks or no rank saw (out 0, lse -inf, no NaN)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "interpreted ok" in run.stdout, run.stdout + run.stderr
@@ -1721,21 +1829,24 @@ PARTIAL_SHAPES = [
 
 @NEEDS_TRITON
 @NEEDS_CUDA
+@pytest.mark.parametrize("dtype", PARTIAL_DTYPES)
 @pytest.mark.parametrize("p,b,t,h,d", PARTIAL_SHAPES)
-def test_the_partials_merge_equals_the_eager_merge_and_float64_on_a_gpu(p, b, t, h, d):
-    """On a GPU: the fused P-way merge writes every element of out (NaN before) and returns lse [B, H, T]
-    equal to the cache's eager merge (float32, to 1e-5) and to float64 math (to 1e-5 of the largest value);
-    rows no rank saw are out 0 and lse -inf, nothing is NaN, and the partials are left as they were."""
+def test_the_partials_merge_equals_the_eager_merge_and_float64_on_a_gpu(p, b, t, h, d, dtype):
+    """On a GPU, for the float32 packing and the 16-bit ones: the fused P-way merge writes every element of
+    out (NaN before) and returns lse [B, H, T] equal to the cache's eager merge of the unpacked partials
+    (float32, to 1e-5) and to float64 math (to 1e-5 of the largest value); rows no rank saw are out 0 and
+    lse -inf, nothing is NaN, and the partials are left as they were (bit for bit)."""
     from xcp.cache import _merge_into
 
     backend = CUDABackend(fused_merge=True)
-    parts = _partials(p, b, t, h, d, device="cuda", seed=p + d)
+    parts = _packed_partials(p, b, t, h, d, device="cuda", seed=p + d, dtype=dtype)
     before = parts.clone()
     out = torch.full((b, t, h, d), math.nan, device="cuda")
     lse = backend.fused_merge_partials_(out, parts)
     assert lse is not None and lse.shape == (b, h, t) and lse.dtype == torch.float32 and lse.is_contiguous()
+    outs, lses = _unpack(parts)
     want = torch.empty_like(out)
-    want_lse = _merge_into(want, parts[..., :d], parts[..., d])
+    want_lse = _merge_into(want, outs, lses)
     assert not out.isnan().any() and not lse.isnan().any()
     assert torch.equal(out[:, 0, 0], torch.zeros_like(out[:, 0, 0])) and torch.isneginf(lse[:, 0, 0]).all()
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
@@ -1746,27 +1857,38 @@ def test_the_partials_merge_equals_the_eager_merge_and_float64_on_a_gpu(p, b, t,
     ref_out, ref_lse = _float64_merge(parts)
     _close("out", out, ref_out, 1e-5)
     _close("lse", lse, ref_lse, 1e-5)
-    assert torch.equal(parts, before)
+    assert torch.equal(parts.view(torch.uint8), before.view(torch.uint8))
     if p == 1:  # one rank's partial comes back as it is
-        assert torch.equal(out, parts[0, ..., :d]) and torch.equal(lse, parts[0, ..., d].transpose(1, 2))
+        assert torch.equal(out, outs[0]) and torch.equal(lse, lses[0].transpose(1, 2))
 
 
 @NEEDS_TRITON
 @NEEDS_CUDA
 def test_the_partials_merge_is_not_served_for_float64_or_strided_buffers_on_a_gpu():
     """On a GPU too: float64 partials and buffers that are not contiguous go to the eager merge (None), and so
-    does everything with the fused merge turned off."""
+    does everything with the fused merge turned off; of the 16-bit packings, odd D, D + 1 channels, a 16-bit
+    out and strided buffers."""
     parts, out = _partials(3, 2, 5, 4, 16, device="cuda"), torch.empty(2, 5, 4, 16, device="cuda")
     backend = CUDABackend(fused_merge=True)
     assert backend.fused_merge_partials_(out.double(), parts.double()) is None
     assert backend.fused_merge_partials_(out, parts.transpose(1, 2).contiguous().transpose(1, 2)) is None
     assert CUDABackend(fused_merge=False).fused_merge_partials_(out, parts) is None
     assert backend.fused_merge_partials_(out, parts) is not None
+    for dtype in (torch.bfloat16, torch.float16):
+        packed = _pack16(parts, dtype)
+        assert backend.fused_merge_partials_(out, packed) is not None
+        assert CUDABackend(fused_merge=False).fused_merge_partials_(out, packed) is None
+        odd_out = torch.empty(2, 5, 4, 15, device="cuda")
+        assert backend.fused_merge_partials_(odd_out, torch.empty(3, 2, 5, 4, 17, device="cuda", dtype=dtype)) is None
+        assert backend.fused_merge_partials_(out, parts.to(dtype)) is None  # D + 1 channels in 16 bits
+        assert backend.fused_merge_partials_(out.to(dtype), packed) is None
+        assert backend.fused_merge_partials_(out, packed.transpose(1, 2).contiguous().transpose(1, 2)) is None
 
 
 @NEEDS_TRITON
 @NEEDS_CUDA
-def test_the_partials_merge_replays_from_a_cuda_graph_on_a_gpu():
+@pytest.mark.parametrize("dtype", PARTIAL_DTYPES)
+def test_the_partials_merge_replays_from_a_cuda_graph_on_a_gpu(dtype):
     """Captured once into a CUDA graph (the current stream then is the capture's side stream: a launch on any
     other stream would fail the capture or be missing from the replays), the merge replays on partials
     written in place, each replay equal to the eager merge; the lse it returned is the graph's output."""
@@ -1774,7 +1896,7 @@ def test_the_partials_merge_replays_from_a_cuda_graph_on_a_gpu():
 
     p, b, t, h, d = 8, 4, 1, 8, 128
     backend = CUDABackend(fused_merge=True)
-    parts = _partials(p, b, t, h, d, device="cuda")
+    parts = _packed_partials(p, b, t, h, d, device="cuda", dtype=dtype)
     out = torch.empty(b, t, h, d, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -1786,12 +1908,12 @@ def test_the_partials_merge_replays_from_a_cuda_graph_on_a_gpu():
         lse = backend.fused_merge_partials_(out, parts)
     assert lse is not None
     for seed in (1, 2, 3):
-        parts.copy_(_partials(p, b, t, h, d, device="cuda", seed=seed))
+        parts.copy_(_packed_partials(p, b, t, h, d, device="cuda", seed=seed, dtype=dtype))
         out.fill_(math.nan)
         graph.replay()
         torch.cuda.synchronize()
         want = torch.empty_like(out)
-        want_lse = _merge_into(want, parts[..., :d], parts[..., d])
+        want_lse = _merge_into(want, *_unpack(parts))
         assert not out.isnan().any() and torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)  # as in the test above
         torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)

@@ -207,9 +207,11 @@ class CUDABackend(FusedKernelBackend):
         return False
 
     def fused_merge_partials_(self, out, parts):
-        """A KV cache's P-way merge of packed partials in one Triton kernel where it applies (float32 CUDA
-        tensors, contiguous, head_dim <= :data:`kernels.PARTIALS_MAX_DIM`, ``fused_merge`` on and triton
-        importable): the merged lse [B, H, T]; else None, and the cache merges eagerly (float64 among others)."""
+        """A KV cache's P-way merge of packed partials in one Triton kernel where it applies: contiguous CUDA
+        tensors, a float32 ``out`` [B, T, H, D] with head_dim <= :data:`kernels.PARTIALS_MAX_DIM`, and
+        ``parts`` either [P, B, T, H, D + 1] float32 (lse in channel D) or [P, B, T, H, D + 2] bfloat16/float16
+        with D even (the float32 lse's bits in channels D, D + 1); ``fused_merge`` on and triton importable.
+        Returns the merged lse [B, H, T]; else None, and the cache merges eagerly (float64 among others)."""
         if (
             self.fused_merge
             and out.is_cuda

@@ -553,10 +553,10 @@ _CONSTEXPRS = {
     "merge": ("BLOCK_R", "BLOCK_D"),
     "pair": ("BLOCK_R", "BLOCK_D", "FRESH"),
     "add_pair": ("BLOCK_R", "BLOCK_D"),
-    "partials": ("BLOCK_R", "BLOCK_D", "N_PARTS", "UNROLL"),
+    "partials": ("BLOCK_R", "BLOCK_D", "N_PARTS", "UNROLL", "LSE_WORDS"),
 }
 """Each kernel's constexpr parameters, last in its launch arguments."""
-_TENSORS = {"merge": 4, "pair": 6, "add_pair": 3, "partials": 3}
+_TENSORS = {"merge": 4, "pair": 6, "add_pair": 3, "partials": 4}
 """How many tensors each kernel's launch arguments start with."""
 
 
@@ -586,7 +586,8 @@ class Launcher:
 
     def __call__(self, kind: str, grid: tuple[int], args: tuple) -> None:
         """Launch the kernel ``kind`` (``merge``, ``pair``, ``add_pair``, ``partials``) on ``args``: its parameters
-        in order, then its constexprs (the block sizes; FRESH for ``pair``, N_PARTS and UNROLL for ``partials``)."""
+        in order, then its constexprs (the block sizes; FRESH for ``pair``, N_PARTS, UNROLL and LSE_WORDS for
+        ``partials``)."""
         n_tensors = _TENSORS[kind]
         tensors = args[:n_tensors]
         key = (
@@ -761,34 +762,60 @@ def partials_tiling(n_rows: int, dim: int, parts: int) -> tuple[tuple[int], int,
     return (-(-n_rows // block_r),), block_r, block_d, unroll
 
 
+PARTIALS_16BIT = (torch.bfloat16, torch.float16)
+"""The 16-bit dtypes of the packing [P, B, T, H, D + 2]: outs in that dtype, the float32 lse in the last two."""
+
+
+def partials_lse_words(out: torch.Tensor, parts: torch.Tensor) -> int:
+    """How many channels of ``parts`` hold each partial's lse where the partials kernel serves (out, parts):
+    1 for float32 parts [P, B, T, H, D + 1], 2 for bfloat16/float16 parts [P, B, T, H, D + 2] (D even, the
+    float32 lse's bits in channels D and D + 1); 0 where it does not serve them."""
+    if (
+        out.dtype != torch.float32
+        or out.dim() != 4
+        or parts.dim() != 5
+        or tuple(parts.shape[1:4]) != tuple(out.shape[:3])
+        or not 1 <= out.shape[3] <= PARTIALS_MAX_DIM
+        or parts.device != out.device
+        or not out.is_contiguous()
+        or not parts.is_contiguous()
+    ):
+        return 0
+    dim = out.shape[3]
+    if parts.dtype == torch.float32 and parts.shape[4] == dim + 1:
+        return 1
+    if (
+        parts.dtype in PARTIALS_16BIT
+        and dim % 2 == 0
+        and parts.shape[4] == dim + 2
+        and parts.storage_offset() % 2 == 0  # viewable as float32
+    ):
+        return 2
+    return 0
+
+
 def fused_merge_partials_supported(out: torch.Tensor, parts: torch.Tensor) -> bool:
-    """True where the partials kernel applies: float32 out [B, T, H, D] and parts [P, B, T, H, D + 1] on one
-    device, both contiguous, 1 <= D <= :data:`PARTIALS_MAX_DIM` (float64 and the rest: the eager merge)."""
-    return (
-        out.dtype == torch.float32
-        and parts.dtype == torch.float32
-        and out.dim() == 4
-        and parts.dim() == 5
-        and tuple(parts.shape[1:4]) == tuple(out.shape[:3])
-        and parts.shape[4] == out.shape[3] + 1
-        and 1 <= out.shape[3] <= PARTIALS_MAX_DIM
-        and parts.device == out.device
-        and out.is_contiguous()
-        and parts.is_contiguous()
-    )
+    """True where the partials kernel applies: float32 out [B, T, H, D] and, on its device, parts
+    [P, B, T, H, D + 1] float32 or [P, B, T, H, D + 2] bfloat16/float16 with D even (the lse's float32 bits in
+    the last two channels); both contiguous, 1 <= D <= :data:`PARTIALS_MAX_DIM` (float64 and the rest: the
+    eager merge)."""
+    return partials_lse_words(out, parts) > 0
 
 
 def fused_merge_partials_(out: torch.Tensor, parts: torch.Tensor, launch: Launcher | None = None) -> torch.Tensor:
-    """Merge P ranks' packed partials ``parts`` [P, B, T, H, D + 1] (float32, contiguous; rank r's out in
-    ``[..., :D]``, its lse in ``[..., D]``) into ``out`` [B, T, H, D] (float32, contiguous, written whole) in
-    one kernel on the current stream; return the merged lse [B, H, T] (float32, contiguous, allocated here
+    """Merge P ranks' packed partials ``parts`` into ``out`` [B, T, H, D] (float32, contiguous, written whole)
+    in one kernel on the current stream; return the merged lse [B, H, T] (float32, contiguous, allocated here
     with ``torch.empty``: nothing else is allocated and the host reads nothing from the device, so a CUDA
-    graph can capture it). Rows no rank saw get out 0 and lse -inf."""
-    if not fused_merge_partials_supported(out, parts):
+    graph can capture it). Rows no rank saw get out 0 and lse -inf. ``parts`` (contiguous) is either
+    [P, B, T, H, D + 1] float32, rank r's out in ``[..., :D]`` and its lse in ``[..., D]``, or
+    [P, B, T, H, D + 2] bfloat16/float16 (D even), rank r's out in ``[..., :D]`` and its float32 lse bit for
+    bit in ``[..., D:]`` (``parts[..., D:].view(torch.float32)[..., 0]``); outs are summed in float32."""
+    words = partials_lse_words(out, parts)
+    if not words:
         raise ValueError(
-            f"out, parts: expected float32 contiguous out [B, T, H, D] (1 <= D <= {PARTIALS_MAX_DIM}) and parts "
-            f"[P, B, T, H, D + 1] on its device; got out {tuple(out.shape)} {out.dtype} and parts "
-            f"{tuple(parts.shape)} {parts.dtype}"
+            f"out, parts: expected float32 contiguous out [B, T, H, D] (1 <= D <= {PARTIALS_MAX_DIM}) and "
+            f"contiguous parts on its device, [P, B, T, H, D + 1] float32 or [P, B, T, H, D + 2] bfloat16/float16 "
+            f"with D even; got out {tuple(out.shape)} {out.dtype} and parts {tuple(parts.shape)} {parts.dtype}"
         )
     bsz, seq, heads, dim = out.shape
     lse = torch.empty((bsz, heads, seq), dtype=torch.float32, device=out.device)
@@ -796,11 +823,12 @@ def fused_merge_partials_(out: torch.Tensor, parts: torch.Tensor, launch: Launch
     if n_rows == 0:
         return lse
     grid, block_r, block_d, unroll = partials_tiling(n_rows, dim, parts.shape[0])
+    lses = parts if words == 1 else parts.view(torch.float32)  # rows of (D + 2) / 2, the lse at column D / 2
     args = (
-        out, lse, parts,
-        n_rows, seq, heads, dim, parts.stride(0),
+        out, lse, parts, lses,
+        n_rows, seq, heads, dim, parts.stride(0), lses.stride(0),
         *lse.stride(),
-        block_r, block_d, parts.shape[0], unroll,
+        block_r, block_d, parts.shape[0], unroll, words,
     )  # fmt: skip
     (launch or LAUNCHER)("partials", grid, args)
     return lse

@@ -118,9 +118,16 @@ def add_pair_kernel(
     tl.store(c_ptrs, c + (x.to(tl.float32) + y.to(tl.float32)), mask=mask2)
 
 
-# A KV cache's combine (xcp.cache.KVCache._combine): P ranks' partials, gathered as one packed buffer
-# parts [P, B, T, H, D + 1] (rank r's out in [..., :D], its lse in [..., D]), merged into out [B, T, H, D]
-# and the merged lse [B, H, T] in one kernel. Each program takes BLOCK_R rows (n_rows = B * T * H):
+# A KV cache's combine (xcp.cache.KVCache._combine): P ranks' partials, gathered as one packed buffer, merged
+# into out [B, T, H, D] (float32) and the merged lse [B, H, T] (float32) in one kernel. Two packings:
+#     LSE_WORDS = 1: parts [P, B, T, H, D + 1] float32, rank r's out in [..., :D], its lse in [..., D];
+#     LSE_WORDS = 2: parts [P, B, T, H, D + 2] bfloat16 or float16 (D even), rank r's out in [..., :D] as the
+#                    attention kernel gave it, its float32 lse stored bit for bit in channels D and D + 1.
+# The kernel reads the outs through ``outs_ptr`` (the buffer in its own dtype: rows of D + LSE_WORDS values)
+# and the lses through ``lses_ptr`` (the same buffer viewed as float32: rows of (D + LSE_WORDS) / LSE_WORDS
+# values, the lse at column D / LSE_WORDS); for LSE_WORDS = 1 the two are one tensor. Outs are converted to
+# float32 in registers, so both packings share the math below. Each program takes BLOCK_R rows
+# (n_rows = B * T * H):
 #     pass 1, over the P lse only: the running max m and sum s = sum_r exp(L_r - m), rescaled as m grows;
 #             L = m + log(s), or -inf on a row no rank saw (m = -inf);
 #     pass 2, over the P outs: O = sum_r exp(L_r - L) O_r (a -inf partial weighs exp(-inf) = 0);
@@ -132,10 +139,10 @@ def add_pair_kernel(
 # programs, and P loads one after another would be P memory latencies. UNROLL is bounded by the tile's
 # values per thread (xcp_cuda.kernels.partials_tiling) so that nothing spills.
 @triton.jit
-def _partial_lse(m, s, part, lse_offs, rmask):
+def _partial_lse(m, s, lses, lse_offs, rmask):
     """Pass 1's step: fold one partial's lse into the running max ``m`` and sum ``s = sum exp(L_r - m)``."""
     neg_inf = float("-inf")
-    lr = tl.load(part + lse_offs, mask=rmask, other=neg_inf)
+    lr = tl.load(lses + lse_offs, mask=rmask, other=neg_inf)
     m_new = tl.maximum(m, lr)
     m_safe = tl.where(m_new == neg_inf, 0.0, m_new)
     s = s * tl.exp(m - m_safe) + tl.exp(lr - m_safe)  # both exp(-inf) = 0 while no rank saw the row
@@ -143,19 +150,20 @@ def _partial_lse(m, s, part, lse_offs, rmask):
 
 
 @triton.jit
-def _partial_out(acc, part, lse_offs, o_offs, rmask, mask2, lse_safe):
-    """Pass 2's step: add one partial's out, weighted ``exp(L_r - L)``, to ``acc``."""
-    w = tl.exp(tl.load(part + lse_offs, mask=rmask, other=float("-inf")) - lse_safe)
-    o = tl.load(part + o_offs, mask=mask2, other=0.0)
+def _partial_out(acc, outs, lses, lse_offs, o_offs, rmask, mask2, lse_safe):
+    """Pass 2's step: add one partial's out (as float32), weighted ``exp(L_r - L)``, to ``acc``."""
+    w = tl.exp(tl.load(lses + lse_offs, mask=rmask, other=float("-inf")) - lse_safe)
+    o = tl.load(outs + o_offs, mask=mask2, other=0.0).to(tl.float32)
     return acc + w[:, None] * o
 
 
 @triton.jit
 def merge_partials_kernel(
-    out_ptr, lse_ptr, parts_ptr,
-    n_rows, seq, heads, dim, part_stride,
+    out_ptr, lse_ptr, outs_ptr, lses_ptr,
+    n_rows, seq, heads, dim, outs_stride, lses_stride,
     l_sb, l_sh, l_ss,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, N_PARTS: tl.constexpr, UNROLL: tl.constexpr,
+    LSE_WORDS: tl.constexpr,
 ):  # fmt: skip
     rmask, b, i, h = row_coordinates(n_rows, seq, heads, BLOCK_R)
     neg_inf = float("-inf")
@@ -163,33 +171,40 @@ def merge_partials_kernel(
     r = tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     mask2 = rmask[:, None] & (d < dim)[None, :]
+    o_row = dim + LSE_WORDS  # a packed row, in values of the outs' dtype
+    l_row = o_row // LSE_WORDS  # the same row, in float32 values
+    l_col = dim // LSE_WORDS  # the lse's float32 column (D is even where LSE_WORDS = 2)
     # An int64 base per partial, int32 offsets in the tile shared by the P partials: the loads in flight
-    # cost a base each, not a tile of 64-bit pointers each. The base steps one partial on at a time (no
-    # int32 product r * part_stride to overflow).
-    base = parts_ptr + row0 * (dim + 1)  # this program's first packed row of rank 0: out in [0, dim), lse at dim
-    lse_offs = r * (dim + 1) + dim
-    o_offs = (r * (dim + 1))[:, None] + d[None, :]
+    # cost a base each, not a tile of 64-bit pointers each. The bases step one partial on at a time (no
+    # int32 product r * stride to overflow).
+    outs_base = outs_ptr + row0 * o_row  # this program's first packed row of rank 0, as outs and as lses
+    lses_base = lses_ptr + row0 * l_row
+    lse_offs = r * l_row + l_col
+    o_offs = (r * o_row)[:, None] + d[None, :]
     m = tl.full([BLOCK_R], neg_inf, tl.float32)
     s = tl.zeros([BLOCK_R], tl.float32)
-    part = base
+    lses = lses_base
     for _ in range(N_PARTS // UNROLL):
         for _ in tl.static_range(UNROLL):
-            m, s = _partial_lse(m, s, part, lse_offs, rmask)
-            part += part_stride
+            m, s = _partial_lse(m, s, lses, lse_offs, rmask)
+            lses += lses_stride
     for _ in tl.static_range(N_PARTS % UNROLL):
-        m, s = _partial_lse(m, s, part, lse_offs, rmask)
-        part += part_stride
+        m, s = _partial_lse(m, s, lses, lse_offs, rmask)
+        lses += lses_stride
     empty = m == neg_inf
     lse = tl.where(empty, neg_inf, m + tl.log(tl.where(empty, 1.0, s)))
     lse_safe = tl.where(empty, 0.0, lse)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    part = base
+    outs = outs_base
+    lses = lses_base
     for _ in range(N_PARTS // UNROLL):
         for _ in tl.static_range(UNROLL):
-            acc = _partial_out(acc, part, lse_offs, o_offs, rmask, mask2, lse_safe)
-            part += part_stride
+            acc = _partial_out(acc, outs, lses, lse_offs, o_offs, rmask, mask2, lse_safe)
+            outs += outs_stride
+            lses += lses_stride
     for _ in tl.static_range(N_PARTS % UNROLL):
-        acc = _partial_out(acc, part, lse_offs, o_offs, rmask, mask2, lse_safe)
-        part += part_stride
+        acc = _partial_out(acc, outs, lses, lse_offs, o_offs, rmask, mask2, lse_safe)
+        outs += outs_stride
+        lses += lses_stride
     tl.store(out_ptr + row0 * dim + (r * dim)[:, None] + d[None, :], acc, mask=mask2)
     tl.store(lse_ptr + b * l_sb + h * l_sh + i * l_ss, lse, mask=rmask)
