@@ -897,15 +897,6 @@ def test_varlen_conformance_catches_a_broken_kernel(monkeypatch, fake, check, kw
         check(backend, torch.bfloat16, **kwargs)
 
 
-@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
-def test_varlen_conformance_on_a_gpu(case):
-    backend = CUDABackend()
-    ok, reason = backend.available()
-    if not ok:
-        pytest.skip(f"needs a CUDA GPU ({reason})")
-    case.run(backend)
-
-
 # ---------------------------------------------------------------------------------------------- storage range
 RANGE_CASES = {  # name: (B, T, H, Hkv, room, lo, hi)
     "decode-gqa": (1, 1, 4, 2, 9, 0, 5),
@@ -1069,8 +1060,8 @@ def test_range_conformance_catches_a_kernel_that_reads_outside_the_range(monkeyp
         conformance.check_forward_range(backend, torch.bfloat16, ends="inner", heads="gqa")
 
 
-@pytest.mark.parametrize("case", RANGE_CONFORMANCE, ids=str)
-def test_range_conformance_on_a_gpu(case):
+@pytest.mark.parametrize("case", [*VARLEN_CASES, *RANGE_CONFORMANCE], ids=str)
+def test_varlen_and_range_conformance_on_a_gpu(case):
     backend = CUDABackend()
     ok, reason = backend.available()
     if not ok:
