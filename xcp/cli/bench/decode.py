@@ -514,7 +514,9 @@ def format_decode(report: dict[str, Any]) -> str:
             + f". Every rank's output checked against SDPA first (relative error ≤ {rows[0]['tolerance']:.0e}), "
             f"the replayed ones too; median of {c['reps']} after {c['warmup']} warm-up, interleaved. Replayed: "
             "xcp's step captured once as one device graph holding every rank's work, each replay appending one "
-            "more token (device time without the host)"
+            "more token (device time without the host); SDPA's graph attends at one length. Eager, each step's "
+            "new length makes a cuDNN kernel build a new plan (SDPA's eager figure is mostly that); eager xcp is "
+            "P Python threads launching for one device: its replayed figure is the one to read"
         ),
         "",
         f"{'L':>8} {'P':>3} | {'eager ms: SDPA':>14} {'flash':>7} {'xcp':>7} {'xcp/SDPA':>8} {'xcp/flash':>9} | "
