@@ -3,7 +3,8 @@
 A cache with ``capacity`` (:class:`xcp.KVCache`) is meant to be captured into a device graph once and
 replayed for every token: a replay runs the device work alone, so whatever the step must know about the
 cache's length has to be read and advanced by device ops. :class:`DeviceCounts` keeps it: one small int64
-tensor holding the global length and this rank's length, and the global position of every storage row (what a
+tensor holding the global length, this rank's length and the next position's residue mod P (whose token
+the rank keeps when it is the rank's own), and the global position of every storage row (what a
 window needs). A decode step's append writes the token in place at the row the device
 counters name and advances them; its attention reads the visible storage range ``[lo, hi)`` from them. Each
 is a handful of small device ops, since eagerly every op costs host time.
@@ -26,7 +27,7 @@ from .documents import PositionRun
 FAR = (1 << 62) - 1
 """The position of a storage row that holds no token yet: after every real position."""
 
-SEQ, LOCAL = 0, 1
+SEQ, LOCAL, PHASE = 0, 1, 2
 """The entries of :attr:`DeviceCounts.counts`."""
 
 
@@ -40,16 +41,18 @@ class DeviceCounts:
 
     def __init__(self, room: int, capacity: int, world_size: int, rank: int, device: torch.device) -> None:
         self.room, self.capacity, self.world_size, self.rank = room, capacity, world_size, rank
-        self.counts = torch.zeros(2, dtype=torch.int64, device=device)
-        """``[seq_len, local_len]``: the tokens of all ranks (past the capacity too), of this rank."""
+        self.counts = torch.zeros(3, dtype=torch.int64, device=device)
+        """``[seq_len, local_len, seq_len % P]``: the tokens of all ranks (past the capacity too), of this rank,
+        and the residue that picks the next token's owner."""
         self.positions = torch.full((room + 1,), FAR, dtype=torch.int64, device=device)
         """The global position of each storage row (:data:`FAR` where none is held)."""
         self._rows = torch.arange(room + 1, device=device)
         self._zero = torch.zeros(1, dtype=torch.int64, device=device)
-        owners = torch.arange(world_size, device=device) == rank
-        self._steps = torch.stack((torch.ones_like(owners, dtype=torch.int64), owners.long()), dim=1)
-        """Row j: what a token at a position ``p`` with ``p % P == j`` adds to :attr:`counts` (1, and 1 for its
-        owner): one lookup instead of computing the owner."""
+        residues = torch.arange(world_size, device=device)
+        next_residue = torch.where(residues + 1 < world_size, 1, 1 - world_size)
+        self._steps = torch.stack((torch.ones_like(residues), (residues == rank).long(), next_residue), dim=1)
+        """Row j: what a token at a position ``p`` with ``p % P == j`` adds to :attr:`counts` (1; 1 for its owner;
+        the step of the residue to ``(j + 1) % P``): one lookup, no modulo, per token."""
 
     # ------------------------------------------------------------------ host side (eager, outside steps)
     def record(self, runs: Iterable[PositionRun], seq_len: int, local_len: int) -> None:
@@ -59,11 +62,12 @@ class DeviceCounts:
             torch.arange(run.count, device=rows.device, out=rows).mul_(run.stride).add_(run.global0)
         self.counts[SEQ].fill_(seq_len)  # fills, not a copy from host memory: that would wait for the stream
         self.counts[LOCAL].fill_(local_len)
+        self.counts[PHASE].fill_(seq_len % self.world_size)
 
     def read(self) -> tuple[int, int, int]:
         """``(seq_len, local_len, overflow)`` as the device has them now, overflow the tokens past the
         capacity (not kept): one host read (it waits for the device), for use between steps."""
-        seq, local = (int(x) for x in self.counts.tolist())
+        seq, local, _ = (int(x) for x in self.counts.tolist())
         return seq, local, max(0, seq - self.capacity)
 
     # ------------------------------------------------------------------ device side (inside a step)
@@ -78,7 +82,7 @@ class DeviceCounts:
         if self.world_size == 1:
             self.counts.add_(self._steps[0])
         else:
-            self.counts.add_(torch.index_select(self._steps, 0, torch.remainder(seq, self.world_size)).view(2))
+            self.counts.add_(torch.index_select(self._steps, 0, self.counts[PHASE : PHASE + 1]).view(3))
 
     def visible(self, left: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The storage range ``[lo, hi)`` the newest token's query sees, as device tensors of one element:
