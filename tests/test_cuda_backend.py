@@ -1033,6 +1033,103 @@ def test_forward_range_checks_its_range_ends(monkeypatch):
         backend.forward_range(q, k, v, 0, hi, 0.3)
 
 
+class _RangeKernel:
+    """Stands in for one of forward_range's Triton kernels: records ``kernel[grid](...)`` and does its work with
+    the torch-op path (``inside`` set meanwhile, so that a counter can leave those ops out)."""
+
+    inside = False
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.calls: list[tuple] = []
+
+    def __getitem__(self, grid):
+        def run(*params, **constexprs):
+            self.calls.append((grid, params, constexprs))
+            _RangeKernel.inside = True
+            try:
+                if self.name == "range_lengths":
+                    lo, hi, cum_q, cum_k, used, batch, queries, room = params
+                    for out, want in zip((cum_q, cum_k, used), kernels.range_lengths(batch, queries, room, lo, hi)):
+                        out.copy_(want)
+                else:
+                    out, lse, lo, hi, n_rows, heads, dim, o_sn, o_sh, l_sh, l_sn = params
+                    assert (n_rows, heads, dim) == (out.shape[0] * out.shape[1], *out.shape[1:])
+                    assert (o_sn, o_sh, l_sh, l_sn) == (*out.stride()[:2], *lse.stride())
+                    kernels.blind_rows_(out, lse, lo, hi, None)
+            finally:
+                _RangeKernel.inside = False
+
+        return run
+
+
+class _DeviceOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the torch ops that would launch a kernel (neither a view nor an allocation with ``empty``), leaving
+    out those inside the stand-in flash op and the stand-in Triton kernels."""
+
+    def __init__(self, fake) -> None:
+        super().__init__()
+        self.fake = fake
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inside = self.fake.on_device or _RangeKernel.inside
+        if not (inside or func.is_view or func is torch.ops.aten.empty.memory_format):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", ["batch-mqa-inner", "empty", "decode-gqa"])
+def test_the_fused_forward_range_is_two_triton_launches_and_the_flash_op(monkeypatch, case):
+    """With the fused kernels on (and triton importable), forward_range launches the lengths kernel, the flash
+    varlen op and the empty-rows kernel, and no torch kernel besides (only views and ``torch.empty``); the
+    host reads no value; its results are the torch-op path's bit for bit (shapes, dtypes and strides too)."""
+    b, t, h, hkv, room, lo, hi = RANGE_CASES[case]
+    q, k, v, lo_t, hi_t = _range_inputs(b, t, h, hkv, room, lo, hi, torch.bfloat16, seed=room + lo)
+    q = q.contiguous()  # a strided q is copied once (one more kernel, the caller's layout)
+    fakes = {name: _RangeKernel(name) for name in ("range_lengths", "range_blind")}
+    results = {}
+    for on in (False, True):
+        backend, _ = _cpu_backend(monkeypatch, fused_merge=on)
+        monkeypatch.setattr(kernels, "triton_importable", lambda: True)
+        backend.launcher = kernels.Launcher(builders={name: (lambda f=f: f) for name, f in fakes.items()})
+        fake = _RangeAten()
+        monkeypatch.setattr(kernels, "ATEN", fake)
+        counter = _DeviceOps(fake)
+        with _host_reads_refused(fake), counter:
+            results[on] = backend.forward_range(q, k, v, lo_t, hi_t, 0.3)
+        assert fake.calls == [("flash_varlen_fwd", b * t, b * room, hkv, False, b)]
+        cum_q, cum_k = [i * t for i in range(b + 1)], [i * room + lo for i in range(b + 1)]
+        assert fake.lengths == [(cum_q, cum_k, [hi - lo] * b, t, room)]
+        if on:
+            assert counter.ops == [], counter.ops
+        else:
+            assert len(counter.ops) >= 10 and not any(f.calls for f in fakes.values()), counter.ops
+    lengths, blind = fakes["range_lengths"].calls, fakes["range_blind"].calls
+    assert len(lengths) == 1 and len(blind) == 1
+    assert lengths[0][0] == (1,) and lengths[0][2] == {"BLOCK": 1 << b.bit_length()}
+    block_d = 16
+    assert blind[0][0] == (-(-(b * t * h) // (2048 // block_d)),) and blind[0][2] == {"BLOCK_R": 128, "BLOCK_D": 16}
+    for got, want in zip(results[True], results[False]):
+        assert got.shape == want.shape and got.dtype == want.dtype and got.stride() == want.stride()
+        assert torch.equal(got, want)
+    if lo == hi:
+        assert torch.equal(results[True][0], torch.zeros_like(q)) and torch.isneginf(results[True][1]).all()
+
+
+def test_the_forward_range_kernels_are_off_without_triton_or_the_fused_kernels(monkeypatch):
+    """The torch-op path serves where triton is missing, the fused kernels are off, or head_dim > 256."""
+    backend, _ = _cpu_backend(monkeypatch, fused_merge=True)
+    q = torch.empty(1, 1, 2, 16)
+    monkeypatch.setattr(kernels, "triton_importable", lambda: False)
+    assert backend._range_launcher(q) is None
+    monkeypatch.setattr(kernels, "triton_importable", lambda: True)
+    assert backend._range_launcher(q) is backend.launcher
+    assert backend._range_launcher(torch.empty(1, 1, 2, 264)) is None
+    backend.fused_merge = False
+    assert backend._range_launcher(q) is None
+
+
 # The conformance suite's range checks on the stand-in ops (fp16/bf16: the flash varlen op with seqused_k;
 # fp32 and float64: the math default) and, where there is one, on a GPU.
 RANGE_CONFORMANCE = [c for c in conformance.cases(CUDABackend()) if c.id.startswith("range-")]
@@ -1500,9 +1597,10 @@ def test_every_rank_of_a_localworld_replays_from_one_graph_on_a_gpu(causal):
         assert error(a, b).rel <= REL_TOLERANCE[torch.bfloat16], name
 
 
-def _flash_on_this_gpu() -> CUDABackend:
-    """A CUDA backend whose bf16 blocks of head_dim 64 and 128 run on the flash op, or a skip."""
-    backend = CUDABackend()
+def _flash_on_this_gpu(**kwargs) -> CUDABackend:
+    """A CUDA backend (built with ``kwargs``) whose bf16 blocks of head_dim 64 and 128 run on the flash op, or a
+    skip."""
+    backend = CUDABackend(**kwargs)
     if backend.kernel_for(torch.empty(1, 1, 1, 64, dtype=torch.bfloat16, device="cuda")) != "flash":
         pytest.skip("needs an sm80+ GPU (the flash op)")
     return backend
@@ -1519,6 +1617,17 @@ def _range_error(out, lse, q, k, v, lo: int, hi: int, scale: float) -> tuple[flo
     return rel, (lse.double() - ref_lse).abs().max().item()
 
 
+def _range_backend_on_this_gpu(on: bool) -> CUDABackend:
+    """:func:`_flash_on_this_gpu` with forward_range's Triton kernels on (default ``fused_merge`` where triton is
+    importable: a skip otherwise) or off."""
+    if on and not kernels.triton_importable():
+        pytest.skip("needs triton")
+    backend = _flash_on_this_gpu() if on else _flash_on_this_gpu(fused_merge=False)
+    q = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16, device="cuda")
+    assert (backend._range_launcher(q) is backend.launcher) == on, "XCP_CUDA_FUSED_MERGE turned the default off?"
+    return backend
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
     "b,t,hkv,lo,hi",
@@ -1529,11 +1638,13 @@ def _range_error(out, lse, q, k, v, lo: int, hi: int, scale: float) -> tuple[flo
         (2, 3, 1, 100, 100),  # empty
     ],
 )
-def test_forward_range_matches_float64_math_on_a_gpu(b, t, hkv, lo, hi):
+@pytest.mark.parametrize("fused_kernels", [True, False], ids=["triton", "torch-ops"])
+def test_forward_range_matches_float64_math_on_a_gpu(b, t, hkv, lo, hi, fused_kernels):
     """bf16 forward_range (one flash varlen call) against float64 math of key rows lo..hi-1 on random inputs:
     out within a relative 2-norm error of 2e-2 (about 5 bf16 ulps, as the block test), lse within 1e-3
-    (computed in float32 from the same bf16 inputs)."""
-    backend = _flash_on_this_gpu()
+    (computed in float32 from the same bf16 inputs); the lengths and the empty rows' fix by the two Triton
+    kernels (the fused kernels on, as by default where triton is installed) and by the torch ops."""
+    backend = _range_backend_on_this_gpu(fused_kernels)
     room, h, d = 1024, 8, 128
     g = torch.Generator(device="cuda").manual_seed(b * 100 + lo)
     q = torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -1546,11 +1657,13 @@ def test_forward_range_matches_float64_math_on_a_gpu(b, t, hkv, lo, hi):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_forward_range_replays_from_a_cuda_graph_as_the_range_changes_on_the_device():
+@pytest.mark.parametrize("fused_kernels", [True, False], ids=["triton", "torch-ops"])
+def test_forward_range_replays_from_a_cuda_graph_as_the_range_changes_on_the_device(fused_kernels):
     """forward_range captured once into a CUDA graph (with an empty range) replays right after lo and hi
     are changed on the device (fill_, copy_), and after q is: the lengths are recomputed at every replay,
-    nothing of the range was frozen into the graph, and the capture itself read no value on the host."""
-    backend = _flash_on_this_gpu()
+    nothing of the range was frozen into the graph, and the capture itself read no value on the host. Both
+    with the two Triton kernels (the default where triton is installed) and with the torch ops."""
+    backend = _range_backend_on_this_gpu(fused_kernels)
     b, t, h, hkv, d, room = 2, 1, 8, 2, 64, 512
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -1804,6 +1917,77 @@ def test_the_partials_kernel_under_tritons_interpreter_equals_the_eager_merge():
     rows some ranks or no rank saw (out 0, lse -inf, no NaN)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "interpreted ok" in run.stdout, run.stdout + run.stderr
+
+
+_RANGE_INTERPRETED = """
+import math, torch
+from xcp_cuda import kernels
+launch = kernels.Launcher()
+CASES = ((1, 1, 5, 0, 0), (3, 2, 7, 2, 5), (4, 1, 9, 9, 9), (2, 3, 6, 0, 6), (1, 4, 8, 3, 3), (6, 1, 16, 5, 4),
+         (1500, 1, 4, 1, 3))
+for b, t, room, lo, hi in CASES:  # the lengths kernel against the torch ops (lo > hi too: hi - lo < 0 as they give it)
+    for shape in ((), (1,)):
+        lo_t, hi_t = torch.tensor(lo).reshape(shape), torch.tensor(hi).reshape(shape)
+        want = kernels.range_lengths(b, t, room, lo_t, hi_t)
+        got = kernels.range_lengths(b, t, room, lo_t, hi_t, launch)
+        for w, g in zip(want, got):
+            assert g.dtype == torch.int32 and g.shape == w.shape and torch.equal(g, w), (b, t, room, lo, hi)
+
+
+class Op:  # the varlen op's results: random out, lse +inf on some rows (out NaN there, as nothing wrote them)
+    def __init__(self, seed, dtype):
+        self.seed, self.dtype = seed, dtype
+
+    def _flash_attention_forward(self, q, k, v, cq, ck, max_q, max_k, *args, scale, seqused_k):
+        g = torch.Generator().manual_seed(self.seed)
+        n, h, d = q.shape
+        out = torch.randn(n, h, d, generator=g).to(self.dtype)
+        lse = torch.randn(h, n, generator=g)
+        unseen = torch.rand(h, n, generator=g) < 0.3
+        unseen[0, 0] = True
+        lse[unseen] = math.inf
+        out[unseen.transpose(0, 1)] = math.nan
+        return out, lse, None, None, None
+
+
+for b, t, room, lo, hi in CASES[:6]:
+    for h, hkv, d in ((4, 2, 8), (2, 2, 72), (8, 1, 128), (2, 1, 256)):
+        for dtype in (torch.bfloat16, torch.float16):
+            q = torch.randn(b, t, h, d).to(dtype)
+            k = v = torch.randn(b, room, hkv, d).to(dtype)
+            lo_t, hi_t = torch.tensor([lo]), torch.tensor([hi])
+            kernels.ATEN = Op(b * 1000 + d, dtype)
+            want_out, want_lse = kernels.flash_range_forward(q, k, v, lo_t, hi_t, 0.3)
+            got_out, got_lse = kernels.flash_range_forward(q, k, v, lo_t, hi_t, 0.3, launch)
+            for got, want in ((got_out, want_out), (got_lse, want_lse)):
+                assert got.shape == want.shape and got.dtype == want.dtype and got.stride() == want.stride()
+                assert torch.equal(got, want), (b, t, room, lo, hi, h, d, dtype)
+            assert not got_out.isnan().any() and torch.isneginf(got_lse).any()
+            if hi <= lo:
+                assert torch.equal(got_out, torch.zeros_like(got_out)) and torch.isneginf(got_lse).all()
+# a strided lse [H, N] (the kernel takes its strides)
+out = torch.randn(6, 3, 40)
+lse = torch.randn(6, 3).transpose(0, 1)
+lse[1, 2] = math.inf
+want_out, want_lse = out.clone(), lse.clone()
+kernels.blind_rows_(want_out, want_lse, torch.tensor(2), torch.tensor(5), None)
+kernels.blind_rows_(out, lse, torch.tensor(2), torch.tensor(5), launch)
+assert torch.equal(out, want_out) and torch.equal(lse, want_lse) and want_lse[1, 2] == -math.inf
+print("interpreted ok")
+"""
+
+
+@NEEDS_TRITON
+def test_the_forward_range_kernels_under_tritons_interpreter_equal_the_torch_ops():
+    """forward_range's two Triton kernels, run on CPU tensors by Triton's interpreter, against the torch-op path
+    bit for bit: the lengths for several B (1500: more than one program), T, room, lo and hi (lo == hi, lo > 0,
+    lo > hi), lo and hi 0-d or [1]; and flash_range_forward around a stand-in varlen op whose lse is +inf (out
+    NaN) on some rows: those rows, and every row of an empty range, out 0 and lse -inf, the rest untouched,
+    head_dim 8 to 256 (72: a padded tile), bfloat16 and float16, results' shapes, dtypes and strides alike."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = _RANGE_INTERPRETED
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "interpreted ok" in run.stdout, run.stdout + run.stderr
 
 

@@ -339,7 +339,8 @@ class CUDABackend(FusedKernelBackend):
 
     def forward_range(self, q, k, v, lo, hi, scale: float):
         """One flash varlen call where the flash op serves q (:func:`kernels.flash_range_forward`: each batch
-        row a segment whose key start and length are computed on the device from lo and hi, GQA native),
+        row a segment whose key start and length are computed on the device from lo and hi, GQA native; with
+        the fused kernels on, three launches a call: :meth:`_range_launcher`),
         else the base class (the math kernel over the whole room under a mask built on the device). The
         choice depends on q's dtype, head dim and GPU alone, never on lo or hi, so a captured graph replays
         the same kernels whatever the range."""
@@ -349,4 +350,17 @@ class CUDABackend(FusedKernelBackend):
         op = kernels.flash_range_forward
         if self.kv_groups(q, k) > 1:  # gqa="repeat": the storage repeated per query head
             op = kernels.with_repeated_kv(op)
-        return op(q, k, v, lo, hi, scale)
+        return op(q, k, v, lo, hi, scale, self._range_launcher(q))
+
+    def _range_launcher(self, q: torch.Tensor) -> kernels.Launcher | None:
+        """The launcher of :func:`kernels.flash_range_forward`'s two Triton kernels (its lengths and its empty
+        rows' fix, in place of a dozen tiny torch ops): this backend's own where ``fused_merge`` is on, triton
+        importable, q on this backend's device type and its head dim served; else None (the torch ops)."""
+        if (
+            self.fused_merge
+            and q.device.type == self.device_type
+            and kernels.fused_range_supported(q)
+            and kernels.triton_importable()
+        ):
+            return self.launcher
+        return None

@@ -448,15 +448,24 @@ def check_range_ends(lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor) -> Non
 
 
 def range_lengths(
-    batch: int, queries: int, room: int, lo: torch.Tensor, hi: torch.Tensor
+    batch: int, queries: int, room: int, lo: torch.Tensor, hi: torch.Tensor, launch: Launcher | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The varlen op's ``cum_seq_q, cum_seq_k, seqused_k`` (int32) for ``batch`` rows of ``queries`` queries,
     each against keys lo..hi-1 of its own ``room`` rows of the packed storage: query segment i is rows
     [i*T, (i+1)*T), key segment i starts at i*room + lo and holds hi - lo keys.
 
-    Tensor arithmetic on lo's device alone, made anew at every call: the host never reads lo or hi (no
-    sync), and a graph that captured the call recomputes them from the values lo and hi hold at each replay.
+    Made on lo's device alone, anew at every call: the host never reads lo or hi (no sync), and a graph that
+    captured the call recomputes them from the values lo and hi hold at each replay. With ``launch`` one
+    Triton kernel writes the three (allocated with ``torch.empty``); without, about seven torch ops do.
     """
+    if launch is not None:
+        cum_q = torch.empty(batch + 1, dtype=torch.int32, device=lo.device)
+        cum_k = torch.empty(batch + 1, dtype=torch.int32, device=lo.device)
+        used = torch.empty(batch, dtype=torch.int32, device=lo.device)
+        block = min(RANGE_LENGTHS_BLOCK, 1 << batch.bit_length())  # >= batch + 1 up to the cap
+        args = (lo, hi, cum_q, cum_k, used, batch, queries, room, block)
+        launch("range_lengths", (-(-(batch + 1) // block),), args)
+        return cum_q, cum_k, used
     steps = torch.arange(batch + 1, dtype=torch.int32, device=lo.device)
     lo32 = lo.reshape(1).to(torch.int32)
     cum_k = torch.add(lo32, steps, alpha=room)  # cum_seq_k[batch] is never read: seqused_k gives the lengths
@@ -464,17 +473,61 @@ def range_lengths(
     return steps * queries, cum_k, used
 
 
-def flash_range_forward(q, k, v, lo, hi, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+RANGE_LENGTHS_BLOCK = 1024
+"""The most (batch + 1) entries one program of the range-lengths kernel writes."""
+RANGE_MAX_DIM = 256
+"""The largest head_dim the blind-rows kernel serves (the flash op's own bound)."""
+
+
+def fused_range_supported(q: torch.Tensor) -> bool:
+    """True where the Triton kernels of :func:`flash_range_forward` apply: head_dim <= :data:`RANGE_MAX_DIM`
+    (the flash op serves no more)."""
+    return 1 <= q.shape[-1] <= RANGE_MAX_DIM
+
+
+def blind_rows_(
+    out: torch.Tensor, lse: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, launch: Launcher | None
+) -> None:
+    """In place on the varlen op's out [N, H, D] and lse [H, N]: every (row, head) whose lse is +inf (flash's
+    rows without keys) or whose range is empty (hi <= lo, read on the device) gets lse -inf and out 0. With
+    ``launch`` one Triton kernel (out's head_dim must have unit stride), without, about five torch ops."""
+    if launch is None or out.stride(-1) != 1:
+        blind = (lse == math.inf) | (hi.reshape(1) <= lo.reshape(1))  # [H, N]
+        lse.masked_fill_(blind, -math.inf)  # both are the op's own fresh tensors
+        out.masked_fill_(blind.transpose(0, 1).unsqueeze(-1), 0.0)
+        return
+    n, heads, dim = out.shape
+    n_rows = n * heads
+    if n_rows == 0:
+        return
+    block_d = 1 << (dim - 1).bit_length()
+    block_r = max(1, 2048 // block_d)
+    args = (
+        out, lse, lo, hi,
+        n_rows, heads, dim, out.stride(0), out.stride(1), *lse.stride(),
+        block_r, block_d,
+    )  # fmt: skip
+    launch("range_blind", (-(-n_rows // block_r),), args)
+
+
+def flash_range_forward(
+    q, k, v, lo, hi, scale: float, launch: Launcher | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Every query row against keys lo..hi-1 of the storage, in one aten flash varlen call: out [B, T, H, D]
     in q's dtype and lse float32 [B, H, T]. K/V may be GQA (read as they are).
 
     The batch is packed as varlen segments, one per batch row, whose key lengths (``seqused_k``) and starts
     live on the device. An empty range (lo == hi) comes back from flash with lse +inf: those rows, and any
     +inf row, get lse -inf and out exactly 0 through device ops, so nothing here waits for the device.
+    With ``launch`` (a :class:`Launcher`; the backend passes its own where triton is importable and its fused
+    kernels are on) the lengths and that fix are one Triton kernel each, so a call launches three kernels;
+    without, a dozen tiny torch ops do the same, with the same results.
     """
     b, t, h, d = q.shape
     room, hkv = k.shape[1], k.shape[2]
-    cum_q, cum_k, used = range_lengths(b, t, room, lo, hi)
+    if launch is not None and not fused_range_supported(q):
+        launch = None
+    cum_q, cum_k, used = range_lengths(b, t, room, lo, hi, launch)
     res = ATEN._flash_attention_forward(
         q.contiguous().view(b * t, h, d),
         k.contiguous().view(b * room, hkv, d),
@@ -490,9 +543,7 @@ def flash_range_forward(q, k, v, lo, hi, scale: float) -> tuple[torch.Tensor, to
         seqused_k=used,
     )
     out, lse = res[0], _packed_lse(res[1], h, b * t)
-    blind = (lse == math.inf) | (hi <= lo)  # [H, B*T]: flash's empty rows, and every row of an empty range
-    lse.masked_fill_(blind, -math.inf)  # both are the op's own fresh tensors
-    out.masked_fill_(blind.transpose(0, 1).unsqueeze(-1), 0.0)
+    blind_rows_(out, lse, lo, hi, launch)
     return out.reshape(b, t, h, d), lse.reshape(h, b, t).transpose(0, 1)
 
 
@@ -542,11 +593,18 @@ def _triton_kernels() -> Any:
     return importlib.import_module("xcp_cuda.merge_kernels")
 
 
+def _range_kernels() -> Any:
+    """:mod:`xcp_cuda.range_kernels`, imported at the first launch (it imports triton)."""
+    return importlib.import_module("xcp_cuda.range_kernels")
+
+
 BUILDERS: dict[str, Callable[[], Any]] = {
     "merge": lambda: _triton_kernels().merge_kernel,
     "pair": lambda: _triton_kernels().merge_pair_kernel,
     "add_pair": lambda: _triton_kernels().add_pair_kernel,
     "partials": lambda: _triton_kernels().merge_partials_kernel,
+    "range_lengths": lambda: _range_kernels().range_lengths_kernel,
+    "range_blind": lambda: _range_kernels().range_blind_rows_kernel,
 }
 """The Triton kernels by name, each returned by a function called at its first launch."""
 _CONSTEXPRS = {
@@ -554,9 +612,11 @@ _CONSTEXPRS = {
     "pair": ("BLOCK_R", "BLOCK_D", "FRESH"),
     "add_pair": ("BLOCK_R", "BLOCK_D"),
     "partials": ("BLOCK_R", "BLOCK_D", "N_PARTS", "UNROLL", "LSE_WORDS"),
+    "range_lengths": ("BLOCK",),
+    "range_blind": ("BLOCK_R", "BLOCK_D"),
 }
 """Each kernel's constexpr parameters, last in its launch arguments."""
-_TENSORS = {"merge": 4, "pair": 6, "add_pair": 3, "partials": 4}
+_TENSORS = {"merge": 4, "pair": 6, "add_pair": 3, "partials": 4, "range_lengths": 5, "range_blind": 4}
 """How many tensors each kernel's launch arguments start with."""
 
 
@@ -585,9 +645,9 @@ class Launcher:
         """The kernels as Triton compiled them, per launch signature."""
 
     def __call__(self, kind: str, grid: tuple[int], args: tuple) -> None:
-        """Launch the kernel ``kind`` (``merge``, ``pair``, ``add_pair``, ``partials``) on ``args``: its parameters
-        in order, then its constexprs (the block sizes; FRESH for ``pair``, N_PARTS, UNROLL and LSE_WORDS for
-        ``partials``)."""
+        """Launch the kernel ``kind`` (``merge``, ``pair``, ``add_pair``, ``partials``, ``range_lengths``,
+        ``range_blind``) on ``args``: its parameters in order, then its constexprs (the block sizes; FRESH for
+        ``pair``, N_PARTS, UNROLL and LSE_WORDS for ``partials``)."""
         n_tensors = _TENSORS[kind]
         tensors = args[:n_tensors]
         key = (
