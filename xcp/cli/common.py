@@ -386,10 +386,23 @@ def join_process_group(device_name: str):
 
 
 def _leave_process_group() -> None:
+    """Wait for every rank, then leave: a rank that tears gloo down while a peer still finishes its last
+    collective can abort that peer ('terminate called without an active exception', seen in CI). A peer
+    that is gone is waited for at most a minute (gloo), and the group is left all the same."""
+    import datetime
+
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+        else:
+            dist.barrier()
+    except Exception:  # noqa: BLE001 - a failed or missing peer must not keep this rank from leaving
+        pass
+    dist.destroy_process_group()
 
 
 def gather_whole(shards: Sequence[torch.Tensor], world: int, balance: str, ulysses: int = 1) -> list[torch.Tensor]:
