@@ -519,14 +519,13 @@ def flash_range_forward(
     The batch is packed as varlen segments, one per batch row, whose key lengths (``seqused_k``) and starts
     live on the device. An empty range (lo == hi) comes back from flash with lse +inf: those rows, and any
     +inf row, get lse -inf and out exactly 0 through device ops, so nothing here waits for the device.
-    With ``launch`` (a :class:`Launcher`; the backend passes its own where triton is importable and its fused
-    kernels are on) the lengths and that fix are one Triton kernel each, so a call launches three kernels;
-    without, a dozen tiny torch ops do the same, with the same results.
+    With ``launch`` (a :class:`Launcher`; the backend passes its own only where triton is importable, its
+    fused kernels are on and :func:`fused_range_supported` holds) the lengths and that fix are one Triton
+    kernel each, so a call launches three kernels; without, a dozen tiny torch ops do the same, with the same
+    results.
     """
     b, t, h, d = q.shape
     room, hkv = k.shape[1], k.shape[2]
-    if launch is not None and not fused_range_supported(q):
-        launch = None
     cum_q, cum_k, used = range_lengths(b, t, room, lo, hi, launch)
     res = ATEN._flash_attention_forward(
         q.contiguous().view(b * t, h, d),
