@@ -36,6 +36,48 @@ def show(profile: cProfile.Profile, top: int) -> None:
         print(text.getvalue())
 
 
+def host_us(fn, n: int = 300) -> float:
+    """Host µs per call of ``fn`` (the device keeps running behind: a short cache's kernels are short)."""
+    for _ in range(20):
+        fn()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def op_floor(device: torch.device, b: int, h: int, hkv: int, d: int, room: int, dtype: torch.dtype) -> None:
+    """What single launches cost on this host: the floor under a step's host time (CUDA only)."""
+    if device.type != "cuda":
+        return
+    from xcp.plugins import select_backend
+    from xcp_cuda.kernels import range_lengths
+
+    q = torch.randn(b, h, d, device=device, dtype=dtype)
+    k, v = (torch.randn(b * room, hkv, d, device=device, dtype=dtype) for _ in range(2))
+    cum_q = torch.arange(b + 1, device=device, dtype=torch.int32)
+    cum_k, used = cum_q * room, torch.full((b,), room // 2, device=device, dtype=torch.int32)
+    counts, row = torch.zeros(3, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int64, device=device)
+    store = torch.zeros(b, room, hkv, d, device=device, dtype=dtype)
+    token = torch.randn(b, 1, hkv, d, device=device, dtype=dtype)
+    launch = select_backend("cuda")._range_launcher(q.view(b, 1, h, d))
+
+    def flash() -> None:
+        torch.ops.aten._flash_attention_forward(q, k, v, cum_q, cum_k, 1, room, 0.0, False, False, scale=0.1,
+                                                seqused_k=used)  # fmt: skip
+
+    figures = {
+        "aten._flash_attention_forward (varlen, seqused_k)": flash,
+        "index_copy_ of one token into the storage": lambda: store.index_copy_(1, row, token),
+        "add_ to three int64": lambda: counts.add_(1),
+        "the Triton lengths kernel (xcp_cuda)": lambda: range_lengths(b, 1, room, row, row + room // 2, launch),
+    }
+    print("host µs of one launch on this host:")
+    for name, fn in figures.items():
+        print(f"  {name:<52}{host_us(fn):7.1f}")
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -73,6 +115,7 @@ def main() -> None:
         steps(cache, q, k, v, args.steps // 2)
         profile.disable()
         sync()
+    op_floor(device, b, h, hkv, d, args.cached, dtype)
     if profile is not None:
         show(profile, args.top)
     if args.chunk and profile is not None:

@@ -606,7 +606,10 @@ def test_attention_points_longer_keys_to_the_cache():
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_lower_precision_dtypes(dtype, tol):
+@pytest.mark.parametrize("over_heads", [False, True])
+def test_lower_precision_dtypes(monkeypatch, dtype, tol, over_heads):
+    if over_heads:
+        monkeypatch.setattr(cache_plan, "HEADS_COMBINE_MIN_QUERIES", 2)
     q, k, v = inputs(14, seed=3, dtype=dtype)
 
     def rank(group):
@@ -629,6 +632,41 @@ def test_lower_precision_dtypes(dtype, tol):
 
 def test_combine_bytes():
     assert cache_plan.combine_bytes(4, 2, 1, 8, 65, 4) == 4 * 2 * 8 * 65 * 4
+    # decode: one all-gather of the packed partials; bf16 packs D + 2 channels of 2 bytes
+    assert cache_plan.combine_traffic(8, 8, 1, 32, 128, torch.bfloat16) == (7 * 8 * 32 * 130 * 2, 8 * 8 * 32 * 130 * 2)
+    assert cache_plan.combine_traffic(1, 8, 4096, 32, 128, torch.bfloat16) == (0, 0)
+    # a long chunk over heads: the float32 lse gathered, then 1/P of the weighted partial and of the merged
+    # heads per peer; P = 8, T = 4096: about four times fewer bytes sent than one all-gather
+    rows = 4096 * 32
+    sent, received = cache_plan.combine_traffic(8, 1, 4096, 32, 128, torch.bfloat16)
+    assert (sent, received) == (7 * (rows * 4 + 2 * rows * 128 * 2 // 8), 8 * (rows * 4 + 2 * rows * 128 * 2 // 8))
+    assert 3.5 < cache_plan.combine_bytes(7, 1, 4096, 32, 130, 2) / sent < 4.5
+    assert cache_plan.combine_over_heads(8, 4096, 32) and not cache_plan.combine_over_heads(3, 4096, 32)
+    assert not cache_plan.combine_over_heads(8, cache_plan.HEADS_COMBINE_MIN_QUERIES - 1, 32)
+
+
+@pytest.mark.parametrize(("world", "over_heads"), [(2, True), (4, True), (3, False)])
+def test_long_chunks_combine_over_heads(monkeypatch, world, over_heads):
+    """Chunks past the threshold combine over heads (lse all-gather, all-to-all of the weighted partials,
+    all-gather of the merged heads) where P divides H, else with one all-gather; both exact, sinks and
+    windows included, and every rank ends with the same output."""
+    monkeypatch.setattr(cache_plan, "HEADS_COMBINE_MIN_QUERIES", 3)
+    calls = []
+    original = xcp.comm.local.LocalGroup.all_to_all
+
+    def counted(self, send, recv, tag, backend, step=None):
+        calls.append(send.shape)
+        return original(self, send, recv, tag, backend, step)
+
+    monkeypatch.setattr(xcp.comm.local.LocalGroup, "all_to_all", counted)
+    prompt = 4 * world
+    sinks = torch.randn(H, dtype=torch.float64)
+    for window in (None, (3, 0)):
+        results, wants = run_steps(world, "zigzag", prompt, [1, 7, 2, 1, 5], window=window, sinks=sinks,
+                                   first_queries=4, capacity=True)  # fmt: skip
+        assert_steps(results, wants)
+    # the prompt's 4 queries and the chunks of 7 and 5 on every rank, for each window
+    assert len(calls) == (world * 3 * 2 if over_heads else 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])

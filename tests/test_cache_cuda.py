@@ -205,3 +205,33 @@ def test_eager_decode_steps_leave_memory_flat(world_size):
     assert _allocated() == at_10
     assert [cache.seq_len for cache in caches] == [total] * world_size
     world.close()
+
+
+@pytest.mark.parametrize("over_heads", [False, True], ids=["all-gather", "over-heads"])
+def test_chunk_combines_on_four_ranks(monkeypatch, over_heads):
+    """A chunk of 80 tokens after the prompt on 4 virtual ranks of the GPU, its combine one all-gather of
+    the packed partials or over heads (lse all-gather, all-to-all of the weighted partials, all-gather of
+    the merged heads): every rank's output against float64 attention, each row seeing the tokens up to its own."""
+    from xcp import cache_plan
+
+    monkeypatch.setattr(cache_plan, "HEADS_COMBINE_MIN_QUERIES", 64 if over_heads else 1 << 30)
+    world_size, chunk = 4, 80
+    total = PROMPT + chunk
+    q, k, v = _tokens(total, seed=2)
+
+    def rank(group):
+        cache = xcp.KVCache(group=group, capacity=total)
+        r = group.rank()
+        cache.prefill(xcp.shard(k[:, :PROMPT], world_size, r), xcp.shard(v[:, :PROMPT], world_size, r))
+        cache.append(k[:, PROMPT:], v[:, PROMPT:])
+        return cache.attention(q[:, PROMPT:])
+
+    with xcp.LocalWorld(world_size, device="cuda") as world:
+        outs = world.run(rank)
+    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
+    kd, vd = (x.repeat_interleave(H // HKV, 1) for x in (kd, vd))
+    rows, cols = torch.arange(PROMPT, total, device="cuda"), torch.arange(total, device="cuda")
+    allowed = cols.view(1, total) <= rows.view(-1, 1)
+    want = torch.nn.functional.scaled_dot_product_attention(qd[:, :, PROMPT:], kd, vd, attn_mask=allowed)
+    for out in outs:
+        assert out.dtype == torch.bfloat16 and _rel(out, want.transpose(1, 2)) <= TOL

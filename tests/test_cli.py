@@ -1007,12 +1007,24 @@ def counted_decode(world, prompt, steps, balance, window, heads, dim, dtype):
 
 @pytest.mark.parametrize(
     ("world", "prompt", "balance", "window", "dtype"),
-    [(4, 16, "zigzag", None, "float32"), (3, 0, "contiguous", (2, 0), "float64"), (1, 8, "stripe", None, "bfloat16")],
+    [
+        (4, 16, "zigzag", None, "float32"),
+        (3, 0, "contiguous", (2, 0), "float64"),
+        (1, 8, "stripe", None, "bfloat16"),
+        (4, 8, "stripe", None, "over heads"),
+    ],  # fmt: skip
 )
-def test_plan_decode_is_what_the_cache_holds_calls_and_sends(capsys, world, prompt, balance, window, dtype):
+def test_plan_decode_is_what_the_cache_holds_calls_and_sends(monkeypatch, capsys, world, prompt, balance, window,
+                                                             dtype):  # fmt: skip
     import re
 
+    from xcp import cache_plan
     from xcp.cli.common import DTYPES, human_bytes
+
+    over_heads = dtype == "over heads"
+    if over_heads:  # the chunk of 7 combines over heads: the lse, then a quarter of the weighted partial and of out
+        monkeypatch.setattr(cache_plan, "HEADS_COMBINE_MIN_QUERIES", 2)
+        dtype = "bfloat16"
 
     args = ["plan", "--world", str(world), "--decode", "3", "--chunk", "7", "--balance", balance, "--heads", "4",
             "--kv-heads", "1", "--head-dim", "8", "--dtype", dtype]  # fmt: skip
@@ -1029,9 +1041,16 @@ def test_plan_decode_is_what_the_cache_holds_calls_and_sends(capsys, world, prom
         assert int(seq) == prompt + [1, 2, 3, 10][i]
         assert [int(x) for x in held.split()] == [c[i][0] for c in counted]
         assert [int(x) for x in calls.split()] == [c[i][1] for c in counted]
-        assert {c[i][2] for c in counted} == {(world - 1) * int(t) * 4 * 9 * item}  # P-1 partials [out | lse]
+        if over_heads and int(t) > 1:
+            assert {c[i][2] for c in counted} == {3 * (7 * 4 * 4 + 2 * 7 * 8 * 2)}  # float32 lse; 1 head of D 8 twice
+            assert gathers == human_bytes(4 * (7 * 4 * 4 + 2 * 7 * 8 * 2))
+        elif dtype == "bfloat16":
+            assert {c[i][2] for c in counted} == {(world - 1) * int(t) * 4 * 10 * 2}  # [out | lse bits], D + 2
+            assert gathers == human_bytes(world * int(t) * 4 * 10 * 2 if world > 1 else 0)
+        else:
+            assert {c[i][2] for c in counted} == {(world - 1) * int(t) * 4 * 9 * item}  # P-1 partials [out | lse]
+            assert gathers == human_bytes(world * int(t) * 4 * 9 * item if world > 1 else 0)
         assert sends == human_bytes(counted[0][i][2])
-        assert gathers == human_bytes(world * int(t) * 4 * 9 * item if world > 1 else 0)
 
 
 @pytest.mark.parametrize(

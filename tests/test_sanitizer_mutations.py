@@ -237,7 +237,10 @@ def test_combine_hand_off_dropped(monkeypatch, preallocated):
     report = sanitize_decode(world=3, decode=2, chunk=3 if not preallocated else 0, preallocated=preallocated)
     races = accesses(report, "race")
     assert any(
-        first[1].endswith(":C") and first[2] and "p2p combine" in second[0] and second[1].endswith(":M")
+        first[1].endswith(":C")
+        and first[2]
+        and "p2p combine" in second[0]
+        and second[1].endswith(":M")
         and not second[2]
         for first, second in races
     ), report.format()
@@ -250,8 +253,11 @@ def test_combine_partial_reused_before_the_gather_reads_it():
     report = sanitize_decode(world=3, decode=2, chunk=3, handoff="none")
     reuse = accesses(report, "reuse")
     assert any(
-        "p2p combine" in old[0] and old[1].endswith(":M") and not old[2]
-        and new[1].endswith(":C") and new[0].startswith("aten.empty")
+        "p2p combine" in old[0]
+        and old[1].endswith(":M")
+        and not old[2]
+        and new[1].endswith(":C")
+        and new[0].startswith("aten.empty")
         for old, new in reuse
     ), report.format()
     assert report.kinds() == {"reuse"}
@@ -263,6 +269,25 @@ def test_combine_is_clean_with_a_hand_off(handoff, preallocated):
     report = sanitize_decode(world=3, decode=2, chunk=3, handoff=handoff, preallocated=preallocated)
     assert report.ok, report.format()
     assert report.max_error["out"] < 1e-12
+
+
+@pytest.mark.parametrize("handoff", [None, "clone"])
+def test_combine_over_heads_is_clean_and_needs_its_hand_offs(monkeypatch, handoff):
+    """A long chunk's combine over heads makes three collectives, each handing C's tensor to M: clean with
+    the hand-offs (and exact), a race without them."""
+    from xcp import cache_plan
+    from xcp.comm.local import LocalGroup
+
+    monkeypatch.setattr(cache_plan, "HEADS_COMBINE_MIN_QUERIES", 2)
+    seen = []
+    original = LocalGroup.all_to_all
+    monkeypatch.setattr(LocalGroup, "all_to_all", lambda self, *a, **kw: seen.append(1) or original(self, *a, **kw))
+    report = sanitize_decode(world=4, decode=1, chunk=5, handoff=handoff)
+    assert report.ok, report.format()
+    assert report.max_error["out"] < 1e-12 and len(seen) == 4  # the chunk's all-to-all on each rank
+    monkeypatch.setattr(RingCall, "hand_to_comm", lambda self, tensors, channel, ordered=False: list(tensors))
+    report = sanitize_decode(world=4, decode=1, chunk=5, handoff=handoff)
+    assert any("p2p combine" in second[0] and second[1].endswith(":M") for _, second in accesses(report, "race"))
 
 
 def test_sanitize_decode_command(capsys):

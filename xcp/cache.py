@@ -311,15 +311,15 @@ class KVCache:
             assert k is not None and v is not None  # a cache with tokens has storage
             local = functools.partial(_local_partial, backend, calls, q, k, v, scale, acc)
             packed = functools.partial(_packed_partial, backend, calls, q, k, v, scale, q.dtype)
+        if self._world > 1 and not decode and self._combines_over_heads(t, q.shape[2]):
+            return self._combine_over_heads(backend, packed, q, acc, sinks)
         out, lse = local() if self._world == 1 else self._combine(backend, packed, q, acc)
         if sinks is not None:
             out, lse = out.to(acc), lse.to(acc)  # fresh tensors (a kernel's, or the merge's): written in place
             apply_sinks_(out, lse, sinks)
         return out.to(q.dtype)
 
-    def _decode_partial(
-        self, backend: Any, q, scale: float, window
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_partial(self, backend: Any, q, scale: float, window) -> tuple[torch.Tensor, torch.Tensor]:
         """A capacity cache's local partial (out, lse) of the newest token's query, as the kernel gives them
         (a world of one without sinks returns that out as it is; the combine packs it, :func:`_pack`): one
         ``backend.forward_range`` call over the storage range the device's counters give (every token held;
@@ -337,38 +337,83 @@ class KVCache:
         like = torch.empty((b, seq_len, h, d), dtype=dtype, device="meta")
         return fingerprint(q, like, like, causal, self.balance, scale, None, sinks, window)
 
+    def _exchange(self, backend: Any, op: str, send: Callable[[], torch.Tensor], recv: torch.Tensor, tag: str,
+                  meanwhile: Callable[[], Any] = lambda: None) -> Any:  # fmt: skip
+        """One collective ``op`` (``all_gather`` or ``all_to_all``) of the tensor ``send()`` writes on the
+        caller's stream C into ``recv``, issued on the comm stream M; returns what ``meanwhile()`` made on C
+        while M worked, C waiting for M after.
+
+        docs/lifetime.md: ``recv`` is made on C before M forks (rule 1); what ``send()`` writes on C after
+        the fork goes to M through the hand-off (rule 3.3), and the host drops it at once: C's next
+        allocation (``meanwhile``'s) may come while M reads, and nothing but the hand-off keeps that memory."""
+        collective = getattr(self._comm, op, None)
+        if not callable(collective):
+            raise TypeError(
+                f"group: a KV cache over {self._world} ranks needs a communicator with {op}(); got "
+                f"{type(self._comm).__name__}"
+            )
+        call = RingCall(self._comm, backend, recv.device, "bounded", self._handoff)
+        with call:
+            written = send()
+            with call.on_comm():
+                (handed,) = call.hand_to_comm([written], tag)  # rule 3.3: M waits for C, then owns its read
+                del written
+                collective(handed, recv, tag, backend).wait()
+                del handed
+            return meanwhile()
+
     def _combine(self, backend: Any, partial: Callable[[], torch.Tensor], q, acc: torch.dtype):
         """The merged (out [B, T, H, D], lse [B, H, T]) of every rank's partial: ``partial()`` packs this
-        rank's on the caller's stream C, one all-gather on the comm stream M, the merge on C after the join.
-
-        docs/lifetime.md: the gather's receive buffer is made on C before M forks (rule 1); the packed
-        partial, written on C after the fork, goes to M through the hand-off (rule 3.3), and the host drops
-        it at once: C allocates the merge's output while M gathers, so nothing but the hand-off keeps the
-        partial's memory from C's next allocation.
-        """
-        comm = self._comm
-        gather = getattr(comm, "all_gather", None)
-        if not callable(gather):
-            raise TypeError(
-                f"group: a KV cache over {self._world} ranks needs a communicator with all_gather(); got "
-                f"{type(comm).__name__}"
-            )
+        rank's on the caller's stream C, one all-gather of them on the comm stream M (:meth:`_exchange`), the
+        merge on C after the join, into an output C allocates while M gathers."""
         b, t, h, d = q.shape
         dtype, channels = packed_layout(q.dtype, d)
         recv = torch.empty((self._world, b, t, h, channels), dtype=dtype, device=q.device)  # rule 1: C, before M forks
-        call = RingCall(comm, backend, q.device, "bounded", self._handoff)
-        with call:
-            packed = partial()
-            with call.on_comm():
-                (send,) = call.hand_to_comm([packed], "combine")  # rule 3.3: M waits for C, then owns its read
-                del packed
-                gather(send, recv, "combine", backend).wait()
-                del send
-            out = torch.empty((b, t, h, d), dtype=acc, device=q.device)  # on C, while M gathers
+        make_out = functools.partial(torch.empty, (b, t, h, d), dtype=acc, device=q.device)
+        out = self._exchange(backend, "all_gather", partial, recv, "combine", make_out)
         lse = backend.fused_merge_partials_(out, recv)
         if lse is None:
             lse = _merge_into(out, recv[..., :d], packed_lse(recv, d))
         return out, lse
+
+    def _combines_over_heads(self, t: int, heads: int) -> bool:
+        over_heads = cache_plan.combine_over_heads(self._world, t, heads)
+        return over_heads and callable(getattr(self._comm, "all_to_all", None))
+
+    def _combine_over_heads(self, backend: Any, partial: Callable[[], torch.Tensor], q, acc: torch.dtype, sinks):
+        """The merged output [B, T, H, D] in q's dtype, sinks folded in, of a long chunk: three collectives
+        that move about P/2 times fewer bytes than one all-gather of the partials
+        (:func:`xcp.cache_plan.combine_over_heads`).
+
+        1. All-gather the lse [B, T, H] alone; every rank computes ``L = logsumexp_r L_r``.
+        2. Each rank weighs its partial out by ``exp(L_r - L)`` (0 where it sees nothing: never NaN), in the
+           accumulator dtype, rounded to the packed dtype once as the all-gather's packing would round it;
+           an all-to-all gives rank j every rank's weighted slice of heads ``j·H/P .. (j+1)·H/P``, which it
+           sums in the accumulator dtype (its heads' merged output) and folds its heads' sinks into.
+        3. All-gather the merged slices."""
+        p, me = self._world, self._rank
+        b, t, h, d = q.shape
+        hp, heads = h // p, slice(me * (h // p), (me + 1) * (h // p))
+        packed = partial()  # [B, T, H, channels] on C
+        out, lse = packed[..., :d], packed_lse(packed, d)
+        lses = torch.empty((p, b, t, h), dtype=acc, device=q.device)
+        self._exchange(backend, "all_gather", functools.partial(lse.to, acc, copy=True), lses, "combine")
+        merged = torch.logsumexp(lses, dim=0)
+        del lses
+
+        pieces = torch.empty((p, b, t, hp, d), dtype=packed.dtype, device=q.device)
+        self._exchange(backend, "all_to_all", functools.partial(_weighted, out, lse, merged, p), pieces, "combine")
+        del packed, out, lse
+
+        def merged_slice() -> torch.Tensor:
+            mine = pieces.sum(dim=0, dtype=acc)  # [B, T, H/P, D]: this rank's heads, merged
+            if sinks is not None:
+                apply_sinks_(mine, merged[..., heads].transpose(1, 2).contiguous(), sinks[heads])
+            return mine.to(q.dtype)
+
+        slices = torch.empty((p, b, t, hp, d), dtype=q.dtype, device=q.device)
+        self._exchange(backend, "all_gather", merged_slice, slices, "combine")
+        return slices.permute(1, 2, 0, 3, 4).reshape(b, t, h, d)
 
 
 def _run_calls(backend, calls, q, k, v, scale: float):
@@ -419,6 +464,17 @@ def _packed_partial(backend, calls, q, k, v, scale: float, dtype: torch.dtype) -
         packed[:, rows, :, :d] = o
         lse[:, rows] = lse_rows.transpose(1, 2)
     return packed
+
+
+def _weighted(out: torch.Tensor, lse: torch.Tensor, merged: torch.Tensor, world: int) -> torch.Tensor:
+    """A partial ``out`` [B, T, H, D] weighed by ``exp(lse - merged)`` (lse and merged [B, T, H]; 0 where the
+    rank sees nothing, or no rank does: never NaN) in the accumulator dtype, rounded to out's dtype once, and
+    laid out [P, B, T, H/P, D]: row j the slice of heads rank j merges."""
+    b, t, h, d = out.shape
+    acc = merged.dtype
+    weight = torch.exp(lse.to(acc) - torch.where(merged == NEG_INF, 0.0, merged))  # exp(-inf) = 0
+    scaled = (out.to(acc) * weight.unsqueeze(-1)).to(out.dtype)
+    return scaled.view(b, t, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
 
 
 def _merge_into(out: torch.Tensor, outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import torch
+
 from .documents import PositionRun, Segment, diagonal_segment, position_runs, rows_at_most, runs
 from .documents import Run as Call
+from .kernels.merge import accumulator_dtype, packed_layout
 
 _FAR = 1 << 62  # stands for an unbounded side in integer arithmetic
 
@@ -54,6 +57,41 @@ def combine_bytes(world_size: int, batch: int, queries: int, heads: int, channel
     ``[out | lse]``, ``P x B x T x H x channels`` elements (``xcp.kernels.merge.packed_layout``: D + 2
     16-bit channels for bfloat16/float16 inputs, D + 1 of the accumulator dtype otherwise)."""
     return world_size * batch * queries * heads * channels * element_size
+
+
+HEADS_COMBINE_MIN_QUERIES = 64
+"""Chunks of at least this many queries combine over heads (:func:`combine_over_heads`); shorter steps, whose
+combine is a few kilobytes a rank, make one collective rather than three."""
+
+
+def combine_over_heads(world_size: int, queries: int, heads: int) -> bool:
+    """Whether a step's combine goes over heads rather than as one all-gather of the P partials.
+
+    Over heads: an all-gather of the lse alone, then each rank weighs its partial by ``exp(L_r - L)`` and an
+    all-to-all gives rank j the weighted partials of its H/P heads, which it sums; an all-gather of the merged
+    head slices ends it. A rank sends about ``(P - 1) x B x T x H x (lse + 2 D / P)`` elements instead of
+    ``(P - 1) x B x T x H x (D + 2)``: about P/2 times fewer bytes for long chunks, for three collectives
+    instead of one. Needs H divisible by P."""
+    return world_size > 1 and queries >= HEADS_COMBINE_MIN_QUERIES and heads % world_size == 0
+
+
+def combine_traffic(
+    world_size: int, batch: int, queries: int, heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[int, int]:
+    """``(sent, received)``: the bytes each rank sends in one attention call's combine for inputs of
+    ``dtype``, and the bytes of its receive buffers; over heads where :func:`combine_over_heads` says so
+    (lse in the accumulator dtype, weighted partials and merged slices in the packed dtype), else one
+    all-gather of the packed partials. A world of one sends nothing."""
+    if world_size == 1:
+        return 0, 0
+    packed, channels = packed_layout(dtype, head_dim)
+    item = packed.itemsize
+    if not combine_over_heads(world_size, queries, heads):
+        shape = (batch, queries, heads, channels, item)
+        return combine_bytes(world_size - 1, *shape), combine_bytes(world_size, *shape)
+    rows, lse = batch * queries * heads, accumulator_dtype(dtype).itemsize
+    slices = rows * head_dim * item // world_size  # one rank's share of the weighted partial, or its merged heads
+    return (world_size - 1) * (rows * lse + 2 * slices), world_size * (rows * lse + 2 * slices)
 
 
 def prefill_runs(seq_len: int, world_size: int, rank: int, balance: str) -> tuple[PositionRun, ...]:

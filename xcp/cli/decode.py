@@ -9,7 +9,7 @@ their own device that the sharded cache is exact before they serve with it.
 
 ``xcp plan --decode`` prints, for the same steps, what :mod:`xcp.cache_plan` says without running anything:
 the tokens each rank holds, the kernel calls of each rank's local partial, and the bytes of the combine
-(:func:`xcp.cache_plan.combine_bytes`).
+(:func:`xcp.cache_plan.combine_traffic`).
 """
 
 from __future__ import annotations
@@ -236,7 +236,8 @@ def run_command(args: argparse.Namespace, problem: dict) -> int:
 @dataclass(frozen=True)
 class PlannedStep:
     """One append and attention of a cache, planned: T, the tokens each rank holds after it, each rank's
-    kernel calls, and the bytes each rank sends in the combine and receives into its gather buffer."""
+    kernel calls, and the bytes each rank sends in the combine and receives into its buffers
+    (:func:`xcp.cache_plan.combine_traffic`)."""
 
     name: str
     tokens: int
@@ -253,7 +254,6 @@ def plan_steps(world: int, prompt: int, decode: int, chunk: int, balance: str, h
     runs it): a prompt of ``prompt`` tokens prefilled (0: none), then :func:`steps`; causal attention of the
     last T queries, under ``window`` when given. A world of one makes its local calls and sends nothing."""
     stored = [cache_plan.prefill_runs(prompt, world, r, balance) if prompt else () for r in range(world)]
-    packed, channels = packed_layout(dtype, head_dim)
     out, s = [], prompt
     for name, t in steps(decode, chunk):
         pieces = cache_plan.chunk_pieces(s, t, world)
@@ -261,9 +261,8 @@ def plan_steps(world: int, prompt: int, decode: int, chunk: int, balance: str, h
         s += t
         calls = tuple(len(cache_plan.partial_calls(runs, s, t, True, window)) for runs in stored)
         held = tuple(sum(run.count for run in runs) for runs in stored)
-        shape = (batch, t, heads, channels, packed.itemsize)
-        gathered = cache_plan.combine_bytes(world, *shape) if world > 1 else 0
-        out.append(PlannedStep(name, t, s, held, calls, cache_plan.combine_bytes(world - 1, *shape), gathered))
+        sends, gathered = cache_plan.combine_traffic(world, batch, t, heads, head_dim, dtype)
+        out.append(PlannedStep(name, t, s, held, calls, sends, gathered))
     return out
 
 
@@ -292,6 +291,9 @@ def plan_lines(world: int, prompt: int, decode: int, chunk: int, balance: str, h
         f"bytes ({str(packed).replace('torch.', '')}: {how}; at T = 1: 1·1·{heads}·{channels}·{item} = "
         f"{human_bytes(partial)}); each rank sends its partial to the P-1 others and gathers P partials (a world "
         "of one sends nothing).",
+        f"A chunk of at least {cache_plan.HEADS_COMBINE_MIN_QUERIES} tokens, where P divides the heads, combines "
+        "over heads instead: an all-gather of the lse, an all-to-all of the weighted partials (each rank gets its "
+        "H/P heads' and sums them) and an all-gather of the merged heads; about P/2 times fewer bytes.",
     ]
     if prompt:
         text.append(f"prefill: {prompt} tokens through the ring, {prompt // world} kept per rank, no communication "
