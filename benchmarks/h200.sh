@@ -15,6 +15,8 @@
 #   benchmarks/h200.sh renovated-bench  # 16K/64K over 8 ranks eager and replayed, world of one, host µs per step
 #   benchmarks/h200.sh decode   # KV cache: graph-replay, memory and CSAN tests, forward_range tests, xcp bench --decode
 #                               # (B 8, 32/8 heads, D 128, bf16, P 8: L 128K with a chunk of 4096, L 1M)
+#   benchmarks/h200.sh chunk    # KV cache cuda tests, host µs and launch costs, a chunk of 4096 after 128K with
+#                               # each combine (over heads, one all-gather), B 8 decode and chunk
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -220,6 +222,24 @@ decode)
   timeout 210 xcp bench --decode --batch 8 --seqs 1048576 --worlds 8 --heads 32 --kv-heads 8 --head-dim 128 \
     --dtype bfloat16 --warmup 1 --reps 3 --quiet 2>&1 | tee "$out/decode1m.txt"
   ;;
-*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench|decode" >&2; exit 2 ;;
+chunk)
+  section "KV cache on cuda: captured decode steps, memory, a chunk's two combines on 4 ranks"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short -rs tests/test_cache_cuda.py 2>&1 | tail -15 \
+    | tee "$out/chunk_tests.txt"
+  section "host µs per eager decode step of one rank alone, and what single launches cost"
+  timeout 60 python3 benchmarks/decode_host_profile.py --worlds 1,8 --cached 16384 --top 20 2>&1 \
+    | tee "$out/chunk_host.txt" | grep -E "^P |^host|^  "
+  bench=(--decode --seqs 131072 --worlds 8 --chunk 4096 --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16
+         --warmup 1 --reps 5 --quiet)
+  section "a chunk of 4096 after 128K, B 1, P 8: the combine over heads (the default)"
+  timeout 100 xcp bench "${bench[@]}" --batch 1 --no-graph 2>&1 | tee "$out/chunk_b1_heads.txt"
+  section "the same with one all-gather of the partials (the combine before)"
+  timeout 100 python3 -c 'import sys; from xcp import cache_plan; cache_plan.HEADS_COMBINE_MIN_QUERIES = 1 << 30
+from xcp.cli import main; sys.exit(main(sys.argv[1:]))' bench "${bench[@]}" --batch 1 --no-graph 2>&1 \
+    | tee "$out/chunk_b1_gather.txt"
+  section "B 8: decode at 128K replayed, and the chunk over heads"
+  timeout 150 xcp bench "${bench[@]}" --batch 8 --json "$out/chunk_b8.json" 2>&1 | tee "$out/chunk_b8.txt"
+  ;;
+*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench|decode|chunk" >&2; exit 2 ;;
 esac
 section done
