@@ -60,7 +60,7 @@ def op_floor(device: torch.device, b: int, h: int, hkv: int, d: int, room: int, 
     counts, row = torch.zeros(3, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int64, device=device)
     store = torch.zeros(b, room, hkv, d, device=device, dtype=dtype)
     token = torch.randn(b, 1, hkv, d, device=device, dtype=dtype)
-    launch = select_backend("cuda")._range_launcher(q.view(b, 1, h, d))
+    launch = select_backend(None, "cuda")._range_launcher(q.view(b, 1, h, d))
 
     def flash() -> None:
         torch.ops.aten._flash_attention_forward(q, k, v, cum_q, cum_k, 1, room, 0.0, False, False, scale=0.1,

@@ -207,30 +207,30 @@ def _partial_calls_row_by_row(stored, seq_len, queries, causal, window):
     left, right = window if window is not None else (None, None)
     sides = (far if left is None else left, 0 if causal else (far if right is None else right))
 
-    def fits(prev, row, rising_lo, flat_hi):
+    def fits(prev, row, rising_lo, hi_step):
         dlo, dhi = row[0] - prev[0], row[1] - prev[1]
         if dlo not in (0, 1) or dhi not in (0, 1):
             return False
         if rising_lo and dlo == 0:
             return False
-        return not (flat_hi and dhi == 1)
+        return hi_step is None or dhi == hi_step
 
     def segment(rows, r0):
         k0, k1, sq = rows[0][0], rows[-1][1], len(rows)
         lo, hi = rows[-1][0] - k0 - (sq - 1), rows[0][1] - 1 - k0
         return xcp.documents.diagonal_segment((r0, r0 + sq), (k0, k1), lo, hi, False)
 
-    segs, group, r0, rising_lo, flat_hi = [], [], 0, False, False
+    segs, group, r0, rising_lo, hi_step = [], [], 0, False, None
     for i in range(queries):
         row = cache_plan.visible(stored, seq_len - queries + i, sides)
-        if group and row[0] < row[1] and fits(group[-1], row, rising_lo, flat_hi):
+        if group and row[0] < row[1] and fits(group[-1], row, rising_lo, hi_step):
             rising_lo = rising_lo or row[0] > group[-1][0]
-            flat_hi = flat_hi or row[1] == group[-1][1]
+            hi_step = row[1] - group[-1][1]
             group.append(row)
             continue
         if group:
             segs.append(segment(group, r0))
-        group, r0, rising_lo, flat_hi = ([row] if row[0] < row[1] else []), i, False, False
+        group, r0, rising_lo, hi_step = ([row] if row[0] < row[1] else []), i, False, None
     if group:
         segs.append(segment(group, r0))
     return xcp.documents.runs(segs)

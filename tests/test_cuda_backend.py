@@ -804,18 +804,23 @@ def test_varlen_blocks_the_flash_path_does_not_serve_go_to_the_base_class(monkey
         (*VARLEN_LAYOUTS["full"][:2], (40, 0)),
         ((0, 30), (0, 9), (0, 30)),  # more queries than keys, a right side past the last key (the H200 case)
         ((0, 30, 34), (0, 9, 20), (3, 25)),
+        ((0, 30, 34), (0, 9, 20), (10, 0)),  # the left side reaches every key: flash's causal form
+        ((0, 30), (0, 9), (8, 0)),  # ... with more queries than keys: rows that see nothing
     ],
 )
 def test_a_window_takes_the_flash_window_and_matches_the_banded_math_kernel(monkeypatch, cu_q, cu_k, window):
     """Flash aligns its window to each segment's bottom-right corner, as xcp's bands are: the op's
     window_size_left/right give what the math kernel gives with the band as a mask, also where flash
-    would turn a side past max_seqlen_k into max_seqlen_k (the stand-in models that)."""
+    would turn a side past max_seqlen_k into max_seqlen_k (the stand-in models that). A band (left, 0)
+    whose left side reaches every segment's first key goes as flash's causal call, without a window."""
     backend, fake = _cpu_backend(monkeypatch)
     q, k, v = _varlen_block(cu_q, cu_k, 4, 2, 16, torch.bfloat16, seed=6)
     out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, False, 0.25, window=window)
     dout = _rand(*out.shape, dtype=q.dtype, seed=7)
     grads = backend.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, False, 0.25, window=window)
     assert [c[0] for c in fake.calls] == ["flash_varlen_fwd", "flash_varlen_bwd"]
+    longest = max(b - a for a, b in zip(cu_k, cu_k[1:]))
+    assert [c[4] for c in fake.calls] == [window[1] == 0 and window[0] >= longest - 1] * 2  # is_causal
     base = xcp.Backend
     want_fwd = base.forward_varlen(backend, q, k, v, cu_q, cu_k, False, 0.25, window=window)
     want_bwd = base.backward_varlen(backend, dout, q, k, v, out, lse, cu_q, cu_k, False, 0.25, window=window)

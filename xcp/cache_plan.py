@@ -182,8 +182,10 @@ def partial_calls(
 
     Row i sees ``[lo(i), hi(i))`` (:func:`visible`); from one row to the next each end rises by 1 exactly
     when the position it newly passes is stored, else stays. Rows are grouped as they come (a group takes
-    the next row while both its ends move as a band's do: a lower end that rose keeps rising, an upper end
-    that stopped stays stopped; an empty row ends a group and gets nothing). Both steps are constant over a
+    the next row while both its ends move as a band's do: a lower end that rose keeps rising, and the upper
+    end keeps one step, rising or not; an empty row ends a group and gets nothing). The upper end's one
+    step makes a chunk's rows over its own piece a causal block and the rows after it a full one, where
+    a band over both would take a kernel's slower windowed form. Both steps are constant over a
     stretch of rows in which neither newly passed position changes between stored and not (a part of one
     run, or a gap), and so is the slope of the width ``hi - lo``: after at most two rows of a stretch, every
     row joins the group until the width reaches 0. So the plan walks stretches, not rows: its cost grows
@@ -198,7 +200,7 @@ def partial_calls(
     # the open group: rows [r0, i), first row's range; empty when r0 is None
     r0: int | None = 0 if lo < hi else None
     first = (lo, hi)
-    rising_lo = flat_hi = False
+    rising_lo = rising_hi = flat_hi = False
     at_lo = at_hi = 0
     i = 1
     while i < queries:
@@ -210,15 +212,16 @@ def partial_calls(
         while i < end:
             lo, hi = lo + dlo, hi + dhi
             width = hi - lo
-            if r0 is not None and width > 0 and not (rising_lo and not dlo) and not (flat_hi and dhi):
-                rising_lo, flat_hi = rising_lo or dlo == 1, flat_hi or dhi == 0
+            steady_hi = not (flat_hi and dhi) and not (rising_hi and not dhi)
+            if r0 is not None and width > 0 and not (rising_lo and not dlo) and steady_hi:
+                rising_lo, rising_hi, flat_hi = rising_lo or dlo == 1, rising_hi or dhi == 1, flat_hi or dhi == 0
                 # every further row of the stretch fits too, while it sees something
                 n = end - i - 1 if slope >= 0 else min(end - i - 1, width - 1)
             else:
                 if r0 is not None:
                     segs.append(_segment(first, (lo - dlo, hi - dhi), r0, i))
                 if width > 0:
-                    r0, first, rising_lo, flat_hi = i, (lo, hi), False, False
+                    r0, first, rising_lo, rising_hi, flat_hi = i, (lo, hi), False, False, False
                     n = 0
                 else:  # rows that see nothing, until the width comes back above 0
                     r0 = None

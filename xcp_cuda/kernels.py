@@ -390,11 +390,25 @@ def _packed_lse(lse: torch.Tensor, heads: int, total_q: int) -> torch.Tensor:
     return lse
 
 
+def _causal_band(
+    cu_k: tuple[int, ...], causal: bool, window: tuple[int, int] | None
+) -> tuple[bool, tuple[int, int] | None]:
+    """``(causal, window)`` for the op: a band ``(left, 0)`` whose left side reaches every segment's first key
+    is the causal mask (both aligned at the bottom-right corner), which flash runs in its causal form; its
+    windowed form checks both sides of every block (on the H200 a chunk of 4096 queries over 135K cached
+    keys took 30.9 ms as a band, against 28.2 ms for the causal call)."""
+    if window is not None and window[1] == 0 and window[0] >= max_seqlen(cu_k) - 1:
+        return True, None
+    return causal, window
+
+
 def flash_varlen_forward(
     q, k, v, cu_q, cu_k, causal: bool, scale: float, window: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """aten flash varlen forward of packed segments (batch 1): out [1, Tq, H, D] in q's dtype and lse
     float32 [1, H, Tq]. K/V may be GQA; ``window`` a band ``(left, right)`` per segment."""
+    banded = window is not None
+    causal, window = _causal_band(cu_k, causal, window)
     res = ATEN._flash_attention_forward(
         q[0].contiguous(),
         k[0].contiguous(),
@@ -407,13 +421,14 @@ def flash_varlen_forward(
         **_window_sizes(window),
     )
     out, lse = res[0], _packed_lse(res[1], q.shape[2], q.shape[1])
-    if window is not None:  # a row the window leaves without keys comes back +inf (flash's empty row)
+    if banded:  # a row the band leaves without keys comes back +inf (flash's empty row)
         lse = torch.where(lse == float("inf"), float("-inf"), lse)
     return out.unsqueeze(0), lse.unsqueeze(0)
 
 
 def flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, window=None):
     """aten flash varlen backward from the merged out/lse: dq [1, Tq, H, D], dk, dv [1, Tk, Hkv, D]."""
+    causal, window = _causal_band(cu_k, causal, window)
     seed, offset = _rng_placeholders(q.device, flash=True)
     dq, dk, dv = ATEN._flash_attention_backward(
         dout[0].to(q.dtype).contiguous(),
