@@ -42,7 +42,7 @@ def inputs(total: int, seed: int = 0, hkv: int = HKV, dtype=torch.float64):
 
 
 def run_steps(world, balance, prompt, steps, *, causal=True, window=None, sinks=None, hkv=HKV, capacity=None,
-              seed=0, first_queries=1):  # fmt: skip
+              seed=0, first_queries=1, combine="auto"):  # fmt: skip
     """Every rank's outputs after the prefill (when ``prompt``) and after each append, the expected ones,
     and every rank's cache."""
     total = prompt + sum(steps)
@@ -51,7 +51,7 @@ def run_steps(world, balance, prompt, steps, *, causal=True, window=None, sinks=
     capacity = {True: total, False: None}.get(capacity, capacity)  # True: exactly the tokens of the run
 
     def rank(group):
-        cache = xcp.KVCache(group=group, balance=balance, capacity=capacity)
+        cache = xcp.KVCache(group=group, balance=balance, capacity=capacity, combine=combine)
         r, outs = group.rank(), []
         if prompt:
             cache.prefill(*(xcp.shard(x[:, :prompt], world, r, balance=balance) for x in (k, v)))
@@ -513,6 +513,8 @@ def test_errors():
         xcp.KVCache(balance="spiral")
     with pytest.raises(ValueError, match="handoff: expected one of"):
         xcp.KVCache(handoff="copy")
+    with pytest.raises(ValueError, match="combine: expected one of 'auto', 'gather', 'heads'; got 'ring'"):
+        xcp.KVCache(combine="ring")
     with LocalWorld(2) as w:
         errors = w.run(lambda g: _prefill_error(g, k, v))
     want = "k_l.shape[1] x 2 ranks: balance 'zigzag' over 2 ranks needs a positive multiple of 4"
@@ -613,7 +615,7 @@ def test_lower_precision_dtypes(monkeypatch, dtype, tol, over_heads):
     q, k, v = inputs(14, seed=3, dtype=dtype)
 
     def rank(group):
-        cache = xcp.KVCache(group=group, balance="zigzag")
+        cache = xcp.KVCache(group=group, balance="zigzag", combine="heads" if over_heads else "auto")
         cache.prefill(*(xcp.shard(x[:, :8], 2, group.rank()) for x in (k, v)))
         outs = []
         for s, t in ((8, 1), (9, 4), (13, 1)):
@@ -645,11 +647,23 @@ def test_combine_bytes():
     assert not cache_plan.combine_over_heads(8, cache_plan.HEADS_COMBINE_MIN_QUERIES - 1, 32)
 
 
+def test_auto_combines_over_heads_between_processes_and_gathers_between_virtual_ranks(monkeypatch):
+    from xcp.testing.doubles import LoopbackCommunicator
+
+    with LocalWorld(2) as w:
+        caches = {c: xcp.KVCache(group=w.group(0), combine=c) for c in cache_plan.COMBINES}
+        assert [caches[c]._combines_over_heads(64, 4) for c in cache_plan.COMBINES] == [False, False, True]
+        assert not caches["heads"]._combines_over_heads(63, 4) and not caches["heads"]._combines_over_heads(64, 3)
+    processes = LoopbackCommunicator(2, 0)  # not ranks_are_threads, as torch.distributed's processes
+    assert xcp.KVCache(group=processes)._combines_over_heads(64, 4)
+    assert not xcp.KVCache(group=processes, combine="gather")._combines_over_heads(64, 4)
+
+
 @pytest.mark.parametrize(("world", "over_heads"), [(2, True), (4, True), (3, False)])
 def test_long_chunks_combine_over_heads(monkeypatch, world, over_heads):
-    """Chunks past the threshold combine over heads (lse all-gather, all-to-all of the weighted partials,
-    all-gather of the merged heads) where P divides H, else with one all-gather; both exact, sinks and
-    windows included, and every rank ends with the same output."""
+    """With ``combine="heads"``, chunks past the threshold combine over heads (lse all-gather, all-to-all of
+    the weighted partials, all-gather of the merged heads) where P divides H, else with one all-gather; both
+    exact, sinks and windows included, and every rank ends with the same output."""
     monkeypatch.setattr(cache_plan, "HEADS_COMBINE_MIN_QUERIES", 3)
     calls = []
     original = xcp.comm.local.LocalGroup.all_to_all
@@ -663,7 +677,7 @@ def test_long_chunks_combine_over_heads(monkeypatch, world, over_heads):
     sinks = torch.randn(H, dtype=torch.float64)
     for window in (None, (3, 0)):
         results, wants = run_steps(world, "zigzag", prompt, [1, 7, 2, 1, 5], window=window, sinks=sinks,
-                                   first_queries=4, capacity=True)  # fmt: skip
+                                   first_queries=4, capacity=True, combine="heads")  # fmt: skip
         assert_steps(results, wants)
     # the prompt's 4 queries and the chunks of 7 and 5 on every rank, for each window
     assert len(calls) == (world * 3 * 2 if over_heads else 0)

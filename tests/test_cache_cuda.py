@@ -208,19 +208,19 @@ def test_eager_decode_steps_leave_memory_flat(world_size):
 
 
 @pytest.mark.parametrize("over_heads", [False, True], ids=["all-gather", "over-heads"])
-def test_chunk_combines_on_four_ranks(monkeypatch, over_heads):
+def test_chunk_combines_on_four_ranks(over_heads):
     """A chunk of 80 tokens after the prompt on 4 virtual ranks of the GPU, its combine one all-gather of
     the packed partials or over heads (lse all-gather, all-to-all of the weighted partials, all-gather of
     the merged heads): every rank's output against float64 attention, each row seeing the tokens up to its own."""
     from xcp import cache_plan
 
-    monkeypatch.setattr(cache_plan, "HEADS_COMBINE_MIN_QUERIES", 64 if over_heads else 1 << 30)
+    assert cache_plan.HEADS_COMBINE_MIN_QUERIES <= 80
     world_size, chunk = 4, 80
     total = PROMPT + chunk
     q, k, v = _tokens(total, seed=2)
 
     def rank(group):
-        cache = xcp.KVCache(group=group, capacity=total)
+        cache = xcp.KVCache(group=group, capacity=total, combine="heads" if over_heads else "gather")
         r = group.rank()
         cache.prefill(xcp.shard(k[:, :PROMPT], world_size, r), xcp.shard(v[:, :PROMPT], world_size, r))
         cache.append(k[:, PROMPT:], v[:, PROMPT:])

@@ -961,7 +961,7 @@ def test_run_decode_bad_flags_name_the_flag(capsys, args, message):
     assert err.startswith("xcp run: error: ") and message in err
 
 
-def counted_decode(world, prompt, steps, balance, window, heads, dim, dtype):
+def counted_decode(world, prompt, steps, balance, window, heads, dim, dtype, combine="auto"):
     """A KVCache per rank of a LocalWorld, prefilled and appended to as xcp plan --decode plans it; per rank
     and step the tokens held, the kernel calls of the local partial and the bytes sent in the combine
     (counted at the communicator and at the block call)."""
@@ -987,7 +987,7 @@ def counted_decode(world, prompt, steps, balance, window, heads, dim, dtype):
         return forward(self, *args)
 
     def rank_fn(group):
-        cache, rows, s = xcp.KVCache(group=group, balance=balance), [], prompt
+        cache, rows, s = xcp.KVCache(group=group, balance=balance, combine=combine), [], prompt
         if prompt:
             cache.prefill(*(xcp.shard(x[:, :prompt], world, group.rank(), balance=balance) for x in (k, v)))
         for t in steps:
@@ -1031,7 +1031,8 @@ def test_plan_decode_is_what_the_cache_holds_calls_and_sends(monkeypatch, capsys
     args += (["--seq", str(prompt)] if prompt else []) + (["--window", f"{window[0]},0"] if window else [])
     assert main(args) == 0
     text = capsys.readouterr().out
-    counted = counted_decode(world, prompt, [1, 1, 1, 7], balance, window, 4, 8, DTYPES[dtype])
+    counted = counted_decode(world, prompt, [1, 1, 1, 7], balance, window, 4, 8, DTYPES[dtype],
+                             "heads" if over_heads else "auto")  # fmt: skip
     cell = r"(\d+(?:\.\d+)? \w+)"
     rows = re.findall(rf"^(?:decode \d+|chunk)\s+(\d+)\s+(\d+)\s+([\d ]+?)\s\s+([\d ]+?)\s\s+{cell}\s+{cell}$", text,
                       re.M)  # fmt: skip

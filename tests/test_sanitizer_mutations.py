@@ -282,11 +282,11 @@ def test_combine_over_heads_is_clean_and_needs_its_hand_offs(monkeypatch, handof
     seen = []
     original = LocalGroup.all_to_all
     monkeypatch.setattr(LocalGroup, "all_to_all", lambda self, *a, **kw: seen.append(1) or original(self, *a, **kw))
-    report = sanitize_decode(world=4, decode=1, chunk=5, handoff=handoff)
+    report = sanitize_decode(world=4, decode=1, chunk=5, handoff=handoff, combine="heads")
     assert report.ok, report.format()
     assert report.max_error["out"] < 1e-12 and len(seen) == 4  # the chunk's all-to-all on each rank
     monkeypatch.setattr(RingCall, "hand_to_comm", lambda self, tensors, channel, ordered=False: list(tensors))
-    report = sanitize_decode(world=4, decode=1, chunk=5, handoff=handoff)
+    report = sanitize_decode(world=4, decode=1, chunk=5, handoff=handoff, combine="heads")
     assert any("p2p combine" in second[0] and second[1].endswith(":M") for _, second in accesses(report, "race"))
 
 

@@ -74,6 +74,8 @@ class KVCache:
     :param handoff: the hand-off policy of the combine, overriding the backend's.
     :param timeout: as for :func:`xcp.attention`.
     :param ulysses: only 1: the cache is sharded over the ranks of ``group`` alone.
+    :param combine: how a long chunk's partials are combined (:data:`xcp.cache_plan.COMBINES`): ``auto``
+        (over heads between processes, one all-gather between virtual ranks), ``gather`` or ``heads``.
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class KVCache:
         handoff: str | None = None,
         timeout: float | None = None,
         ulysses: int = 1,
+        combine: str = "auto",
     ) -> None:
         if check_ulysses(ulysses) != 1:
             raise NotImplementedError(
@@ -98,6 +101,7 @@ class KVCache:
         self._device = device
         self._handoff = None if handoff is None else check_handoff(handoff)
         self._world, self._rank = self._comm.size(), self._comm.rank()
+        self.combine = cache_plan.check_combine(combine)
         self._layout: CacheLayout | None = None
         self._k: torch.Tensor | None = None  # storage [B, room, Hkv, D]; rows [0, local_len) hold tokens
         self._v: torch.Tensor | None = None
@@ -377,6 +381,9 @@ class KVCache:
         return out, lse
 
     def _combines_over_heads(self, t: int, heads: int) -> bool:
+        """``combine`` (:data:`xcp.cache_plan.COMBINES`) for a chunk of t queries over ``heads``."""
+        if self.combine == "gather" or (self.combine == "auto" and getattr(self._comm, "ranks_are_threads", False)):
+            return False
         over_heads = cache_plan.combine_over_heads(self._world, t, heads)
         return over_heads and callable(getattr(self._comm, "all_to_all", None))
 

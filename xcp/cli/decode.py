@@ -291,9 +291,11 @@ def plan_lines(world: int, prompt: int, decode: int, chunk: int, balance: str, h
         f"bytes ({str(packed).replace('torch.', '')}: {how}; at T = 1: 1·1·{heads}·{channels}·{item} = "
         f"{human_bytes(partial)}); each rank sends its partial to the P-1 others and gathers P partials (a world "
         "of one sends nothing).",
-        f"A chunk of at least {cache_plan.HEADS_COMBINE_MIN_QUERIES} tokens, where P divides the heads, combines "
-        "over heads instead: an all-gather of the lse, an all-to-all of the weighted partials (each rank gets its "
-        "H/P heads' and sums them) and an all-gather of the merged heads; about P/2 times fewer bytes.",
+        f"Between processes (KVCache's combine='auto'; virtual ranks of a LocalWorld gather, their copies staying "
+        f"on one device), a chunk of at least {cache_plan.HEADS_COMBINE_MIN_QUERIES} tokens, where P divides the "
+        "heads, combines over heads instead: an all-gather of the lse, an all-to-all of the weighted partials "
+        "(each rank gets its H/P heads' and sums them) and an all-gather of the merged heads; about P/2 times "
+        "fewer bytes. The table counts that.",
     ]
     if prompt:
         text.append(f"prefill: {prompt} tokens through the ring, {prompt // world} kept per rank, no communication "

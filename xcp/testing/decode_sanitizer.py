@@ -56,6 +56,7 @@ def sanitize_decode(
     batch: int = 1,
     seed: int = 0,
     preallocated: bool = False,
+    combine: str = "auto",
 ) -> SanitizerReport:
     """Prefill a KV cache on ``world`` virtual ranks of the sim device, then ``decode`` single tokens and one
     chunk of ``chunk`` tokens, each followed by the cache's attention; check every lifetime rule.
@@ -64,6 +65,8 @@ def sanitize_decode(
     :param prompt: the prompt's length (a multiple of what the balance splits); default 2 tokens per rank.
     :param preallocated: caches with ``capacity`` for exactly the run's tokens: the decode steps then keep
         their lengths on the device and run ``forward_range`` (the path a captured step takes).
+    :param combine: the caches' ``combine`` (``heads``: a chunk of at least
+        :data:`xcp.cache_plan.HEADS_COMBINE_MIN_QUERIES` tokens combines over heads where P divides heads).
     :returns: a :class:`xcp.testing.sanitizer.SanitizerReport`; findings of kind race, reuse, leak or numerics.
     """
     for name, value in (("world", world), ("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim),
@@ -98,7 +101,9 @@ def sanitize_decode(
         def rank(group: Any) -> tuple:
             with san.thread(f"rank{group.rank()}"), track_buffers() as ledger:
                 capacity = total if preallocated else None
-                cache = KVCache(group=group, balance=balance, capacity=capacity, device="sim", handoff=handoff)
+                cache = KVCache(
+                    group=group, balance=balance, capacity=capacity, device="sim", handoff=handoff, combine=combine
+                )
                 r = group.rank()
                 cache.prefill(shard(k[:, :prompt], world, r, balance=balance),
                               shard(v[:, :prompt], world, r, balance=balance))  # fmt: skip
