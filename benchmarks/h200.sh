@@ -15,8 +15,8 @@
 #   benchmarks/h200.sh renovated-bench  # 16K/64K over 8 ranks eager and replayed, world of one, host µs per step
 #   benchmarks/h200.sh decode   # KV cache: graph-replay, memory and CSAN tests, forward_range tests, xcp bench --decode
 #                               # (B 8, 32/8 heads, D 128, bf16, P 8: L 128K with a chunk of 4096, L 1M)
-#   benchmarks/h200.sh chunk    # KV cache cuda tests, host µs and launch costs, a chunk of 4096 after 128K with
-#                               # each combine (over heads, one all-gather), B 8 decode and chunk
+#   benchmarks/h200.sh chunk    # KV cache cuda tests, host µs and launch costs, a chunk's kernels over 8 ranks and
+#                               # one, a chunk of 4096 after 128K (B 1 and B 8), B 8 decode at 128K
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -231,13 +231,11 @@ chunk)
     | tee "$out/chunk_host.txt" | grep -E "^P |^host|^  "
   bench=(--decode --seqs 131072 --worlds 8 --chunk 4096 --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16
          --warmup 1 --reps 5 --quiet)
-  section "a chunk of 4096 after 128K, B 1, P 8: the combine over heads (the default)"
-  timeout 100 xcp bench "${bench[@]}" --batch 1 --no-graph 2>&1 | tee "$out/chunk_b1_heads.txt"
-  section "the same with one all-gather of the partials (the combine before)"
-  timeout 100 python3 -c 'import sys; from xcp import cache_plan; cache_plan.HEADS_COMBINE_MIN_QUERIES = 1 << 30
-from xcp.cli import main; sys.exit(main(sys.argv[1:]))' bench "${bench[@]}" --batch 1 --no-graph 2>&1 \
-    | tee "$out/chunk_b1_gather.txt"
-  section "B 8: decode at 128K replayed, and the chunk over heads"
+  section "where a chunk's device time goes: its kernels over 8 ranks and over one"
+  timeout 150 python3 benchmarks/chunk_profile.py --top 8 2>&1 | tee "$out/chunk_profile.txt" | grep -E "=====|flash_fwd|Self CUDA time"
+  section "a chunk of 4096 after 128K, B 1, P 8 (virtual ranks: one all-gather of the partials)"
+  timeout 100 xcp bench "${bench[@]}" --batch 1 --no-graph 2>&1 | tee "$out/chunk_b1.txt"
+  section "B 8: decode at 128K replayed, and the chunk"
   timeout 150 xcp bench "${bench[@]}" --batch 8 --json "$out/chunk_b8.json" 2>&1 | tee "$out/chunk_b8.txt"
   ;;
 *) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench|decode|chunk" >&2; exit 2 ;;
