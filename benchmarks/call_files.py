@@ -65,8 +65,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--backward", action="store_true", help="also .backward() (CPU: autograd on a GPU cannot "
-                        "run a waiting backward per virtual rank)")
+    parser.add_argument(
+        "--backward",
+        action="store_true",
+        help="also .backward() (CPU: autograd on a GPU cannot run a waiting backward per virtual rank)",
+    )
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)

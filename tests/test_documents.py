@@ -72,7 +72,8 @@ def test_blocks_of_two_ranks_are_small_under_zigzag_and_contiguous():
 @pytest.mark.parametrize(
     ("cu", "seq", "message"),
     [
-        ([0, 4, 4, 8], 8, "strictly increasing boundaries (no empty document); got cu_seqlens[1] = 4 >= "),
+        ([0, 4, 3, 8], 8, "non-decreasing boundaries (a repeat is an empty document); got cu_seqlens[1] = 4 > "),
+        ([0, 0, 0], None, "expected at least one token (cu_seqlens[-1] > 0); got [0, 0, 0]"),
         ([1, 8], 8, "expected cu_seqlens[0] == 0; got 1"),
         ([0, 6], 8, "expected cu_seqlens[-1] == 8 (the global sequence length: local length x ranks); got 6"),
         ([0], 8, "at least 2 boundaries"),

@@ -594,6 +594,48 @@ def test_varlen_argument_building():
         convert.check_tnd_stats("x")
 
 
+def test_segments_empty_on_both_sides_are_left_out():
+    """The kernel's cumulative lists take no empty segment: one without queries and keys is dropped (at the start,
+    several in a row, at the end); one empty on a single side is still refused, by name."""
+    cu_q, cu_k = (0, 0, 2, 2, 2, 5, 5), (0, 0, 4, 4, 4, 6, 6)
+    assert convert.nonempty_segments(cu_q, cu_k) == ((0, 2, 5), (0, 4, 6))
+    assert convert.varlen_args(cu_q, cu_k, False, 5, 6, None) == convert.varlen_args(
+        (0, 2, 5), (0, 4, 6), False, 5, 6, None
+    )
+    mask = convert.causal_mask()
+    causal = convert.varlen_args((0, 0, 2, 2, 5), (0, 0, 2, 2, 5), True, 5, 5, mask)
+    assert causal["actual_seq_qlen"] == causal["actual_seq_kvlen"] == [2, 5]
+    with pytest.raises(ValueError, match=r"cu_q: expected strictly increasing boundaries \(no empty segment"):
+        convert.varlen_args((0, 2, 2, 5), (0, 2, 4, 6), False, 5, 6, None)
+    with pytest.raises(ValueError, match=r"cu_k: expected strictly increasing boundaries \(no empty segment"):
+        convert.varlen_args((0, 2, 3, 5), (0, 4, 4, 6), False, 5, 6, None)
+    with pytest.raises(ValueError, match=r"cu_k: expected 3 segments \(as cu_q\); got 2"):
+        convert.nonempty_segments((0, 0, 2, 5), (0, 2, 5))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_varlen_with_empty_segments_against_float64(strict_npu, causal):
+    """Through the stand-in that refuses empty segments: the packed call with segments empty on both sides equals
+    float64 math on the non-empty ones, forward and backward."""
+    backend = _npu_on_cpu()
+    given_q, given_k = ((0, 0, 3, 3, 3, 7, 7), (0, 0, 5, 5, 5, 9, 9))
+    cu_q, cu_k = (0, 3, 7), (0, 5, 9)
+    if causal:
+        given_k, cu_k = given_q, cu_q
+    q, k, v = _packed(cu_q[-1], cu_k[-1], 4, 2, 16, torch.float32)
+    scale = 0.25
+    out, lse = backend.forward_varlen(q, k, v, given_q, given_k, causal, scale)
+    ref_out, ref_lse = _segment_reference(q, k, v, cu_q, cu_k, causal, scale)
+    assert_close_to("out", out, ref_out, 1e-5)
+    assert_close_to("lse", lse, ref_lse, 1e-6)
+    dout = _rand(*out.shape, dtype=torch.float32, seed=4)
+    grads = backend.backward_varlen(dout, q, k, v, out, lse, given_q, given_k, causal, scale)
+    ref = _segment_reference(q, k, v, cu_q, cu_k, causal, scale, dout, ref_out, ref_lse)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+        assert_close_to(name, got, want, 1e-5)
+    assert [c[1:3] for c in strict_npu.varlen_calls] == [(list(cu_q[1:]), list(cu_k[1:]))] * 2
+
+
 @pytest.mark.parametrize("layout", convert.TND_STATS_LAYOUTS)
 def test_tnd_statistics_conversion(layout):
     """The merged lse goes in as softmax_max (+inf where -inf) with sum 1, each value on the stand-in's row for

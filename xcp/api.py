@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 import torch
 
@@ -21,6 +21,7 @@ from .checks import (
     check_call,
     check_dim,
     check_documents,
+    check_return_lse,
     check_shards,
     check_ulysses,
     check_ulysses_divides,
@@ -31,7 +32,40 @@ from .ops import compiled_attention
 from .plugins import select_backend
 from .ring import RingAttention, RingConfig, ring_forward
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
+
+class _Options(TypedDict, total=False):
+    """The keyword options of :func:`attention` besides ``return_lse``, for its typed overloads."""
+
+    causal: bool
+    group: Any
+    cu_seqlens: torch.Tensor | None
+    sinks: torch.Tensor | None
+    window: tuple[int | None, int | None] | None
+    scale: float | None
+    balance: str
+    device: str | torch.device | None
+    slots: str
+    handoff: str | None
+    timeout: float | None
+    policy: str | None
+    ulysses: int
+
+
+@overload
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: Literal[False] = ..., **options: Unpack[_Options]
+) -> torch.Tensor: ...
+@overload
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: Literal[True], **options: Unpack[_Options]
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool, **options: Unpack[_Options]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -50,7 +84,8 @@ def attention(
     timeout: float | None = None,
     policy: str | None = None,
     ulysses: int = 1,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Ring attention over the ranks of ``group``; differentiable in q, k and v.
 
     :param q: this rank's queries {layout}, a shard made by :func:`shard` with the same ``balance``.
@@ -58,8 +93,9 @@ def attention(
     :param v: this rank's values, shaped like k.
     :param causal: causal attention over the *global* sequence.
     :param cu_seqlens: packed documents: an integer tensor [documents + 1] of GLOBAL boundaries
-        ``0 = cu[0] < ... < cu[-1] = S`` (S = local length x ranks), equal on every rank; query i sees key
-        j only in its own document. Batch must be 1. Keep it on the CPU: it is read on the host.
+        ``0 = cu[0] <= ... <= cu[-1] = S`` (S = local length x ranks; a repeat is an empty document, which
+        costs nothing), equal on every rank; query i sees key j only in its own document. Batch must be 1.
+        Keep it on the CPU: it is read on the host.
     :param sinks: a float tensor [heads]: one value-less logit per query head added to every row's
         softmax (attention sinks), applied once after the ring. Differentiable; each rank's gradient is
         the share of its rows, summed over ranks like any replicated parameter's.
@@ -87,40 +123,52 @@ def attention(
         gives every rank H / U heads of its ring shard, the ring runs over R ranks, and a second all-to-all
         returns the output. U divides P and the heads; the shards come from :func:`shard` with the same
         ``ulysses``. 1 (default) is the ring alone, U = P all-to-all alone (Ulysses).
-    :returns: this rank's output, shaped and typed like q.
+    :param return_lse: also return the log-sum-exp of every row's scores (natural log), for callers that
+        merge attention themselves: ``(out, lse)``, lse [batch, heads, seq] (seq: this rank's rows, in q's
+        order; with ``ulysses``, this rank's own rows and all heads again), float32, or float64 for float64
+        inputs. With ``sinks`` it includes the sink: ``log(sum_j exp(s_ij) + exp(sink_h))``. A row that
+        sees no key has lse -inf and out 0. lse is not differentiable: a gradient that reaches it raises a
+        RuntimeError in the backward (detach it where it enters a loss); gradients through out are as
+        without it. In a world of one it runs the backend's block kernel, not ``whole_attention``.
+    :returns: this rank's output, shaped and typed like q; with ``return_lse``, ``(out, lse)``.
     """
     if policy is not None:
         warnings.warn("attention(policy=...) is now spelled slots=...", DeprecationWarning, stacklevel=2)
         slots = policy
     causal, scale, sinks, window, ulysses = check_call(q, k, v, causal, scale, balance, slots, handoff, sinks,
                                                        window, ulysses)  # fmt: skip
+    return_lse = check_return_lse(return_lse)
     if torch.compiler.is_compiling():
         if ulysses != 1:
             raise NotImplementedError(
                 f"ulysses: the hybrid all-to-all + ring does not run under torch.compile yet; got ulysses={ulysses} "
                 "(call xcp.attention outside the compiled region, or ulysses=1)"
             )
-        return compiled_attention(q, k, v, sinks, group, device, check_timeout(timeout), causal=causal, scale=scale,
-                                  balance=balance, slots=slots, handoff=handoff, documents=cu_seqlens, window=window,
-                                  ulysses=ulysses)  # fmt: skip
+        out, lse = compiled_attention(q, k, v, sinks, group, device, check_timeout(timeout), causal=causal,
+                                      scale=scale, balance=balance, slots=slots, handoff=handoff, documents=cu_seqlens,
+                                      window=window, ulysses=ulysses)  # fmt: skip
+        return (out, lse) if return_lse else out
     comm = resolve_group(group, timeout)
     device_type = q.device.type
     backend = select_backend(None if device is None else str(device), device_type)
     if ulysses != 1:
         hybrid = hybrid_config(q, k, comm, backend, ulysses, causal=causal, scale=scale, balance=balance, slots=slots,
                                handoff=handoff, cu_seqlens=cu_seqlens, window=window, sinks=sinks)  # fmt: skip
-        return hybrid_attention(q, k, v, hybrid, sinks)
+        out, hybrid_lse = hybrid_attention(q, k, v, hybrid, sinks, return_lse)
+        return out if hybrid_lse is None else (out, hybrid_lse)
     world = comm.size()
     check_backend_serves(backend, q, world, causal, balance, device_type)
     documents = check_documents(cu_seqlens, q, world, balance, window)
-    if world == 1 and documents is None and sinks is None:  # a world of one: the vendor's attention, if any
-        out = backend.whole_attention(q, k, v, causal, scale)
-        if out is not None:
-            return out
+    if world == 1 and documents is None and sinks is None and not return_lse:  # the vendor's attention, if any
+        whole = backend.whole_attention(q, k, v, causal, scale)
+        if whole is not None:
+            return whole
     cfg = RingConfig(comm, backend, causal, scale, balance, slots, handoff, documents, window)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks)):
-        return RingAttention.apply(q, k, v, sinks, cfg)
-    return ring_forward(q, k, v, cfg, sinks)[0]
+        out, lse = RingAttention.apply(q, k, v, sinks, cfg)
+    else:
+        out, lse = ring_forward(q, k, v, cfg, sinks)
+    return (out, lse) if return_lse else out
 
 
 attention.__doc__ = (attention.__doc__ or "").replace("{layout}", LAYOUT)

@@ -173,8 +173,8 @@ class KVCache:
 
     # ------------------------------------------------------------------ filling
     def prefill(self, k_l: torch.Tensor, v_l: torch.Tensor) -> None:
-        """Keep this rank's shard of a prompt, ``k_l``, ``v_l`` [B, S / P, Hkv, D], as :func:`xcp.shard`
-        made it with this cache's balance (what the rank passed to :func:`xcp.attention`). No
+        """Keep this rank's shard of a prompt, ``k_l`` [B, S / P, Hkv, D] and ``v_l`` [B, S / P, Hkv, Dv], as
+        :func:`xcp.shard` made it with this cache's balance (what the rank passed to :func:`xcp.attention`). No
         communication; the tensors are copied, never kept."""
         self._catch_up()
         if self._seq:
@@ -192,9 +192,9 @@ class KVCache:
             self._counts.record(self._runs, self._seq, self._local)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Add the next T tokens, ``k``, ``v`` [B, T, Hkv, D], the same on every rank, at global positions
-        ``seq_len .. seq_len + T - 1``; this rank keeps its piece of them (:mod:`xcp.cache_plan`). No
-        communication; the piece is copied."""
+        """Add the next T tokens, ``k`` [B, T, Hkv, D] and ``v`` [B, T, Hkv, Dv], the same on every rank, at
+        global positions ``seq_len .. seq_len + T - 1``; this rank keeps its piece of them
+        (:mod:`xcp.cache_plan`). No communication; the piece is copied."""
         layout = check_cache_kv(k, v, self._layout)
         t = k.shape[1]
         if t == 1 and self._counts is not None and self._k is not None and self._v is not None:
@@ -252,14 +252,14 @@ class KVCache:
         n = k.shape[1]
         need = self._local + n
         if self._k is None or self._v is None or need > self._k.shape[1]:
-            b, h, d, dtype, device = layout
+            b, h, d, dtype, device, dv = layout
             if self.capacity is not None:  # once: the share at full capacity and a scratch row, zeroed (finite)
                 room = cache_plan.held(self.capacity, self._world, self._rank)
                 self._counts = DeviceCounts(room, self.capacity, self._world, self._rank, device)
-                grown = [torch.zeros((b, room + 1, h, d), dtype=dtype, device=device) for _ in range(2)]
+                grown = [torch.zeros((b, room + 1, h, dim), dtype=dtype, device=device) for dim in (d, dv)]
             else:
                 room = max(need, math.ceil(GROWTH * (0 if self._k is None else self._k.shape[1])))
-                grown = [torch.empty((b, room, h, d), dtype=dtype, device=device) for _ in range(2)]
+                grown = [torch.empty((b, room, h, dim), dtype=dtype, device=device) for dim in (d, dv)]
             if self._k is not None and self._v is not None:
                 grown[0][:, : self._local].copy_(self._k[:, : self._local])
                 grown[1][:, : self._local].copy_(self._v[:, : self._local])
@@ -286,7 +286,7 @@ class KVCache:
         :param scale: factor on q·k; default 1/sqrt(head_dim).
         :param window: ``(left, right)`` over global positions, as for :func:`xcp.attention`.
         :param sinks: [H], one value-less logit per head, as for :func:`xcp.attention`.
-        :returns: [B, T, H, D] in q's dtype, equal on every rank.
+        :returns: [B, T, H, Dv] (the values' head dim) in q's dtype, equal on every rank.
         """
         decode = self._counts is not None and isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] == 1
         if not decode:
@@ -337,9 +337,9 @@ class KVCache:
         [B, seq_len, Hkv, D]: the first call of a configuration compares the global length too (ranks that
         prefilled or appended differently), the agreed set keeps it as 0 (each decode step's length differs)."""
         assert self._layout is not None
-        b, h, d, dtype, _ = self._layout
-        like = torch.empty((b, seq_len, h, d), dtype=dtype, device="meta")
-        return fingerprint(q, like, like, causal, self.balance, scale, None, sinks, window)
+        b, h, d, dtype, _, dv = self._layout
+        like_k, like_v = (torch.empty((b, seq_len, h, dim), dtype=dtype, device="meta") for dim in (d, dv))
+        return fingerprint(q, like_k, like_v, causal, self.balance, scale, None, sinks, window)
 
     def _exchange(self, backend: Any, op: str, send: Callable[[], torch.Tensor], recv: torch.Tensor, tag: str,
                   meanwhile: Callable[[], Any] = lambda: None) -> Any:  # fmt: skip
@@ -367,10 +367,11 @@ class KVCache:
             return meanwhile()
 
     def _combine(self, backend: Any, partial: Callable[[], torch.Tensor], q, acc: torch.dtype):
-        """The merged (out [B, T, H, D], lse [B, H, T]) of every rank's partial: ``partial()`` packs this
+        """The merged (out [B, T, H, Dv], lse [B, H, T]) of every rank's partial: ``partial()`` packs this
         rank's on the caller's stream C, one all-gather of them on the comm stream M (:meth:`_exchange`), the
         merge on C after the join, into an output C allocates while M gathers."""
-        b, t, h, d = q.shape
+        assert self._layout is not None
+        (b, t, h, _), d = q.shape, self._layout[5]  # out has the values' head dim
         dtype, channels = packed_layout(q.dtype, d)
         recv = torch.empty((self._world, b, t, h, channels), dtype=dtype, device=q.device)  # rule 1: C, before M forks
         make_out = functools.partial(torch.empty, (b, t, h, d), dtype=acc, device=q.device)
@@ -388,7 +389,7 @@ class KVCache:
         return over_heads and callable(getattr(self._comm, "all_to_all", None))
 
     def _combine_over_heads(self, backend: Any, partial: Callable[[], torch.Tensor], q, acc: torch.dtype, sinks):
-        """The merged output [B, T, H, D] in q's dtype, sinks folded in, of a long chunk: three collectives
+        """The merged output [B, T, H, Dv] in q's dtype, sinks folded in, of a long chunk: three collectives
         that move about P/2 times fewer bytes than one all-gather of the partials
         (:func:`xcp.cache_plan.combine_over_heads`).
 
@@ -398,8 +399,9 @@ class KVCache:
            an all-to-all gives rank j every rank's weighted slice of heads ``j·H/P .. (j+1)·H/P``, which it
            sums in the accumulator dtype (its heads' merged output) and folds its heads' sinks into.
         3. All-gather the merged slices."""
+        assert self._layout is not None
         p, me = self._world, self._rank
-        b, t, h, d = q.shape
+        (b, t, h, _), d = q.shape, self._layout[5]  # out has the values' head dim
         hp, heads = h // p, slice(me * (h // p), (me + 1) * (h // p))
         packed = partial()  # [B, T, H, channels] on C
         out, lse = packed[..., :d], packed_lse(packed, d)
@@ -439,7 +441,7 @@ def _run_calls(backend, calls, q, k, v, scale: float):
 
 
 def _pack(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One block's (out [B, T, H, D], lse [B, H, T]) packed for inputs of ``dtype`` as
+    """One block's (out [B, T, H, Dv], lse [B, H, T]) packed for inputs of ``dtype`` as
     :func:`xcp.kernels.merge.packed_layout` lays it out: [B, T, H, D + 1] or, 16-bit, [B, T, H, D + 2]."""
     b, t, h, d = out.shape
     packed_dtype, channels = packed_layout(dtype, d)
@@ -450,8 +452,8 @@ def _pack(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Ten
 
 
 def _local_partial(backend, calls, q, k, v, scale: float, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rank's (out [B, T, H, D], lse [B, H, T]) in ``acc``: zeros and -inf on rows no call covers."""
-    t, d = q.shape[1], q.shape[3]
+    """The rank's (out [B, T, H, Dv], lse [B, H, T]) in ``acc``: zeros and -inf on rows no call covers."""
+    t, d = q.shape[1], v.shape[3]
     if len(calls) == 1 and calls[0].q0 == 0 and calls[0].q1 == t:  # one call covers every row (decode)
         _, out, lse = next(_run_calls(backend, calls, q, k, v, scale))
         return out.to(acc, copy=True), lse.to(acc, copy=True)
@@ -462,7 +464,7 @@ def _local_partial(backend, calls, q, k, v, scale: float, acc: torch.dtype) -> t
 def _packed_partial(backend, calls, q, k, v, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """The rank's partial packed as one buffer, laid out for inputs of ``dtype`` as :func:`_pack` lays it
     out: zeros and -inf on rows no call covers."""
-    b, t, h, d = q.shape
+    (b, t, h, _), d = q.shape, v.shape[3]
     packed_dtype, channels = packed_layout(dtype, d)
     packed = torch.zeros((b, t, h, channels), dtype=packed_dtype, device=q.device)
     lse = packed_lse(packed, d)

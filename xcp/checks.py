@@ -45,15 +45,19 @@ def _check_dims(name: str, x: torch.Tensor) -> None:
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, same_length: bool = False) -> int:
-    """Check that q, k, v fit together as one block ([B, S, H, D]; with ``same_length``, k as long as q);
-    return H // Hkv.
+    """Check that q, k, v fit together as one block ([B, S, H, D]; with ``same_length``, k as long as q;
+    v's head dim Dv may differ from that of q and k, as in multi-head latent attention); return H // Hkv.
 
     Raises a ValueError naming the argument, the expected and the actual value.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_dims(name, x)
-    if v.shape != k.shape:
-        raise ValueError(f"v: expected shape {tuple(k.shape)} (the shape of k); got {tuple(v.shape)}")
+    if v.shape[:3] != k.shape[:3] or v.shape[3] < 1:
+        want = ", ".join(map(str, k.shape[:3]))
+        raise ValueError(
+            f"v: expected shape ({want}, Dv) (the batch, length and heads of k; any head dim Dv >= 1); got "
+            f"{tuple(v.shape)}"
+        )
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k: expected batch {q.shape[0]} (the batch of q); got {k.shape[0]}")
     if same_length and k.shape[1] != q.shape[1]:
@@ -124,6 +128,13 @@ def check_causal(causal: Any) -> bool:
     return bool(causal)
 
 
+def check_return_lse(return_lse: Any) -> bool:
+    """``return_lse`` as a bool: a bool or a numpy bool (not 0/1, not a string)."""
+    if not schedule.is_bool(return_lse):
+        raise TypeError(f"return_lse: expected a bool; got {return_lse!r} ({type(return_lse).__name__})")
+    return bool(return_lse)
+
+
 def check_scale(scale: Any, head_dim: int) -> float:
     """``scale`` as a float; None is 1/sqrt(head_dim)."""
     if scale is None:
@@ -191,7 +202,8 @@ def check_call(
 
 
 def _check_documents(cu_seqlens: Any, q: torch.Tensor, world: int) -> tuple[int, ...] | None:
-    """The global document boundaries as a tuple (None for one document: the dense path)."""
+    """The global document boundaries as a tuple, empty documents dropped (None for one non-empty document:
+    the dense path)."""
     if cu_seqlens is None:
         return None
     if isinstance(cu_seqlens, torch.Tensor):
@@ -271,8 +283,9 @@ def check_shards(shards: Any) -> Sequence[torch.Tensor]:
 # ----------------------------------------------------------------------------------------------------
 # The KV cache (xcp.cache)
 
-CacheLayout = tuple[int, int, int, torch.dtype, torch.device]
-"""What a KV cache's tokens are: (batch, kv_heads, head_dim, dtype, device), fixed by its first tokens."""
+CacheLayout = tuple[int, int, int, torch.dtype, torch.device, int]
+"""What a KV cache's tokens are: (batch, kv_heads, head_dim, dtype, device, value head_dim), fixed by its
+first tokens."""
 
 
 def check_cache_capacity(capacity: Any) -> int | None:
@@ -285,29 +298,34 @@ def check_cache_capacity(capacity: Any) -> int | None:
 
 
 def check_cache_kv(k: Any, v: Any, layout: CacheLayout | None, names: tuple[str, str] = ("k", "v")) -> CacheLayout:
-    """k and v of T >= 1 new tokens [batch, T, kv_heads, head_dim], alike, and like the cache's ``layout``
-    (None for an empty cache); returns their layout."""
+    """k and v of T >= 1 new tokens [batch, T, kv_heads, head_dim] (v's head dim may differ), and like the
+    cache's ``layout`` (None for an empty cache); returns their layout."""
     nk, nv = names
     for name, x in ((nk, k), (nv, v)):
         _check_tensor(name, x)
-    if v.shape != k.shape:
-        raise ValueError(f"{nv}: expected shape {tuple(k.shape)} (the shape of {nk}); got {tuple(v.shape)}")
+    if v.dim() != 4 or v.shape[:3] != k.shape[:3]:
+        want = ", ".join(map(str, k.shape[:3]))
+        raise ValueError(
+            f"{nv}: expected shape ({want}, Dv) (the batch, tokens and kv_heads of {nk}; any head dim Dv); got "
+            f"{tuple(v.shape)}"
+        )
     if v.dtype != k.dtype:
         raise TypeError(f"{nv}: expected dtype {k.dtype} (the dtype of {nk}); got {v.dtype}")
     if v.device != k.device:
         raise ValueError(f"{nv}: expected device {k.device} (the device of {nk}); got {v.device}")
     if k.shape[1] < 1:
         raise ValueError(f"{nk}: expected T >= 1 tokens along dim 1 of {LAYOUT}; got T = {k.shape[1]}")
-    if min(k.shape) < 1:
-        raise ValueError(f"{nk}: expected every dim of {LAYOUT} >= 1; got shape {tuple(k.shape)}")
-    mine = (k.shape[0], k.shape[2], k.shape[3], k.dtype, k.device)
+    for name, x in ((nk, k), (nv, v)):
+        if min(x.shape) < 1:
+            raise ValueError(f"{name}: expected every dim of {LAYOUT} >= 1; got shape {tuple(x.shape)}")
+    mine = (k.shape[0], k.shape[2], k.shape[3], k.dtype, k.device, v.shape[3])
     if layout is not None and mine != layout:
         _check_like(nk, mine, layout)
     return mine
 
 
 def _check_like(name: str, mine: CacheLayout, layout: CacheLayout) -> None:
-    for what, got, want in zip(("batch", "kv_heads", "head_dim", "dtype", "device"), mine, layout):
+    for what, got, want in zip(("batch", "kv_heads", "head_dim", "dtype", "device", "value head_dim"), mine, layout):
         if got != want:
             error = TypeError if what == "dtype" else ValueError
             raise error(f"{name}: expected {what} {want} (that of the tokens in the cache); got {got}")
@@ -324,7 +342,7 @@ def check_cache_query(q: Any, layout: CacheLayout | None, seq_len: int) -> int:
         raise ValueError(f"q: expected T >= 1 queries along dim 1 of {LAYOUT}; got T = {t}")
     if h < 1 or h % layout[1]:
         raise ValueError(f"q: expected a number of heads that the cache's {layout[1]} kv_heads divide; got {h}")
-    _check_like("q", (b, layout[1], d, q.dtype, q.device), layout)
+    _check_like("q", (b, layout[1], d, q.dtype, q.device, layout[5]), layout)
     if t > seq_len:
         raise ValueError(
             f"q: expected at most seq_len = {seq_len} queries (the last tokens of the cache); got T = {t}"

@@ -82,10 +82,14 @@ class Run:
 
 
 def check_cu_seqlens(cu: object, seq_len: int | None = None, name: str = "cu_seqlens") -> tuple[int, ...]:
-    """``cu`` as a tuple of ints, checked: 1-D, integers, ``0 = cu[0] < cu[1] < ... < cu[-1] = seq_len``.
+    """``cu`` as a tuple of ints, checked: 1-D, integers, ``0 = cu[0] <= cu[1] <= ... <= cu[-1] = seq_len``.
 
-    Accepts a list/tuple of ints or anything with ``tolist()`` (a 1-D integer tensor or array); the
-    caller checks the tensor's dtype. Raises a ValueError naming ``name``, the expected and the actual.
+    Repeated boundaries are empty documents (packed batches from data loaders hold them): they have no
+    token, so they are dropped here and the tuple returned is strictly increasing (``(0, 0, 3, 3, 8)`` ->
+    ``(0, 3, 8)``). Everything downstream sees only non-empty documents; the result of a call is that of the
+    same call with the empty documents removed. Accepts a list/tuple of ints or anything with ``tolist()``
+    (a 1-D integer tensor or array); the caller checks the tensor's dtype. Raises a ValueError naming
+    ``name``, the expected and the actual.
     """
     values = cu.tolist() if hasattr(cu, "tolist") else cu
     if not isinstance(values, (list, tuple)):
@@ -101,17 +105,19 @@ def check_cu_seqlens(cu: object, seq_len: int | None = None, name: str = "cu_seq
     if values[0] != 0:
         raise ValueError(f"{name}: expected cu_seqlens[0] == 0; got {values[0]}")
     for i in range(1, len(values)):
-        if values[i] <= values[i - 1]:
+        if values[i] < values[i - 1]:
             raise ValueError(
-                f"{name}: expected strictly increasing boundaries (no empty document); got "
-                f"cu_seqlens[{i - 1}] = {values[i - 1]} >= cu_seqlens[{i}] = {values[i]}"
+                f"{name}: expected non-decreasing boundaries (a repeat is an empty document); got "
+                f"cu_seqlens[{i - 1}] = {values[i - 1]} > cu_seqlens[{i}] = {values[i]}"
             )
     if seq_len is not None and values[-1] != seq_len:
         raise ValueError(
             f"{name}: expected cu_seqlens[-1] == {seq_len} (the global sequence length: local length x ranks); "
             f"got {values[-1]}"
         )
-    return values
+    if values[-1] == 0:
+        raise ValueError(f"{name}: expected at least one token (cu_seqlens[-1] > 0); got {list(values)}")
+    return tuple(x for i, x in enumerate(values) if i == 0 or x != values[i - 1])
 
 
 # ---------------------------------------------------------------------------------------------- local maps
@@ -323,9 +329,7 @@ def _window_segments(
     return tuple(sorted(out, key=lambda seg: (seg.q0, seg.k0)))
 
 
-def diagonal_segment(
-    q: tuple[int, int], k: tuple[int, int], lo: int, hi: int, causal: bool
-) -> Segment:
+def diagonal_segment(q: tuple[int, int], k: tuple[int, int], lo: int, hi: int, causal: bool) -> Segment:
     """The segment of query rows ``q`` against key rows ``k`` in which query i' sees key j' (both relative
     to the segment) iff ``lo <= j' - i' <= hi``, trimmed so that every query sees a key and every key is
     seen: full, square causal (with ``causal``, a 1 x 1 one too, so that it joins its neighbours' varlen

@@ -315,20 +315,33 @@ def hybrid_forward(
     and the state :func:`hybrid_backward` takes: the hybrid's :func:`xcp.ring_forward`, for drivers of
     virtual ranks on a GPU, where autograd runs every backward on one device thread (docs/architecture.md,
     Autograd and virtual ranks). ``sinks`` [H]: the whole tensor (each rank applies its heads' slice)."""
-    out, state = _forward(q, k, v, cfg, sinks, keep=True)
+    out, state, _ = _forward(q, k, v, cfg, sinks, keep=True)
     assert state is not None
     return out, state
 
 
-def _forward(q, k, v, cfg: HybridConfig, sinks, keep: bool) -> tuple[torch.Tensor, HybridState | None]:
+def _forward(
+    q, k, v, cfg: HybridConfig, sinks, keep: bool, return_lse: bool = False
+) -> tuple[torch.Tensor, HybridState | None, torch.Tensor | None]:
     backend = cfg.ring.backend
     k, v = cfg.replicate(k, v)
     qr, kr, vr = heads_to_tokens(cfg.head, backend, (q, k, v))
     del k, v
     out_r, lse_r = ring_forward(qr, kr, vr, cfg.ring, cfg.own_sinks(sinks))
     state = HybridState(qr, kr, vr, out_r, lse_r) if keep else None
+    lse = _lse_of_heads(tokens_to_heads(cfg.head, backend, (_lse_as_tokens(lse_r),))[0]) if return_lse else None
     del qr, kr, vr, lse_r
-    return tokens_to_heads(cfg.head, backend, (out_r,))[0], state
+    return tokens_to_heads(cfg.head, backend, (out_r,))[0], state, lse
+
+
+def _lse_as_tokens(lse: torch.Tensor) -> torch.Tensor:
+    """The ring's lse [B, h, U·n] as a [B, U·n, h, 1] tensor, the layout :func:`tokens_to_heads` moves."""
+    return lse.transpose(1, 2).unsqueeze(-1)
+
+
+def _lse_of_heads(lse: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_lse_as_tokens` after the all-to-all: [B, n, H, 1] to [B, H, n], contiguous."""
+    return lse.squeeze(-1).transpose(1, 2).contiguous()
 
 
 def hybrid_backward(
@@ -351,15 +364,23 @@ def hybrid_backward(
 
 
 def hybrid_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: HybridConfig, sinks: torch.Tensor | None = None
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: HybridConfig, sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """This rank's output of :func:`xcp.attention` with ``ulysses`` > 1 on the configuration of
-    :func:`hybrid_config`: under autograd where an input needs a gradient, else :func:`hybrid_forward`'s."""
+    :func:`hybrid_config`: under autograd where an input needs a gradient, else :func:`hybrid_forward`'s;
+    and, with ``return_lse``, its lse [B, H, n] (this rank's rows and all heads: the ring's lse of H / U
+    heads goes back by its own all-to-all, through which a gradient of lse reaches the ring's Function and
+    raises there), else None."""
     needs_grad = any(x is not None and x.requires_grad for x in (q, k, v, sinks))
     if torch.is_grad_enabled() and needs_grad:
         backend = cfg.ring.backend
         k, v = cfg.replicate(k, v)  # autograd sums the replicas' gradients back
         qr, kr, vr = HeadExchange.apply(cfg.head, backend, True, q, k, v)
-        out_r = RingAttention.apply(qr, kr, vr, cfg.own_sinks(sinks), cfg.ring)
-        return HeadExchange.apply(cfg.head, backend, False, out_r)[0]
-    return _forward(q, k, v, cfg, sinks, keep=False)[0]
+        out_r, lse_r = RingAttention.apply(qr, kr, vr, cfg.own_sinks(sinks), cfg.ring)
+        out = HeadExchange.apply(cfg.head, backend, False, out_r)[0]
+        if not return_lse:
+            return out, None
+        return out, _lse_of_heads(HeadExchange.apply(cfg.head, backend, False, _lse_as_tokens(lse_r))[0])
+    out, _, lse = _forward(q, k, v, cfg, sinks, keep=False, return_lse=return_lse)
+    return out, lse

@@ -5,7 +5,9 @@ the group travels by name, as PyTorch's functional collectives pass it (``""`` f
 process group when one is initialised, else a world of one), and the backend by its registered name. The
 op resolves both, builds the :class:`~xcp.ring.RingConfig` and runs :func:`~xcp.ring.ring_forward`
 eagerly; its fake implementation gives the output shapes, and its autograd formula calls
-``xcp::ring_backward``. Nothing in the traced part takes a lock or reads a thread id.
+``xcp::ring_backward``, which also takes the gradient of lse (None where lse is unused) and raises when it
+is not zero (``return_lse=True``: gradients through lse are not supported). Nothing in the traced part takes
+a lock or reads a thread id.
 
 LocalWorld groups are threads of one process; a compiled graph cannot name them, so they stay eager
 (:func:`group_name` says so).
@@ -22,7 +24,7 @@ from .checks import check_backend_serves, check_documents
 from .comm import Communicator, DistCommunicator, process_group_of_mesh, resolve_group
 from .kernels.merge import accumulator_dtype, sinks_grad
 from .plugins import select_backend
-from .ring import RingConfig, once_differentiable, ring_backward, ring_forward
+from .ring import RingConfig, check_lse_grad, once_differentiable, ring_backward, ring_forward
 from .spec import spec_fields
 
 
@@ -119,8 +121,11 @@ def _ring_forward(q, k, v, sinks, group, backend, timeout, *spec):
     return ring_forward(q, k, v, _config(q, group, backend, timeout, spec), sinks)
 
 
-def _ring_backward(dout, q, k, v, out, lse, group, backend, timeout, *spec):
-    """``(dq, dk, dv)`` of this rank: :func:`xcp.ring.ring_backward` on the named group and backend."""
+def _ring_backward(dout, q, k, v, out, lse, dlse, group, backend, timeout, *spec):
+    """``(dq, dk, dv)`` of this rank: :func:`xcp.ring.ring_backward` on the named group and backend, after
+    :func:`xcp.ring.check_lse_grad` of ``dlse``, the gradient of lse or None (here, at run time: a trace
+    cannot read values)."""
+    check_lse_grad(dlse)
     return ring_backward(dout.contiguous(), q, k, v, out, lse, _config(q, group, backend, timeout, spec))
 
 
@@ -134,8 +139,8 @@ ring_backward_op = torch.library.custom_op(
     "xcp::ring_backward",
     _ring_backward,
     mutates_args=(),
-    schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_WHERE}, {_SPEC_SCHEMA}) "
-    "-> (Tensor, Tensor, Tensor)",
+    schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, {_WHERE}, "
+    f"{_SPEC_SCHEMA}) -> (Tensor, Tensor, Tensor)",
 )
 
 
@@ -155,12 +160,17 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, sinks)
     ctx.options = options
+    ctx.set_materialize_grads(False)  # an unused lse gives None: nothing to check
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, sinks = ctx.saved_tensors
+    if dout is None and dlse is None:
+        return (None,) * (4 + len(ctx.options))
     with torch.no_grad():
-        dq, dk, dv = ring_backward_op(dout, q, k, v, out, lse, *ctx.options)
+        if dout is None:  # only lse's gradient came: the op checks it (zeros add nothing)
+            dout = torch.zeros_like(out)
+        dq, dk, dv = ring_backward_op(dout, q, k, v, out, lse, dlse, *ctx.options)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             dsinks = sinks_grad(dout, out, lse, sinks)
@@ -173,11 +183,10 @@ ring_forward_op.register_autograd(_backward, setup_context=_setup_context)
 def compiled_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, group: Any, device: Any,
     timeout: float | None, **spec: Any,
-) -> torch.Tensor:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """What :func:`xcp.attention` calls inside a compiled region: ``spec``, the fields of a
     :class:`~xcp.spec.CallSpec` by name (``documents`` the caller's ``cu_seqlens``), checked as far as a
-    trace can; the rest, such as the documents' boundaries, inside the op."""
+    trace can; the rest, such as the documents' boundaries, inside the op. Returns ``(out, lse)``."""
     values = [to_op(spec[name]) for name, _, to_op, _ in _SPEC]
     where = (group_name(group), "" if device is None else str(device), -1.0 if timeout is None else float(timeout))
-    out, _ = ring_forward_op(q, k, v, sinks, *where, *values)
-    return out
+    return ring_forward_op(q, k, v, sinks, *where, *values)

@@ -452,9 +452,25 @@ def once_differentiable(
     return tuple(None if g is None else next(tied) for g in grads)
 
 
+LSE_GRADIENT = (
+    "return_lse: gradients through lse are not supported; expected no gradient (or zeros) to reach the lse "
+    "of xcp.attention(..., return_lse=True); got a non-zero one (use lse.detach() where it enters the loss)"
+)
+
+
+def check_lse_grad(dlse: torch.Tensor | None) -> None:
+    """Raise :data:`LSE_GRADIENT` where a non-zero gradient reached the lse of ``return_lse=True``: the
+    backward takes the output's gradient only, and ignoring one of the lse would be a wrong gradient. None
+    (lse unused) or zeros add nothing. Reads one flag on the host, only when a gradient came."""
+    if dlse is not None and bool(dlse.ne(0).any()):
+        raise RuntimeError(LSE_GRADIENT)
+
+
 class RingAttention(torch.autograd.Function):
-    """Autograd wrapper: saves (q, k, v, out, lse, sinks) and runs :func:`ring_backward`; the sinks'
-    gradient is this rank's share (its rows), which ranks sum like any replicated parameter's.
+    """Autograd wrapper: returns ``(out, lse)``, saves (q, k, v, out, lse, sinks) and runs
+    :func:`ring_backward`; the sinks' gradient is this rank's share (its rows), which ranks sum like any
+    replicated parameter's. A non-zero gradient of lse raises (:func:`check_lse_grad`); gradients are not
+    materialised, so an unused lse costs nothing.
 
     Differentiable once, as flash kernels are: a double backward (``create_graph=True`` then a second
     grad) raises instead of returning wrong second-order terms.
@@ -466,10 +482,11 @@ class RingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.cfg = cfg
         ctx.thread = threading.get_ident()
-        return out
+        ctx.set_materialize_grads(False)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dlse):
         cfg = ctx.cfg
         if cfg.comm.size() > 1 and cfg.comm.ranks_are_threads and threading.get_ident() != ctx.thread:
             raise RuntimeError(
@@ -478,6 +495,9 @@ class RingAttention(torch.autograd.Function):
                 "device, where a ring that waits for its peers would hang. Drive virtual ranks on this device "
                 "with xcp.ring_forward / xcp.ring_backward, or use real ranks (torchrun)."
             )
+        check_lse_grad(dlse)
+        if dout is None:  # only lse's gradient came, and it is zero
+            return None, None, None, None, None
         q, k, v, out, lse, sinks = ctx.saved_tensors
         with torch.no_grad():
             dout_c = dout.contiguous()

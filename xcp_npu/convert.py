@@ -181,11 +181,24 @@ def varlen_unsupported(q: torch.Tensor, k: torch.Tensor) -> str | None:
     return None
 
 
+def nonempty_segments(cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``cu_q`` and ``cu_k`` without the segments empty on both sides (no query and no key: nothing to compute; the
+    kernel's cumulative lists take no empty segment). E.g. ``(0, 0, 2, 2)``, ``(0, 0, 3, 3)`` -> ``(0, 2)``,
+    ``(0, 3)``. A segment empty on one side only is left for :func:`actual_seq_lens` to refuse. The ring's runs never
+    hold an empty segment (``xcp.documents.check_cu_seqlens`` drops empty documents); this serves direct callers.
+    """
+    if len(cu_q) != len(cu_k):
+        raise ValueError(f"cu_k: expected {len(cu_q) - 1} segments (as cu_q); got {len(cu_k) - 1}")
+    keep = [i for i in range(len(cu_q)) if i == 0 or (cu_q[i], cu_k[i]) != (cu_q[i - 1], cu_k[i - 1])]
+    return tuple(cu_q[i] for i in keep), tuple(cu_k[i] for i in keep)
+
+
 def actual_seq_lens(cu: tuple[int, ...] | list[int], total: int, name: str = "cu_q") -> list[int]:
     """``cu`` (``(0, ..., total)``, strictly increasing) as the kernel's cumulative list: ``list(cu[1:])``.
 
     E.g. ``(0, 3, 8, 12)`` -> ``[3, 8, 12]``. Raises a ValueError naming ``name`` unless ``cu`` starts at 0, ends at
-    ``total`` (the tokens of the call) and has no empty segment.
+    ``total`` (the tokens of the call) and has no empty segment (the kernel takes none: drop the segments empty in
+    both queries and keys first, :func:`nonempty_segments`).
     """
     values = [int(x) for x in cu]
     if len(values) < 2 or values[0] != 0 or values[-1] != total:
@@ -209,10 +222,10 @@ def varlen_args(
     Causal segments are square (``cu_q == cu_k``): sparse_mode 3 (right-down causal, per segment in TND) with the
     compressed 2048x2048 mask, which on a square segment is top-left causal. A ``window`` (only with
     ``causal=False``) is sparse_mode 4 with the same mask (:func:`band_args`). Otherwise sparse_mode 0, no mask.
+    Segments empty in both queries and keys are left out (:func:`nonempty_segments`).
     """
+    cu_q, cu_k = nonempty_segments(cu_q, cu_k)
     qlen, kvlen = actual_seq_lens(cu_q, tq, "cu_q"), actual_seq_lens(cu_k, tk, "cu_k")
-    if len(qlen) != len(kvlen):
-        raise ValueError(f"cu_k: expected {len(qlen)} segments (as cu_q); got {len(kvlen)}")
     if window is not None:
         if causal:
             raise ValueError(f"window: a window goes with causal=False; got causal=True and window={window!r}")

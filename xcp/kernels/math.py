@@ -56,7 +56,7 @@ def _probabilities(q, k, mask: str, scale: float, lse=None, window=None, allowed
 
 
 def math_forward(q, k, v, mask: str, scale: float, window=None, allowed=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block attention in the accumulator dtype: out [B, Sq, H, D] and lse [B, H, Sq]."""
+    """Block attention in the accumulator dtype: out [B, Sq, H, Dv] (v's head dim) and lse [B, H, Sq]."""
     acc = accumulator_dtype(q.dtype)
     groups = q.shape[2] // k.shape[2]
     qh = _heads_first(q, acc)
@@ -87,5 +87,5 @@ def math_backward(dout, q, k, v, out, lse, mask: str, scale: float, window=None)
     dk = torch.matmul(ds.transpose(-1, -2), qh) * scale
     if groups > 1:
         dk = dk.reshape(b, hkv, groups, sk, d).sum(2)
-        dv = dv.reshape(b, hkv, groups, sk, d).sum(2)
+        dv = dv.reshape(b, hkv, groups, sk, v.shape[3]).sum(2)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

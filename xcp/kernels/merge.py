@@ -43,11 +43,15 @@ def packed_lse(packed: torch.Tensor, head_dim: int) -> torch.Tensor:
     return packed[..., head_dim]
 
 
-def new_accumulators(q: torch.Tensor, empty: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Running output [B, S, H, D] (zeros) and log-sum-exp [B, H, S] (-inf) for queries ``q``; with
-    ``empty``, uninitialised (for a kernel that writes every element without reading any)."""
+def new_accumulators(
+    q: torch.Tensor, empty: bool = False, value_dim: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Running output [B, S, H, Dv] (zeros) and log-sum-exp [B, H, S] (-inf) for queries ``q``, Dv the
+    values' head dim (``value_dim``; default q's); with ``empty``, uninitialised (for a kernel that writes
+    every element without reading any)."""
     acc = accumulator_dtype(q.dtype)
     b, s, h, d = q.shape
+    d = d if value_dim is None else value_dim
     if empty:
         return torch.empty((b, s, h, d), dtype=acc, device=q.device), torch.empty((b, h, s), dtype=acc, device=q.device)
     out = torch.zeros((b, s, h, d), dtype=acc, device=q.device)
