@@ -118,8 +118,9 @@ class Context:
         """The whole sequence from the shards of ranks 0..P-1 (see :func:`xcp.unshard`)."""
         return _unshard(shards, dim=dim, balance=self._balance, ulysses=self._ulysses)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """:func:`xcp.attention` on this rank's shards with this context's group, balance and ulysses.
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> Any:
+        """:func:`xcp.attention` on this rank's shards with this context's group, balance and ulysses: its
+        out, or ``(out, lse)`` with ``return_lse=True``.
 
         ``kwargs`` are those of :func:`xcp.attention` (``causal`` is required there too); a ``balance``,
         ``group`` or ``ulysses`` that disagrees with the context's raises a ValueError naming both.
