@@ -320,7 +320,8 @@ def check_cache_kv(k: Any, v: Any, layout: CacheLayout | None, names: tuple[str,
             raise ValueError(f"{name}: expected every dim of {LAYOUT} >= 1; got shape {tuple(x.shape)}")
     mine = (k.shape[0], k.shape[2], k.shape[3], k.dtype, k.device, v.shape[3])
     if layout is not None and mine != layout:
-        _check_like(nk, mine, layout)
+        _check_like(nk, mine[:5], layout[:5])
+        _check_like(nv, mine, layout)  # the value head dim, the one field left to differ
     return mine
 
 
@@ -344,7 +345,5 @@ def check_cache_query(q: Any, layout: CacheLayout | None, seq_len: int) -> int:
         raise ValueError(f"q: expected a number of heads that the cache's {layout[1]} kv_heads divide; got {h}")
     _check_like("q", (b, layout[1], d, q.dtype, q.device, layout[5]), layout)
     if t > seq_len:
-        raise ValueError(
-            f"q: expected at most seq_len = {seq_len} queries (the last tokens of the cache); got T = {t}"
-        )
+        raise ValueError(f"q: expected at most seq_len = {seq_len} queries (the last tokens of the cache); got T = {t}")
     return t

@@ -146,8 +146,8 @@ ring_backward_op = torch.library.custom_op(
 
 @ring_forward_op.register_fake
 def _(q, k, v, *options):
-    b, s, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=accumulator_dtype(q.dtype))
+    b, s, h, _ = q.shape  # out has the values' head dim
+    return q.new_empty((b, s, h, v.shape[3])), q.new_empty((b, h, s), dtype=accumulator_dtype(q.dtype))
 
 
 @ring_backward_op.register_fake

@@ -202,9 +202,9 @@ class _Running(_Pairs):
     whole shard writes the accumulators instead of merging into zeros (a pair: ``fresh``, not read at all).
     """
 
-    def __init__(self, backend: Backend, q: torch.Tensor) -> None:
+    def __init__(self, backend: Backend, q: torch.Tensor, value_dim: int) -> None:
         super().__init__(backend)
-        self.q, self.n = q, q.shape[1]
+        self.q, self.n, self.value_dim = q, q.shape[1], value_dim
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
 
@@ -212,7 +212,7 @@ class _Running(_Pairs):
         """The accumulators with every block folded in (zeros / -inf where no block came)."""
         self.flush()
         if self.out is None or self.lse is None:
-            self.out, self.lse = new_accumulators(self.q)
+            self.out, self.lse = new_accumulators(self.q, value_dim=self.value_dim)
         return self.out, self.lse
 
     def _whole(self, rows: slice) -> bool:
@@ -226,16 +226,16 @@ class _Running(_Pairs):
             self.lse = block_lse.to(acc, memory_format=torch.contiguous_format, copy=True)
             return
         if self.out is None or self.lse is None:
-            self.out, self.lse = new_accumulators(self.q)
+            self.out, self.lse = new_accumulators(self.q, value_dim=self.value_dim)
         merge_block(self.backend, self.out, self.lse, block_out, block_lse, rows)
 
     def _two(self, rows: slice, first: tuple[torch.Tensor, ...], second: tuple[torch.Tensor, ...]) -> bool:
         fresh = self.out is None and self._whole(rows)
         if fresh:
-            out, lse = new_accumulators(self.q, empty=True)
+            out, lse = new_accumulators(self.q, empty=True, value_dim=self.value_dim)
         else:
             if self.out is None or self.lse is None:
-                self.out, self.lse = new_accumulators(self.q)
+                self.out, self.lse = new_accumulators(self.q, value_dim=self.value_dim)
             out, lse = self.out, self.lse
         if not self.backend.fused_merge_pair_(out, lse, (first[0], first[1]), (second[0], second[1]), rows, fresh):
             return False
@@ -301,7 +301,7 @@ def ring_forward(
         return _local_forward(q, k, v, cfg, sinks)
     check_agreement(comm, backend, q, k, v, cfg, sinks)
     n = q.shape[1]
-    running = _Running(backend, q)
+    running = _Running(backend, q, v.shape[3])
     plan = cfg.plan
     moves = len(plan.steps) > 1
     call = RingCall(comm, backend, q.device, cfg.slots, cfg.handoff) if moves else None
