@@ -24,7 +24,7 @@ import xcp
 from xcp.backends import fused
 from xcp.backends import fused as pieces  # the mask tiling lives in the fused-kernel base
 from xcp.checks import check_qkv
-from xcp.kernels.math import allowed_keys, math_backward, math_forward
+from xcp.kernels.math import allowed_keys, math_backward, math_forward, math_forward_range
 from xcp.testing import conformance
 from xcp_cuda import CUDABackend, kernels
 
@@ -112,7 +112,8 @@ def _bhsd_grads(dout, q, k, v, out, lse, allowed, scale):
     dq = torch.einsum("bhqk,bhkd->bhqd", ds, kr) * scale
     dk = torch.einsum("bhqk,bhqd->bhkd", ds, q.double()) * scale
     b, h, sk, d = dk.shape
-    return dq, dk.reshape(b, h // groups, groups, sk, d).sum(2), dv.reshape(b, h // groups, groups, sk, d).sum(2)
+    dv = dv.reshape(b, h // groups, groups, sk, dv.shape[-1]).sum(2)
+    return dq, dk.reshape(b, h // groups, groups, sk, d).sum(2), dv
 
 
 def _square_math_kernels(calls):
@@ -229,8 +230,9 @@ def test_check_qkv_names_the_argument():
     assert check_qkv(q, k, v) == 2
     with pytest.raises(ValueError, match=r"k: expected a number of heads that divides the 4 heads of q; got 3"):
         check_qkv(q, _rand(1, 4, 3, 8), _rand(1, 4, 3, 8))
-    with pytest.raises(ValueError, match=r"v: expected shape \(1, 4, 2, 8\)"):
+    with pytest.raises(ValueError, match=r"v: expected shape \(1, 4, 2, Dv\)"):
         check_qkv(q, k, _rand(1, 5, 2, 8))
+    assert check_qkv(q, k, _rand(1, 4, 2, 16)) == 2  # values of another head dim
     with pytest.raises(ValueError, match="q: expected 4 dims"):
         check_qkv(q[0], k, v)
     with pytest.raises(ValueError, match="k: expected head_dim 8"):
@@ -325,6 +327,10 @@ class FakeAten:
             assert x.dim() == 4 and x.stride(-1) == 1, "aten attention ops take [B, H, S, D] with unit last stride"
 
     @staticmethod
+    def _one_head_dim(q, k, v):
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1], "q, k, v must have the same last dimension (flash)"
+
+    @staticmethod
     def _flash_window(left, right, max_k):
         """What flash makes of a window: a side >= max_seqlen_k becomes unbounded, and an unbounded side
         facing a bounded one becomes max_seqlen_k (from the bottom-right corner, as the window)."""
@@ -352,6 +358,7 @@ class FakeAten:
 
     def _scaled_dot_product_flash_attention(self, q, k, v, dropout_p, is_causal, return_debug_mask, *, scale):
         self._layout(q, k, v)
+        self._one_head_dim(q, k, v)
         assert q.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0.0 and not return_debug_mask
         assert q.shape[1] % k.shape[1] == 0
         self.calls.append(("flash_fwd", q.shape[2], k.shape[2], k.shape[1], is_causal))
@@ -364,6 +371,7 @@ class FakeAten:
         self, dout, q, k, v, out, lse, cq, ck, max_q, max_k, dropout_p, is_causal, seed, offset, *, scale
     ):
         self._layout(dout, q, k, v, out)
+        self._one_head_dim(q, k, v)
         assert cq is None and ck is None and (max_q, max_k) == (q.shape[2], k.shape[2]) and dropout_p == 0.0
         assert lse.dtype == torch.float32 and lse.shape == q.shape[:3] and lse.is_contiguous()
         assert out.dtype == q.dtype and dout.dtype == q.dtype
@@ -454,6 +462,7 @@ class FakeAten:
         window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None,
     ):  # fmt: skip
         self._packed(q, k, v)
+        self._one_head_dim(q, k, v)
         assert q.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0.0 and not return_debug_mask
         assert q.shape[1] % k.shape[1] == 0
         window = self._flash_window(window_size_left, window_size_right, max_k)
@@ -476,6 +485,7 @@ class FakeAten:
         scale=None, window_size_left=None, window_size_right=None,
     ):  # fmt: skip
         self._packed(dout, q, k, v, out)
+        self._one_head_dim(q, k, v)
         assert dropout_p == 0.0
         window = self._flash_window(window_size_left, window_size_right, max_k)
         assert rng_state.dtype == torch.uint64 and rng_state.shape == (2,) and unused.dtype == torch.uint64
@@ -2097,3 +2107,90 @@ def test_the_partials_merge_replays_from_a_cuda_graph_on_a_gpu(dtype):
         assert not out.isnan().any() and torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)  # as in the test above
         torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- value head dims
+
+
+@pytest.mark.parametrize(
+    ("dtype", "dims", "kind"),
+    [
+        (torch.bfloat16, (128, 128), "flash"),
+        (torch.bfloat16, (192, 128), "efficient"),  # flash takes one head dim; cuDNN is asked per block
+        (torch.bfloat16, (128, 64), "efficient"),
+        (torch.bfloat16, (576, 512), "efficient"),
+        (torch.bfloat16, (192, 100), "math"),  # a value dim off the 8-alignment
+        (torch.float32, (12, 8), "efficient"),
+        (torch.float32, (12, 6), "math"),
+        (torch.float64, (12, 8), "math"),
+    ],
+)
+def test_choose_kernel_with_values_of_another_head_dim(dtype, dims, kind):
+    assert kernels.choose_kernel(dtype, dims[0], (9, 0), dims[1]) == kind
+
+
+@pytest.mark.parametrize("dims", [(24, 16), (16, 24)])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+@pytest.mark.parametrize("gqa", ["native", "repeat"])
+def test_dense_blocks_with_values_of_another_head_dim(monkeypatch, dims, mask, gqa):
+    """A dense block whose values have another head dim: not flash (one head dim); efficient here (the
+    stand-in's SDPA dispatcher is not asked on CPU tensors), out and dv in v's dim, against the math kernel."""
+    backend, fake = _cpu_backend(monkeypatch, gqa=gqa)
+    q, k, _ = _block(2, 6, 6, 4, 2, dims[0], dtype=torch.float16, seed=11)
+    v = _rand(2, 6, 2, dims[1], dtype=torch.float16, seed=12)
+    assert backend.block_kernel(q, k, mask == "causal", v) == "efficient"
+    out, lse = backend.forward(q, k, v, mask, 0.2)
+    want_out, want_lse = math_forward(q, k, v, mask, 0.2)
+    assert out.shape == (2, 6, 4, dims[1])
+    _close("out", out, want_out, 4e-3)
+    _close("lse", lse, want_lse, 4e-3)
+    dout = _rand(*out.shape, dtype=torch.float16, seed=13)
+    grads = backend.backward(dout, q, k, v, out, lse, mask, 0.2)
+    wants = math_backward(dout, q, k, v, out, lse, mask, 0.2)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, wants):
+        assert got.shape == want.shape
+        _close(name, got, want, 1e-2)
+    assert {c[0] for c in fake.calls} == {"efficient_fwd", "efficient_bwd"}
+
+
+@pytest.mark.parametrize("dims", [(24, 16), (16, 24)])
+@pytest.mark.parametrize("layout", ["causal", "full"])
+def test_varlen_pads_values_of_another_head_dim_to_one_flash_call(monkeypatch, dims, layout):
+    """Packed segments with values of another head dim: the narrower side padded with zeros to the wider
+    for one flash varlen call (flash takes one head dim), the results sliced back; against the math kernel."""
+    cu_q, cu_k, causal = VARLEN_LAYOUTS[layout]
+    backend, fake = _cpu_backend(monkeypatch)
+    q, k, _ = _varlen_block(cu_q, cu_k, 4, 2, dims[0], torch.bfloat16, seed=14)
+    v = _rand(1, cu_k[-1], 2, dims[1], dtype=torch.bfloat16, seed=15)
+    before = [x.clone() for x in (q, k, v)]
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, 0.3)
+    dout = _rand(*out.shape, dtype=torch.bfloat16, seed=16)
+    grads = backend.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, 0.3)
+    assert [c[0] for c in fake.calls] == ["flash_varlen_fwd", "flash_varlen_bwd"]
+    base = xcp.Backend
+    want_fwd = base.forward_varlen(backend, q, k, v, cu_q, cu_k, causal, 0.3)
+    want_bwd = base.backward_varlen(backend, dout, q, k, v, out, lse, cu_q, cu_k, causal, 0.3)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (*want_fwd, *want_bwd)):
+        assert got.shape == want.shape, name
+        _close(name, got, want, 2e-2)
+    assert all(torch.equal(x, y) for x, y in zip((q, k, v), before))
+
+
+def test_varlen_and_ranges_too_wide_for_flash_take_the_base_class(monkeypatch):
+    """576/512 (absorbed MLA decode): no flash call at that width; one dense call per segment, and the KV
+    cache's range through the masked math; both right."""
+    backend, fake = _cpu_backend(monkeypatch)
+    cu = (0, 3, 7)
+    q, k, _ = _varlen_block(cu, cu, 2, 1, 576, torch.bfloat16, seed=17)
+    v = _rand(1, 7, 1, 512, dtype=torch.bfloat16, seed=18)
+    out, lse = backend.forward_varlen(q, k, v, cu, cu, True, 0.05)
+    assert out.shape == (1, 7, 2, 512) and "flash_varlen_fwd" not in [c[0] for c in fake.calls]
+    want_out, want_lse = xcp.Backend.forward_varlen(backend, q, k, v, cu, cu, True, 0.05)
+    _close("out", out, want_out, 2e-2)
+    rq, rk, _, lo, hi = _range_inputs(2, 1, 2, 1, 8, 1, 5, torch.bfloat16, head_dim=576, seed=19)
+    rv = _rand(2, 8, 1, 512, dtype=torch.bfloat16, seed=20)
+    fake.calls.clear()
+    out, lse = backend.forward_range(rq, rk, rv, lo, hi, 0.05)
+    assert fake.calls == [] and out.shape == (2, 1, 2, 512)
+    want_out, want_lse = math_forward_range(rq, rk, rv, lo, hi, 0.05)
+    _close("out", out, want_out, 2e-2)

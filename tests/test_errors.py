@@ -297,7 +297,11 @@ def packed():
         ({"cu_seqlens": "0,8"}, TypeError, ["cu_seqlens: expected an integer tensor", "got str"]),
         ({"cu_seqlens": torch.tensor([1, 8])}, ValueError, ["cu_seqlens: expected cu_seqlens[0] == 0; got 1"]),
         ({"cu_seqlens": torch.tensor([0, 9])}, ValueError, ["expected cu_seqlens[-1] == 8", "got 9"]),
-        ({"cu_seqlens": torch.tensor([0, 5, 4, 8])}, ValueError, ["non-decreasing", "cu_seqlens[1] = 5 > cu_seqlens[2] = 4"]),
+        (
+            {"cu_seqlens": torch.tensor([0, 5, 4, 8])},
+            ValueError,
+            ["non-decreasing", "cu_seqlens[1] = 5 > cu_seqlens[2] = 4"],
+        ),
         ({"sinks": [0.0] * 4}, TypeError, ["sinks: expected a float tensor [heads] or None", "got list"]),
         ({"sinks": torch.zeros(2)}, ValueError, ["sinks: expected shape (4,) (one logit per query head)", "(2,)"]),
         ({"sinks": torch.zeros(1, 4)}, ValueError, ["sinks: expected shape (4,)", "got (1, 4)"]),

@@ -27,8 +27,9 @@ LAYERS: dict[str, int] = {
     "xcp.spec": 1,
     "xcp.cache_plan": 1,
     "xcp.cache_state": 1,
-    # 2: every argument check of a call
+    # 2: every argument check of a call; padding a sequence to a length the balance splits
     "xcp.checks": 2,
+    "xcp.padding": 2,
     # 3: communicators and backends
     "xcp.comm": 3,
     "xcp.backends": 3,

@@ -374,6 +374,47 @@ def test_bfloat16_within_the_error_of_one_device(registered, float64_faithful):
 
 
 # --------------------------------------------------------------------------------------------------------
+# Any length: shard_batch(..., pad=True)
+
+
+def _short(seq_len, batch=1):
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (batch, seq_len), generator=g)
+    labels = ids.clone()
+    labels[:, 1] = -100
+    return ids, labels
+
+
+def _padded(model, ids, labels, world, ulysses=1, **shard_kw):
+    """:func:`context_parallel` with ``pad=True``, the logits cut back to the unpadded length."""
+    logits, loss, grads = context_parallel(model, ids, labels, world=world, ulysses=ulysses,
+                                           shard_kw={"pad": True, **shard_kw})  # fmt: skip
+    return logits[:, : ids.shape[1]], loss, grads
+
+
+@needs_transformers
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("seq_len", [7, 13])
+def test_any_length_padded_matches_one_device_unpadded(registered, float64_faithful, world, seq_len):
+    """Loss, every gradient and the logits (cut back) equal one device's on the unpadded batch: the padding a
+    document of its own (after one or after packed documents), whatever its token id; batch 2 padded at the
+    end of each row (the model is causal)."""
+    model = float64_faithful(make_model("llama"))
+    ids, labels = _short(seq_len)
+    ref = single_device(model, ids, labels)
+    for pad_token_id in (0, VOCAB - 1):
+        assert_same(_padded(model, ids, labels, world, pad_token_id=pad_token_id), ref, 1e-10, f"id {pad_token_id}")
+    if world == 4:
+        assert_same(_padded(model, ids, labels, world, ulysses=2), ref, 1e-10, "ulysses=2")
+    cu = [0, 3, seq_len]
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])]).unsqueeze(0)
+    packed = single_device(model, ids, labels, position_ids=positions)
+    assert_same(_padded(model, ids, labels, world, cu_seqlens=cu), packed, 1e-10, "cu_seqlens")
+    rows, row_labels = _short(seq_len, batch=2)
+    assert_same(_padded(model, rows, row_labels, world), single_device(model, rows, row_labels), 1e-10, "batch 2")
+
+
+# --------------------------------------------------------------------------------------------------------
 # The batch helper
 
 
@@ -414,6 +455,39 @@ def test_shard_batch_refuses_padding_and_bad_documents():
         shard_batch(ids[:1], cu_seqlens=[0, 3, 7])
     with pytest.raises(ValueError, match=r"input_ids: expected 2 dims"):
         shard_batch(ids[0])
+
+
+def test_shard_batch_pads_with_a_document_of_its_own():
+    from xcp.integrations.transformers import shard_batch
+
+    ids = torch.arange(7).reshape(1, 7) + 10
+
+    def rank(group):
+        with xcp.context(group):
+            return shard_batch(ids, labels=ids, pad=True, pad_token_id=1), shard_batch(ids.expand(2, 7), pad=True)
+
+    res = xcp.LocalWorld(2).run(rank)
+    one, rows = [b for b, _ in res], [b for _, b in res]
+    whole = xcp.unshard([b.input_ids for b in one])
+    assert torch.equal(whole, torch.tensor([[10, 11, 12, 13, 14, 15, 16, 1]]))
+    assert torch.equal(one[0].unpad(whole), ids)
+    assert xcp.unshard([b.position_ids for b in one]).tolist() == [[0, 1, 2, 3, 4, 5, 6, 0]]  # restarting
+    assert xcp.unshard([b.shift_labels for b in one]).tolist() == [[11, 12, 13, 14, 15, 16, -100, -100]]
+    assert one[0].padded == 1 and one[0].num_items_in_batch == 6 and one[0].cu_seqlens.tolist() == [0, 7, 8]
+    assert one[0].model_kwargs()["cu_seq_lens_q"].tolist() == [0, 7, 8]  # the model runs the documents' path
+    assert xcp.unshard([b.position_ids for b in rows]).tolist() == [list(range(8))] * 2  # continuing
+    assert rows[0].padded == 1 and rows[0].cu_seqlens is None
+    assert torch.equal(xcp.unshard([b.input_ids for b in rows]), torch.cat([ids, torch.tensor([[0]])], 1).expand(2, 8))
+    assert shard_batch(ids[:, :6], pad=True).padded == 0  # a world of one splits 6 tokens
+    with pytest.raises(ValueError, match=r"^x.shape\[1\]: expected the whole padded sequence"):
+        one[0].unpad(whole[:, :1])
+    with pytest.raises(ValueError, match=r"^input_ids: expected a length that balance 'zigzag' splits over 1 ranks "
+                       r"\(the next is 8\); got 7: pass pad=True"):  # fmt: skip
+        shard_batch(ids)
+    with pytest.raises(TypeError, match=r"^pad: expected True or False; got 'yes'"):
+        shard_batch(ids, pad="yes")
+    with pytest.raises(ValueError, match=r"^pad_token_id: expected a token id \(an integer >= 0\); got -1"):
+        shard_batch(ids, pad=True, pad_token_id=-1)
 
 
 def test_missing_transformers_says_how_to_install(monkeypatch):
@@ -485,6 +559,22 @@ def test_errors_name_the_model_and_the_option(registered):
     gen.set_attn_implementation("xcp")
     with pytest.raises(ValueError, match="KV cache"):
         gen.generate(ids[:, :4], max_new_tokens=2, do_sample=False)
+
+
+@needs_transformers
+def test_rows_padded_at_their_ends_are_refused_by_a_bidirectional_layer(registered):
+    from xcp.integrations.transformers import shard_batch
+
+    model = make_model("llama")
+    for m in model.modules():
+        if hasattr(m, "is_causal"):
+            m.is_causal = False  # bidirectional attention
+    rows, _ = _short(7, batch=2)
+    with pytest.raises(RuntimeError, match=r"ValueError: xcp attention \(LlamaAttention.*padded at their ends.*exact "
+                       r"only under causal attention.*Pack the rows into one of batch 1"):  # fmt: skip
+        _on_ranks(model, lambda m: m(**shard_batch(rows, pad=True).model_kwargs()))
+    one = _on_ranks(model, lambda m: m(**shard_batch(rows[:1], pad=True).model_kwargs()).logits)  # a document
+    assert one[0].shape == (1, 4, VOCAB)
 
 
 @needs_transformers

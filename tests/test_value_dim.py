@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import independent_masked_reference, run_sharded
+from helpers import independent_masked_reference, installed, run_sharded
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -157,3 +157,23 @@ def test_value_shape_errors():
     cache.prefill(k, v)
     with pytest.raises(ValueError, match="v: expected value head_dim 8 .*; got 12"):
         cache.append(k[:, :1], k[:, :1])
+
+
+def test_a_backend_that_does_not_declare_value_head_dims_refuses_them():
+    """A backend's kernels may take one head dim (``value_head_dims`` False, the default): such values are
+    refused before any kernel runs, naming the backend; values of q's head dim still run."""
+    from xcp.backends.cpu import CPUBackend
+
+    class OneHeadDim(CPUBackend):
+        name = "one-head-dim"
+        value_head_dims = False
+
+    q, k, v, _ = tensors(8, 4, 2, 12, 8, seed=7)
+    with installed(OneHeadDim()):
+        with pytest.raises(ValueError, match="v: expected head dim 12 .*backend 'one-head-dim' does not declare"):
+            xcp.attention(q, k, v, device="one-head-dim")
+        cache = xcp.KVCache(device="one-head-dim")
+        cache.prefill(k, v)
+        with pytest.raises(ValueError, match="v: expected head dim 12"):
+            cache.attention(q[:, -1:])
+        assert xcp.attention(q, k, k, device="one-head-dim").shape == q.shape

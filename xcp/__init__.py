@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .documents import choose_balance
     from .hookspecs import hookimpl
     from .lifetime import BufferLedger, track_buffers
+    from .padding import pad_to_balance
     from .plugins import backend_table, get_backend, list_backends, register_plugin, unregister_plugin
     from .ring import RingConfig, ring_backward, ring_forward
     from .schedule import BALANCES, Plan, Step, plan
@@ -43,6 +44,7 @@ _EXPORTS = {
     "get_backend": "plugins",
     "hookimpl": "hookspecs",
     "list_backends": "plugins",
+    "pad_to_balance": "padding",
     "plan": "schedule",
     "register_plugin": "plugins",
     "ring_backward": "ring",
@@ -74,6 +76,7 @@ __all__ = [
     "get_backend",
     "hookimpl",
     "list_backends",
+    "pad_to_balance",
     "plan",
     "register_plugin",
     "ring_backward",

@@ -153,11 +153,11 @@ def attention(
     backend = select_backend(None if device is None else str(device), device_type)
     if ulysses != 1:
         hybrid = hybrid_config(q, k, comm, backend, ulysses, causal=causal, scale=scale, balance=balance, slots=slots,
-                               handoff=handoff, cu_seqlens=cu_seqlens, window=window, sinks=sinks)  # fmt: skip
+                               handoff=handoff, cu_seqlens=cu_seqlens, window=window, sinks=sinks, v=v)  # fmt: skip
         out, hybrid_lse = hybrid_attention(q, k, v, hybrid, sinks, return_lse)
         return out if hybrid_lse is None else (out, hybrid_lse)
     world = comm.size()
-    check_backend_serves(backend, q, world, causal, balance, device_type)
+    check_backend_serves(backend, q, world, causal, balance, device_type, v.shape[3])
     documents = check_documents(cu_seqlens, q, world, balance, window)
     if world == 1 and documents is None and sinks is None and not return_lse:  # the vendor's attention, if any
         whole = backend.whole_attention(q, k, v, causal, scale)

@@ -297,7 +297,8 @@ class KVCache:
         window = check_window(window, causal)
         sinks = check_sinks(sinks, q)
         backend = select_backend(self._device, q.device.type)
-        check_backend_serves(backend, q, 1, causal, self.balance)
+        assert self._layout is not None  # check_cache_query refused an empty cache
+        check_backend_serves(backend, q, 1, causal, self.balance, value_dim=self._layout[5])
         if not decode:
             self._refuse_capture("attention", t, q.device)
         comm = self._comm

@@ -236,15 +236,27 @@ def check_documents(cu_seqlens: Any, q: torch.Tensor, world: int, balance: str, 
 
 
 def check_backend_serves(
-    backend: Any, q: torch.Tensor, world: int, causal: bool, balance: str, device_type: str | None = None
+    backend: Any,
+    q: torch.Tensor,
+    world: int,
+    causal: bool,
+    balance: str,
+    device_type: str | None = None,
+    value_dim: int | None = None,
 ) -> None:
-    """Raise when ``backend`` cannot run on q (device type, dtype) or zigzag cannot split q's shard over
+    """Raise when ``backend`` cannot run on q (device type, dtype; values of another head dim,
+    ``value_dim``, where it does not declare ``value_head_dims``) or zigzag cannot split q's shard over
     ``world`` ranks. ``device_type``: q's, where the caller has it (reading it costs as much as the rest)."""
     if backend.device_type != (device_type or q.device.type):
         raise ValueError(f"device: backend {backend.name!r} runs on {backend.device_type} tensors; q is on {q.device}")
     if q.dtype not in backend.dtypes:
         names = ", ".join(str(d) for d in backend.dtypes)
         raise TypeError(f"q: backend {backend.name!r} serves dtypes {names}; got {q.dtype}")
+    if value_dim is not None and value_dim != q.shape[3] and not getattr(backend, "value_head_dims", False):
+        raise ValueError(
+            f"v: expected head dim {q.shape[3]} (that of q: backend {backend.name!r} does not declare "
+            f"value_head_dims, the values of another head dim); got {value_dim}"
+        )
     if world > 1 and causal and balance == "zigzag" and q.shape[1] % 2:
         raise ValueError(
             f"q: balance 'zigzag' needs an even local sequence length (two chunks per rank); got {q.shape[1]}"
@@ -325,7 +337,7 @@ def check_cache_kv(k: Any, v: Any, layout: CacheLayout | None, names: tuple[str,
     return mine
 
 
-def _check_like(name: str, mine: CacheLayout, layout: CacheLayout) -> None:
+def _check_like(name: str, mine: tuple[Any, ...], layout: tuple[Any, ...]) -> None:
     for what, got, want in zip(("batch", "kv_heads", "head_dim", "dtype", "device", "value head_dim"), mine, layout):
         if got != want:
             error = TypeError if what == "dtype" else ValueError

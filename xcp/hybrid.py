@@ -275,11 +275,12 @@ def hybrid_config(
     cu_seqlens: Any = None,
     window: tuple[int | None, int | None] | None = None,
     sinks: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> HybridConfig:
     """Check what depends on U (U divides P and the heads; the ring's balance and documents), check on the
     whole group that every rank passed the same configuration (first call of a configuration), and make
-    the head group and the ring. ``q`` and ``k`` are this rank's shards (their shapes are read); the other
-    arguments are checked by the caller, as :func:`xcp.attention` does."""
+    the head group and the ring. ``q``, ``k`` and ``v`` are this rank's shards (their shapes are read; v
+    defaults to k's shape); the other arguments are checked by the caller, as :func:`xcp.attention` does."""
     world = comm.size()
     u = ulysses
     r = check_ulysses_divides(u, world, "the group's size")
@@ -288,12 +289,13 @@ def hybrid_config(
     t = kv_replicas(heads, kv_heads, u)
     h, hkv = heads // u, kv_heads * t // u
     qv, kv = _shaped(q, u * n, h), _shaped(k, u * n, hkv)  # the shapes the ring will see, for the checks
+    vv = kv if v is None else _shaped(v, u * n, hkv)
     documents = check_documents(cu_seqlens, qv, r, balance, window)
     spec = CallSpec(causal, scale, balance, slots, handoff, documents, window, u)
     # the ranks agree on the call, ulysses included, before any group is made or any head group exchanges
-    check_agreement(comm, backend, qv, kv, kv, spec, sinks)
+    check_agreement(comm, backend, qv, kv, vv, spec, sinks)
     head, ring = hybrid_groups(comm, u)
-    check_backend_serves(backend, qv, ring.size(), causal, balance)
+    check_backend_serves(backend, qv, ring.size(), causal, balance, value_dim=vv.shape[3])
     return HybridConfig(head, RingConfig.of(ring, backend, spec), u, t)
 
 

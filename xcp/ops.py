@@ -98,7 +98,7 @@ def group_name(group: Any) -> str:
     )
 
 
-def _config(q: torch.Tensor, group: str, backend: str, timeout: float, spec: tuple) -> RingConfig:
+def _config(q: torch.Tensor, v: torch.Tensor, group: str, backend: str, timeout: float, spec: tuple) -> RingConfig:
     """The RingConfig the op's arguments stand for (``spec``: the spec's fields as the op carries them), with
     the checks :func:`xcp.attention` makes on the group, the backend and the documents (which a trace could
     not make)."""
@@ -111,14 +111,14 @@ def _config(q: torch.Tensor, group: str, backend: str, timeout: float, spec: tup
         comm = resolve_group(None, None if timeout < 0 else timeout)
     fields = {name: back(value) for (name, _, _, back), value in zip(_SPEC, spec)}
     be = select_backend(backend or None, q.device.type)
-    check_backend_serves(be, q, comm.size(), fields["causal"], fields["balance"])
+    check_backend_serves(be, q, comm.size(), fields["causal"], fields["balance"], value_dim=v.shape[3])
     fields["documents"] = check_documents(fields["documents"], q, comm.size(), fields["balance"], fields["window"])
     return RingConfig(comm, be, **fields)
 
 
 def _ring_forward(q, k, v, sinks, group, backend, timeout, *spec):
     """``(out, lse)`` of this rank: :func:`xcp.ring.ring_forward` on the named group and backend."""
-    return ring_forward(q, k, v, _config(q, group, backend, timeout, spec), sinks)
+    return ring_forward(q, k, v, _config(q, v, group, backend, timeout, spec), sinks)
 
 
 def _ring_backward(dout, q, k, v, out, lse, dlse, group, backend, timeout, *spec):
@@ -126,7 +126,7 @@ def _ring_backward(dout, q, k, v, out, lse, dlse, group, backend, timeout, *spec
     :func:`xcp.ring.check_lse_grad` of ``dlse``, the gradient of lse or None (here, at run time: a trace
     cannot read values)."""
     check_lse_grad(dlse)
-    return ring_backward(dout.contiguous(), q, k, v, out, lse, _config(q, group, backend, timeout, spec))
+    return ring_backward(dout.contiguous(), q, k, v, out, lse, _config(q, v, group, backend, timeout, spec))
 
 
 ring_forward_op = torch.library.custom_op(

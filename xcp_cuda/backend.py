@@ -95,6 +95,7 @@ class CUDABackend(FusedKernelBackend):
         "fp32: mem-efficient | float64, odd head dims: math | one rank: torch SDPA"
     )
     dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+    value_head_dims = True  # cuDNN and efficient take them; flash calls run padded (kernels.with_common_head_dim)
     gqa_setting = cuda_settings.GQA
     settings = cuda_settings.ALL
 
@@ -221,22 +222,27 @@ class CUDABackend(FusedKernelBackend):
             return kernels.fused_merge_partials_(out, parts, self.launcher)
         return None
 
-    def kernel_for(self, q: torch.Tensor) -> str:
-        """The aten kernel that serves blocks shaped and typed like ``q`` on its device."""
-        return kernels.choose_kernel(q.dtype, q.shape[-1], self._capability(q.device))
+    def kernel_for(self, q: torch.Tensor, v: torch.Tensor | None = None) -> str:
+        """The aten kernel that serves blocks shaped and typed like ``q`` (and values like ``v``: flash takes
+        one head dim) on its device."""
+        value_dim = None if v is None else v.shape[-1]
+        return kernels.choose_kernel(q.dtype, q.shape[-1], self._capability(q.device), value_dim)
 
-    def block_kernel(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> str:
+    def block_kernel(self, q: torch.Tensor, k: torch.Tensor, causal: bool, v: torch.Tensor | None = None) -> str:
         """The kernel of one square-or-unmasked block: :meth:`kernel_for`, with ``flash`` upgraded to
-        ``cudnn`` where torch's SDPA would run this block on cuDNN (asked once per block signature)."""
-        kind = self.kernel_for(q)
-        if kind != kernels.FLASH or not self.use_cudnn or not torch.backends.cuda.cudnn_sdp_enabled():
+        ``cudnn`` where torch's SDPA would run this block on cuDNN (asked once per block signature); values
+        of another head dim, which flash does not take, go to cuDNN where SDPA would, else ``efficient``."""
+        kind = self.kernel_for(q, v)
+        other_dim = v is not None and v.shape[-1] != q.shape[-1]
+        upgradable = kind == kernels.FLASH or (other_dim and kind == kernels.EFFICIENT)
+        if not upgradable or not self.use_cudnn or not torch.backends.cuda.cudnn_sdp_enabled():
             return kind
-        key = (q.device, q.dtype, *q.shape, k.shape[1], k.shape[2], causal)
+        key = (q.device, q.dtype, *q.shape, k.shape[1], k.shape[2], causal, None if v is None else v.shape[-1])
         cudnn = self._cudnn_blocks.get(key)
         if cudnn is None:
             if len(self._cudnn_blocks) >= 4096:  # shapes are few in practice; never grow without bound
                 self._cudnn_blocks.clear()
-            cudnn = self._cudnn_blocks[key] = kernels.sdpa_picks_cudnn(q, k, causal)
+            cudnn = self._cudnn_blocks[key] = kernels.sdpa_picks_cudnn(q, k, causal, v)
         return kernels.CUDNN if cudnn else kind
 
     # ------------------------------------------------------------------ internals
@@ -261,7 +267,7 @@ class CUDABackend(FusedKernelBackend):
         return self._flash_attn
 
     def square_forward(self, q, k, v, causal: bool, scale: float):
-        kind = self.block_kernel(q, k, causal)
+        kind = self.block_kernel(q, k, causal, v)
         if kind == kernels.MATH:
             return math_forward(q, k, v, "causal" if causal else "none", scale)
         if kind == kernels.CUDNN:
@@ -276,7 +282,7 @@ class CUDABackend(FusedKernelBackend):
         return op(q, k, v, causal, scale)
 
     def square_backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
-        kind = self.block_kernel(q, k, causal)
+        kind = self.block_kernel(q, k, causal, v)
         if kind == kernels.MATH:
             return math_backward(dout, q, k, v, out, lse, "causal" if causal else "none", scale)
         op = {kernels.CUDNN: kernels.cudnn_backward, kernels.FLASH: kernels.flash_backward}.get(
@@ -289,7 +295,7 @@ class CUDABackend(FusedKernelBackend):
     def whole_attention(self, q, k, v, causal: bool, scale: float):
         """torch SDPA (its own choice of kernel, cuDNN on Hopper; its backward native), where the
         block kernel would be one of the fused ones; None for the math kernel's cases and ``repeat`` GQA."""
-        if self.kernel_for(q) == kernels.MATH or (self.gqa == "repeat" and q.shape[2] != k.shape[2]):
+        if self.kernel_for(q, v) == kernels.MATH or (self.gqa == "repeat" and q.shape[2] != k.shape[2]):
             return None
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale,
@@ -297,37 +303,47 @@ class CUDABackend(FusedKernelBackend):
         )  # fmt: skip
         return out.transpose(1, 2).contiguous()
 
-    def varlen_kernel(self, q: torch.Tensor, cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> bool:
-        """Whether packed segments like these take one aten flash varlen call: the flash op serves q
-        (:func:`kernels.choose_kernel`) and every segment has queries and keys. A batch of B > 1 rows goes
+    def varlen_kernel(
+        self, q: torch.Tensor, cu_q: tuple[int, ...], cu_k: tuple[int, ...], v: torch.Tensor | None = None
+    ) -> bool:
+        """Whether packed segments like these take one aten flash varlen call: the flash op serves q at the
+        head dim q/k and v run at (:func:`kernels.common_head_dim`: values of another head dim are padded,
+        as no varlen kernel takes two) and every segment has queries and keys. A batch of B > 1 rows goes
         as one packed block of B times the segments (:func:`kernels.batch_cuts`), so its segments must tile
         q's rows from 0 to the end."""
-        if self.kernel_for(q) != kernels.FLASH or not kernels.varlen_served(cu_q, cu_k):
+        width = q.shape[-1] if v is None else kernels.common_head_dim(q, v)
+        kind = kernels.choose_kernel(q.dtype, width, self._capability(q.device))
+        if kind != kernels.FLASH or not kernels.varlen_served(cu_q, cu_k):
             return False
         return q.shape[0] == 1 or (cu_q[0] == 0 and cu_q[-1] == q.shape[1] and cu_k[0] == 0)
 
     def forward_varlen(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=None):
         """One flash varlen call for all segments (of every batch row) where it serves them (a window too:
-        the op's window_size_left/right), else one call per segment (the base class)."""
-        if not self.varlen_kernel(q, cu_q, cu_k) or (q.shape[0] > 1 and cu_k[-1] != k.shape[1]):
+        the op's window_size_left/right; values of another head dim padded to the common one), else one
+        call per segment (the base class)."""
+        if not self.varlen_kernel(q, cu_q, cu_k, v) or (q.shape[0] > 1 and cu_k[-1] != k.shape[1]):
             return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale, window)
         op = kernels.flash_varlen_forward
         if self.kv_groups(q, k) > 1:
             op = kernels.with_repeated_kv(op)
+        if v.shape[-1] != q.shape[-1]:
+            op = kernels.with_common_head_dim(op)
         b, sq, h, _ = q.shape
         if b == 1:
             return op(q, k, v, cu_q, cu_k, causal, scale, window)
         cuts = kernels.batch_cuts(cu_q, sq, b), kernels.batch_cuts(cu_k, k.shape[1], b)
         out, lse = op(_one_row(q), _one_row(k), _one_row(v), *cuts, causal, scale, window)
-        return out.view(b, sq, h, out.shape[3]), lse.view(h, b, sq).transpose(0, 1).contiguous()
+        return out.reshape(b, sq, h, out.shape[3]), lse.view(h, b, sq).transpose(0, 1).contiguous()
 
     def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, window=None):
         """One flash varlen backward from the merged out/lse where it serves, else one call per segment."""
-        if not self.varlen_kernel(q, cu_q, cu_k) or (q.shape[0] > 1 and cu_k[-1] != k.shape[1]):
+        if not self.varlen_kernel(q, cu_q, cu_k, v) or (q.shape[0] > 1 and cu_k[-1] != k.shape[1]):
             return super().backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
         op = kernels.flash_varlen_backward
         if self.kv_groups(q, k) > 1:
             op = kernels.with_repeated_kv_backward(op)
+        if v.shape[-1] != q.shape[-1]:
+            op = kernels.with_common_head_dim_backward(op)
         b, sq, h, _ = q.shape
         if b == 1:
             return op(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
@@ -335,7 +351,7 @@ class CUDABackend(FusedKernelBackend):
         lse_row = lse.transpose(0, 1).reshape(1, h, b * sq)
         rows = _one_row(dout), _one_row(q), _one_row(k), _one_row(v), _one_row(out)
         grads = op(*rows, lse_row, *cuts, causal, scale, window)
-        return tuple(g.view(b, -1, *g.shape[2:]) for g in grads)
+        return tuple(g.reshape(b, -1, *g.shape[2:]) for g in grads)
 
     def forward_range(self, q, k, v, lo, hi, scale: float):
         """One flash varlen call where the flash op serves q (:func:`kernels.flash_range_forward`: each batch
@@ -345,8 +361,8 @@ class CUDABackend(FusedKernelBackend):
         choice depends on q's dtype, head dim and GPU alone, never on lo or hi, so a captured graph replays
         the same kernels whatever the range."""
         kernels.check_range_ends(lo, hi, k)
-        if self.kernel_for(q) != kernels.FLASH:
-            return super().forward_range(q, k, v, lo, hi, scale)
+        if self.kernel_for(q, v) != kernels.FLASH:  # values of another head dim too: padding the storage per step
+            return super().forward_range(q, k, v, lo, hi, scale)  # would copy the cache; the masked math reads it
         op = kernels.flash_range_forward
         if self.kv_groups(q, k) > 1:  # gqa="repeat": the storage repeated per query head
             op = kernels.with_repeated_kv(op)

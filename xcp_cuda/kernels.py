@@ -99,18 +99,21 @@ EFFICIENT_LSE_ALIGN = 32
 """The memory-efficient kernel writes its log-sum-exp in rows padded to a multiple of 32."""
 
 
-def choose_kernel(dtype: torch.dtype, head_dim: int, capability: tuple[int, int]) -> str:
+def choose_kernel(dtype: torch.dtype, head_dim: int, capability: tuple[int, int], value_dim: int | None = None) -> str:
     """The fastest aten kernel that serves a block: ``flash``, ``efficient`` or ``math``.
 
     flash: fp16/bf16, head_dim % 8 == 0 and <= 256, sm80+ (what PyTorch's SDPA dispatcher accepts for
-    the flash op without padding). efficient: fp16/bf16 with head_dim % 8 == 0, or fp32 with
-    head_dim % 4 == 0 (its GEMM alignment on sm80+; sm50+ otherwise runs it too, alignment 8/4 kept).
-    math: everything else (float64, odd head dims), in float32/float64 through :func:`xcp.kernels.math.math_forward`.
+    the flash op without padding), and values of the same head dim (flash takes one: "q, k, v must have
+    the same last dimension"). efficient: fp16/bf16 with head dims % 8 == 0, or fp32 with head dims % 4
+    == 0 (its GEMM alignment on sm80+; sm50+ otherwise runs it too, alignment 8/4 kept); it takes a value
+    head dim of its own. math: everything else (float64, odd head dims), in float32/float64 through
+    :func:`xcp.kernels.math.math_forward`. ``value_dim`` is v's head dim (default: head_dim).
     """
+    dims = (head_dim, head_dim if value_dim is None else value_dim)
     half = dtype in (torch.float16, torch.bfloat16)
-    if half and head_dim % 8 == 0 and head_dim <= 256 and capability >= (8, 0):
+    if half and dims[0] == dims[1] and head_dim % 8 == 0 and head_dim <= 256 and capability >= (8, 0):
         return FLASH
-    if (half and head_dim % 8 == 0) or (dtype == torch.float32 and head_dim % 4 == 0):
+    if (half and all(d % 8 == 0 for d in dims)) or (dtype == torch.float32 and all(d % 4 == 0 for d in dims)):
         return EFFICIENT
     return MATH
 
@@ -121,7 +124,7 @@ def native_gqa(kernel: str) -> bool:
     return kernel in (FLASH, CUDNN)
 
 
-def sdpa_picks_cudnn(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+def sdpa_picks_cudnn(q: torch.Tensor, k: torch.Tensor, causal: bool, v: torch.Tensor | None = None) -> bool:
     """Whether torch's SDPA would run a block shaped like (q, k) on cuDNN (``enable_gqa``, with gradients).
 
     SDPA's dispatcher holds the rules of the cuDNN build at hand (its version, the GPU, head dims,
@@ -135,7 +138,7 @@ def sdpa_picks_cudnn(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
         from torch.nn.attention import SDPBackend
 
         grads = not torch.is_inference_mode_enabled()  # the ring's backward needs cuDNN's too
-        views = [heads_second(x).detach().requires_grad_(grads) for x in (q, k, k)]
+        views = [heads_second(x).detach().requires_grad_(grads) for x in (q, k, k if v is None else v)]
         choice = SDPA_CHOICE(*views, None, 0.0, causal, scale=None, enable_gqa=q.shape[2] != k.shape[2])
         return int(choice) == SDPBackend.CUDNN_ATTENTION.value
     except Exception:  # noqa: BLE001 - any doubt: the flash op serves
@@ -597,6 +600,43 @@ def with_repeated_kv_backward(backward_op):
         groups = q.shape[2] // k.shape[2]
         dq, dk, dv = backward_op(dout, q, repeat_kv(k, groups), repeat_kv(v, groups), out, lse, *args)
         return dq, sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------- value head dims
+def common_head_dim(q: torch.Tensor, v: torch.Tensor) -> int:
+    """The head dim a kernel that takes one (flash) runs q/k and v at: the larger of the two."""
+    return max(q.shape[-1], v.shape[-1])
+
+
+def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x with zero channels appended up to ``width`` (x itself where it is that wide)."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def with_common_head_dim(forward_op):
+    """A forward for values of another head dim than q/k's, through a kernel that takes one head dim: the
+    narrower side padded with zeros to the wider (zero channels of q and k add nothing to a score, and the
+    scale is passed as it is; zero channels of v give zero channels of out, sliced off)."""
+
+    def run(q, k, v, *args):
+        width, dv = common_head_dim(q, v), v.shape[-1]
+        out, lse = forward_op(_widen(q, width), _widen(k, width), _widen(v, width), *args)
+        return out[..., :dv], lse
+
+    return run
+
+
+def with_common_head_dim_backward(backward_op):
+    """The backward matching :func:`with_common_head_dim`: dout and out padded like v (their zero channels
+    add nothing to rowsum(dout * out)), the gradients sliced back to each input's own head dim."""
+
+    def run(dout, q, k, v, out, lse, *args):
+        width = common_head_dim(q, v)
+        wide = (_widen(x, width) for x in (dout, q, k, v, out))
+        dq, dk, dv = backward_op(*wide, lse, *args)
+        return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
 
     return run
 

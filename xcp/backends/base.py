@@ -35,7 +35,8 @@ from ..schedule import MASKS
 from ..settings import Setting
 
 REQUIRED_PRIMITIVES = (
-    "name", "device_type", "dist_backend", "handoff_policy", "kernel", "dtypes", "masks", "available",
+    "name", "device_type", "dist_backend", "handoff_policy", "kernel", "dtypes", "masks", "value_head_dims",
+    "available",
     "current_stream", "new_stream", "stream_context", "new_event", "record_event", "wait_event", "wait_stream",
     "synchronize_event", "synchronize", "set_device", "is_capturing", "record_stream", "label",
     "forward", "backward",
@@ -106,8 +107,10 @@ class Backend:
         (the default hand-off), ``kernel`` (a short description of the block kernels that run, for
         ``xcp backends``), ``dtypes`` (the dtypes its kernel serves), ``masks`` (the block masks it serves;
         the ring needs ``none`` always, ``causal`` for causal attention and ``strict`` for the stripe
-        balance), :meth:`available`. Then streams and events, and the block :meth:`forward` /
-        :meth:`backward`, which every subclass defines.
+        balance), ``value_head_dims`` (whether its kernels take values of another head dim than q and k,
+        as multi-head latent attention has: out and dv then in v's dim; False, the default, makes such a
+        call a ValueError before any kernel runs), :meth:`available`. Then streams and events, and the
+        block :meth:`forward` / :meth:`backward`, which every subclass defines.
     Optional fast paths
         ``folds_pairs``: whether :meth:`fused_merge_pair_` and :meth:`fused_add_pair_` may fold two blocks
         at once; only then does the ring hold a block for the next (which costs one block's output). The
@@ -130,6 +133,7 @@ class Backend:
     kernel: str = "none"
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)
     masks: tuple[str, ...] = MASKS
+    value_head_dims: bool = False
 
     # ------------------------------------------------------------------ identity
     def available(self) -> tuple[bool, str]:
@@ -512,4 +516,6 @@ def check_backend(backend: Any) -> Backend:
     masks = backend.masks
     if not isinstance(masks, Sequence) or "none" not in masks or any(m not in MASKS for m in masks):
         raise ValueError(f"backend.masks: expected a tuple of {', '.join(MASKS)} that includes 'none'; got {masks!r}")
+    if not isinstance(backend.value_head_dims, bool):
+        raise TypeError(f"backend.value_head_dims: expected a bool; got {backend.value_head_dims!r}")
     return backend

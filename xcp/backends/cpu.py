@@ -17,6 +17,7 @@ class CPUBackend(SynchronousBackend):
     dist_backend = "gloo"
     dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
     kernel = "math (matmul-softmax, fp32 accumulation)"
+    value_head_dims = True
 
     def forward(self, q, k, v, mask, scale):
         return math_forward(q, k, v, mask, scale)

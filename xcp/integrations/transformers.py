@@ -43,11 +43,18 @@ from typing import Any, cast
 
 import torch
 
+from .. import schedule
+from ..checks import check_dim
 from ..context import Context, current
+from ..documents import check_cu_seqlens
+from ..padding import pad_to_balance, padded_length
 from . import decoding
 
 DEFAULT_NAME = "xcp"
 IGNORE_INDEX = -100
+_PADDED_ROWS = "_xcp_padded_rows"
+"""The attribute that marks the sharded position_ids of a batch > 1 padded at the end of every row
+(``shard_batch(..., pad=True)``): the attention function refuses such a batch in a non-causal layer."""
 
 _INSTALL = "pip install 'xcp[transformers]'"
 
@@ -148,6 +155,13 @@ def attention_forward(
     if is_causal is None:
         config = getattr(module, "config", None)
         is_causal = bool(getattr(module, "is_causal", True)) and bool(getattr(config, "is_causal", True))
+    if not is_causal and getattr(kwargs.get("position_ids"), _PADDED_ROWS, None):
+        raise ValueError(
+            f"{who}: the batch's rows were padded at their ends (shard_batch(..., pad=True) with batch > 1), "
+            "which is exact only under causal attention; this layer is bidirectional, so its real tokens would "
+            "see the padding. Pack the rows into one of batch 1 as documents (input_ids.reshape(1, -1) with "
+            "shard_batch(..., cu_seqlens=[0, S, 2S, ...], pad=True)), where the padding is a document of its own"
+        )
     window = None
     if sliding_window is not None:
         if not is_causal:
@@ -249,7 +263,7 @@ def _boundaries(ctx: Context, local: int, cu_q: Any, cu_k: Any, who: str) -> tup
             f"{who}: cu_seq_lens_q ends at {cu[-1]}, but the global sequence is {local} local tokens x "
             f"{world} ranks = {seq_len}: pass the GLOBAL document boundaries (shard_batch gives them)"
         )
-    return cu
+    return check_cu_seqlens(cu, seq_len, f"{who}: cu_seq_lens_q")  # empty documents (repeats) dropped
 
 
 def _mismatch(ctx: Context, who: str) -> str:
@@ -438,6 +452,8 @@ class ShardedBatch:
     :ivar num_items_in_batch: the number of labels other than -100 in the WHOLE batch (all ranks), by which
         each rank divides its sum of losses; None without labels.
     :ivar cu_seqlens: the global document boundaries (int32, on the CPU), None for one document per row.
+    :ivar padded: the tokens ``shard_batch(..., pad=True)`` appended to every row (0: none), the last of
+        the whole sequence; :meth:`unpad` cuts them off an unsharded output.
     """
 
     input_ids: torch.Tensor
@@ -445,6 +461,20 @@ class ShardedBatch:
     shift_labels: torch.Tensor | None = None
     num_items_in_batch: int | None = None
     cu_seqlens: torch.Tensor | None = None
+    padded: int = 0
+
+    def unpad(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """``x`` (an output of the WHOLE padded sequence, e.g. ``xcp.unshard``-ed logits) without the
+        :attr:`padded` tokens at its end along ``dim``: a view of the real tokens."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a torch.Tensor; got {type(x).__name__}")
+        dim = check_dim(x, dim)
+        if x.shape[dim] <= self.padded:
+            raise ValueError(
+                f"x.shape[{dim}]: expected the whole padded sequence (more than the {self.padded} padded tokens; "
+                f"xcp.unshard the ranks' outputs first); got {x.shape[dim]}"
+            )
+        return x.narrow(dim, 0, x.shape[dim] - self.padded)
 
     def model_kwargs(self, compiled: bool = False) -> dict[str, Any]:
         """The keyword arguments for ``model(**...)``: input_ids, position_ids, use_cache=False; with labels
@@ -486,10 +516,13 @@ def shard_batch(
     position_ids: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
     ignore_index: int = IGNORE_INDEX,
+    pad: bool = False,
+    pad_token_id: int = 0,
 ) -> ShardedBatch:
     """This rank's part of a batch of WHOLE sequences (equal on every rank of the context).
 
-    :param input_ids: ``[B, S]`` the tokens; S a multiple of what the context's balance needs (2P for zigzag).
+    :param input_ids: ``[B, S]`` the tokens; S a multiple of what the context's balance needs (2P for zigzag),
+        or any length with ``pad=True``.
     :param labels: ``[B, S]`` unshifted labels as transformers takes them (often ``input_ids``), -100 where no
         loss is wanted; shifted here on the whole sequence, then sharded.
     :param attention_mask: accepted only without padding (all ones); padding inside a context-parallel
@@ -498,10 +531,22 @@ def shard_batch(
     :param position_ids: ``[B, S]`` the model's positions; packed documents restart at 0 (a step other than
         +1 starts a document, as in transformers; batch 1). Default ``arange(S)``, or restarting in each
         document of ``cu_seqlens``.
-    :param cu_seqlens: the global boundaries ``[0, ..., S]`` of packed documents (batch 1). A label that
+    :param cu_seqlens: the global boundaries ``[0, ..., S]`` of packed documents (batch 1); a repeated
+        boundary is an empty document, dropped (the batch's ``cu_seqlens`` has none). A label that
         crosses into the next document is kept, as transformers does on one device: make the first label
         of each document -100 (as ``DataCollatorWithFlattening`` does) to leave it out.
     :param ignore_index: the label that is left out of the loss.
+    :param pad: append ``pad_token_id`` tokens up to the next length the context's balance splits
+        (:func:`xcp.padding.padded_length`), their labels ``ignore_index``, so that the loss, its count
+        and every gradient are those of the unpadded batch; the batch's ``padded`` says how many
+        (:meth:`ShardedBatch.unpad` cuts them off unsharded outputs). Batch 1: the padding is a document of
+        its own (appended to ``cu_seqlens``, or ``[0, S, S + pad]``), its positions restarting at 0; nothing
+        sees it and it sees nothing else, causal or not. Batch > 1: each row is padded at its end and the
+        positions continue; exact under causal attention only (no real token sees a later one), so the
+        attention function refuses such a batch in a bidirectional layer: pack the rows into batch 1.
+        Tokens the model runs still: what it computes over all tokens besides attention and the loss (a
+        mixture-of-experts router's load-balancing loss) counts them.
+    :param pad_token_id: the id of the padding tokens; it does not change the result.
     """
     ctx = current() if ctx is None else ctx
     if not isinstance(ctx, Context):
@@ -521,8 +566,12 @@ def shard_batch(
         if batch != 1:
             raise ValueError(f"cu_seqlens: packed documents need batch 1; input_ids has batch {batch}")
         cu = _as_cu(cu_seqlens, "cu_seqlens", "cu_seqlens")
-        if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq_len or any(b <= a for a, b in zip(cu[:-1], cu[1:])):
-            raise ValueError(f"cu_seqlens: expected increasing boundaries from 0 to {seq_len}; got {list(cu)}")
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq_len or any(b < a for a, b in zip(cu[:-1], cu[1:])):
+            raise ValueError(
+                f"cu_seqlens: expected non-decreasing boundaries from 0 to {seq_len} (a repeat is an empty "
+                f"document); got {list(cu)}"
+            )
+        cu = check_cu_seqlens(cu, seq_len)  # empty documents dropped: the model sees strictly increasing ones
         if position_ids is None:
             position_ids = _restarting(cu, device).unsqueeze(0)
     elif position_ids is not None:
@@ -542,19 +591,75 @@ def shard_batch(
         position_ids = torch.arange(seq_len, device=device).unsqueeze(0)
     _check_2d("position_ids", position_ids, (batch, seq_len))
     position_ids = position_ids.to(device).expand(batch, seq_len)
+    padded = 0
+    if not schedule.is_bool(pad):
+        raise TypeError(f"pad: expected True or False; got {pad!r}")
+    if pad:
+        if labels is not None:
+            labels = _check_2d("labels", labels, (batch, seq_len)).expand(batch, seq_len)
+        input_ids, position_ids, labels, cu, padded = _pad(
+            ctx, input_ids, position_ids, labels, cu, pad_token_id, ignore_index
+        )
+        seq_len = input_ids.shape[1]
+    else:
+        _check_splits(ctx, seq_len)
     shift_labels = count = None
     if labels is not None:
         labels = _check_2d("labels", labels, (batch, seq_len)).expand(batch, seq_len)
         shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch, 1), ignore_index)], dim=1)
         count = int((shift_labels != ignore_index).sum())
         shift_labels = ctx.shard(shift_labels)
+    positions = ctx.shard(position_ids)
+    if padded and batch > 1:  # the attention function refuses these rows in a bidirectional layer
+        setattr(positions, _PADDED_ROWS, padded)
     return ShardedBatch(
         input_ids=ctx.shard(input_ids),
-        position_ids=ctx.shard(position_ids),
+        position_ids=positions,
         shift_labels=shift_labels,
         num_items_in_batch=count,
         cu_seqlens=None if cu is None or len(cu) <= 2 else torch.tensor(cu, dtype=torch.int32),
+        padded=padded,
     )
+
+
+def _check_splits(ctx: Context, seq_len: int) -> None:
+    """A ValueError that says ``pad=True`` unless the context's balance splits ``seq_len``."""
+    fits = padded_length(seq_len, ctx.world_size, ctx.balance, ctx.ulysses) if seq_len > 0 else seq_len
+    if fits != seq_len:  # (no token at all: shard says so)
+        raise ValueError(
+            f"input_ids: expected a length that balance {ctx.balance!r} splits over {ctx.world_size} ranks "
+            f"(the next is {fits}); got {seq_len}: pass pad=True to pad it with tokens no real token sees"
+        )
+
+
+def _pad(
+    ctx: Context,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    labels: torch.Tensor | None,
+    cu: tuple[int, ...] | None,
+    pad_token_id: int,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, ...] | None, int]:
+    """``shard_batch(..., pad=True)``: the tokens, positions and labels ``[B, S]`` padded to the length the
+    context splits, the documents (batch 1: the padding one appended), and the number of tokens padded."""
+    if not schedule.is_integer(pad_token_id) or pad_token_id < 0:
+        raise ValueError(f"pad_token_id: expected a token id (an integer >= 0); got {pad_token_id!r}")
+    batch = input_ids.shape[0]
+    place: dict[str, Any] = {"world_size": ctx.world_size, "balance": ctx.balance, "ulysses": ctx.ulysses}
+    documents = cu if batch == 1 else None
+    input_ids, bounds, n = pad_to_balance(input_ids, value=int(pad_token_id), cu_seqlens=documents, **place)
+    if n == 0:
+        return input_ids, position_ids, labels, cu, 0
+    if labels is not None:
+        labels = pad_to_balance(labels, value=ignore_index, **place)[0]
+    more = torch.arange(n, device=position_ids.device, dtype=position_ids.dtype).expand(batch, n)
+    if batch == 1:  # a document of its own: its positions restart at 0
+        assert bounds is not None
+        cu = tuple(bounds.tolist())
+    else:  # the end of every row: the positions continue
+        more = more + position_ids[:, -1:] + 1
+    return input_ids, torch.cat([position_ids, more], dim=1), labels, cu, n
 
 
 # --------------------------------------------------------------------------------------------------------

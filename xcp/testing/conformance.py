@@ -51,6 +51,9 @@ VARLEN_LAYOUTS = {  # name: (cu_q, cu_k, causal) of packed segments; segments of
 }
 VARLEN_SPLIT = ((0, 1, 8, 9, SEQ), (0, 4, 6, 14, 17))
 """Segments whose keys (each at least 2) the ``varlen-split-keys`` check cuts into two varlen calls."""
+VALUE_DIMS = (8, 24)
+"""Value head dims of the ``*-dv*`` checks beside q/k's HEAD_DIM (as DeepSeek-V3's 128 beside 192, and the
+other way round): out and dv take v's head dim."""
 RANGE_ROOM = 13
 """Rows of the KV storage the ``range-*`` checks give ``forward_range``; those outside the range hold
 random (finite) tokens, which a kernel that reads past the range's ends mixes in."""
@@ -98,19 +101,21 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, se
     return torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
 
 
-def _sequence_view(b: int, s: int, h: int, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
-    """A [b, s, h, D] tensor that is a slice along the sequence of a longer one (strided when b > 1),
+def _sequence_view(
+    b: int, s: int, h: int, dtype: torch.dtype, device: torch.device, seed: int, dim: int = HEAD_DIM
+) -> torch.Tensor:
+    """A [b, s, h, dim] tensor that is a slice along the sequence of a longer one (strided when b > 1),
     which is what the ring hands a kernel."""
-    return _random((b, s + 3, h, HEAD_DIM), dtype, device, seed)[:, 2 : 2 + s]
+    return _random((b, s + 3, h, dim), dtype, device, seed)[:, 2 : 2 + s]
 
 
-def _block_inputs(backend: Backend, dtype: torch.dtype, heads: str, sq: int, sk: int, seed: int):
+def _block_inputs(backend: Backend, dtype: torch.dtype, heads: str, sq: int, sk: int, seed: int, value_dim: int):
     h, hkv = HEADS[heads]
     dev = _device(backend)
     q = _sequence_view(BATCH, sq, h, dtype, dev, seed)
     k = _sequence_view(BATCH, sk, hkv, dtype, dev, seed + 1)
-    v = _sequence_view(BATCH, sk, hkv, dtype, dev, seed + 2)
-    dout = _sequence_view(BATCH, sq, h, dtype, dev, seed + 3)
+    v = _sequence_view(BATCH, sk, hkv, dtype, dev, seed + 2, value_dim)
+    dout = _sequence_view(BATCH, sq, h, dtype, dev, seed + 3, value_dim)
     return q, k, v, dout
 
 
@@ -330,7 +335,7 @@ def check_memory_stats(backend: Backend) -> None:
 def _forward_checked(backend, q, k, v, mask, dtype):
     out, lse = backend.forward(q, k, v, mask, SCALE)
     b, sq, h, _ = q.shape
-    _assert_result("forward out", out, q, tuple(q.shape), _value_dtypes(dtype))
+    _assert_result("forward out", out, q, (b, sq, h, v.shape[3]), _value_dtypes(dtype))
     _assert_result("forward lse", lse, q, (b, h, sq), (accumulator_dtype(dtype),))
     return out, lse
 
@@ -354,10 +359,13 @@ def assert_natural_log(what: str, lse: torch.Tensor, ref_lse: torch.Tensor) -> N
         )
 
 
-def check_forward(backend: Backend, dtype: torch.dtype, mask: str, heads: str, sq: int = SEQ, sk: int = SEQ) -> None:
-    """Block forward against the reference: out, and lse = logsumexp of the scaled scores in float32
-    [B, H, Sq] (float64 for float64), -inf with an all-zero output on rows that see no key."""
-    q, k, v, _ = _block_inputs(backend, dtype, heads, sq, sk, seed=11)
+def check_forward(
+    backend: Backend, dtype: torch.dtype, mask: str, heads: str, sq: int = SEQ, sk: int = SEQ, value_dim: int = HEAD_DIM
+) -> None:
+    """Block forward against the reference: out (in v's head dim, ``value_dim``), and lse = logsumexp of the
+    scaled scores in float32 [B, H, Sq] (float64 for float64), -inf with an all-zero output on rows that see
+    no key."""
+    q, k, v, _ = _block_inputs(backend, dtype, heads, sq, sk, 11, value_dim)
     inputs = [x.clone() for x in (q, k, v)]
     ref_out, ref_lse = reference_attention(q, k, v, mask, SCALE)
     out, lse = _forward_checked(backend, q, k, v, mask, dtype)
@@ -383,9 +391,11 @@ def _check_gradients(
         assert_close(f"{prefix} {name}{suffix}", g, ref, dtype)
 
 
-def check_backward(backend: Backend, dtype: torch.dtype, mask: str, heads: str, sq: int = SEQ, sk: int = SEQ) -> None:
+def check_backward(
+    backend: Backend, dtype: torch.dtype, mask: str, heads: str, sq: int = SEQ, sk: int = SEQ, value_dim: int = HEAD_DIM
+) -> None:
     """Block backward against the reference, given the reference out (in the input dtype) and lse."""
-    q, k, v, dout = _block_inputs(backend, dtype, heads, sq, sk, seed=23)
+    q, k, v, dout = _block_inputs(backend, dtype, heads, sq, sk, 23, value_dim)
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference_gradients(dout, q, k, v, mask, SCALE)
     out = ref_out.to(q.device, dtype)
     lse = ref_lse.to(q.device, accumulator_dtype(dtype))
@@ -435,7 +445,7 @@ def _check_merged_parts(
 def check_split_keys(backend: Backend, dtype: torch.dtype) -> None:
     """What the ring relies on: forward blocks over two key ranges merged with ``merge_`` equal attention
     over all keys, and backward blocks given the *merged* out and lse sum to the full gradients."""
-    q, k, v, dout = _block_inputs(backend, dtype, "gqa", SEQ, SEQ, seed=37)
+    q, k, v, dout = _block_inputs(backend, dtype, "gqa", SEQ, SEQ, 37, HEAD_DIM)
     refs = reference_gradients(dout, q, k, v, "none", SCALE)
     cut = SEQ // 2
     parts: list[tuple[Any, Any]] = [(slice(0, cut), None), (slice(cut, SEQ), None)]
@@ -449,7 +459,7 @@ def check_split_keys(backend: Backend, dtype: torch.dtype) -> None:
 # ---------------------------------------------------------------------------------------------- varlen
 
 
-def _packed_inputs(backend: Backend, dtype: torch.dtype, heads: str, tq: int, tk: int, seed: int):
+def _packed_inputs(backend: Backend, dtype: torch.dtype, heads: str, tq: int, tk: int, seed: int, value_dim: int):
     """Batch-1 packed (q, k, v, dout) [1, T, H, D]: q and k are strided views (sequence stride D, from a
     heads-first buffer), which the varlen methods must accept like the dense ones."""
     h, hkv = HEADS[heads]
@@ -459,7 +469,8 @@ def _packed_inputs(backend: Backend, dtype: torch.dtype, heads: str, tq: int, tk
         return _random((1, n, t + 3, HEAD_DIM), dtype, dev, s).transpose(1, 2)[:, 2 : 2 + t]
 
     q, k = strided(tq, h, seed), strided(tk, hkv, seed + 1)
-    return q, k, _sequence_view(1, tk, hkv, dtype, dev, seed + 2), _sequence_view(1, tq, h, dtype, dev, seed + 3)
+    v = _sequence_view(1, tk, hkv, dtype, dev, seed + 2, value_dim)
+    return q, k, v, _sequence_view(1, tq, h, dtype, dev, seed + 3, value_dim)
 
 
 def _segments(cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> list[tuple[slice, slice]]:
@@ -478,16 +489,18 @@ def _varlen_reference(dout, q, k, v, cu_q, cu_k, causal: bool):
 
 def _varlen_forward_checked(backend, q, k, v, cu_q, cu_k, causal, dtype):
     out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, SCALE)
-    _assert_result("varlen forward out", out, q, tuple(q.shape), _value_dtypes(dtype))
+    _assert_result("varlen forward out", out, q, (*q.shape[:3], v.shape[3]), _value_dtypes(dtype))
     _assert_result("varlen forward lse", lse, q, (1, q.shape[2], q.shape[1]), (accumulator_dtype(dtype),))
     return out, lse
 
 
-def check_forward_varlen(backend: Backend, dtype: torch.dtype, layout: str, heads: str) -> None:
+def check_forward_varlen(
+    backend: Backend, dtype: torch.dtype, layout: str, heads: str, value_dim: int = HEAD_DIM
+) -> None:
     """``forward_varlen`` of packed segments against the reference on each segment alone: out, and lse
     float32 [1, H, Tq] (float64 for float64)."""
     cu_q, cu_k, causal = VARLEN_LAYOUTS[layout]
-    q, k, v, dout = _packed_inputs(backend, dtype, heads, cu_q[-1], cu_k[-1], seed=51)
+    q, k, v, dout = _packed_inputs(backend, dtype, heads, cu_q[-1], cu_k[-1], 51, value_dim)
     inputs = [x.clone() for x in (q, k, v)]
     ref_out, ref_lse, *_ = _varlen_reference(dout, q, k, v, cu_q, cu_k, causal)
     out, lse = _varlen_forward_checked(backend, q, k, v, cu_q, cu_k, causal, dtype)
@@ -496,11 +509,13 @@ def check_forward_varlen(backend: Backend, dtype: torch.dtype, layout: str, head
     _assert_unchanged("varlen forward", inputs, [q, k, v])
 
 
-def check_backward_varlen(backend: Backend, dtype: torch.dtype, layout: str, heads: str) -> None:
+def check_backward_varlen(
+    backend: Backend, dtype: torch.dtype, layout: str, heads: str, value_dim: int = HEAD_DIM
+) -> None:
     """``backward_varlen`` against the reference given the reference out (input dtype) and lse, the lse
     a strided slice as the ring passes it."""
     cu_q, cu_k, causal = VARLEN_LAYOUTS[layout]
-    q, k, v, dout = _packed_inputs(backend, dtype, heads, cu_q[-1], cu_k[-1], seed=61)
+    q, k, v, dout = _packed_inputs(backend, dtype, heads, cu_q[-1], cu_k[-1], 61, value_dim)
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = _varlen_reference(dout, q, k, v, cu_q, cu_k, causal)
     out = ref_out.to(q.device, dtype)
     lse = torch.cat([ref_lse, ref_lse[:, :, :3]], dim=2).to(q.device, accumulator_dtype(dtype))[:, :, : q.shape[1]]
@@ -515,7 +530,7 @@ def check_split_keys_varlen(backend: Backend, dtype: torch.dtype) -> None:
     """The ring's use of the varlen methods: each segment's keys cut in two varlen calls, merged with
     ``merge_``, and backward calls given the *merged* out and lse, equal each segment over all its keys."""
     cu_q, cu_k = VARLEN_SPLIT
-    q, k, v, dout = _packed_inputs(backend, dtype, "gqa", cu_q[-1], cu_k[-1], seed=71)
+    q, k, v, dout = _packed_inputs(backend, dtype, "gqa", cu_q[-1], cu_k[-1], 71, HEAD_DIM)
     refs = _varlen_reference(dout, q, k, v, cu_q, cu_k, False)
     halves: list[tuple[Any, Any]] = []  # per part: (key rows of k in order, cu_k of the part)
     for first in (True, False):
@@ -537,7 +552,7 @@ def check_split_keys_varlen(backend: Backend, dtype: torch.dtype) -> None:
 # ---------------------------------------------------------------------------------------------- range
 
 
-def check_forward_range(backend: Backend, dtype: torch.dtype, ends: str, heads: str) -> None:
+def check_forward_range(backend: Backend, dtype: torch.dtype, ends: str, heads: str, value_dim: int = HEAD_DIM) -> None:
     """``forward_range`` of queries against rows lo..hi-1 of a KV storage, lo and hi int64 tensors of one
     element on the device, against the reference on those rows alone: out, and lse float32 [B, H, T]
     (float64 for float64); an empty range (lo == hi) gives out exactly 0 and lse -inf on every row."""
@@ -546,12 +561,12 @@ def check_forward_range(backend: Backend, dtype: torch.dtype, ends: str, heads: 
     dev = _device(backend)
     q = _sequence_view(BATCH, t, h, dtype, dev, seed=81)
     k = _random((BATCH, RANGE_ROOM, hkv, HEAD_DIM), dtype, dev, 82)  # a cache's storage: contiguous
-    v = _random((BATCH, RANGE_ROOM, hkv, HEAD_DIM), dtype, dev, 83)
+    v = _random((BATCH, RANGE_ROOM, hkv, value_dim), dtype, dev, 83)
     lo_t, hi_t = (torch.tensor([end], dtype=torch.int64, device=dev) for end in (lo, hi))
     inputs = [x.clone() for x in (q, k, v, lo_t, hi_t)]
     ref_out, ref_lse = reference_attention(q, k[:, lo:hi], v[:, lo:hi], "none", SCALE)
     out, lse = backend.forward_range(q, k, v, lo_t, hi_t, SCALE)
-    _assert_result("range forward out", out, q, tuple(q.shape), _value_dtypes(dtype))
+    _assert_result("range forward out", out, q, (*q.shape[:3], value_dim), _value_dtypes(dtype))
     _assert_result("range forward lse", lse, q, (BATCH, h, t), (accumulator_dtype(dtype),))
     assert_close(f"range forward out ({ends}: key rows [{lo}, {hi}))", out, ref_out, dtype)
     assert_natural_log("range forward lse", lse, ref_lse)
@@ -653,6 +668,18 @@ def cases(backend: Backend) -> list[Case]:
                 out.append(_case(f"varlen-forward-{d}-{layout}-{heads}", check_forward_varlen, **shape))
                 out.append(_case(f"varlen-backward-{d}-{layout}-{heads}", check_backward_varlen, **shape))
         out.append(_case(f"varlen-split-keys-{d}", check_split_keys_varlen, dtype=dtype))
+        # Values of another head dim than q/k's (multi-head latent attention): narrower and wider, where the
+        # backend declares value_head_dims.
+        for dv in VALUE_DIMS if getattr(backend, "value_head_dims", False) else ():
+            mask = "causal" if "causal" in backend.masks else "none"
+            for name, check, where in (
+                ("forward", check_forward, {"mask": mask}),
+                ("backward", check_backward, {"mask": mask}),
+                ("varlen-forward", check_forward_varlen, {"layout": "full"}),
+                ("varlen-backward", check_backward_varlen, {"layout": "full"}),
+                ("range", check_forward_range, {"ends": "inner"}),
+            ):
+                out.append(_case(f"{name}-{d}-gqa-dv{dv}", check, dtype=dtype, heads="gqa", value_dim=dv, **where))
         # A KV cache's decode step: forward_range over a storage range given on the device.
         for ends in RANGE_CASES:
             for heads in HEADS if ends == "inner" else ("gqa",):

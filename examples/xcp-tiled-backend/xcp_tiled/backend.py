@@ -14,6 +14,7 @@ class TiledBackend(xcp.SynchronousBackend):
     handoff_policy = "none"
     dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
     masks = ("none", "causal", "strict")
+    value_head_dims = True  # the kernel takes values of another head dim than q/k's
 
     def __init__(self, tile: int = TILE) -> None:
         if not isinstance(tile, int) or tile < 1:

@@ -55,14 +55,15 @@ def _scores(qg: torch.Tensor, kt: torch.Tensor, k0: int, k1: int, mask: str, sca
 
 
 def tiled_forward(q, k, v, mask, scale, tile=TILE):
-    """(out [B, Sq, H, D], lse [B, H, Sq]) in the accumulator dtype; rows without keys give 0 and -inf."""
+    """(out [B, Sq, H, Dv], lse [B, H, Sq]) in the accumulator dtype (Dv: v's head dim, which may differ from
+    q's); rows without keys give 0 and -inf."""
     acc = _accumulator(q.dtype)
     b, sq, h, d = q.shape
     hkv = k.shape[2]
     qg, kt, vt = _grouped_rows(q, hkv, acc), _keys(k, acc), _keys(v, acc)
     row_max = torch.full(qg.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     row_sum = torch.zeros(qg.shape[:-1], dtype=acc, device=q.device)
-    weighted = torch.zeros(qg.shape, dtype=acc, device=q.device)
+    weighted = torch.zeros((*qg.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)  # v's head dim
     for k0, k1 in _tiles(sq, k.shape[1], mask, tile):
         s = _scores(qg, kt, k0, k1, mask, scale)
         new_max = torch.maximum(row_max, s.amax(dim=-1))
@@ -90,7 +91,7 @@ def tiled_backward(dout, q, k, v, out, lse, mask, scale, tile=TILE):
     delta = (dog * og).sum(dim=-1, keepdim=True)
     dq = torch.zeros(qg.shape, dtype=acc, device=q.device)
     dk = torch.zeros((b, hkv, sk, d), dtype=acc, device=q.device)
-    dv = torch.zeros((b, hkv, sk, d), dtype=acc, device=q.device)
+    dv = torch.zeros((b, hkv, sk, v.shape[-1]), dtype=acc, device=q.device)
     for k0, k1 in _tiles(sq, sk, mask, tile):
         p = torch.exp(_scores(qg, kt, k0, k1, mask, scale) - row_lse.unsqueeze(-1))
         ds = p * (torch.matmul(dog, vt[..., k0:k1, :].transpose(-1, -2)) - delta)
