@@ -17,6 +17,11 @@ built with band_origin="top_left" shows the tests would catch a backend relying 
 KV-cache ranges (forward_range): a stricter stand-in (_StrictTND: the documented dtypes, no segment without queries or
 keys) checks the one TND call against the base class's masked math; empty ranges, refused head dims, float64 and graph
 capture go to that default without calling the op.
+
+Values of another head dim (MLA: 192/128, 128/64, 64/128, 576/512): the stand-in takes what the docs take, Dq = Dk >=
+Dv up to 768 in every layout and direction, and refuses the rest with a RuntimeError as the aclnn call does; dense
+blocks, packed segments, ranges and a ring are checked against float64 math, and dims above 768 against the math
+fallback.
 """
 
 from __future__ import annotations
@@ -154,6 +159,7 @@ class FakeTorchNPU(types.ModuleType):
         super().__init__("torch_npu")
         self.calls = []
         self.varlen_calls = []
+        self.head_dims = []  # (Dq, Dk, Dv) of every call, dense and TND
         self.checked_mask = None
         self.tnd_stats = tnd_stats  # the row layout of TND statistics without softmax_layout="TND"
         self.band_origin = band_origin  # where sparse_mode 4 counts its tokens from: the docs say bottom_right
@@ -186,10 +192,23 @@ class FakeTorchNPU(types.ModuleType):
         assert allowed.any(-1).all(), "TND: a row that sees no key"
         return allowed
 
+    def _check_head_dims(self, query, key, value):
+        """The documented D rule, every layout, forward and grad: Dq = Dk >= Dv, D in 1..768 (docs quoted in
+        xcp_npu.convert); the aclnn call refuses anything else, which torch_npu raises as a RuntimeError."""
+        dq, dk, dv = query.shape[-1], key.shape[-1], value.shape[-1]
+        if dq != dk:
+            raise RuntimeError(f"ACLNN_ERR_PARAM_INVALID: qD and kD should be same, but got qD={dq} kD={dk}")
+        if dk < dv:
+            raise RuntimeError(f"ACLNN_ERR_PARAM_INVALID: only support kD >= vD, but got kD={dk} vD={dv}")
+        if not all(0 < d <= 768 for d in (dq, dk, dv)):
+            raise RuntimeError(f"ACLNN_ERR_PARAM_INVALID: D must be in 1..768, got qD={dq} vD={dv}")
+        self.head_dims.append((dq, dk, dv))
+
     def _check(self, query, key, value, head_num, input_layout):
         assert input_layout == "BSND" and head_num == query.shape[2]
-        assert key.shape == value.shape and query.shape[2] % key.shape[2] == 0
+        assert key.shape[:3] == value.shape[:3] and query.shape[2] % key.shape[2] == 0  # k, v alike but for D
         assert query.is_contiguous() and key.is_contiguous() and value.is_contiguous()
+        self._check_head_dims(query, key, value)
 
     def npu_fusion_attention(
         self,
@@ -271,6 +290,7 @@ class FakeTorchNPU(types.ModuleType):
         assert actual_seq_qlen is None and actual_seq_kvlen is None and softmax_layout == ""
         self._check(query, key, value, head_num, input_layout)
         assert dy.dtype == attention_in.dtype == query.dtype and keep_prob == 1.0
+        assert dy.shape == attention_in.shape == (*query.shape[:3], value.shape[3])  # dy, out in v's head dim
         assert softmax_max.shape == softmax_sum.shape == (query.shape[0], head_num, query.shape[1], 8)
         self.calls.append(("bwd", query.shape[1], key.shape[1], key.shape[2], sparse_mode))
         groups = query.shape[2] // key.shape[2]
@@ -284,17 +304,18 @@ class FakeTorchNPU(types.ModuleType):
         ds = p * (dp - (do * o).sum(-1).transpose(1, 2).unsqueeze(-1))
         dq = torch.einsum("bnqk,bknd->bqnd", ds, kr) * scale_value
         dk = torch.einsum("bnqk,bqnd->bknd", ds, query.double()) * scale_value
-        b, sk, n, d = dk.shape
-        dk = dk.reshape(b, sk, n // groups, groups, d).sum(3)
-        dv = dv.reshape(b, sk, n // groups, groups, d).sum(3)
+        b, sk, n, _ = dk.shape
+        dk = dk.reshape(b, sk, n // groups, groups, -1).sum(3)
+        dv = dv.reshape(b, sk, n // groups, groups, -1).sum(3)
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None
 
     # ------------------------------------------------------------------ TND (packed segments)
     def _tnd_segments(self, query, key, value, head_num, actual_seq_qlen, actual_seq_kvlen, softmax_layout):
         """[(q0, q1, k0, k1)] from the documented host lists: cumulative lengths without a leading 0."""
         assert query.dim() == key.dim() == value.dim() == 3 and head_num == query.shape[1]
-        assert key.shape == value.shape and query.shape[1] % key.shape[1] == 0
+        assert key.shape[:2] == value.shape[:2] and query.shape[1] % key.shape[1] == 0  # k, v alike but for D
         assert query.is_contiguous() and key.is_contiguous() and value.is_contiguous()
+        self._check_head_dims(query, key, value)
         for lens, total in ((actual_seq_qlen, query.shape[0]), (actual_seq_kvlen, key.shape[0])):
             assert isinstance(lens, list) and all(type(x) is int for x in lens), "host int lists"
             assert lens and lens[0] > 0 and lens[-1] == total, "cumulative, without the leading 0"
@@ -345,7 +366,8 @@ class FakeTorchNPU(types.ModuleType):
         segs = self._tnd_segments(query, key, value, head_num, qlen, kvlen, softmax_layout)
         assert dy.dtype == attention_in.dtype == query.dtype and keep_prob == 1.0
         t, n = query.shape[0], head_num
-        assert softmax_max.shape == softmax_sum.shape == (t, n, 8) and dy.shape == attention_in.shape
+        assert softmax_max.shape == softmax_sum.shape == (t, n, 8)
+        assert dy.shape == attention_in.shape == (t, n, value.shape[2])  # dy, out in v's head dim
         layout = "tnd" if softmax_layout == "TND" else self.tnd_stats
         call = ("bwd", list(qlen), list(kvlen), key.shape[1], sparse_mode, softmax_layout, pre_tockens, next_tockens)
         self.varlen_calls.append(call)
@@ -913,13 +935,15 @@ def test_ring_with_a_window_uses_band_calls(fake_npu, monkeypatch, balance, caus
 # ---------------------------------------------------------------------------------------------- KV-cache ranges
 class _StrictTND(FakeTorchNPU):
     """The stand-in with the TND constraints the docs state and the varlen tests above do not need: q, k, v of one
-    dtype among float16, bfloat16, float32; D a multiple of 16 up to 512 (xcp's assumption); at most 1K segments;
-    every segment with at least one query and one key (S is 1..1M; TND allows no fully masked row)."""
+    dtype among float16, bfloat16, float32; every D a multiple of 16, up to 512 when Dq = Dv (xcp's assumption) and
+    up to the documented 768 when Dv < Dq; at most 1K segments; every segment with at least one query and one key (S is
+    1..1M; TND allows no fully masked row)."""
 
     def _tnd_segments(self, query, key, value, head_num, actual_seq_qlen, actual_seq_kvlen, softmax_layout):
         assert query.dtype == key.dtype == value.dtype
         assert query.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        assert query.shape[2] % 16 == 0 and query.shape[2] <= 512 and len(actual_seq_qlen) <= 1024
+        dims, limit = (query.shape[2], value.shape[2]), 512 if query.shape[2] == value.shape[2] else 768
+        assert all(d % 16 == 0 and d <= limit for d in dims) and len(actual_seq_qlen) <= 1024
         segs = super()._tnd_segments(query, key, value, head_num, actual_seq_qlen, actual_seq_kvlen, softmax_layout)
         assert all(q1 > q0 and k1 > k0 for q0, q1, k0, k1 in segs), "an empty segment"
         return segs
@@ -1040,6 +1064,212 @@ def test_range_arguments():
     assert torch.equal(convert.range_lse(lse, 3), lse[0].reshape(2, 3, 4).transpose(0, 1))
 
 
+# ---------------------------------------------------------------------------------------------- value head dims (MLA)
+VALUE_DIMS = [(192, 128), (128, 64), (64, 128), (576, 512)]
+"""(q/k head dim, v head dim), as tests/test_value_dim.py: DeepSeek-V3's, a smaller pair, the other way round (the op
+refuses Dv > Dk: q and k go padded), absorbed MLA decode's (with one K/V head)."""
+
+
+def _mla_heads(dqk, dv):
+    """(H, Hkv): absorbed MLA decode has one K/V head; the others GQA."""
+    return (2, 1) if (dqk, dv) == (576, 512) else (4, 2)
+
+
+def _called_dims(dqk, dv):
+    """(Dq, Dk, Dv) the op must be called with: as given when Dv < Dqk, q and k zero-padded to Dv when Dv > Dqk."""
+    width = max(dqk, dv)
+    return width, width, dv
+
+
+def _mla(b, sq, sk, dqk, dv, dtype=torch.float32):
+    """q [b, sq, H, dqk]; k [b, sk, Hkv, dqk] and v [b, sk, Hkv, dv], views of one [.., dqk + dv] tensor as the split
+    of an MLA up-projection gives them (strided)."""
+    h, hkv = _mla_heads(dqk, dv)
+    q = _rand(b, sq, h, dqk, dtype=dtype, seed=1)
+    kv = _rand(b, sk, hkv, dqk + dv, dtype=dtype, seed=2)
+    return q, kv[..., :dqk], kv[..., dqk:]
+
+
+@pytest.mark.parametrize("dims", VALUE_DIMS, ids=str)
+@pytest.mark.parametrize("mask,sq,sk", [("causal", 5, 5), ("strict", 6, 4), ("none", 3, 7)])
+def test_value_dims_dense_against_math(fake_npu, dims, mask, sq, sk):
+    """Block forward and backward (the fused mask tiling, empty rows included) against float64 math: out and dv in v's
+    head dim, dq and dk in q's; the op sees Dq = Dk >= Dv only (the stand-in refuses the rest, as the docs do)."""
+    backend = _npu_on_cpu()
+    dqk, dv = dims
+    q, k, v = _mla(2, sq, sk, dqk, dv)
+    scale = dqk**-0.5
+    out, lse = backend.forward(q, k, v, mask, scale)
+    ref_out, ref_lse = math_forward(q.double(), k.double(), v.double(), mask, scale)
+    assert out.shape == (*q.shape[:3], dv) and out.dtype == q.dtype
+    assert_close_to("out", out, ref_out, 1e-5)
+    assert_close_to("lse", lse, ref_lse, 1e-5)
+    dout, merged_out = _rand(*out.shape, seed=4), _rand(*out.shape, seed=5)
+    merged_lse = torch.where(lse == NEG_INF, 0.3, lse + 0.2)  # the rows saw more keys elsewhere
+    grads = backend.backward(dout.float(), q, k, v, merged_out.float(), merged_lse, mask, scale)
+    ref = math_backward(dout, q.double(), k.double(), v.double(), merged_out, merged_lse.double(), mask, scale)
+    for name, got, want, x in zip(("dq", "dk", "dv"), grads, ref, (q, k, v)):
+        assert got.shape == x.shape and got.dtype == x.dtype, name
+        assert_close_to(name, got, want, 1e-5)
+    assert len(fake_npu.calls) >= 2 and set(fake_npu.head_dims) == {_called_dims(dqk, dv)}
+
+
+def _packed_mla(tq, tk, dqk, dv):
+    """q [1, tq, H, dqk], k / v [1, tk, Hkv, dqk / dv]: strided views (heads-first q; k and v split from one tensor)."""
+    h, hkv = _mla_heads(dqk, dv)
+    q = _rand(1, h, tq + 3, dqk, dtype=torch.float32, seed=1)[:, :, 2 : 2 + tq].transpose(1, 2)
+    kv = _rand(1, tk + 1, hkv, dqk + dv, dtype=torch.float32, seed=2)[:, 1:]
+    return q, kv[..., :dqk], kv[..., dqk:]
+
+
+@pytest.mark.parametrize("dims", VALUE_DIMS, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_value_dims_varlen_against_float64_segments(strict_npu, dims, causal):
+    """Packed segments: one TND call per direction (576/512 too: multiples of 16 up to the documented 768), against
+    float64 math per segment, through the stand-in with the TND constraints."""
+    backend = _npu_on_cpu()
+    dqk, dv = dims
+    cu_q, cu_k = SEGMENTS["three"]
+    cu_k = cu_q if causal else cu_k
+    q, k, v = _packed_mla(cu_q[-1], cu_k[-1], dqk, dv)
+    scale = dqk**-0.5
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, scale)
+    ref_out, ref_lse = _segment_reference(q, k, v, cu_q, cu_k, causal, scale)
+    assert out.shape == (*q.shape[:3], dv) and out.dtype == q.dtype
+    assert_close_to("out", out, ref_out, 1e-5)
+    assert_close_to("lse", lse, ref_lse, 1e-5)
+    dout, merged_out = _rand(*out.shape, seed=4).float(), _rand(*out.shape, seed=5).float()
+    merged_lse = ref_lse.float() + 0.2
+    grads = backend.backward_varlen(dout, q, k, v, merged_out, merged_lse, cu_q, cu_k, causal, scale)
+    ref = _segment_reference(q, k, v, cu_q, cu_k, causal, scale, dout, merged_out, merged_lse.double())
+    for name, got, want, x in zip(("dq", "dk", "dv"), grads, ref, (q, k, v)):
+        assert got.shape == x.shape and got.dtype == x.dtype, name
+        assert_close_to(name, got, want, 1e-5)
+    assert strict_npu.calls == [] and [c[0] for c in strict_npu.varlen_calls] == ["fwd", "bwd"]
+    assert set(strict_npu.head_dims) == {_called_dims(dqk, dv)}
+
+
+@pytest.mark.parametrize("dims", VALUE_DIMS, ids=str)
+def test_value_dims_forward_range(strict_npu, dims):
+    """A KV cache's range: one TND call (q/k padded where Dv > Dqk), out [B, T, H, Dv], against the masked math."""
+    backend = _npu_on_cpu()
+    dqk, dv = dims
+    b, t, room, lo, hi = 2, (1 if dims == (576, 512) else 3), 9, torch.tensor(2), torch.tensor(7)
+    q, k, v = _mla(b, t, room, dqk, dv)
+    k, v = k.contiguous(), v.contiguous()  # a cache's storage
+    out, lse = backend.forward_range(q, k, v, lo, hi, 0.1)
+    ref_out, ref_lse = _range_reference(q, k, v, lo, hi, 0.1)
+    assert out.shape == (*q.shape[:3], dv) and out.dtype == q.dtype and lse.shape == (b, q.shape[2], t)
+    assert_close_to("out", out, ref_out, 1e-5)
+    assert_close_to("lse", lse, ref_lse, 1e-5)
+    assert len(strict_npu.varlen_calls) == 1 and strict_npu.head_dims == [_called_dims(dqk, dv)]
+
+
+@pytest.mark.parametrize("dims", [(784, 16), (16, 784)], ids=str)
+def test_value_dims_the_op_refuses_go_to_the_math(strict_npu, dims):
+    """Dims above the documented 768 (even once padded): dense blocks, packed segments and ranges run the base class's
+    math, with no op call; the same results, shapes and gradients."""
+    backend = _npu_on_cpu()
+    dqk, dv = dims
+    assert "up to 768" in convert.value_dims_unsupported(dqk, dv)
+    q, k, v = _mla(1, 5, 5, dqk, dv)
+    out, lse = backend.forward(q, k, v, "strict", 0.05)
+    ref_out, ref_lse = math_forward(q.double(), k.double(), v.double(), "strict", 0.05)
+    assert out.shape == (1, 5, q.shape[2], dv) and out.dtype == q.dtype
+    assert_close_to("out", out, ref_out, 1e-5)
+    grads = backend.backward(out, q, k, v, out, lse, "strict", 0.05)
+    ref = math_backward(out.double(), q.double(), k.double(), v.double(), out.double(), ref_lse, "strict", 0.05)
+    for name, got, want, x in zip(("dq", "dk", "dv"), grads, ref, (q, k, v)):
+        assert got.shape == x.shape, name
+        assert_close_to(name, got, want, 1e-5)
+    cu = (0, 2, 5)
+    assert "up to 768" in convert.varlen_unsupported(q, k, v)
+    out, _ = backend.forward_varlen(q, k, v, cu, cu, True, 0.05)
+    assert_close_to("varlen out", out, _segment_reference(q, k, v, cu, cu, True, 0.05)[0], 1e-5)
+    assert "up to 768" in convert.range_unsupported(q, k.contiguous(), v.contiguous())
+    out, _ = backend.forward_range(q, k.contiguous(), v.contiguous(), torch.tensor(1), torch.tensor(4), 0.05)
+    assert_close_to("range out", out, _range_reference(q, k, v, torch.tensor(1), torch.tensor(4), 0.05)[0], 1e-5)
+    assert strict_npu.calls == [] and strict_npu.varlen_calls == [] and strict_npu.head_dims == []
+
+
+def test_value_dims_stand_in_refuses_what_the_docs_refuse(fake_npu, monkeypatch):
+    """The stand-in fails as the op does (a RuntimeError of the aclnn call) on Dv > Dk, Dq != Dk and D above 768; a
+    torch_npu that sizes attention_out like the query (older adapters) is named, not computed with."""
+    q, k, v = _mla(1, 3, 3, 64, 128)
+    with pytest.raises(RuntimeError, match="only support kD >= vD, but got kD=64 vD=128"):
+        fake_npu.npu_fusion_attention(q, k.contiguous(), v.contiguous(), 4, "BSND", scale=0.1)
+    with pytest.raises(RuntimeError, match="qD and kD should be same"):
+        fake_npu.npu_fusion_attention(q[0], v[0].contiguous(), v[0].contiguous(), 4, "TND", actual_seq_qlen=[3],
+                                      actual_seq_kvlen=[3])  # fmt: skip
+    big = torch.zeros(1, 2, 2, 784)
+    with pytest.raises(RuntimeError, match="D must be in 1..768"):
+        fake_npu.npu_fusion_attention(big, big, big[..., :16].contiguous(), 2, "BSND")
+    assert fake_npu.calls == fake_npu.varlen_calls == []
+    good = fake_npu.npu_fusion_attention
+
+    def like_query(*args, **kwargs):
+        outputs = good(*args, **kwargs)
+        return (convert.widen(outputs[0], args[0].shape[-1]), *outputs[1:])
+
+    monkeypatch.setattr(fake_npu, "npu_fusion_attention", like_query)
+    q, k, v = _mla(1, 3, 3, 192, 128)
+    with pytest.raises(ValueError, match=r"got \(1, 3, 4, 192\): this torch_npu sizes attention_out like the query"):
+        _npu_on_cpu().forward(q, k, v, "causal", 0.1)
+    with pytest.raises(ValueError, match=r"\(TND\); got \(3, 4, 192\): this torch_npu sizes attention_out like"):
+        _npu_on_cpu().forward_varlen(q, k, v, (0, 1, 3), (0, 1, 3), True, 0.1)
+
+
+def test_value_dims_arguments():
+    assert convert.value_dims_unsupported(192, 128) is None and convert.value_dims_unsupported(64, 768) is None
+    assert convert.value_dims_unsupported(800, 800) is None  # equal dims keep the rules they had
+    assert convert.value_dims_unsupported(784, 16) == (
+        "head dims q/k 784, v 16: npu_fusion_attention takes Dq = Dk >= Dv up to 768 (q/k padded to a larger Dv "
+        "included)"
+    )
+    assert [convert.call_head_dim(*d) for d in VALUE_DIMS] == [192, 128, 128, 576]
+    x = _rand(2, 3, 64)
+    wide = convert.widen(x, 96)
+    assert convert.widen(x, 64) is x and wide.shape == (2, 3, 96) and torch.equal(wide[..., :64], x)
+    assert (wide[..., 64:] == 0).all()
+    tnd = convert.tnd_head_dims_unsupported
+    assert all(tnd(*d) is None for d in VALUE_DIMS) and tnd(128, 128) is None
+    assert tnd(576, 576) == "head dim 576 is not a multiple of 16 in 16..512"  # equal dims: xcp's assumption
+    assert tnd(64, 528) == "head dim 528 is not a multiple of 16 in 16..512"  # padded: an equal-dims call
+    assert tnd(200, 128) == "head dim 200 is not a multiple of 16 in 16..768"
+    assert tnd(192, 12) == "head dim 12 is not a multiple of 16 in 16..768"
+    q, k = torch.zeros(1, 3, 4, 192), torch.zeros(1, 3, 2, 192)
+    assert convert.varlen_unsupported(q, k, torch.zeros(1, 3, 2, 128)) is None
+    assert "head dim 12" in convert.varlen_unsupported(q, k, torch.zeros(1, 3, 2, 12))
+    assert convert.range_unsupported(q, k, torch.zeros(1, 3, 2, 128)) is None
+    assert convert.range_unsupported(q, k[..., :64], k[..., :64]) == "k: head dim 64 differs from q's 192"
+
+
+@pytest.mark.parametrize("dims,documents", [((192, 128), True), ((64, 128), True), ((192, 128), False)], ids=str)
+def test_value_dims_ring(fake_npu, dims, documents):
+    """P = 2 virtual ranks, zigzag, causal: the ring's merged out, dq, dk, dv in their own head dims against float64
+    attention per document (or of the whole sequence), through TND calls (documents) or dense blocks."""
+    backend = _NPUGlueOnCPU()
+    p, s, dqk, dv = 2, 16, *dims
+    docs = (0, 3, 9, 16) if documents else (0, 16)
+    q, k, v = _mla(1, s, s, dqk, dv, dtype=torch.float64)
+    dout = _rand(1, s, q.shape[2], dv, seed=3)
+    shards = [[xcp.shard(x, p, r) for x in (q, k, v, dout)] for r in range(p)]
+
+    def rank(group):
+        ql, kl, vl, dl = shards[group.rank()]
+        cfg = RingConfig(group, backend, True, dqk**-0.5, "zigzag", documents=docs if documents else None)
+        out, lse = ring_forward(ql, kl, vl, cfg)
+        return (out, *ring_backward(dl, ql, kl, vl, out, lse, cfg))
+
+    results = xcp.LocalWorld(p).run(rank)
+    got = [xcp.unshard([r[i] for r in results]) for i in range(4)]
+    ref_out, ref_lse = _segment_reference(q, k, v, docs, docs, True, dqk**-0.5)
+    ref = _segment_reference(q, k, v, docs, docs, True, dqk**-0.5, dout, ref_out, ref_lse)
+    for name, g, want in zip(("out", "dq", "dk", "dv"), got, (ref_out, *ref)):
+        assert_close_to(name, g, want, 1e-6)
+    assert (fake_npu.varlen_calls != []) == documents and set(fake_npu.head_dims) == {_called_dims(dqk, dv)}
+
+
 # ---------------------------------------------------------------------------------------------- on Ascend hardware
 def test_device_varlen_stats_layout():
     """On an NPU: forward_varlen/backward_varlen of each stats layout against the per-segment dense calls (the
@@ -1138,3 +1368,36 @@ def test_device_forward_range():
             (out.float() - ref_out.float()).abs().max().item() / max(1.0, ref_out.float().abs().max().item()),
         )
     assert max(errors.values()) < 4e-2, f"forward_range does not match the math default: {errors}"
+
+
+def test_device_value_dims():
+    """On an NPU: values of another head dim (192/128 as they are, 64/128 with q and k padded) through dense blocks,
+    packed segments and a KV-cache range, against float64 math on the CPU. This is what settles on hardware that the
+    installed torch_npu serves Dv < Dqk (its adapter must size attention_out from value; see xcp_npu.convert)."""
+    probe = NPUBackend()
+    ok, reason = probe.available()
+    if not ok:
+        pytest.skip(f"needs torch_npu ({reason})")
+    device, dtype, cu = torch.device("npu"), torch.bfloat16, (0, 48, 128)
+    scale_of = lambda x: max(1.0, x.float().abs().max().item())  # noqa: E731
+    rel = lambda got, want: (got.cpu().double() - want).abs().max().item() / scale_of(want)  # noqa: E731
+    errors = {}
+    for dqk, dv in [(192, 128), (64, 128)]:
+        h, hkv, s, scale = 8, 2, cu[-1], dqk**-0.5
+        q = _rand(1, s, h, dqk, dtype=dtype, seed=1)
+        k, v = _rand(1, s, hkv, dqk, dtype=dtype, seed=2), _rand(1, s, hkv, dv, dtype=dtype, seed=3)
+        dout = _rand(1, s, h, dv, dtype=dtype, seed=4)
+        on = [x.to(device) for x in (q, k, v, dout)]
+        ref_out, ref_lse = math_forward(q.double(), k.double(), v.double(), "causal", scale)
+        ref = math_backward(dout.double(), q.double(), k.double(), v.double(), ref_out, ref_lse, "causal", scale)
+        out, lse = probe.forward(*on[:3], "causal", scale)
+        grads = probe.backward(on[3], *on[:3], ref_out.to(device, dtype), ref_lse.float().to(device), "causal", scale)
+        errors[dqk, dv, "dense"] = max(rel(out, ref_out), *(rel(g, r) for g, r in zip(grads, ref)))
+        seg_out, _ = _segment_reference(q, k, v, cu, cu, True, scale)
+        out, _ = probe.forward_varlen(*on[:3], cu, cu, True, scale)
+        errors[dqk, dv, "varlen"] = rel(out, seg_out)
+        lo, hi = torch.tensor(5), torch.tensor(100)
+        range_out, _ = _range_reference(q[:, :1], k, v, lo, hi, scale)
+        out, _ = probe.forward_range(on[0][:, :1], on[1], on[2], lo.to(device), hi.to(device), scale)
+        errors[dqk, dv, "range"] = rel(out, range_out)
+    assert max(errors.values()) < 4e-2, f"values of another head dim do not match the math: {errors}"

@@ -20,6 +20,10 @@ A KV cache's range (``forward_range``, the decode step of ``xcp.KVCache(capacity
 op takes its lengths only as host lists: the call reads ``lo`` / ``hi`` to the host once, so on Ascend it is not
 capturable into a graph (under capture it leaves the step to the base class's masked math; sources in
 :mod:`xcp_npu.convert`).
+
+Values of another head dim than the queries' and keys' (MLA, Dv != Dqk): the op takes Dq = Dk >= Dv up to 768, so
+Dv < Dqk goes to it as is; Dv > Dqk goes with q and k padded with zero channels to Dv (dq, dk sliced back); dims
+above 768 go to the base class's math (sources in :mod:`xcp_npu.convert`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 import torch
 
 from xcp.backends.fused import FusedKernelBackend, repeat_kv, sum_kv_groups
+from xcp.kernels.math import math_backward, math_forward
 
 from . import convert
 from . import settings as npu_settings
@@ -52,7 +57,8 @@ class NPUBackend(FusedKernelBackend):
     handoff_policy = "clone"
     kernel = (
         "torch_npu.npu_fusion_attention (+ _grad), BSND; packed segments TND; causal as sparse_mode 3, "
-        "windows as sparse_mode 4; KV-cache ranges TND (host lengths)"
+        "windows as sparse_mode 4; KV-cache ranges TND (host lengths); v's head dim below q's as is, above it with "
+        "q/k zero-padded"
     )
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     gqa_setting = npu_settings.GQA
@@ -137,13 +143,37 @@ class NPUBackend(FusedKernelBackend):
         return {**args, **convert.softmax_layout_args(self.tnd_stats)}
 
     @staticmethod
-    def _varlen_fallback(q, k, cu_q, cu_k, window) -> str | None:
+    def _varlen_fallback(q, k, v, cu_q, cu_k, window) -> str | None:
         """Why the fused TND call cannot take these packed segments (None when it can): a shape it does not take, or
         a window under which some query sees no key (TND forbids fully masked rows; the ring never asks for one)."""
-        why = convert.varlen_unsupported(q, k)
+        why = convert.varlen_unsupported(q, k, v)
         if why is None and window is not None:
             why = convert.band_has_empty_rows(cu_q, cu_k, window)
         return why
+
+    def forward(self, q, k, v, mask, scale):
+        """(out, lse) of the block under ``mask`` (see :meth:`FusedKernelBackend.forward`); out in v's head dim. Values
+        of a larger head dim than q/k's go with q and k zero-padded to it; dims the op refuses even so, to the math."""
+        dqk, dv = q.shape[3], v.shape[3]
+        if dqk == dv:
+            return super().forward(q, k, v, mask, scale)
+        if convert.value_dims_unsupported(dqk, dv):
+            out, lse = math_forward(q, k, v, mask, scale)
+            return (out.to(q.dtype) if q.dtype != torch.float64 else out), lse
+        width = convert.call_head_dim(dqk, dv)
+        return super().forward(convert.widen(q, width), convert.widen(k, width), v, mask, scale)
+
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
+        """(dq, dk, dv) of the block from the merged out and lse, shaped like q, k, v (dv in v's head dim), the way
+        :meth:`forward` went: as is, with q and k padded (dq, dk sliced back), or the math."""
+        dqk, dv = q.shape[3], v.shape[3]
+        if dqk == dv:
+            return super().backward(dout, q, k, v, out, lse, mask, scale)
+        if convert.value_dims_unsupported(dqk, dv):
+            return math_backward(dout, q, k, v, out, lse, mask, scale)
+        width = convert.call_head_dim(dqk, dv)
+        dq, dk, dv_ = super().backward(dout, convert.widen(q, width), convert.widen(k, width), v, out, lse, mask, scale)
+        return dq[..., :dqk], dk[..., :dqk], dv_
 
     def square_forward(self, q, k, v, causal: bool, scale: float):
         convert.check_square(q, k, causal)
@@ -188,13 +218,16 @@ class NPUBackend(FusedKernelBackend):
     # ------------------------------------------------------------------ packed segments
     def forward_varlen(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=None):
         """All segments in one TND npu_fusion_attention call (per-segment sparse_mode 3 when causal, sparse_mode 4
-        with pre_tockens/next_tockens = ``window``); a block the fused op cannot take (head dim, batch, a window
-        with a query that sees no key) goes to the per-segment default."""
-        if self._varlen_fallback(q, k, cu_q, cu_k, window):
+        with pre_tockens/next_tockens = ``window``); a block the fused op cannot take (head dims, batch, a window
+        with a query that sees no key) goes to the per-segment default. Values of a larger head dim than q/k's go
+        with q and k zero-padded to it."""
+        if self._varlen_fallback(q, k, v, cu_q, cu_k, window):
             return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale, window)
         groups = self.kv_groups(q, k)
-        qt = q[0].contiguous()  # [T, N, D]: batch 1 dropped
-        kt, vt = (repeat_kv(x, groups)[0].contiguous() for x in (k, v))
+        width = convert.call_head_dim(q.shape[3], v.shape[3])
+        qt = convert.widen(q[0], width).contiguous()  # [T, N, D]: batch 1 dropped
+        kt = convert.widen(repeat_kv(k, groups)[0], width).contiguous()
+        vt = repeat_kv(v, groups)[0].contiguous()
         outputs = self.vendor().npu_fusion_attention(
             qt,
             kt,
@@ -210,12 +243,15 @@ class NPUBackend(FusedKernelBackend):
 
     def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, window=None):
         """Gradients of all segments in one TND npu_fusion_attention_grad call, from the merged out and lse (the same
-        sparse_mode, mask and pre_tockens/next_tockens as the forward)."""
-        if self._varlen_fallback(q, k, cu_q, cu_k, window):
+        sparse_mode, mask, pre_tockens/next_tockens and q/k padding as the forward; dq, dk sliced back)."""
+        if self._varlen_fallback(q, k, v, cu_q, cu_k, window):
             return super().backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
         groups = self.kv_groups(q, k)
-        qt = q[0].contiguous()
-        kt, vt = (repeat_kv(x, groups)[0].contiguous() for x in (k, v))
+        dqk = q.shape[3]
+        width = convert.call_head_dim(dqk, v.shape[3])
+        qt = convert.widen(q[0], width).contiguous()
+        kt = convert.widen(repeat_kv(k, groups)[0], width).contiguous()
+        vt = repeat_kv(v, groups)[0].contiguous()
         softmax_max, softmax_sum = convert.tnd_stats_from_lse(lse, cu_q, self.tnd_stats)
         grads = self.vendor().npu_fusion_attention_grad(
             qt,
@@ -232,7 +268,7 @@ class NPUBackend(FusedKernelBackend):
             keep_prob=1.0,
             **self._varlen(cu_q, cu_k, causal, q.shape[1], k.shape[1], q.device, window),
         )
-        dq, dk, dv = grads[0].unsqueeze(0), grads[1].unsqueeze(0), grads[2].unsqueeze(0)
+        dq, dk, dv = grads[0][..., :dqk].unsqueeze(0), grads[1][..., :dqk].unsqueeze(0), grads[2].unsqueeze(0)
         return dq, sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)
 
     # ------------------------------------------------------------------ KV-cache ranges
@@ -245,6 +281,7 @@ class NPUBackend(FusedKernelBackend):
         it). While the current stream is being captured into a graph the call goes to the base class's masked math
         instead (lengths on the device, capturable, reads the whole room). An empty range (``lo == hi``) gives out 0
         and lse -inf without calling the op; dtypes, head dims or batches the op does not take go to the base class.
+        Values of a larger head dim than q/k's go with q and k zero-padded to it; out is in v's head dim.
         """
         if convert.range_unsupported(q, k, v) or self.is_capturing():
             return super().forward_range(q, k, v, lo, hi, scale)
@@ -252,10 +289,14 @@ class NPUBackend(FusedKernelBackend):
         length = stop - start
         if length == 0:
             return convert.empty_range(q, v)
-        b, t, n, d = q.shape
+        b, t, n, _ = q.shape
         groups = self.kv_groups(q, k)
-        qt = q.reshape(b * t, n, d).contiguous()
-        kt, vt = (repeat_kv(x[:, start:stop], groups).reshape(b * length, -1, x.shape[3]).contiguous() for x in (k, v))
+        width = convert.call_head_dim(q.shape[3], v.shape[3])  # v's head dim above q/k's: q, k zero-padded to it
+        qt = convert.widen(q, width).reshape(b * t, n, width).contiguous()
+        kt, vt = (
+            convert.widen(repeat_kv(x[:, start:stop], groups), w).reshape(b * length, -1, w).contiguous()
+            for x, w in ((k, width), (v, v.shape[3]))
+        )
         cu_q, cu_k = convert.range_cuts(b, t), convert.range_cuts(b, length)
         outputs = self.vendor().npu_fusion_attention(
             qt,

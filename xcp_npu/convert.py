@@ -7,8 +7,9 @@ the row's log-sum-exp is m + log(s). Its backward ``npu_fusion_attention_grad`` 
 probabilities as exp(x - softmax_max) / softmax_sum, so the ring's merged lse L goes back in as
 softmax_max = L (expanded to 8) with softmax_sum = 1.
 
-Packed segments (documents) use the TND layout instead: see the section at the end of this module, which also
-records what the docs leave unclear about the TND softmax statistics.
+Packed segments (documents) use the TND layout instead: see the section on them below, which also records what the
+docs leave unclear about the TND softmax statistics. Values of another head dim than the queries' and keys' (MLA):
+the section at the end.
 
 Masks: xcp asks the dense kernel only for "none" or causal on a square block (:mod:`xcp.backends.fused` cuts
 every other case, including strictly-causal, into those); packed segments may also carry a sliding window,
@@ -121,7 +122,9 @@ def check_forward_outputs(q: torch.Tensor, v: torch.Tensor, outputs: Any) -> tup
     b, sq, n, _ = q.shape
     expected_out = (b, sq, n, v.shape[3])
     if tuple(out.shape) != expected_out:
-        raise ValueError(f"attention_out: expected shape {expected_out} (BSND); got {tuple(out.shape)}")
+        raise ValueError(
+            f"attention_out: expected shape {expected_out} (BSND); got {tuple(out.shape)}{_value_dim_hint(q, v, out)}"
+        )
     check_softmax_stats("softmax_max", smax, (b, n, sq))
     check_softmax_stats("softmax_sum", ssum, (b, n, sq))
     return out, smax, ssum
@@ -159,7 +162,8 @@ TND_STATS_LAYOUTS = ("segment", "global", "tnd")
 """How the TND kernel lays out softmax_max / softmax_sum rows (see the notes above): ``segment`` (default) per
 segment [N, s_i]; ``global`` [N, T]; ``tnd`` [T, N] (passes softmax_layout="TND")."""
 TND_HEAD_DIM_MULTIPLE, TND_MAX_HEAD_DIM = 16, 512
-"""npu_fusion_attention's head-dim constraint assumed for the varlen call: a multiple of 16, at most 512."""
+"""npu_fusion_attention's head-dim constraint assumed for the varlen call of equal dims: a multiple of 16, at most 512
+(values of another head dim: :func:`tnd_head_dims_unsupported`)."""
 
 
 def check_tnd_stats(layout: str) -> str:
@@ -169,13 +173,15 @@ def check_tnd_stats(layout: str) -> str:
     return layout
 
 
-def varlen_unsupported(q: torch.Tensor, k: torch.Tensor) -> str | None:
-    """Why the fused TND call cannot take q [1, T, N, D] / k [1, T, N_kv, D]; None when it can."""
-    n, d, n_kv = q.shape[2], q.shape[3], k.shape[2]
+def varlen_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> str | None:
+    """Why the fused TND call cannot take q [1, T, N, D] / k [1, T, N_kv, D] / v [1, T, N_kv, Dv] (v: k when
+    None); None when it can. Values of another head dim: :func:`tnd_head_dims_unsupported`."""
+    n, n_kv = q.shape[2], k.shape[2]
     if q.shape[0] != 1 or k.shape[0] != 1:
         return f"batch {q.shape[0]} (TND packs batch 1)"
-    if d % TND_HEAD_DIM_MULTIPLE or not 0 < d <= TND_MAX_HEAD_DIM:
-        return f"head dim {d} is not a multiple of {TND_HEAD_DIM_MULTIPLE} in 16..{TND_MAX_HEAD_DIM}"
+    why = tnd_head_dims_unsupported(q.shape[3], (k if v is None else v).shape[3])
+    if why is not None:
+        return why
     if n_kv == 0 or n % n_kv:
         return f"{n_kv} K/V heads do not divide {n} query heads"
     return None
@@ -308,7 +314,9 @@ def check_varlen_forward_outputs(q: torch.Tensor, v: torch.Tensor, outputs: Any)
     t, n = q.shape[0], q.shape[1]
     expected_out = (t, n, v.shape[2])
     if tuple(out.shape) != expected_out:
-        raise ValueError(f"attention_out: expected shape {expected_out} (TND); got {tuple(out.shape)}")
+        raise ValueError(
+            f"attention_out: expected shape {expected_out} (TND); got {tuple(out.shape)}{_value_dim_hint(q, v, out)}"
+        )
     check_tnd_stats_shape("softmax_max", smax, t, n)
     check_tnd_stats_shape("softmax_sum", ssum, t, n)
     return out, smax, ssum
@@ -421,14 +429,17 @@ TND_MAX_SEGMENTS = 1024
 
 
 def range_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why the fused TND call cannot serve a KV-cache range for q [B, T, N, D], k / v [B, room, N_kv, D]; None
-    when it can."""
+    """Why the fused TND call cannot serve a KV-cache range for q [B, T, N, D], k [B, room, N_kv, D], v [B, room,
+    N_kv, Dv]; None when it can."""
     b, t, n, d = q.shape
     n_kv = k.shape[2]
     if q.dtype not in RANGE_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (the op takes one of float16, bfloat16, float32)"
-    if d % TND_HEAD_DIM_MULTIPLE or not 0 < d <= TND_MAX_HEAD_DIM or k.shape[3] != d or v.shape[3] != d:
-        return f"head dim {d} is not a multiple of {TND_HEAD_DIM_MULTIPLE} in 16..{TND_MAX_HEAD_DIM}"
+    if k.shape[3] != d:
+        return f"k: head dim {k.shape[3]} differs from q's {d}"
+    why = tnd_head_dims_unsupported(d, v.shape[3])
+    if why is not None:
+        return why
     if n_kv == 0 or n % n_kv or v.shape[2] != n_kv:
         return f"{n_kv} K/V heads do not divide {n} query heads"
     if not 0 < b <= TND_MAX_SEGMENTS or t == 0:
@@ -466,3 +477,90 @@ def range_lse(lse: torch.Tensor, batch: int) -> torch.Tensor:
     """The TND lse [1, N, B * T] (batch entries one after another) as the block's [B, N, T]."""
     n, total = lse.shape[1], lse.shape[2]
     return lse[0].reshape(n, batch, total // batch).transpose(0, 1).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- value head dims (MLA)
+# What the sources say about values of another head dim than the queries' and keys' (Dv != Dqk; checked for this code,
+# quotes abridged, translations ours):
+#
+# - torch_npu's own page, Ascend/op-plugin docs/context/torch_npu-npu_fusion_attention.md (the text of hiascend.com's
+#   "torch_npu.npu_fusion_attention"; product: Atlas A2 training), constraints: "D：Head Dim必须满足Dq=Dk和Dk≥Dv，
+#   取值范围1~768" -- Dq = Dk and Dk >= Dv, D in 1..768, in one sentence, for every input_layout (BSH, SBH, BSND, BNSD
+#   and the varlen TND alike) and for the dtypes float16 / bfloat16 / float32 the page lists for all three inputs (none
+#   is tied to Dv). The same list still says "输入key和value的shape必须一致" (k and v of one shape), a leftover: CANN's
+#   pages say "输入key/value的shape除D外必须一致" (the same except D).
+# - CANN's operator pages (Ascend ops-transformer, attention/flash_attention_score/docs/aclnnFlashAttentionScore.md and
+#   aclnnFlashAttentionVarLenScore*.md; flash_attention_score_grad/docs/aclnnFlashAttentionScoreGrad.md and
+#   aclnnFlashAttentionUnpaddingScoreGrad.md, which npu_fusion_attention(_grad) call for BSND and TND; on hiascend.com
+#   e.g. CANN 8.5.0 "aclnnFlashAttentionScoreV2" / "aclnnFlashAttentionVarLenScoreV4"): "D：Head-Dim必须满足(qD == kD &&
+#   kD >= vD)", D 1~768, forward and grad, BSND and TND; the grad adds "在query/key/value的D大小相同的情况下，query/dy的
+#   shape必须一致" (dy is q-shaped only when the dims agree: otherwise it has v's dim, as attention_in does), and its
+#   dq / dk / dv come out shaped like query / key / value. Products: Atlas A2 and A3 training (and Ascend 950PR/950DT).
+# - No page names particular pairs: 192/128, 128/64 and absorbed MLA's 576/512 are all Dq = Dk > Dv <= 768, served;
+#   64/128 (Dv > Dk) is refused by every page (a parameter error of the aclnn call, raised by torch_npu as a
+#   RuntimeError).
+# - The adapter must size attention_out from v: Ascend/op-plugin op_plugin/python/meta/_fake_registrations.py (26.0.0,
+#   npu_fusion_attention_v3) derives the output's last dim from value ("D2 = value.size(3)" in BSND, value.size(2) in
+#   TND), while an older op_plugin/ops/opapi/FlashAttentionKernelNpuOpApi.cpp allocates it like the query
+#   ("apply_tensor_without_format(format_query)"). Such a torch_npu cannot return Dv != Dqk; the output check names that
+#   case (:func:`check_forward_outputs`) instead of computing with a wrong shape.
+# - npu_fused_infer_attention_score is not called by this backend (forward_range uses the TND npu_fusion_attention).
+#
+# So this backend, for a block whose q / k head dim Dqk differs from v's Dv:
+# - Dv < Dqk <= 768: calls the op with the tensors as they are (out, dout, attention_in and dv in Dv);
+# - Dv > Dqk: pads q and k with zero channels up to Dv (zero channels add nothing to q.k; the scale is passed
+#   explicitly, as always) and slices dq / dk back to Dqk: an equal-dims call, which every torch_npu serves, at the cost
+#   of copying q and k at width Dv; chosen over the math fallback, which would leave the fused kernel altogether;
+# - max(Dqk, Dv) > 768: the base class's math (no call the docs refuse is made).
+# The TND calls keep xcp's older assumption for equal dims (a multiple of 16 up to 512, padded calls included); a TND
+# call with Dv < Dqk takes multiples of 16 up to the 768 documented with Dk >= Dv (absorbed MLA decode's 576/512).
+
+DOCUMENTED_MAX_HEAD_DIM = 768
+"""The largest head dim npu_fusion_attention(_grad) documents, stated together with Dq = Dk >= Dv."""
+
+
+def value_dims_unsupported(dqk: int, dv: int) -> str | None:
+    """Why no npu_fusion_attention call serves q/k head dim ``dqk`` with v head dim ``dv`` (even padded); None when one
+    does. Equal dims are never refused here (they keep the rules they had)."""
+    if dqk == dv or max(dqk, dv) <= DOCUMENTED_MAX_HEAD_DIM:
+        return None
+    return (
+        f"head dims q/k {dqk}, v {dv}: npu_fusion_attention takes Dq = Dk >= Dv up to {DOCUMENTED_MAX_HEAD_DIM} "
+        f"(q/k padded to a larger Dv included)"
+    )
+
+
+def call_head_dim(dqk: int, dv: int) -> int:
+    """The q/k head dim of the op call for values of head dim ``dv``: ``dqk`` when ``dv <= dqk`` (the docs' Dk >= Dv),
+    else ``dv`` (q and k padded with zero channels, :func:`widen`)."""
+    return max(dqk, dv)
+
+
+def widen(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` with zero channels appended to its last dim up to ``width`` (``x`` itself when that wide)."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def tnd_head_dims_unsupported(dqk: int, dv: int) -> str | None:
+    """Why a TND call (packed segments, KV-cache ranges) cannot take q/k head dim ``dqk`` with v head dim ``dv``; None
+    when it can. Every dim of the call a multiple of 16; equal dims (padded calls too) up to 512, xcp's assumption;
+    Dv < Dqk up to the documented 768."""
+    why = value_dims_unsupported(dqk, dv)
+    if why is not None:
+        return why
+    width = call_head_dim(dqk, dv)
+    limit = TND_MAX_HEAD_DIM if width == dv else DOCUMENTED_MAX_HEAD_DIM
+    for d in (width, dv):
+        if d % TND_HEAD_DIM_MULTIPLE or not 0 < d <= limit:
+            return f"head dim {d} is not a multiple of {TND_HEAD_DIM_MULTIPLE} in 16..{limit}"
+    return None
+
+
+def _value_dim_hint(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> str:
+    """A hint for an attention_out of q's head dim where v's differs: the torch_npu sizes it like the query."""
+    if q.shape[-1] != v.shape[-1] and out.shape[-1] == q.shape[-1]:
+        return (
+            f": this torch_npu sizes attention_out like the query (head dim {q.shape[-1]}), so it does not serve "
+            f"values of another head dim ({v.shape[-1]}); one whose npu_fusion_attention sizes it from value does"
+        )
+    return ""

@@ -111,8 +111,9 @@ def attention_forward(
     sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface over xcp: q, k, v ``[B, H, S_local, D]`` of this rank's tokens;
-    returns ``([B, S_local, H, D], None)``.
+    """transformers' attention interface over xcp: q ``[B, H, S_local, D]``, k ``[B, Hkv, S_local, D]``, v
+    ``[B, Hkv, S_local, Dv]`` of this rank's tokens; returns ``([B, S_local, H, Dv], None)``. Dv may differ
+    from D (multi-head latent attention: DeepSeek-V3's 192 and 128, v unpadded as transformers passes it).
 
     - causal from ``is_causal=`` when given, else ``module.is_causal`` (and ``config.is_causal``);
     - ``scaling`` is xcp's ``scale``;

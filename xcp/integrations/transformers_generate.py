@@ -14,6 +14,10 @@ How a call runs, on every rank of the group:
    never drift apart: neither by sampling each with its own random numbers, nor by a greedy tie that
    rounding breaks differently on two ranks.
 
+Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, ... : every attention module with transformers'
+``expand_kv``) hands the cache its compressed latents, not keys and values; the sharded cache keeps them so
+and attends over them with the up-projection absorbed into the queries and outputs (:class:`Latent`).
+
 This module imports transformers; :mod:`xcp.integrations.transformers` imports it only when generating.
 """
 
@@ -51,19 +55,88 @@ REFUSED = {
 # The cache
 
 
+class Latent:
+    """One multi-head latent attention module (``module``: transformers' MLA, which has ``expand_kv``) whose
+    sharded cache holds the compressed latents instead of the keys and values.
+
+    transformers caches such a module's latents (``cache.update(kv_nope, k_rot)``: ``kv_nope`` ``[B, 1, T,
+    kv_lora_rank]`` after its norm, ``k_rot`` ``[B, 1, T, qk_rope_head_dim]`` after RoPE) and expands them
+    into every head's keys ``[k_nope, k_rot]`` and values (``kv_b_proj``, no bias) at every step. xcp keeps
+    the latents as one key head ``[kv_nope, k_rot]`` with the value head ``kv_nope`` (576 and 512 wide for
+    DeepSeek-V3, where the expanded keys and values of a token are 128 heads x (192 + 128)) and attends over
+    them with the up-projection absorbed: a head's query ``[q_nope W_uk, q_rot]`` against the latents gives
+    the scores of ``[q_nope, q_rot]`` against its expanded keys, and ``out W_uv`` its output over the
+    expanded values. The same attention in another order of the sums (to rounding), with no token's keys
+    or values expanded. The ring prefill attends over the expanded keys and values, as in training.
+    """
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    @staticmethod
+    def of(model: Any) -> dict[int, Latent]:
+        """``{layer_idx: Latent}`` for the MLA attention modules of ``model`` (None: no model, none)."""
+        if model is None:
+            return {}
+        names = ("kv_b_proj", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        return {
+            m.layer_idx: Latent(m)
+            for m in model.modules()
+            if callable(getattr(m, "expand_kv", None))
+            and all(hasattr(m, n) for n in names)
+            and isinstance(getattr(m, "layer_idx", None), int)
+        }
+
+    def keys_values(self, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``cache.update`` receives (``[B, 1, T, kv_lora_rank]``, ``[B, 1, T, qk_rope_head_dim]``) as
+        xcp's one key head ``[kv_nope, k_rot]`` and value head ``kv_nope`` (``[B, T, 1, D]``)."""
+        m = self.module
+        want = (m.kv_lora_rank, m.qk_rope_head_dim)
+        if (
+            kv_nope.dim() != 4
+            or k_rot.dim() != 4
+            or kv_nope.shape[1] != 1
+            or (kv_nope.shape[-1], k_rot.shape[-1]) != want
+        ):
+            raise ValueError(
+                f"{type(m).__name__} (layer {m.layer_idx}): expected its cache to receive the latents [B, 1, T, "
+                f"{want[0]}] and [B, 1, T, {want[1]}] (multi-head latent attention, as transformers >= 5 caches "
+                f"it); got {tuple(kv_nope.shape)} and {tuple(k_rot.shape)}"
+            )
+        kv_nope, k_rot = kv_nope.transpose(1, 2), k_rot.transpose(1, 2)
+        return torch.cat([kv_nope, k_rot], dim=-1), kv_nope
+
+    def attention(
+        self, kv: KVCache, q: torch.Tensor, causal: bool, scale: float | None, window: Any, sinks: Any
+    ) -> torch.Tensor:
+        """The heads' attention of ``q`` ``[B, T, H, qk_nope + qk_rope]`` over the latents in ``kv``, ``[B, T, H,
+        v_head_dim]``: the queries ``[q_nope W_uk, q_rot]`` over the latents, their output times ``W_uv``."""
+        m = self.module
+        nope = m.qk_nope_head_dim
+        w = m.kv_b_proj.weight.view(-1, nope + m.v_head_dim, m.kv_lora_rank)  # [H, nope + v, rank]: W_uk, W_uv
+        if w.shape[0] != q.shape[2]:
+            raise ValueError(f"{type(m).__name__}: {q.shape[2]} query heads, but kv_b_proj expands {w.shape[0]}")
+        scale = q.shape[-1] ** -0.5 if scale is None else scale  # q's own dim, not that of the latents
+        absorbed = torch.cat([torch.einsum("bthn,hnr->bthr", q[..., :nope], w[:, :nope]), q[..., nope:]], dim=-1)
+        out = kv.attention(absorbed, causal=causal, scale=scale, window=window, sinks=sinks)
+        return torch.einsum("bthr,hvr->bthv", out, w[:, nope:])
+
+
 class ShardedLayer(CacheLayerMixin):
     """One layer's transformers cache over an :class:`xcp.KVCache`: ``update`` keeps the new keys and values
-    (the prompt's shard, or the tokens of a step) and returns them as they came, so that the attention
-    function sees keys as long as its queries and takes the cache's attention (:class:`ShardedCache`)."""
+    (the prompt's shard, or the tokens of a step; an MLA layer's latents, :class:`Latent`) and returns them
+    as they came, so that the attention function sees keys as long as its queries and takes the cache's
+    attention (:class:`ShardedCache`)."""
 
     is_compileable = False
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, kv: KVCache, sliding: bool) -> None:
+    def __init__(self, kv: KVCache, sliding: bool, latent: Latent | None = None) -> None:
         super().__init__()
         self.kv = kv
         self.is_sliding = sliding
+        self.latent = latent  # an MLA layer: the cache holds its latents
         self.ring = False  # True while the prompt's shard goes through the ring
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -75,7 +148,10 @@ class ShardedLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)  # transformers' [B, H, T, D] -> xcp's
+        if self.latent is not None:
+            k, v = self.latent.keys_values(key_states, value_states)
+        else:
+            k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)  # transformers' [B, H, T, D] -> xcp's
         if self.ring:
             self.kv.prefill(k, v)
         else:
@@ -112,15 +188,23 @@ class ShardedLayer(CacheLayerMixin):
 
 class ShardedCache(Cache):
     """A transformers ``Cache`` holding one :class:`xcp.KVCache` per layer of ``config``; its
-    :meth:`attention` is what the attention function asks for a layer's attention."""
+    :meth:`attention` is what the attention function asks for a layer's attention.
 
-    def __init__(self, config: Any, group: Any, balance: str, capacity: int | None = None) -> None:
+    :param model: the model whose cache it is (optional): its multi-head latent attention modules
+        (:meth:`Latent.of`) make their layers keep latents.
+    """
+
+    def __init__(self, config: Any, group: Any, balance: str, capacity: int | None = None, model: Any = None) -> None:
         text = config.get_text_config(decoder=True)
         types = getattr(text, "layer_types", None) or (
             ["sliding_attention" if getattr(text, "sliding_window", None) else "full_attention"]
             * text.num_hidden_layers
         )
-        self.sharded = [ShardedLayer(KVCache(group, balance, capacity), t == "sliding_attention") for t in types]
+        latents = Latent.of(model)
+        self.sharded = [
+            ShardedLayer(KVCache(group, balance, capacity), t == "sliding_attention", latents.get(i))
+            for i, t in enumerate(types)
+        ]
         super().__init__(layers=list(self.sharded))
 
     def set_ring(self, on: bool) -> None:
@@ -136,6 +220,8 @@ class ShardedCache(Cache):
         layer = self.sharded[layer_idx]
         if layer.ring:
             return None
+        if layer.latent is not None:
+            return layer.latent.attention(layer.kv, q, causal, scale, window, sinks)
         return layer.kv.attention(q, causal=causal, scale=scale, window=window, sinks=sinks)
 
 
@@ -253,7 +339,7 @@ def generate(model: Any, input_ids: torch.Tensor, group: Any, max_new_tokens: in
 
     unit = schedule.required_multiple(ctx.world_size, ctx.balance)
     ring = (input_ids.shape[1] - 1) // unit * unit  # the prompt's longest prefix the balance splits, less a token
-    cache = ShardedCache(model.config, group, ctx.balance, capacity=input_ids.shape[1] + max_new_tokens)
+    cache = ShardedCache(model.config, group, ctx.balance, capacity=input_ids.shape[1] + max_new_tokens, model=model)
     name = _cache_name(model)
     with ctx, decoding.using(cache.attention):
         if ring:
