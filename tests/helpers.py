@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,9 +133,12 @@ def run_sharded(
     None. Returns ``[out, dq, dk, dv]`` and, with sinks, their gradient summed over ranks (each rank's is
     the share of its rows)."""
 
+    place: dict[str, Any] = dict(balance=balance, ulysses=ulysses)
+    if balance in schedule.DOCUMENT_BALANCES:  # they place by the documents: shard and unshard take them too
+        place["cu_seqlens"] = kwargs.pop("cu_seqlens")
+
     def rank_fn(group: xcp.LocalGroup) -> list[torch.Tensor | None]:
         r = group.rank()
-        place = dict(balance=balance, ulysses=ulysses)
         local = [xcp.shard(t, world, r, **place).requires_grad_(g) for t, g in zip((q, k, v), grads)]
         sk = None if sinks is None else sinks.detach().clone().requires_grad_()
         out = xcp.attention(*local, group=group, sinks=sk, **place, **kwargs)
@@ -147,10 +150,23 @@ def run_sharded(
     got = []
     for i in range(4):
         parts = [res[i] for res in per_rank]
-        got.append(None if parts[0] is None else xcp.unshard(parts, balance=balance, ulysses=ulysses))
+        got.append(None if parts[0] is None else xcp.unshard(parts, **place))
     if sinks is not None:
         got.append(sum(res[4] for res in per_rank))
     return got
+
+
+def rank_errors(world: int, call: Callable[[xcp.LocalGroup], Any], timeout: float = 10) -> list[str | None]:
+    """Run ``call(group)`` on every rank of a LocalWorld: each rank's ValueError message, None where none."""
+
+    def body(group: xcp.LocalGroup) -> str | None:
+        try:
+            call(group)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    return xcp.LocalWorld(world, timeout=timeout).run(body)
 
 
 def ring_attention(
@@ -207,9 +223,9 @@ def allowed_pairs(
 ) -> set[tuple[int, int]]:
     """Brute force: the (local query, local key) pairs of rank's block against src's shard, from the global
     positions each holds (xcp.schedule.shard_indices): same document, causality and window applied."""
-    seq = cu[-1]
-    qi = schedule.shard_indices(seq, world, rank, balance)
-    ki = schedule.shard_indices(seq, world, src, balance)
+    seq, placed = cu[-1], (tuple(cu) if balance in schedule.DOCUMENT_BALANCES else None)
+    qi = schedule.shard_indices(seq, world, rank, balance, placed)
+    ki = schedule.shard_indices(seq, world, src, balance, placed)
     left, right = window if window is not None else (None, None)
 
     def ok(gi: int, gj: int) -> bool:

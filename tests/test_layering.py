@@ -118,9 +118,7 @@ def imports_of(module: str, source: str, is_package: bool, modules: Iterable[str
 def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     """Module -> the xcp modules it imports, for every module under ``package``."""
     paths = {module_name(p, package.parent): p for p in package.rglob("*.py")}
-    return {
-        m: imports_of(m, p.read_text(), p.name == "__init__.py", paths) for m, p in sorted(paths.items())
-    }
+    return {m: imports_of(m, p.read_text(), p.name == "__init__.py", paths) for m, p in sorted(paths.items())}
 
 
 def circles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:

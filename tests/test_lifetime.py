@@ -128,7 +128,7 @@ def test_results_never_alias_the_workspace():
         return len(held), held & mine
 
     for n_held, shared in LocalWorld(world).run(rank):
-        assert n_held == 8  # KV slots (2 x K, V) and dKV slots (2 x dK, dV)
+        assert n_held == 4  # KV slots (2 x one buffer of K then V) and dKV slots (2 x one of dK then dV)
         assert not shared
 
 

@@ -155,7 +155,7 @@ def test_running_folds_equal_one_merge_per_block(rows_list):
 
     q, blocks = _blocks(rows_list)
     backend = PairCPU("unused")
-    running = _Running(backend, q)
+    running = _Running(backend, q, q.shape[3])
     for bo, bl, rows in blocks:
         running.add(rows, bo, bl)
     out, lse = running.result()

@@ -58,8 +58,10 @@ def _dtype_names() -> dict[int, str]:
     return {_dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
-def _shape(x: torch.Tensor) -> list[int]:
+def _shape(x: torch.Tensor, seq_len: int | None = None) -> list[int]:
     dims = list(x.shape)[:_DIMS]
+    if seq_len is not None:  # shards of a document balance differ by a token: their global length instead
+        dims[1] = seq_len
     return dims + [-1] * (_DIMS - len(dims))
 
 
@@ -77,11 +79,14 @@ def fingerprint(
 ) -> tuple:
     """The configuration of a call as int64 values, in the order of :data:`FIELDS` (documents as their
     count and a CRC of the boundaries; sinks as their length and dtype; -1 where absent; ``ulysses`` the
-    head-group size of the hybrid, 1 for the ring alone)."""
+    head-group size of the hybrid, 1 for the ring alone). Under a document balance the shards' lengths may
+    differ by a token, so their shapes carry the global length ``documents[-1]`` instead (each rank's own
+    length is checked against it before: :func:`xcp.checks.check_documents`)."""
     (scale_bits,) = struct.unpack("<q", struct.pack("<d", float(scale)))
-    values = [int(bool(causal)), schedule.BALANCES.index(balance), scale_bits]
+    values = [int(bool(causal)), schedule.ALL_BALANCES.index(balance), scale_bits]
+    placed = documents[-1] if documents is not None and balance in schedule.DOCUMENT_BALANCES else None
     for x in (q, k, v):
-        values += _shape(x)
+        values += _shape(x, placed)
     values += [_dtype_code(x.dtype) for x in (q, k, v)]
     if documents is None:
         values += [-1, -1]
@@ -102,7 +107,7 @@ def describe(values: Sequence[int]) -> dict[str, Any]:
     dtypes = [names.get(c, f"dtype#{c}") for c in values[tail : tail + 3]]
     docs, crc, sinks, sinks_dtype, left, right, ulysses = values[tail + 3 : tail + 10]
     (scale,) = struct.unpack("<d", struct.pack("<q", scale_bits))
-    balances = schedule.BALANCES
+    balances = schedule.ALL_BALANCES
     return dict(
         zip(
             FIELDS,

@@ -20,8 +20,11 @@ from .checks import (
     check_backend_serves,
     check_call,
     check_dim,
+    check_document_balance,
     check_documents,
+    check_placement,
     check_return_lse,
+    check_shard_length,
     check_shards,
     check_ulysses,
     check_ulysses_divides,
@@ -93,9 +96,10 @@ def attention(
     :param v: this rank's values, shaped like k.
     :param causal: causal attention over the *global* sequence.
     :param cu_seqlens: packed documents: an integer tensor [documents + 1] of GLOBAL boundaries
-        ``0 = cu[0] <= ... <= cu[-1] = S`` (S = local length x ranks; a repeat is an empty document, which
-        costs nothing), equal on every rank; query i sees key j only in its own document. Batch must be 1.
-        Keep it on the CPU: it is read on the host.
+        ``0 = cu[0] <= ... <= cu[-1] = S`` (S = local length x ranks, or under ``document_zigzag`` the sum of
+        the shards' lengths; a repeat is an empty document, which costs nothing), equal on every rank; query
+        i sees key j only in its own document. Batch must be 1. Keep it on the CPU: it is read on the host.
+        Needed with ``balance="document_zigzag"``.
     :param sinks: a float tensor [heads]: one value-less logit per query head added to every row's
         softmax (attention sinks), applied once after the ring. Differentiable; each rank's gradient is
         the share of its rows, summed over ranks like any replicated parameter's.
@@ -106,7 +110,9 @@ def attention(
     :param group: a torch.distributed ProcessGroup, a group from :class:`xcp.LocalWorld`, or None (the
         default process group when one is initialised, else a world of one rank).
     :param scale: factor on q·k; default 1/sqrt(head_dim).
-    :param balance: how the sequence was sharded (``zigzag``, ``contiguous`` or ``stripe``).
+    :param balance: how the sequence was sharded (``zigzag``, ``contiguous`` or ``stripe``; or
+        ``document_zigzag``, each document zigzagged over the ranks, with ``cu_seqlens`` and ``ulysses=1``:
+        shards of ``S // P`` or ``S // P + 1`` tokens, see :func:`shard`).
     :param device: backend name (``cpu``, ``cuda``, ``npu``, ...); default the tensors' device type.
     :param slots: the slot policy: ``bounded`` (two receive slots) or ``keep_all`` (every received shard
         kept; for comparisons only).
@@ -138,6 +144,7 @@ def attention(
     causal, scale, sinks, window, ulysses = check_call(q, k, v, causal, scale, balance, slots, handoff, sinks,
                                                        window, ulysses)  # fmt: skip
     return_lse = check_return_lse(return_lse)
+    check_document_balance(balance, cu_seqlens, ulysses)
     if torch.compiler.is_compiling():
         if ulysses != 1:
             raise NotImplementedError(
@@ -158,7 +165,7 @@ def attention(
         return out if hybrid_lse is None else (out, hybrid_lse)
     world = comm.size()
     check_backend_serves(backend, q, world, causal, balance, device_type, v.shape[3])
-    documents = check_documents(cu_seqlens, q, world, balance, window)
+    documents = check_documents(cu_seqlens, q, world, balance, window, comm.rank())
     if world == 1 and documents is None and sinks is None and not return_lse:  # the vendor's attention, if any
         whole = backend.whole_attention(q, k, v, causal, scale)
         if whole is not None:
@@ -187,12 +194,21 @@ def shard(
     dim: int = 1,
     balance: str = schedule.DEFAULT_BALANCE,
     ulysses: int = 1,
+    *,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Rank ``rank``'s part of the sequence ``x`` along ``dim`` (a new contiguous tensor).
 
     With ``ulysses`` = U > 1 (see :func:`attention`): the sequence is sharded over the R = P / U ring
     positions by ``balance``, and each ring shard is cut into U contiguous pieces; rank r gets piece
     ``r % U`` of ring shard ``r // U``.
+
+    With ``balance="document_zigzag"`` (and ``cu_seqlens``, the documents' global boundaries, required
+    there and refused with every other balance): each document of L tokens is cut into 2P chunks of
+    ``L // 2P`` tokens, ``L % 2P`` of them one longer, and rank r gets chunks r and 2P - 1 - r of every
+    document, in document order. Any length S >= P is split, with no padding; rank r's shard holds
+    ``S // P + (1 if r < S % P else 0)`` tokens (:func:`xcp.schedule.shard_lengths`): shards differ by one
+    token at most, and are equal when P divides S.
 
     :raises ValueError: when the length along ``dim`` is not a multiple of what ``balance`` needs (and,
         with ``ulysses``, of P), or when ``ulysses`` does not divide ``world_size``.
@@ -203,6 +219,7 @@ def shard(
     schedule.check_world(world_size, rank)
     world_size, rank = int(world_size), int(rank)
     ulysses = check_ulysses(ulysses)
+    cu = check_placement(balance, cu_seqlens, ulysses, x.shape[dim])
     if ulysses != 1:
         rings = check_ulysses_divides(ulysses, world_size, "world_size")
         schedule.check_seq_len(x.shape[dim], rings, balance, what=f"x.shape[{dim}]")
@@ -215,36 +232,49 @@ def shard(
         piece = ring_shard.shape[dim] // ulysses
         return ring_shard.narrow(dim, (rank % ulysses) * piece, piece).clone(memory_format=torch.contiguous_format)
     schedule.check_seq_len(x.shape[dim], world_size, balance, what=f"x.shape[{dim}]")
-    parts = [_slice(x, dim, a, b, c) for a, b, c in schedule.chunk_slices(x.shape[dim], world_size, rank, balance)]
+    slices = schedule.chunk_slices(x.shape[dim], world_size, rank, balance, cu)
+    parts = [_slice(x, dim, a, b, c) for a, b, c in slices]
     if len(parts) > 1:
         return torch.cat(parts, dim=dim)
     return parts[0].clone(memory_format=torch.contiguous_format)  # never a view of the caller's tensor
 
 
 def unshard(
-    shards: Sequence[torch.Tensor], dim: int = 1, balance: str = schedule.DEFAULT_BALANCE, ulysses: int = 1
+    shards: Sequence[torch.Tensor],
+    dim: int = 1,
+    balance: str = schedule.DEFAULT_BALANCE,
+    ulysses: int = 1,
+    *,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The whole sequence from the shards of ranks 0..P-1 (the inverse of :func:`shard`, with the same
-    ``balance`` and ``ulysses``)."""
-    check_shards(shards)
-    schedule.check_balance(balance)
+    ``balance``, ``ulysses`` and ``cu_seqlens``; under ``document_zigzag`` the shards' lengths along
+    ``dim`` are those :func:`shard` gives)."""
+    schedule.check_balance(balance, documents=True)
+    check_shards(shards, dim if balance in schedule.DOCUMENT_BALANCES else None)
     world = len(shards)
     dim = check_dim(shards[0], dim)
     ulysses = check_ulysses(ulysses)
+    cu = check_placement(balance, cu_seqlens, ulysses, None)
     if ulysses != 1:  # the ranks of a head group hold consecutive pieces of one ring shard
         rings = check_ulysses_divides(ulysses, world, f"the {world} shards")
         ring_shards = [torch.cat(list(shards[g * ulysses : (g + 1) * ulysses]), dim=dim) for g in range(rings)]
         return unshard(ring_shards, dim, balance)
-    n = shards[0].shape[dim]
-    seq_len = n * world
-    schedule.check_seq_len(seq_len, world, balance, what=f"{world} shards of length {n} along dim {dim}")
+    if cu is not None:
+        seq_len = cu[-1]
+        for r, s in enumerate(shards):
+            check_shard_length(f"shards[{r}]", s.shape[dim], seq_len, world, balance, r)
+    else:
+        n = shards[0].shape[dim]
+        seq_len = n * world
+        schedule.check_seq_len(seq_len, world, balance, what=f"{world} shards of length {n} along dim {dim}")
     if balance == "stripe":  # global token j*P + r is local token j of rank r
         stacked = torch.stack(list(shards), dim=dim + 1)
         return stacked.flatten(dim, dim + 1)
     pieces = []
     for r, s in enumerate(shards):
         offset = 0
-        for start, stop, _ in schedule.chunk_slices(seq_len, world, r, balance):
+        for start, stop, _ in schedule.chunk_slices(seq_len, world, r, balance, cu):
             pieces.append((start, s.narrow(dim, offset, stop - start)))
             offset += stop - start
     pieces.sort(key=lambda p: p[0])

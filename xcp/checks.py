@@ -184,7 +184,7 @@ def check_call(
     depend on its size)."""
     check_inputs(q, k, v)
     causal = check_causal(causal)
-    schedule.check_balance(balance)
+    schedule.check_balance(balance, documents=True)
     check_slots(slots)
     if handoff is not None:
         check_handoff(handoff)
@@ -201,11 +201,9 @@ def check_call(
 # What depends on the group and the backend
 
 
-def _check_documents(cu_seqlens: Any, q: torch.Tensor, world: int) -> tuple[int, ...] | None:
-    """The global document boundaries as a tuple, empty documents dropped (None for one non-empty document:
-    the dense path)."""
-    if cu_seqlens is None:
-        return None
+def _cu_seqlens_values(cu_seqlens: Any) -> Any:
+    """``cu_seqlens`` as given, once its type is one that holds boundaries: a 1-D integer tensor, a list or a
+    tuple (:func:`xcp.documents.check_cu_seqlens` checks the values)."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1:
             raise ValueError(
@@ -219,16 +217,83 @@ def _check_documents(cu_seqlens: Any, q: torch.Tensor, world: int) -> tuple[int,
             "cu_seqlens: expected an integer tensor [documents + 1] (or a list of ints); "
             f"got {type(cu_seqlens).__name__}"
         )
+    return cu_seqlens
+
+
+def _check_documents(
+    cu_seqlens: Any, q: torch.Tensor, world: int, balance: str = schedule.DEFAULT_BALANCE, rank: int | None = None
+) -> tuple[int, ...] | None:
+    """The global document boundaries as a tuple, empty documents dropped (None for one non-empty document
+    of a whole-sequence balance: the dense path)."""
+    if cu_seqlens is None:
+        return None
+    values = _cu_seqlens_values(cu_seqlens)
     if q.shape[0] != 1:
         raise ValueError(f"q: expected batch 1 with cu_seqlens (the packed layout); got batch {q.shape[0]}")
-    cu = check_cu_seqlens(cu_seqlens, q.shape[1] * world)
+    if balance in schedule.DOCUMENT_BALANCES:  # even one document: its chunks are not the dense path's halves
+        cu = check_cu_seqlens(values)
+        check_shard_length("q", q.shape[1], cu[-1], world, balance, rank)
+        return cu
+    cu = check_cu_seqlens(values, q.shape[1] * world)
     return None if len(cu) == 2 else cu
 
 
-def check_documents(cu_seqlens: Any, q: torch.Tensor, world: int, balance: str, window: Any) -> tuple[int, ...] | None:
+def check_shard_length(name: str, n: int, seq_len: int, world: int, balance: str, rank: int | None) -> None:
+    """Raise a ValueError naming ``name`` unless ``n`` tokens are rank ``rank``'s shard of ``seq_len`` under
+    ``balance`` (with no rank: some rank's); :func:`xcp.schedule.shard_lengths`."""
+    schedule.check_seq_len(seq_len, world, balance, what="cu_seqlens[-1]")
+    lengths = schedule.shard_lengths(seq_len, world, balance)
+    if (n == lengths[rank]) if rank is not None else (n in lengths):
+        return
+    want = lengths[rank] if rank is not None else " or ".join(map(str, sorted(set(lengths))))
+    whose = "some rank's" if rank is None else f"rank {rank}'s"
+    raise ValueError(
+        f"{name}: expected {want} tokens along the sequence dim ({whose} shard of the {seq_len} tokens of "
+        f"cu_seqlens under balance {balance!r} over {world} ranks); got {n}"
+    )
+
+
+def check_document_balance(balance: str, cu_seqlens: Any, ulysses: int) -> bool:
+    """Whether ``balance`` places by documents (:data:`xcp.schedule.DOCUMENT_BALANCES`); raises where such
+    a balance cannot serve: without ``cu_seqlens``, or with the hybrid (``ulysses`` > 1)."""
+    if balance not in schedule.DOCUMENT_BALANCES:
+        return False
+    if cu_seqlens is None:
+        raise ValueError(
+            f"cu_seqlens: expected the documents' boundaries with balance {balance!r} (it places each document "
+            "over the ranks); got None"
+        )
+    if ulysses != 1:
+        raise ValueError(
+            f"ulysses: expected 1 with balance {balance!r} (the hybrid cuts each ring shard into equal pieces; "
+            f"{balance!r} shards may differ by a token); got {ulysses}"
+        )
+    return True
+
+
+def check_placement(balance: Any, cu_seqlens: Any, ulysses: int, seq_len: int | None) -> tuple[int, ...] | None:
+    """What :func:`xcp.shard` and :func:`xcp.unshard` place by: the checked boundaries (ending at
+    ``seq_len`` where given) for a document balance, None for a whole-sequence balance, which refuses them
+    (:func:`xcp.attention` takes the documents for every balance; placing by them is another matter)."""
+    schedule.check_balance(balance, documents=True)
+    if check_document_balance(balance, cu_seqlens, ulysses):
+        return check_cu_seqlens(_cu_seqlens_values(cu_seqlens), seq_len)
+    if cu_seqlens is not None:
+        raise ValueError(
+            f"cu_seqlens: expected None with balance {balance!r}, which places the whole sequence (only "
+            f"{', '.join(schedule.DOCUMENT_BALANCES)} places by documents); got {type(cu_seqlens).__name__} "
+            "boundaries"
+        )
+    return None
+
+
+def check_documents(
+    cu_seqlens: Any, q: torch.Tensor, world: int, balance: str, window: Any, rank: int | None = None
+) -> tuple[int, ...] | None:
     """The documents a RingConfig takes: the checked boundaries, (0, S) with a window and no documents,
-    None for one sequence without a window (the dense path)."""
-    documents = _check_documents(cu_seqlens, q, world)
+    None for one sequence without a window (the dense path). ``rank``: this rank, whose shard length a
+    document balance fixes (without it, any rank's length passes)."""
+    documents = _check_documents(cu_seqlens, q, world, balance, rank)
     if window is not None and documents is None:  # the window's plan works on (0, S): one document
         schedule.check_seq_len(q.shape[1] * world, world, balance, what="the global sequence length")
         documents = (0, q.shape[1] * world)
@@ -274,22 +339,33 @@ def check_dim(x: torch.Tensor, dim: Any, name: str = "dim") -> int:
     return int(dim) % x.dim()
 
 
-def check_shards(shards: Any) -> Sequence[torch.Tensor]:
-    """``shards`` as given: a non-empty list of tensors alike in shape, dtype and device."""
+def check_shards(shards: Any, ragged_dim: Any = None) -> Sequence[torch.Tensor]:
+    """``shards`` as given: a non-empty list of tensors alike in shape (but for their length along
+    ``ragged_dim``, where given: a dim, checked), dtype and device."""
     if isinstance(shards, torch.Tensor) or not isinstance(shards, Sequence) or not shards:
         raise TypeError(f"shards: expected a non-empty list of tensors, one per rank; got {type(shards).__name__}")
+    ragged: int | None = None
     for r, s in enumerate(shards):
         if not isinstance(s, torch.Tensor):
             raise TypeError(f"shards[{r}]: expected a torch.Tensor; got {type(s).__name__}")
-        if s.shape != shards[0].shape:
+        if r == 0 and ragged_dim is not None:
+            ragged = check_dim(s, ragged_dim)
+        if _shape_but(s, ragged) != _shape_but(shards[0], ragged):
+            also = "" if ragged is None else f", any length along dim {ragged}"
             raise ValueError(
-                f"shards[{r}]: expected shape {tuple(shards[0].shape)} (that of shards[0]); got {tuple(s.shape)}"
+                f"shards[{r}]: expected shape {tuple(shards[0].shape)} (that of shards[0]{also}); got {tuple(s.shape)}"
             )
         if s.dtype != shards[0].dtype:
             raise TypeError(f"shards[{r}]: expected dtype {shards[0].dtype} (that of shards[0]); got {s.dtype}")
         if s.device != shards[0].device:
             raise ValueError(f"shards[{r}]: expected device {shards[0].device} (that of shards[0]); got {s.device}")
     return shards
+
+
+def _shape_but(x: torch.Tensor, dim: int | None) -> tuple[int, ...]:
+    """x's shape, with the length along ``dim`` (where given and x has it) left out."""
+    shape = tuple(x.shape)
+    return shape if dim is None or dim >= len(shape) else shape[:dim] + (-1,) + shape[dim + 1 :]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from . import schedule
@@ -131,14 +132,31 @@ class PositionRun:
     count: int
 
 
-def position_runs(seq_len: int, world: int, rank: int, balance: str) -> tuple[PositionRun, ...]:
-    """The runs of the shard :func:`xcp.shard` gives ``rank`` of a sequence of ``seq_len`` tokens."""
+def position_runs(
+    seq_len: int, world: int, rank: int, balance: str, cu: tuple[int, ...] | None = None
+) -> tuple[PositionRun, ...]:
+    """The runs of the shard :func:`xcp.shard` gives ``rank`` of a sequence of ``seq_len`` tokens (documents
+    ``cu``, for :data:`~xcp.schedule.DOCUMENT_BALANCES` only: two runs a document at most)."""
     out, local = [], 0
-    for start, stop, step in schedule.chunk_slices(seq_len, world, rank, balance):
+    for start, stop, step in schedule.chunk_slices(seq_len, world, rank, balance, cu):
         count = len(range(start, stop, step))
         out.append(PositionRun(local, start, step, count))
         local += count
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def placed_runs(cu: tuple[int, ...], world: int, rank: int, balance: str) -> tuple[PositionRun, ...]:
+    """:func:`position_runs` of ``rank`` in a packed sequence of documents ``cu`` (which only
+    :data:`~xcp.schedule.DOCUMENT_BALANCES` place by)."""
+    return position_runs(cu[-1], world, rank, balance, cu if balance in schedule.DOCUMENT_BALANCES else None)
+
+
+@functools.lru_cache(maxsize=256)
+def _document_rows(cu: tuple[int, ...], world: int, rank: int, balance: str) -> tuple[int, ...]:
+    """The local rows of ``rank`` before each boundary: document d is local rows ``[t[d], t[d + 1])``."""
+    runs = placed_runs(cu, world, rank, balance)
+    return tuple(rows_at_most(runs, b - 1) for b in cu)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -147,33 +165,28 @@ def _ceil_div(a: int, b: int) -> int:
 
 def _local_range(pieces: Sequence[PositionRun], lo: int, hi: int) -> tuple[int, int]:
     """Local rows whose global position lies in [lo, hi): contiguous, since the map is monotone."""
-    first: int | None = None
-    last = 0
-    for p in pieces:
-        t0 = max(0, _ceil_div(lo - p.global0, p.stride))
-        t1 = min(p.count, _ceil_div(hi - p.global0, p.stride))
-        if t0 < t1:
-            if first is None:
-                first = p.local0 + t0
-            last = p.local0 + t1
-    return (first, last) if first is not None else (0, 0)
+    first, last = rows_at_most(pieces, lo - 1), rows_at_most(pieces, hi - 1)
+    return (first, last) if first < last else (0, 0)
 
 
 def _global(pieces: Sequence[PositionRun], row: int) -> int:
-    for p in pieces:
-        if row < p.local0 + p.count:
-            return p.global0 + p.stride * (row - p.local0)
-    raise IndexError(row)
+    p = pieces[max(bisect.bisect_right(pieces, row, key=_LOCAL0) - 1, 0)]
+    if not p.local0 <= row < p.local0 + p.count:
+        raise IndexError(row)
+    return p.global0 + p.stride * (row - p.local0)
 
 
 def rows_at_most(pieces: Sequence[PositionRun], position: int) -> int:
-    """How many local rows hold a global position <= ``position`` (a prefix, the map being monotone)."""
-    n = 0
-    for p in pieces:
-        if position < p.global0:
-            break
-        n = p.local0 + min(p.count, (position - p.global0) // p.stride + 1)
-    return n
+    """How many local rows hold a global position <= ``position`` (a prefix, the map being monotone: the
+    runs in increasing order of positions, as every placement's are)."""
+    i = bisect.bisect_right(pieces, position, key=_GLOBAL0) - 1
+    if i < 0:
+        return 0
+    p = pieces[i]
+    return p.local0 + min(p.count, (position - p.global0) // p.stride + 1)
+
+
+_LOCAL0, _GLOBAL0 = operator.attrgetter("local0"), operator.attrgetter("global0")
 
 
 def _doc_span(cu: tuple[int, ...], pieces: Sequence[PositionRun]) -> tuple[int, int]:
@@ -186,13 +199,12 @@ def _doc_span(cu: tuple[int, ...], pieces: Sequence[PositionRun]) -> tuple[int, 
 # ---------------------------------------------------------------------------------------------- segments
 def segments(cu: tuple[int, ...], world: int, rank: int, src: int, balance: str, causal: bool) -> tuple[Segment, ...]:
     """The segments of the block of ``rank``'s queries against ``src``'s keys, in query order."""
-    seq_len = cu[-1]
-    qp, kp = position_runs(seq_len, world, rank, balance), position_runs(seq_len, world, src, balance)
+    qp, kp = placed_runs(cu, world, rank, balance), placed_runs(cu, world, src, balance)
     qd, kd = _doc_span(cu, qp), _doc_span(cu, kp)
+    q_rows, k_rows = _document_rows(cu, world, rank, balance), _document_rows(cu, world, src, balance)
     out = []
     for d in range(max(qd[0], kd[0]), min(qd[1], kd[1])):
-        q0, q1 = _local_range(qp, cu[d], cu[d + 1])
-        k0, k1 = _local_range(kp, cu[d], cu[d + 1])
+        q0, q1, k0, k1 = q_rows[d], q_rows[d + 1], k_rows[d], k_rows[d + 1]
         if q0 == q1 or k0 == k1:
             continue
         if not causal:
@@ -294,13 +306,13 @@ def _window_segments(
 ) -> tuple[Segment, ...]:
     """The segments of a block under a window: one per (query chunk, key chunk, document), since the
     window depends on distances, which are linear only inside a chunk (stride 1, or P under stripe)."""
-    seq_len = cu[-1]
     left, right = window
     far_left = _FAR if left is None else left
     far_right = _FAR if right is None else right
     out = []
-    for a in position_runs(seq_len, world, rank, balance):
-        for b in position_runs(seq_len, world, src, balance):
+    key_runs = placed_runs(cu, world, src, balance)
+    for a in placed_runs(cu, world, rank, balance):
+        for b in _runs_in_documents_of(cu, a, key_runs):
             t = a.stride
             first = bisect.bisect_right(cu, max(a.global0, b.global0)) - 1
             last_q = a.global0 + t * (a.count - 1)
@@ -329,6 +341,17 @@ def _window_segments(
     return tuple(sorted(out, key=lambda seg: (seg.q0, seg.k0)))
 
 
+def _runs_in_documents_of(cu: tuple[int, ...], a: PositionRun, runs: Sequence[PositionRun]) -> Iterator[PositionRun]:
+    """The runs of ``runs`` that hold a position of a document ``a`` holds a position of (all of a
+    whole-sequence balance's few runs; under document_zigzag, those of a's documents alone)."""
+    lo = cu[bisect.bisect_right(cu, a.global0) - 1]
+    hi = cu[bisect.bisect_right(cu, a.global0 + a.stride * (a.count - 1))]
+    for j in range(max(bisect.bisect_right(runs, lo, key=_GLOBAL0) - 1, 0), len(runs)):
+        if runs[j].global0 >= hi:
+            return
+        yield runs[j]
+
+
 def diagonal_segment(q: tuple[int, int], k: tuple[int, int], lo: int, hi: int, causal: bool) -> Segment:
     """The segment of query rows ``q`` against key rows ``k`` in which query i' sees key j' (both relative
     to the segment) iff ``lo <= j' - i' <= hi``, trimmed so that every query sees a key and every key is
@@ -348,7 +371,41 @@ def diagonal_segment(q: tuple[int, int], k: tuple[int, int], lo: int, hi: int, c
     return Segment(*q, *k, False, band)
 
 
+class _Blocks:
+    """The segments of the blocks of one configuration, made as they are first asked for (a rank needs its
+    own blocks and the ring's length, not every rank's blocks)."""
+
+    def __init__(self, cu: tuple[int, ...], world: int, causal: bool, balance: str, window: tuple | None) -> None:
+        self.cu, self.world, self.causal, self.balance, self.window = cu, world, causal, balance, window
+        self._made: dict[tuple[int, int], tuple[Segment, ...]] = {}
+        self._steps: int | None = None
+
+    def block(self, rank: int, step: int) -> tuple[Segment, ...]:
+        """The segments of ``rank``'s queries against the keys it holds at ``step``."""
+        segs = self._made.get((rank, step))
+        if segs is None:
+            src = (rank - step) % self.world
+            if self.window is None:
+                segs = segments(self.cu, self.world, rank, src, self.balance, self.causal)
+            else:
+                segs = _window_segments(self.cu, self.world, rank, src, self.balance, self.causal, self.window)
+            self._made[rank, step] = segs
+        return segs
+
+    @property
+    def steps(self) -> int:
+        """``m``: one more than the largest step at which any rank has a pair (see :func:`ring_segments`)."""
+        if self._steps is None:
+            last = (i for i in reversed(range(1, self.world)) if any(self.block(r, i) for r in range(self.world)))
+            self._steps = 1 + next(last, 0)
+        return self._steps
+
+
 @functools.lru_cache(maxsize=64)
+def _blocks(cu: tuple[int, ...], world: int, causal: bool, balance: str, window: tuple | None) -> _Blocks:
+    return _Blocks(cu, world, causal, balance, window)
+
+
 def ring_segments(
     cu: tuple[int, ...], world_size: int, causal: bool, balance: str, window: tuple | None = None
 ) -> tuple[int, tuple[tuple[tuple[Segment, ...], ...], ...]]:
@@ -359,16 +416,9 @@ def ring_segments(
     rank, which each rank computes alike from the global layout). Documents short enough, or a window,
     end the ring early.
     """
-
-    def block(r: int, i: int) -> tuple[Segment, ...]:
-        src = (r - i) % world_size
-        if window is None:
-            return segments(cu, world_size, r, src, balance, causal)
-        return _window_segments(cu, world_size, r, src, balance, causal, window)
-
-    per_rank = [[block(r, i) for i in range(world_size)] for r in range(world_size)]
-    m = 1 + max((i for blocks in per_rank for i, segs in enumerate(blocks) if segs), default=0)
-    return m, tuple(tuple(blocks[:m]) for blocks in per_rank)
+    blocks = _blocks(cu, world_size, bool(causal), balance, window)
+    m = blocks.steps
+    return m, tuple(tuple(blocks.block(r, i) for i in range(m)) for r in range(world_size))
 
 
 @dataclass(frozen=True)
@@ -397,9 +447,10 @@ def document_plan(
     ``(0, S)`` for one sequence) under an optional ``window`` (checked by :func:`check_window`). The plan
     may have fewer than P steps (:func:`ring_segments`)."""
     schedule.check_world(world_size, rank)
-    schedule.check_balance(balance)
+    schedule.check_balance(balance, documents=True)
     schedule.check_seq_len(cu[-1], world_size, balance, what="cu_seqlens[-1]")
-    blocks = ring_segments(cu, world_size, causal, balance, None if window is None else tuple(window))[1][rank]
+    made = _blocks(cu, world_size, bool(causal), balance, None if window is None else tuple(window))
+    blocks = [made.block(rank, i) for i in range(made.steps)]
     steps = tuple(runs(segs) for segs in blocks)
     pairs = tuple(sum(s.pairs for s in segs) for segs in blocks)
     return DocumentPlan(world_size, rank, causal, balance, steps, pairs, window)
@@ -424,12 +475,18 @@ class BalanceCost:
     cost: float  # max over ranks of (pairs + CALL_COST_PAIRS x calls), over the even share
 
 
-def balance_costs(cu: tuple[int, ...], world_size: int, causal: bool, window: tuple | None) -> list[BalanceCost]:
-    """Each balance that can split ``cu[-1]`` tokens over ``world_size`` ranks, weighed (see
-    :func:`choose_balance`)."""
+def balance_costs(
+    cu: tuple[int, ...],
+    world_size: int,
+    causal: bool,
+    window: tuple | None,
+    balances: Sequence[str] = schedule.BALANCES,
+) -> list[BalanceCost]:
+    """Each of ``balances`` that can split ``cu[-1]`` tokens over ``world_size`` ranks, weighed (see
+    :func:`choose_balance`; :data:`~xcp.schedule.ALL_BALANCES` weighs ``document_zigzag`` too)."""
     out = []
-    for balance in schedule.BALANCES:
-        if cu[-1] % schedule.required_multiple(world_size, balance):
+    for balance in balances:
+        if cu[-1] < world_size or cu[-1] % schedule.required_multiple(world_size, balance):
             continue
         m, per_rank = ring_segments(cu, world_size, bool(causal), balance, window)
         work = [sum(s.pairs for step in blocks for s in step) for blocks in per_rank]
@@ -454,8 +511,13 @@ def choose_balance(
     Ranks compute at the pace of the busiest, so what decides first is the busiest rank's (query, key)
     pairs plus :data:`CALL_COST_PAIRS` per kernel call (in steps of 10% of the even share); then the
     fewest ring steps (a window, or short documents, end the ring early under ``contiguous``, where each
-    shard's neighbours hold the nearby tokens); then zigzag, contiguous, stripe in that order. Without a
-    window or documents this is ``zigzag``. :func:`balance_costs` shows the figures.
+    shard's neighbours hold the nearby tokens); then zigzag, contiguous, document_zigzag, stripe in that
+    order. ``document_zigzag`` is weighed only with ``cu_seqlens`` (it places by them): it balances every
+    rank's total over causal documents of any lengths, as stripe does, and like stripe makes one call per
+    document in a causal block of two ranks (docs/architecture.md); where the two cost alike it comes first,
+    its calls being unmasked blocks of contiguous tokens (stripe's are causal, every P-th token), and it
+    splits any length of at least P tokens. Without a window or documents this is ``zigzag``.
+    :func:`balance_costs` shows the figures.
 
     :param seq_len: the global sequence length, needed with a window when ``cu_seqlens`` is not given.
     """
@@ -471,8 +533,9 @@ def choose_balance(
         )
     else:
         cu = (0, int(seq_len))
-    order = {b: i for i, b in enumerate(("zigzag", "contiguous", "stripe"))}
-    costs = balance_costs(cu, world_size, bool(causal), window)
+    balances = schedule.BALANCES if cu_seqlens is None else schedule.ALL_BALANCES
+    order = {b: i for i, b in enumerate(("zigzag", "contiguous", *schedule.DOCUMENT_BALANCES, "stripe"))}
+    costs = balance_costs(cu, world_size, bool(causal), window, balances)
     if not costs:
         raise ValueError(
             f"seq_len: no balance can split {cu[-1]} tokens over {world_size} ranks "

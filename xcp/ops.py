@@ -112,7 +112,9 @@ def _config(q: torch.Tensor, v: torch.Tensor, group: str, backend: str, timeout:
     fields = {name: back(value) for (name, _, _, back), value in zip(_SPEC, spec)}
     be = select_backend(backend or None, q.device.type)
     check_backend_serves(be, q, comm.size(), fields["causal"], fields["balance"], value_dim=v.shape[3])
-    fields["documents"] = check_documents(fields["documents"], q, comm.size(), fields["balance"], fields["window"])
+    fields["documents"] = check_documents(
+        fields["documents"], q, comm.size(), fields["balance"], fields["window"], rank=comm.rank()
+    )
     return RingConfig(comm, be, **fields)
 
 

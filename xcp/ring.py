@@ -243,31 +243,54 @@ class _Running(_Pairs):
         return True
 
 
+def flat_like(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A template (no memory of its own) for one flat buffer that holds x and then y, in ``dtype`` (default
+    x's): what a slot of :func:`pair_views` is made like."""
+    return x.new_empty(1, dtype=dtype or x.dtype).expand(x.numel() + y.numel())
+
+
+def pair_views(flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of ``flat`` (made like :func:`flat_like`) shaped like x and like y, laid out one after the other."""
+    n = x.numel()
+    return flat[:n].view(x.shape), flat[n:].view(y.shape)
+
+
 class _KVRing:
     """The K/V shards of a ring call, step by step: rule 2 of xcp.lifetime around one exchange per step.
 
     ``begin(step)`` issues, on the comm stream, the send of the shard held now and the receive of the next
     one into the other slot; ``end()`` waits for it and makes the received shard current. Step 0 reads the
     caller's own K and V in place.
+
+    A slot is ONE buffer holding K then V (their head dims may differ: multi-head latent attention), so
+    every step after the first sends one tensor and receives one: half the point-to-point operations of
+    sending them apart. Step 0 sends the caller's own K and V as they are (packing them would copy the
+    shard), into the two views of the receiver's slot.
     """
 
     def __init__(self, call: RingCall | None, comm: Communicator, k: torch.Tensor, v: torch.Tensor, steps: int) -> None:
         """``call`` is None in a world of one rank (or a ring of one step), where nothing moves."""
-        self.call, self.comm = call, comm
-        self.slots: ShardSlots | None = None if call is None else call.slots("kv", (k, v), steps=range(1, steps))
-        self.current: list[torch.Tensor] | tuple[torch.Tensor, ...] = (k, v)
+        self.call, self.comm, self.k, self.v = call, comm, k, v
+        slots = None if call is None else call.slots("kv", (flat_like(k, v),), steps=range(1, steps))
+        self.slots: ShardSlots | None = slots
+        self.current: tuple[torch.Tensor, ...] = (k, v)
+        self._flat: torch.Tensor | None = None  # the slot held now, None at step 0 (the caller's own K and V)
         self._work: Any = None
-        self._next: list[torch.Tensor] | None = None
+        self._next: torch.Tensor | None = None
 
     def begin(self, step: schedule.Step) -> None:
         call = self.call
         if step.send_to is None or step.recv_from is None or call is None or self.slots is None:
             return
-        self._next = nxt = self.slots.slot(step.step + 1)
+        (nxt,) = self.slots.slot(step.step + 1)
+        self._next = nxt
+        flat = self._flat
+        sends = self.current if flat is None else (flat,)
+        recvs = pair_views(nxt, self.k, self.v) if flat is None else (nxt,)  # a step 0 sends K and V apart
         with call.on_comm():
             call.comm_after_compute()  # the slot nxt was last read by the previous step's compute
-            send = call.hand_to_comm(self.current, "kv", ordered=True)
-            self._work = _exchange(self.comm, send, nxt, step.send_to, step.recv_from, "kv", call.backend, step.step)
+            send = call.hand_to_comm(sends, "kv", ordered=True)
+            self._work = _exchange(self.comm, send, recvs, step.send_to, step.recv_from, "kv", call.backend, step.step)
 
     def views(self, keys: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows ``keys`` of the shard held now (pass them on, do not keep them: a kept view keeps
@@ -277,7 +300,18 @@ class _KVRing:
     def end(self) -> None:
         if self._work is not None and self._next is not None:
             self._work.wait()
-            self.current, self._work, self._next = self._next, None, None
+            self._flat, self._work, self._next = self._next, None, None
+            self.current = pair_views(self._flat, self.k, self.v)
+
+
+def _travelling(cfg: RingConfig, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as they travel the ring: as long as the longest shard, so that every rank's fit the same
+    slots (document_zigzag shards differ by a token: zero rows are appended to the shorter ones, which no
+    kernel call reads and whose dK/dV rows are dropped at home); k and v themselves where shards are alike."""
+    cu = cfg.documents
+    n = k.shape[1] if cu is None else schedule.shard_lengths(cu[-1], cfg.comm.size(), cfg.balance)[0]
+    pad = (0, 0, 0, 0, 0, n - k.shape[1])
+    return (k, v) if n == k.shape[1] else (torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad))
 
 
 def _exchange(comm: Communicator, send, recv, to: int, frm: int, tag: str, backend: Backend, step: int) -> Any:
@@ -305,7 +339,7 @@ def ring_forward(
     plan = cfg.plan
     moves = len(plan.steps) > 1
     call = RingCall(comm, backend, q.device, cfg.slots, cfg.handoff) if moves else None
-    kv = _KVRing(call, comm, k, v, len(plan.steps))
+    kv = _KVRing(call, comm, *_travelling(cfg, k, v), len(plan.steps))
     q_views: dict[tuple[int, int], torch.Tensor] = {}
     with call or contextlib.nullcontext():
         for step, blocks in zip(plan.steps, cfg.block_calls(n)):
@@ -339,11 +373,13 @@ def ring_backward(
     m = len(plan.steps)
     if m == 1:  # one step on the own shard (a world of one, or a window within it): nothing moves
         return _local_backward(dout, q, k, v, out, lse, cfg, calls[0])
+    n_k = k.shape[1]  # this rank's keys; k and v below as they travel (_travelling)
+    k, v = _travelling(cfg, k, v)
     acc = accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     call = RingCall(comm, backend, q.device, cfg.slots, cfg.handoff)
     kv = _KVRing(call, comm, k, v, m)
-    dkv_slots = call.slots("dkv", (k, v), dtype=acc, steps=range(m + 1))
+    dkv_slots = call.slots("dkv", (flat_like(k, v, acc),), steps=range(m + 1))  # dK then dV, one buffer
     views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
     dq_adds = _PairedAdds(backend)
     with call:
@@ -363,27 +399,29 @@ def ring_backward(
                 grads.append((b.ks, g[1], g[2]))
                 del g
             if i == 0:
-                dk_acc, dv_acc = dkv_slots.slot(0, zero=True)
+                (dkv,) = dkv_slots.slot(0, zero=True)
             else:
                 dkv_work.wait()  # the dK/dV of src, from the previous rank, are in slot i
-                dk_acc, dv_acc = dkv_slots.slot(i)
+                (dkv,) = dkv_slots.slot(i)
+            dk_acc, dv_acc = pair_views(dkv, k, v)
             for ks, gk, gv in grads:  # slot views made anew each step: a kept view would keep a slot alive
                 dk_acc[:, ks].add_(gk)
                 dv_acc[:, ks].add_(gv)
             del grads
             # after the last step this is the hop home: the owner of src is the next rank
+            del dk_acc, dv_acc
             with call.on_comm():
-                send = call.hand_to_comm((dk_acc, dv_acc), "dkv")  # M waits for the additions above
+                send = call.hand_to_comm((dkv,), "dkv")  # M waits for the additions above
                 dkv_work = _exchange(
                     comm, send, dkv_slots.slot(i + 1), step.dkv_send_to, plan.dkv_recv_after(i), "dkv", backend, i
                 )
-            del send
+            del send, dkv
             kv.end()
         dq_adds.flush()
         dkv_work.wait()
-        dk_acc, dv_acc = dkv_slots.slot(m)
+        dk_acc, dv_acc = pair_views(dkv_slots.slot(m)[0], k, v)
         # fresh tensors: results never alias the slots, which the workspace keeps for the next call
-        dk, dv = dk_acc.to(k.dtype, copy=True), dv_acc.to(v.dtype, copy=True)
+        dk, dv = dk_acc[:, :n_k].to(k.dtype, copy=True), dv_acc[:, :n_k].to(v.dtype, copy=True)
     return dq.to(q.dtype), dk, dv
 
 

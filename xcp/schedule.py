@@ -9,16 +9,30 @@ hop brings them home.
 
 A step's query and key sub-ranges are given in *halves* of the local shard (0..2), so that the same plan
 serves any shard length: ``(0, 2)`` is the whole shard, ``(1, 2)`` its second half.
+
+Placements (:data:`BALANCES`) cut the whole sequence; :data:`DOCUMENT_BALANCES` cut each document of a packed
+sequence (``document_zigzag``: every document zigzagged over the ranks), so they take the documents'
+boundaries (``cu_seqlens``) and give shards that may differ by one token (:func:`shard_lengths`).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 BALANCES = ("zigzag", "contiguous", "stripe")
-"""Ways to place a sequence on ranks. ``zigzag`` is the default everywhere."""
+"""Ways to place a whole sequence on ranks. ``zigzag`` is the default everywhere."""
+
+DOCUMENT_BALANCES = ("document_zigzag",)
+"""Ways to place each document of a packed sequence on ranks: they need the documents' boundaries
+(``cu_seqlens``) wherever they are named (:func:`xcp.shard`, :func:`xcp.unshard`, :func:`xcp.attention`).
+``document_zigzag`` cuts every document into 2P chunks as evenly as possible and gives rank r chunks r and
+2P - 1 - r of each (:func:`chunk_slices`)."""
+
+ALL_BALANCES = BALANCES + DOCUMENT_BALANCES
 
 DEFAULT_BALANCE = "zigzag"
 
@@ -43,8 +57,21 @@ def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     return str(value)
 
 
-def check_balance(balance: str) -> str:
-    """Return ``balance`` if it is known, else raise a ValueError that lists the known ones."""
+def check_balance(balance: str, documents: bool = False) -> str:
+    """Return ``balance`` if it is known, else raise a ValueError that lists the known ones. ``documents``:
+    the caller takes the documents' boundaries too, so :data:`DOCUMENT_BALANCES` are known."""
+    if documents and balance not in ALL_BALANCES:
+        raise ValueError(
+            f"balance: expected one of {', '.join(BALANCES)}; got {balance!r} (with cu_seqlens also "
+            f"{', '.join(DOCUMENT_BALANCES)}, which place each document)"
+        )
+    if documents:
+        return str(balance)
+    if balance in DOCUMENT_BALANCES:
+        raise ValueError(
+            f"balance: expected one of {', '.join(BALANCES)} here ({balance!r} places the documents of a packed "
+            f"sequence: only xcp.shard, xcp.unshard and xcp.attention, given cu_seqlens, take it); got {balance!r}"
+        )
     return check_choice("balance", balance, BALANCES)
 
 
@@ -154,7 +181,7 @@ def _block(balance: str, causal: bool, rank: int, src: int) -> tuple[str, str, t
     whole = (0, 2)
     if not causal:
         return FULL, "none", whole, whole, 1.0
-    if balance == "zigzag":
+    if balance in ("zigzag", "document_zigzag"):  # document_zigzag: the same blocks inside every document
         if src == rank:
             return DIAGONAL, "causal", whole, whole, 0.5
         if src < rank:
@@ -180,14 +207,15 @@ def plan(
     :param world_size: number of ranks P (>= 1).
     :param rank: this rank, 0 <= rank < P.
     :param causal: whether the global attention is causal.
-    :param balance: how the sequence is placed on ranks (one of :data:`BALANCES`).
+    :param balance: how the sequence is placed on ranks (one of :data:`ALL_BALANCES`; with documents the
+        kernel calls come from :func:`xcp.documents.document_plan`, the steps' routes from here).
     :param steps: how many steps the ring runs (1..P; default P). A ring of m < P steps (a window that
         reaches only the shards of the m - 1 previous ranks) forwards each K/V shard m - 1 times, and the
         finished dK/dV of a shard go home from the last rank that used it in one hop, ``m - 1`` ranks back.
     :returns: a :class:`Plan` with one :class:`Step` per source shard, step 0 being the rank's own.
     """
     check_world(world_size, rank)
-    check_balance(balance)
+    check_balance(balance, documents=True)
     m = world_size if steps is None else steps
     if not is_integer(m) or not 1 <= m <= world_size:
         raise ValueError(f"steps: expected an integer in [1, {world_size}]; got {steps!r}")
@@ -216,49 +244,84 @@ def _plan(world_size: int, rank: int, causal: bool, balance: str, m: int) -> Pla
 
 
 def required_multiple(world_size: int, balance: str = DEFAULT_BALANCE) -> int:
-    """The number the sequence length must be a multiple of for ``balance`` over ``world_size`` ranks."""
+    """The number the sequence length must be a multiple of for ``balance`` over ``world_size`` ranks (1 for
+    :data:`DOCUMENT_BALANCES`, which split any length of at least ``world_size`` tokens)."""
     check_world(world_size)
-    check_balance(balance)
+    check_balance(balance, documents=True)
+    if balance in DOCUMENT_BALANCES:
+        return 1
     return 2 * world_size if balance == "zigzag" else world_size
 
 
 def check_seq_len(seq_len: int, world_size: int, balance: str = DEFAULT_BALANCE, what: str = "sequence length") -> None:
     """Raise a ValueError naming the multiple needed when ``seq_len`` cannot be split by ``balance``."""
     m = required_multiple(world_size, balance)
+    if balance in DOCUMENT_BALANCES:
+        if seq_len < world_size:
+            raise ValueError(
+                f"{what}: balance {balance!r} over {world_size} ranks needs at least {world_size} tokens (one per "
+                f"rank); got {seq_len}"
+            )
+        return
     if seq_len < m or seq_len % m:
         raise ValueError(
             f"{what}: balance {balance!r} over {world_size} ranks needs a positive multiple of {m}; got {seq_len}"
         )
 
 
-def shard_indices(seq_len: int, world_size: int, rank: int, balance: str = DEFAULT_BALANCE) -> list[int]:
+def shard_lengths(seq_len: int, world_size: int, balance: str = DEFAULT_BALANCE) -> tuple[int, ...]:
+    """The tokens each rank's shard holds. S / P for a whole-sequence balance; for ``document_zigzag``
+    ``S // P + (1 if r < S % P else 0)`` for rank r, whatever the documents: shards differ by one token at
+    most, the longer ones first (the documents' uneven chunks hand their extra tokens round the ranks)."""
+    check_world(world_size)
+    check_seq_len(seq_len, world_size, balance)
+    n, extra = divmod(seq_len, world_size)
+    return tuple(n + (r < extra) for r in range(world_size))
+
+
+def shard_indices(
+    seq_len: int,
+    world_size: int,
+    rank: int,
+    balance: str = DEFAULT_BALANCE,
+    cu_seqlens: Sequence[int] | None = None,
+) -> list[int]:
     """Global token positions held by ``rank``, in local order.
 
     :param seq_len: global sequence length S (a multiple of :func:`required_multiple`).
-    :returns: a list of S / P positions; local token j of the rank is global token ``result[j]``.
+    :param cu_seqlens: the documents' boundaries ``(0, ..., S)``: for :data:`DOCUMENT_BALANCES` only.
+    :returns: the :func:`shard_lengths` positions of the rank; local token j of the rank is global token
+        ``result[j]``.
     """
-    check_world(world_size, rank)
-    check_seq_len(seq_len, world_size, balance)
-    if balance == "contiguous":
-        n = seq_len // world_size
-        return list(range(rank * n, (rank + 1) * n))
-    if balance == "stripe":
-        return list(range(rank, seq_len, world_size))
-    c = seq_len // (2 * world_size)
-    first, second = rank, 2 * world_size - 1 - rank
-    return list(range(first * c, (first + 1) * c)) + list(range(second * c, (second + 1) * c))
+    return [i for a, b, c in chunk_slices(seq_len, world_size, rank, balance, cu_seqlens) for i in range(a, b, c)]
 
 
 def chunk_slices(
-    seq_len: int, world_size: int, rank: int, balance: str = DEFAULT_BALANCE
+    seq_len: int,
+    world_size: int,
+    rank: int,
+    balance: str = DEFAULT_BALANCE,
+    cu_seqlens: Sequence[int] | None = None,
 ) -> list[tuple[int, int, int]]:
     """The same map as :func:`shard_indices`, as ``(start, stop, step)`` slices of the global sequence.
 
     Concatenating ``x[start:stop:step]`` over the slices gives the rank's shard; a tensor implementation
-    uses these to avoid index tensors.
+    uses these to avoid index tensors. ``document_zigzag`` (``cu_seqlens`` needed): each document of L
+    tokens is cut into 2P chunks of ``L // 2P`` tokens, ``L % 2P`` of them one longer; rank r gets chunks r
+    and 2P - 1 - r of every document, in document order (slices that meet are joined). The extra tokens go
+    round the ranks across documents (the i-th extra token of the sequence to rank i mod P: to its first
+    chunk of the document, or, where the document gives it two, to both), which keeps the shards within one
+    token of each other (:func:`shard_lengths`).
     """
     check_world(world_size, rank)
     check_seq_len(seq_len, world_size, balance)
+    if balance in DOCUMENT_BALANCES:
+        return list(_document_zigzag(_document_boundaries(cu_seqlens, seq_len, balance), int(world_size))[rank])
+    if cu_seqlens is not None:
+        raise ValueError(
+            f"cu_seqlens: expected None with balance {balance!r}, which places the whole sequence (only "
+            f"{', '.join(DOCUMENT_BALANCES)} place by documents); got {list(cu_seqlens)}"
+        )
     if balance == "contiguous":
         n = seq_len // world_size
         return [(rank * n, (rank + 1) * n, 1)]
@@ -267,3 +330,40 @@ def chunk_slices(
     c = seq_len // (2 * world_size)
     second = 2 * world_size - 1 - rank
     return [(rank * c, (rank + 1) * c, 1), (second * c, (second + 1) * c, 1)]
+
+
+def _document_boundaries(cu_seqlens: Sequence[int] | None, seq_len: int, balance: str) -> tuple[int, ...]:
+    """``cu_seqlens`` as a tuple of ints ``0 <= ... <= seq_len`` (the full check, with every message, is
+    :func:`xcp.documents.check_cu_seqlens`; the entry points make it first)."""
+    if cu_seqlens is None:
+        raise ValueError(
+            f"cu_seqlens: expected the documents' boundaries (0, ..., {seq_len}) with balance {balance!r}, which "
+            "places each document over the ranks; got None"
+        )
+    cu = tuple(int(x) for x in cu_seqlens)
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq_len or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens: expected non-decreasing boundaries from 0 to {seq_len}; got {list(cu)}")
+    return cu
+
+
+@functools.lru_cache(maxsize=64)
+def _document_zigzag(cu: tuple[int, ...], world: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """Every rank's ``document_zigzag`` slices of the documents ``cu`` (see :func:`chunk_slices`)."""
+    pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+    given = 0  # extra tokens handed out so far
+    for start, stop in zip(cu, cu[1:]):
+        base, extra = divmod(stop - start, 2 * world)
+        sizes = [base] * (2 * world)
+        for i in range(extra):  # i < P: rank (given + i) % P's first chunk; i >= P: that rank's second one
+            r = (given + i) % world
+            sizes[r if i < world else 2 * world - 1 - r] += 1
+        given += extra
+        bounds = list(itertools.accumulate(sizes, initial=start))
+        for r, mine in enumerate(pieces):
+            for c in (r, 2 * world - 1 - r):
+                a, b = bounds[c], bounds[c + 1]
+                if a < b and mine and mine[-1][1] == a:
+                    mine[-1] = (mine[-1][0], b, 1)
+                elif a < b:
+                    mine.append((a, b, 1))
+    return tuple(tuple(p) for p in pieces)
