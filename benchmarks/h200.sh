@@ -17,6 +17,9 @@
 #                               # (B 8, 32/8 heads, D 128, bf16, P 8: L 128K with a chunk of 4096, L 1M)
 #   benchmarks/h200.sh chunk    # KV cache cuda tests, host µs and launch costs, a chunk's kernels over 8 ranks and
 #                               # one, a chunk of 4096 after 128K (B 1 and B 8), B 8 decode at 128K
+#   benchmarks/h200.sh mla      # values of another head dim (q/k 192, v 128): tests, conformance dv cases, xcp run,
+#                               # the 64K/128K causal rings over 8 ranks (32 heads, MHA) and 128K packed documents
+#                               # (about 2 minutes on the H200)
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -238,6 +241,22 @@ chunk)
   section "B 8: decode at 128K replayed, and the chunk"
   timeout 150 xcp bench "${bench[@]}" --batch 8 --json "$out/chunk_b8.json" 2>&1 | tee "$out/chunk_b8.txt"
   ;;
-*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench|decode|chunk" >&2; exit 2 ;;
+mla)
+  dims=(--head-dim 192 --value-head-dim 128 --dtype bfloat16)
+  section "values of another head dim: xcp's tests (CPU paths, cuda blocks and varlen), conformance dv cases on cuda"
+  timeout 100 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_value_dim.py tests/test_cuda_backend.py \
+    -k "value or another_head or too_wide" 2>&1 | tail -15 | tee "$out/mla_tests.txt"
+  timeout 60 python3 -m xcp.testing --xcp-backend cuda -q -p no:cacheprovider -k dv 2>&1 | tail -5 \
+    | tee -a "$out/mla_tests.txt"
+  section "xcp run on cuda, q/k 192, v 128 (16 heads, MHA; against float64)"
+  timeout 90 xcp run --device cuda --seq 4096 --heads 16 --kv-heads 16 "${dims[@]}" 2>&1 | tee "$out/mla_run.txt"
+  section "xcp bench: 64K and 128K causal over 8 virtual ranks, 32 heads (MHA), q/k 192, v 128, bf16"
+  timeout 200 xcp bench --seqs 65536,131072 --worlds 8 --mask causal --heads 32 --kv-heads 32 "${dims[@]}" --reps 3 \
+    --no-graph --memory-seq 65536 --memory-worlds 8 --quiet --json "$out/mla.json" 2>&1 | tee "$out/mla.txt"
+  section "xcp bench --documents (S = 128K, P = 8, causal), q/k 192, v 128"
+  timeout 120 xcp bench --documents longtail:512:32768 --seqs 131072 --worlds 8 --mask causal --heads 32 --kv-heads 32 \
+    "${dims[@]}" --reps 3 --quiet --json "$out/mla_documents.json" 2>&1 | tee "$out/mla_documents.txt"
+  ;;
+*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench|decode|chunk|mla" >&2; exit 2 ;;
 esac
 section done

@@ -52,6 +52,11 @@ def test_flops_count():
     # 4 * B * S^2 * H * D forward; causal halves it; forward+backward is 3.5 times the forward
     assert attention_flops(1, 1024, 32, 128, False, False) == 4 * 1024**2 * 32 * 128
     assert attention_flops(2, 1024, 32, 128, True, True) == pytest.approx(2 * 4 * 1024**2 * 32 * 128 / 2 * 3.5)
+    assert attention_flops(2, 1024, 32, 128, True, True, 128) == attention_flops(2, 1024, 32, 128, True, True)
+    # v of another head dim: q·kᵀ in D, p·v in Dv; the backward recomputes q·kᵀ, dq and dk in D, dp and dv in Dv
+    pairs = 1024**2 / 2
+    assert attention_flops(1, 1024, 32, 192, True, False, 128) == 2 * pairs * 32 * (192 + 128)
+    assert attention_flops(1, 1024, 32, 192, True, True, 128) == 2 * pairs * 32 * (4 * 192 + 3 * 128)
 
 
 @pytest.mark.parametrize(
@@ -63,6 +68,7 @@ def test_flops_count():
         ("dtype", "int8", "dtype: expected one of"),
         ("seqs", [30], "seqs: 30 is not a multiple of 2 x world 2"),
         ("warmup", -1, "warmup: expected an integer >= 0"),
+        ("value_head_dim", 0, "value_head_dim: expected a positive integer"),
     ],
 )
 def test_config_errors(field, value, message):
@@ -801,3 +807,67 @@ def test_bench_decode_refuses_what_it_does_not_measure(capsys, args, message):
 def test_bench_chunk_needs_decode(capsys):
     assert main(["bench", "--device", "cpu", "--chunk", "3", "--quiet"]) == 2
     assert "--chunk: expected together with --decode; got 3" in capsys.readouterr().err
+
+
+# --- values of another head dim (--value-head-dim: multi-head latent attention, q/k 192 and v 128) ---
+
+VALUE_FLAGS = ["bench", "--heads", "4", "--kv-heads", "2", "--head-dim", "12", "--value-head-dim", "8", "--dtype",
+               "float64", "--reps", "1", "--warmup", "0", "--quiet"]  # fmt: skip
+VALUE_MODES = {
+    "dense": ["--seqs", "32", "--worlds", "2,4", "--mask", "causal", "--memory-seq", "32", "--memory-worlds", "2"],
+    "documents": ["--documents", "6,10,16", "--worlds", "2", "--mask", "causal"],
+    "window": ["--window", "4,0", "--seqs", "32", "--worlds", "4", "--balance", "contiguous"],
+    "ulysses": ["--ulysses", "1,2", "--seqs", "32", "--worlds", "2", "--mask", "causal"],
+    "host": ["--host", "--worlds", "2", "--host-tokens", "4", "--seqs", "16", "--mask", "causal"],
+    "decode": ["--decode", "--seqs", "16", "--worlds", "2", "--chunk", "3"],
+    "replay": ["--seqs", "16", "--worlds", "2", "--mask", "causal", "--memory-seq", "16", "--memory-worlds", "2",
+               "--no-graph", "--replay"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", list(VALUE_MODES))
+def test_cli_bench_values_of_another_head_dim(tmp_path, capsys, mode):
+    """Every mode with --head-dim 12 --value-head-dim 8: the checks pass (v, out, dout, dv of 8 against the
+    yardstick, the bytes sent against the formulas of K in 12 and V in 8), the header shows both dims and every
+    row of the JSON has them."""
+    path = tmp_path / "v.json"
+    device = "bench-value-graph-cpu" if mode == "replay" else "cpu"
+    with installed(_graph_backend(device)()) if mode == "replay" else contextlib.nullcontext():
+        code = main([*VALUE_FLAGS, "--device", device, *VALUE_MODES[mode], "--json", str(path)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "D=12/8 float64" in text and "values of another head dim: q, k, dq, dk of D=12; v, out, dout, dv" in text
+    report = json.loads(path.read_text())
+    assert (report["meta"]["config"]["head_dim"], report["meta"]["config"]["value_head_dim"]) == (12, 8)
+    tables = ("timing", "memory", "documents", "ulysses", "host", "world_of_one", "decode", "chunk")
+    rows = [r for name in tables for r in report.get(name) or []]
+    assert rows and all((r["head_dim"], r["value_head_dim"]) == (12, 8) for r in rows)
+    if mode != "dense":
+        return
+    item, hkv = 8, 2  # float64 (dK/dV accumulate in float64 too)
+    for r in report["timing"]:
+        shard = (32 // r["world"]) * hkv * (12 + 8) * item  # K of 12 and V of 8 per token and K/V head
+        assert r["fwd_sent_bytes"] == [{"kv": (r["world"] - 1) * shard}] * r["world"]  # counted at every rank
+        assert r["fwd_bwd_sent_bytes"] == [{"kv": 2 * (r["world"] - 1) * shard, "dkv": r["world"] * shard}] * r["world"]
+        flops = attention_flops(1, 32, 4, 12, True, True, 8)
+        assert r["fwd_bwd_ring_tflops"] == pytest.approx(flops / r["fwd_bwd_ring_s"] / 1e12)
+    assert [m["kv_shard_bytes"] for m in report["memory"]] == [16 * hkv * (12 + 8) * item] * 2
+
+
+def test_bench_value_head_dim_needs_a_backend_that_takes_it(capsys):
+    """A backend whose kernels take one head dim (value_head_dims False): run and bench refuse another value
+    head dim by the flag, before anything runs; the same head dim runs."""
+    from xcp.backends.cpu import CPUBackend
+
+    class OneHeadDim(CPUBackend):
+        name = "bench-one-head-dim"
+        value_head_dims = False
+
+    small = ["--heads", "2", "--kv-heads", "1", "--head-dim", "4", "--device", OneHeadDim.name]
+    with installed(OneHeadDim()):
+        for args in (["run", "--seq", "16", "--world", "2"], ["bench", "--seqs", "16", "--worlds", "2", "--quiet"]):
+            assert main([*args, *small, "--value-head-dim", "6"]) == 2
+            err = capsys.readouterr().err
+            assert "--value-head-dim: expected --head-dim 4 with backend 'bench-one-head-dim'" in err, err
+            assert "got 6" in err
+        assert main(["run", "--seq", "16", "--world", "2", *small, "--value-head-dim", "4"]) == 0

@@ -1068,3 +1068,55 @@ def test_plan_decode_bad_flags_name_the_flag(capsys, args, message):
     assert main(["plan", "--world", "4", "--decode", "2", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("xcp plan: error: ") and message in err
+
+
+# --- values of another head dim (--value-head-dim: multi-head latent attention, q/k 192 and v 128) ---
+
+
+def test_tool_inputs_and_reference_take_the_value_head_dim():
+    """q, k (and dq, dk) in --head-dim; v, dout, out and dv in --value-head-dim; None is --head-dim."""
+    from xcp.cli.common import Problem, random_inputs, reference
+
+    problem = Problem(heads=4, kv_heads=2, head_dim=12, dtype="float64", value_head_dim=8)
+    q, k, v, dout = random_inputs(problem, 6, torch.device("cpu"))
+    assert [tuple(x.shape) for x in (q, k, v, dout)] == [(1, 6, 4, 12), (1, 6, 2, 12), (1, 6, 2, 8), (1, 6, 4, 8)]
+    out, dq, dk, dv = reference(q, k, v, dout, True)
+    assert [x.shape for x in (out, dq, dk, dv)] == [dout.shape, q.shape, k.shape, v.shape]
+    same = Problem(heads=4, kv_heads=2, head_dim=12, dtype="float64")
+    assert same.value_dim == 12 and random_inputs(same, 6, torch.device("cpu"))[2].shape[-1] == 12
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--world", "1"], ["--world", "2", "--dtype", "float64"], ["--world", "4", "--balance", "stripe"],
+     ["--world", "4", "--ulysses", "2"], ["--world", "3", "--decode", "2", "--chunk", "3"]],
+    ids=["P1", "P2-float64", "P4-stripe", "ulysses2", "decode"],
+)  # fmt: skip
+def test_run_checks_values_of_another_head_dim(capsys, extra):
+    from xcp.cli.run import TENSORS
+
+    args = ["run", "--seq", "48", "--heads", "4", "--kv-heads", "2", "--head-dim", "12", "--value-head-dim", "8"]
+    assert main([*args, *extra]) == 0
+    text = capsys.readouterr().out
+    assert "head_dim 12/8" in text and text.endswith("PASS\n"), text
+    if "--decode" in extra:
+        assert list(decode_rows(text)) == ["prefill", "decode 1", "decode 2", "chunk"]
+    else:
+        assert "values of another head dim: q, k, dq, dk of 12; v, out, dout, dv of 8" in text
+        rows = {line.split()[0]: line.split()[-1] for line in text.splitlines() if line.split()[0] in TENSORS}
+        assert rows == dict.fromkeys(TENSORS, "ok")
+
+
+def test_run_value_head_dim_equal_to_head_dim_is_the_plain_run(capsys):
+    assert main(["run", *SMALL, "--value-head-dim", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "head_dim 4," in text and "another head dim" not in text and "PASS" in text
+
+
+@pytest.mark.parametrize("tool", ["run", "bench"])
+@pytest.mark.parametrize("value", ["0", "-2", "x", "1.5"])
+def test_bad_value_head_dim_is_a_usage_error(capsys, tool, value):
+    with pytest.raises(SystemExit) as exit_:
+        main([tool, f"--value-head-dim={value}"])
+    assert exit_.value.code == 2
+    assert f"--value-head-dim: expected a positive integer; got '{value}'" in capsys.readouterr().err

@@ -44,6 +44,18 @@ class Problem:
     dtype: str = "bfloat16"
     device: str = "cuda"
     balance: str = schedule.DEFAULT_BALANCE
+    value_head_dim: int | None = None
+    """The head dim of v (and of out, dout, dv): None is ``head_dim``; another value is multi-head latent
+    attention's (DeepSeek-V3: q/k 192, v 128)."""
+
+    @property
+    def value_dim(self) -> int:
+        """The head dim of v, out, dout and dv: ``value_head_dim``, else ``head_dim``."""
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
+
+    def dims_text(self) -> str:
+        """``128``, or ``192/128`` (q/k, v) when v's head dim is another."""
+        return head_dims_text(self.head_dim, self.value_dim)
 
 
 @dataclass
@@ -57,6 +69,13 @@ class Measurement(Problem):
     check_tolerance: float = REL_TOLERANCE[torch.bfloat16]  # bf16's bound, whatever the dtype
 
 
+def head_dims_text(head_dim: int, value_head_dim: int | None) -> str:
+    """``128``, or ``192/128`` (q/k, v) when v's head dim is another (None: the same)."""
+    if value_head_dim is None or value_head_dim == head_dim:
+        return str(head_dim)
+    return f"{head_dim}/{value_head_dim}"
+
+
 def positive(text: str) -> int:
     """argparse type: an integer >= 1 (argparse prefixes the flag: ``--world: expected ...``)."""
     try:
@@ -65,6 +84,18 @@ def positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1; got {text!r}")
+    return value
+
+
+def positive_integer(text: str) -> int:
+    """argparse type: an integer >= 1, refused as ``expected a positive integer`` (argparse prefixes the flag:
+    ``--value-head-dim: expected ...``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
     return value
 
 
@@ -134,6 +165,12 @@ FLAGS: dict[str, dict[str, Any]] = {
     "heads": {"type": positive, "help": "query heads"},
     "kv_heads": {"type": positive, "help": "key/value heads (a divisor of --heads)"},
     "head_dim": {"type": positive, "help": "size of one head"},
+    "value_head_dim": {
+        "type": positive_integer,
+        "metavar": "N",
+        "help": "size of one value head: v's, out's, dout's and dv's (multi-head latent attention, DeepSeek-V3: "
+        "--head-dim 192 --value-head-dim 128) (default: --head-dim)",
+    },
     "dtype": {"choices": list(DTYPES), "help": "dtype of q, k, v"},
     "device": {
         "help": "backend name as `xcp backends` lists it (cpu, cuda, npu, a plug-in's name), "
@@ -145,8 +182,8 @@ PROBLEM_FLAGS = tuple(FLAGS)
 
 
 def add_problem_flags(parser: argparse.ArgumentParser, defaults: Problem, names: Sequence[str] = PROBLEM_FLAGS):
-    """Declare ``--batch --heads --kv-heads --head-dim --dtype --device --balance`` (or the ``names`` among
-    them) on ``parser``, each defaulting to the field of ``defaults``."""
+    """Declare ``--batch --heads --kv-heads --head-dim --value-head-dim --dtype --device --balance`` (or the
+    ``names`` among them) on ``parser``, each defaulting to the field of ``defaults``."""
     for name in names:
         parser.add_argument("--" + name.replace("_", "-"), default=getattr(defaults, name), **FLAGS[name])
 
@@ -211,15 +248,26 @@ def available_bytes(backend, device: torch.device) -> int | None:
 
 def attention_bytes(problem: Problem, seq: int, world: int, quadratic: bool) -> int:
     """Estimated peak bytes of forward+backward attention over ``seq`` tokens cut into ``world`` shards
-    that run at once: the inputs, outputs and gradients (three copies: whole kernel, ring, reference),
-    their accumulator-dtype copies, and, for a ``quadratic`` (math) kernel, about four score-sized
-    [B, H, S/P, S/P] buffers per shard."""
+    that run at once: the inputs, outputs and gradients (three copies: whole kernel, ring, reference; q, k
+    and their gradients in ``head_dim``, v, out and theirs in the value head dim), their accumulator-dtype
+    copies, and, for a ``quadratic`` (math) kernel, about four score-sized [B, H, S/P, S/P] buffers per
+    shard."""
     elt = DTYPES[problem.dtype].itemsize
     acc = 8 if problem.dtype == "float64" else 4
-    tokens = problem.batch * seq * problem.head_dim
-    io = 3 * tokens * (2 * problem.heads + 2 * problem.kv_heads) * elt + 6 * tokens * problem.heads * acc
+    tokens, dims = problem.batch * seq, problem.head_dim + problem.value_dim  # q, k in one dim; v, out in v's
+    io = 3 * tokens * dims * (problem.heads + problem.kv_heads) * elt + 3 * tokens * dims * problem.heads * acc
     scores = 4 * problem.batch * problem.heads * (seq // world) ** 2 * acc * world if quadratic else 0
     return io + scores
+
+
+def check_value_dim(backend, head_dim: int, value_dim: int) -> None:
+    """A ValueError naming ``--value-head-dim`` when v's head dim differs from q/k's and the backend's kernels
+    do not take that (``value_head_dims`` False)."""
+    if value_dim != head_dim and not getattr(backend, "value_head_dims", False):
+        raise ValueError(
+            f"--value-head-dim: expected --head-dim {head_dim} with backend {backend.name!r}, whose kernels take "
+            f"one head dim (it does not declare value_head_dims); got {value_dim}"
+        )
 
 
 def human_bytes(n: float) -> str:
@@ -243,12 +291,14 @@ def check_memory(backend, device: torch.device, needed: int, what: str) -> None:
 
 def random_inputs(problem: Problem, seq: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """Seeded random q, k, v and dout of ``seq`` tokens in the problem's dtype, drawn on ``device`` (the same
-    seed gives every rank of a device type the same tensors)."""
+    seed gives every rank of a device type the same tensors); q and k of ``head_dim``, v and dout (out's
+    gradient) of the value head dim."""
     gen = torch.Generator(device=device).manual_seed(seed)
     dtype = DTYPES[problem.dtype]
-    heads = (problem.heads, problem.kv_heads, problem.kv_heads, problem.heads)
-    return tuple(torch.randn(problem.batch, seq, h, problem.head_dim, generator=gen, device=device, dtype=dtype)
-                 for h in heads)  # fmt: skip
+    d, dv = problem.head_dim, problem.value_dim
+    shapes = ((problem.heads, d), (problem.kv_heads, d), (problem.kv_heads, dv), (problem.heads, dv))
+    return tuple(torch.randn(problem.batch, seq, h, dim, generator=gen, device=device, dtype=dtype)
+                 for h, dim in shapes)  # fmt: skip
 
 
 def reference(q, k, v, dout, causal: bool) -> tuple[torch.Tensor, ...]:
@@ -326,12 +376,24 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def attention_flops(batch: int, seq: int, heads: int, head_dim: int, causal: bool, backward: bool) -> float:
-    """FLOPs of attention on the whole sequence (forward 4*B*S^2*H*D, halved if causal; fwd+bwd 3.5x)."""
-    flops = 4.0 * batch * seq * seq * heads * head_dim
+def pair_flops(pairs: float, heads: int, head_dim: int, backward: bool, value_head_dim: int | None = None) -> float:
+    """FLOPs of attention over ``pairs`` (query, key) pairs per head: each matmul costs 2 FLOPs a pair and
+    element of its head dim. The forward makes q·kᵀ (q/k's head dim D) and p·v (v's, Dv): 2·pairs·H·(D + Dv);
+    the backward recomputes q·kᵀ and makes dq, dk (D) and dp, dv (Dv): fwd+bwd 2·pairs·H·(4·D + 3·Dv), which
+    is 3.5x the forward when Dv = D."""
+    dv = head_dim if value_head_dim is None else value_head_dim
+    per_pair = 4 * head_dim + 3 * dv if backward else head_dim + dv
+    return 2.0 * pairs * heads * per_pair
+
+
+def attention_flops(batch: int, seq: int, heads: int, head_dim: int, causal: bool, backward: bool,
+                    value_head_dim: int | None = None) -> float:  # fmt: skip
+    """FLOPs of attention on the whole sequence: :func:`pair_flops` of B·S² pairs, halved if causal (forward
+    4·B·S²·H·D when v's head dim is D; fwd+bwd 3.5x)."""
+    pairs = float(batch) * seq * seq
     if causal:
-        flops /= 2
-    return flops * (3.5 if backward else 1.0)
+        pairs /= 2
+    return pair_flops(pairs, heads, head_dim, backward, value_head_dim)
 
 
 class Clock:

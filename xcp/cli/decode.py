@@ -123,7 +123,7 @@ ABOUT_RUN = (
 
 def _header(c: DecodeConfig, mode: str) -> str:
     return (f"xcp run --decode: {mode}, world {c.world}, batch {c.batch}, prompt {c.seq}, {c.decode} decode steps, "
-            f"chunk {c.chunk}, heads {c.heads}/{c.kv_heads} kv, head_dim {c.head_dim}, {c.dtype}, causal, balance "
+            f"chunk {c.chunk}, heads {c.heads}/{c.kv_heads} kv, head_dim {c.dims_text()}, {c.dtype}, causal, balance "
             f"{c.balance}, device {c.device}")  # fmt: skip
 
 

@@ -29,6 +29,7 @@ from .common import (
     REL_TOLERANCE,
     Problem,
     add_problem_flags,
+    check_value_dim,
     error,
     gather_whole,
     join_process_group,
@@ -84,7 +85,7 @@ class RunResult:
         tol = REL_TOLERANCE[DTYPES[c.dtype]]
         lines = [
             f"xcp run: {self.mode}, world {c.world}, batch {c.batch}, seq {c.seq}, heads {c.heads}/{c.kv_heads} kv, "
-            f"head_dim {c.head_dim}, {c.dtype}, {'causal' if c.causal else 'full'}, balance {c.balance}, "
+            f"head_dim {c.dims_text()}, {c.dtype}, {'causal' if c.causal else 'full'}, balance {c.balance}, "
             f"device {c.device}",
             *(
                 [
@@ -93,6 +94,11 @@ class RunResult:
                     f"equal r % {c.ulysses})"
                 ]
                 if c.ulysses > 1
+                else []
+            ),
+            *(
+                [f"values of another head dim: q, k, dq, dk of {c.head_dim}; v, out, dout, dv of {c.value_dim}"]
+                if c.value_dim != c.head_dim
                 else []
             ),
             f"{'tensor':<8}{'max abs err':>14}{'rel err':>12}{'tolerance':>12}  result",
@@ -215,7 +221,7 @@ def add_parser(sub) -> None:
     p.add_argument("--world", type=positive, default=d.world, help="virtual ranks (ignored under torchrun)")
     add_problem_flags(p, d, ["batch"])  # interleaved with the run's own flags, in the order of --help
     p.add_argument("--seq", type=positive, default=d.seq, help="global sequence length")
-    add_problem_flags(p, d, ["heads", "kv_heads", "head_dim", "dtype"])
+    add_problem_flags(p, d, ["heads", "kv_heads", "head_dim", "value_head_dim", "dtype"])
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=d.causal, help="causal mask")
     add_problem_flags(p, d, ["balance", "device"])
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the random inputs")
@@ -230,7 +236,8 @@ def add_parser(sub) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    tool_backend(args.device)  # an unknown or unusable backend: xcp's error and the backend table, first
+    backend, _ = tool_backend(args.device)  # an unknown or unusable backend: xcp's error and the table, first
+    check_value_dim(backend, args.head_dim, args.value_head_dim or args.head_dim)
     if args.decode is not None:
         return decode.run_command(args, problem_args(args))
     cfg = RunConfig(world=args.world, seq=args.seq, causal=args.causal, seed=args.seed, ulysses=args.ulysses,

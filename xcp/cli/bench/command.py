@@ -48,10 +48,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default=None,
         help="which masks to time (default: both; with --window, causal when R is 0 or none, else full)",
     )
-    add_problem_flags(p, d, [n for n in MEASUREMENT_FLAGS if n not in SIZE_FLAGS])
+    add_problem_flags(p, d, [n for n in MEASUREMENT_FLAGS if n not in (*SIZE_FLAGS, "value_head_dim")])
     p.add_argument("--balance", choices=windows.BALANCE_CHOICES, default=d.balance, help=windows.BALANCE_HELP)
     for name in ("heads", "kv_heads", "head_dim", "dtype"):
         p.add_argument("--" + name.replace("_", "-"), default=None, **_size_flag(name))
+        if name == "head_dim":
+            add_problem_flags(p, d, ["value_head_dim"])
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed runs before the timed ones")
     p.add_argument("--reps", type=positive, default=d.reps, help="timed runs (the median is reported)")
     p.add_argument(

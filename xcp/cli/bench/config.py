@@ -136,11 +136,15 @@ class BenchConfig(Measurement):
                                      "ranks needs it)")  # fmt: skip
 
     def _validate_problem(self, size: str) -> None:
-        """The checks every figure makes: the sizes (and ``size``, the figure's own length) are >= 1, the
-        warm-up >= 0, the K/V heads divide the heads, the dtype is known."""
+        """The checks every figure makes: the sizes (and ``size``, the figure's own length, and the value head
+        dim where given) are >= 1, the warm-up >= 0, the K/V heads divide the heads, the dtype is known."""
         for name in ("batch", "heads", "kv_heads", "head_dim", "reps", size):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an integer >= 1; got {getattr(self, name)!r}")
+        if self.value_head_dim is not None and (not isinstance(self.value_head_dim, int) or self.value_head_dim < 1):
+            raise ValueError(
+                f"value_head_dim: expected a positive integer (None: head_dim); got {self.value_head_dim!r}"
+            )
         if self.warmup < 0:
             raise ValueError(f"warmup: expected an integer >= 0; got {self.warmup!r}")
         if self.heads % self.kv_heads:

@@ -36,9 +36,9 @@ from ...api import shard
 from ...cache import KVCache
 from ...comm import LocalWorld
 from .. import windows
-from ..common import DTYPES, Clock, check_memory, error, human_bytes, median, tool_backend
+from ..common import DTYPES, Clock, check_memory, check_value_dim, error, human_bytes, median, tool_backend
 from .config import BenchConfig
-from .report import check_text, header, meta, run_work, wrap
+from .report import check_text, dims_row, header, meta, run_work, wrap
 from .timing import ratio
 
 DECODE_RUNS = ("decode", "decode_replay")
@@ -69,10 +69,12 @@ def capacity(cfg: BenchConfig, seq: int, graphs: bool) -> int:
     return seq + decode_steps(cfg, graphs) + chunk_tokens(cfg)
 
 
-def flash_serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+def flash_serves(device: torch.device, dtype: torch.dtype, head_dim: int, value_head_dim: int | None = None) -> bool:
     """Whether the aten flash varlen op serves the whole-cache reference: CUDA, fp16/bf16, head_dim % 8 == 0
-    up to 256."""
-    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
+    up to 256, and v of the same head dim (its kernels take one)."""
+    same = value_head_dim is None or value_head_dim == head_dim
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+            and head_dim <= 256 and same)  # fmt: skip
 
 
 def estimate_decode_bytes(cfg: BenchConfig, device: torch.device, graphs: bool) -> tuple[int, str]:
@@ -85,20 +87,20 @@ def estimate_decode_bytes(cfg: BenchConfig, device: torch.device, graphs: bool) 
     elt, acc = dtype.itemsize, (8 if dtype == torch.float64 else 4)
     seq, world, fewest = max(cfg.seqs), max(cfg.worlds), min(cfg.worlds)
     cap = capacity(cfg, seq, graphs)
-    token = cfg.batch * cfg.kv_heads * cfg.head_dim * elt * 2  # K and V of one token of every sequence
+    token = cfg.batch * cfg.kv_heads * (cfg.head_dim + cfg.value_dim) * elt  # K and V of one token of every sequence
     needed = 2 * cap * token + seq * token // fewest + world * token
     t = max(cfg.chunk, 1)
-    needed += world * (2 * world + 2) * cfg.batch * t * cfg.heads * (cfg.head_dim + 1) * acc
-    if not flash_serves(device, dtype, cfg.head_dim):
+    needed += world * (2 * world + 2) * cfg.batch * t * cfg.heads * (cfg.value_dim + 1) * acc  # partials: out in Dv
+    if not flash_serves(device, dtype, cfg.head_dim, cfg.value_dim):
         needed += cap * token * cfg.heads // cfg.kv_heads + 2 * cfg.batch * cfg.heads * t * cap * acc
-    shape = f"B={cfg.batch} H={cfg.heads}/{cfg.kv_heads} D={cfg.head_dim} {cfg.dtype}"
+    shape = f"B={cfg.batch} H={cfg.heads}/{cfg.kv_heads} D={cfg.dims_text()} {cfg.dtype}"
     return needed, f"a whole cache of {cap} tokens and its shards over {world} ranks, {shape}"
 
 
 # ---------------------------------------------------------------------------------------------- the yardstick
 class WholeCache:
-    """One device holding the whole cache, K/V [B, capacity, Hkv, D] (rows [0, n) the tokens the ranks hold
-    together), and the whole-cache calls the ranks are measured against."""
+    """One device holding the whole cache, K [B, capacity, Hkv, D] and V [B, capacity, Hkv, Dv] (rows [0, n)
+    the tokens the ranks hold together), and the whole-cache calls the ranks are measured against."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, scale: float, flash: bool) -> None:
         self.k, self.v, self.scale, self.flash = k, v, scale, flash
@@ -128,7 +130,7 @@ class WholeCache:
         return out.transpose(1, 2)
 
     def sdpa_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: int) -> torch.Tensor:
-        """Append ``k``, ``v`` [B, T, Hkv, D] at row ``at`` (host position), then :meth:`sdpa`."""
+        """Append ``k`` [B, T, Hkv, D], ``v`` [B, T, Hkv, Dv] at row ``at`` (host position), then :meth:`sdpa`."""
         t = k.shape[1]
         self.k[:, at : at + t].copy_(k)
         self.v[:, at : at + t].copy_(v)
@@ -140,22 +142,22 @@ class WholeCache:
         self.used.fill_(at + t)
 
     def flash_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Append ``k``, ``v`` [B, T, Hkv, D] at the device position, attend ``q`` [B, T, H, D] over every
+        """Append ``k``, ``v`` [B, T, Hkv, D / Dv] at the device position, attend ``q`` [B, T, H, D] over every
         token with the aten flash varlen op and ``seqused_k`` (causal, bottom-right, for T > 1), advance the
         positions by T: no host position anywhere, so a replayed graph of it appends and attends one step
         further each time."""
         b, t, h, d = q.shape
-        cap, hkv = self.k.shape[1], self.k.shape[2]
+        cap, hkv, dv = self.k.shape[1], self.k.shape[2], self.v.shape[3]
         rows = self.pos if t == 1 else self.pos + self._arange(t)
         self.k.index_copy_(1, rows, k)
         self.v.index_copy_(1, rows, v)
         out = torch.ops.aten._flash_attention_forward(
-            q.reshape(b * t, h, d), self.k.view(b * cap, hkv, d), self.v.view(b * cap, hkv, d), self._cu(t, q.device),
+            q.reshape(b * t, h, d), self.k.view(b * cap, hkv, d), self.v.view(b * cap, hkv, dv), self._cu(t, q.device),
             self.cu_k, t, cap, 0.0, t > 1, False, scale=self.scale, seqused_k=self.used,
         )[0]  # fmt: skip
         self.pos.add_(t)
         self.used.add_(t)
-        return out.view(b, t, h, d)
+        return out.view(b, t, h, dv)
 
     def _cu(self, t: int, device: torch.device) -> torch.Tensor:
         cu = self._cu_q.get(t)
@@ -170,7 +172,7 @@ class WholeCache:
         return rows
 
 
-def sdpa_kernel(q: torch.Tensor, k: torch.Tensor) -> str | None:
+def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """The kernel torch SDPA picks for the decode query against the whole cache (``torch._fused_sdp_choice``),
     or None where torch does not say."""
     choose = getattr(torch, "_fused_sdp_choice", None)
@@ -179,7 +181,7 @@ def sdpa_kernel(q: torch.Tensor, k: torch.Tensor) -> str | None:
     try:
         from torch.nn.attention import SDPBackend
 
-        views = [x.transpose(1, 2) for x in (q, k, k)]
+        views = [x.transpose(1, 2) for x in (q, k, v)]
         value = int(choose(*views, None, 0.0, False, scale=None, enable_gqa=True))
         return next((name for name, b in SDPBackend.__members__.items() if b.value == value), str(value))
     except Exception:  # noqa: BLE001 - a name for the table only
@@ -268,7 +270,7 @@ def measure_decode(cfg: BenchConfig, backend, clock: Clock, device: torch.device
     """The decode row (and the chunk row, with ``cfg.chunk``) of L = ``seq`` cached tokens over ``world``
     virtual ranks, appended to ``report["decode"]`` (and ``report["chunk"]``)."""
     dtype = DTYPES[cfg.dtype]
-    b, h, hkv, d = cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim
+    b, h, hkv, d, dv = cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.value_dim
     graphs = cfg.graph and backend.new_graph() is not None
     room = capacity(cfg, seq, graphs)
     balance = windows.resolve_balance(cfg.balance, world, True, None, None)
@@ -277,11 +279,11 @@ def measure_decode(cfg: BenchConfig, backend, clock: Clock, device: torch.device
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
 
-    k_all, v_all = randn(b, room, hkv, d), randn(b, room, hkv, d)
-    flash = flash_serves(device, dtype, d)
+    k_all, v_all = randn(b, room, hkv, d), randn(b, room, hkv, dv)
+    flash = flash_serves(device, dtype, d, dv)
     whole = WholeCache(k_all, v_all, 1.0 / math.sqrt(d), flash)
     ranks = DecodeRanks(backend, device, world, balance, room, k_all[:, :seq], v_all[:, :seq])
-    q1, k1, v1 = randn(b, 1, h, d), randn(b, 1, hkv, d), randn(b, 1, hkv, d)  # the step's inputs, kept in place
+    q1, k1, v1 = randn(b, 1, h, d), randn(b, 1, hkv, d), randn(b, 1, hkv, dv)  # the step's inputs, kept in place
 
     def fresh(*xs: torch.Tensor) -> None:
         for x in xs:
@@ -289,8 +291,9 @@ def measure_decode(cfg: BenchConfig, backend, clock: Clock, device: torch.device
 
     n = seq
     row: dict[str, Any] = {
-        "seq": seq, "world": world, "batch": b, "balance": balance, "capacity": room, "tolerance": cfg.check_tolerance,
-        "sdpa_kernel": sdpa_kernel(q1, k_all[:, :seq]), "flash": flash,
+        "seq": seq, "world": world, "batch": b, "balance": balance, **dims_row(cfg), "capacity": room,
+        "tolerance": cfg.check_tolerance, "sdpa_kernel": sdpa_kernel(q1, k_all[:, :seq], v_all[:, :seq]),
+        "flash": flash,
     }  # fmt: skip
 
     # (a), (c), (d) eager: checked, then timed
@@ -332,7 +335,7 @@ def measure_decode(cfg: BenchConfig, backend, clock: Clock, device: torch.device
 
     row["steps"] = n - seq - (chunk_tokens(cfg) if cfg.chunk else 0)
     row["cache_bytes"] = [c.nbytes for c in ranks.caches]
-    row["whole_cache_bytes"] = 2 * k_all.numel() * k_all.element_size()
+    row["whole_cache_bytes"] = sum(x.numel() * x.element_size() for x in (k_all, v_all))
     row["whole_cache_bytes_per_rank"] = row["whole_cache_bytes"] / world
     row["tokens_per_rank"] = [c.local_len for c in ranks.caches]  # after replays: the device's counts
     row["tokens"] = n
@@ -357,10 +360,10 @@ def _measure_chunk(cfg: BenchConfig, clock: Clock, ranks: DecodeRanks, whole: Wh
                    decode_row: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     """The chunk row: T tokens appended after the ``n`` cached ones and their queries attended causally, by
     xcp over the ranks (eager) and by one whole-cache call with the same mask, checked, then timed."""
-    b, h, hkv, d, t = cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.chunk
-    q, k, v = randn(b, t, h, d), randn(b, t, hkv, d), randn(b, t, hkv, d)
+    b, h, hkv, d, dv, t = cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.value_dim, cfg.chunk
+    q, k, v = randn(b, t, h, d), randn(b, t, hkv, d), randn(b, t, hkv, dv)
     row: dict[str, Any] = {
-        "seq": decode_row["seq"], "world": decode_row["world"], "chunk": t, "cached": n,
+        "seq": decode_row["seq"], "world": decode_row["world"], "chunk": t, "cached": n, **dims_row(cfg),
         "reference": "flash varlen" if whole.flash else "sdpa", "tolerance": cfg.check_tolerance,
     }  # fmt: skip
 
@@ -451,6 +454,7 @@ def run_decode(cfg: BenchConfig, progress: bool = True, checkpoint: str | None =
     """
     cfg.validate()
     backend, device = tool_backend(cfg.device, 0)
+    check_value_dim(backend, cfg.head_dim, cfg.value_dim)
     graphs = cfg.graph and backend.new_graph() is not None
     check_memory(backend, device, *estimate_decode_bytes(cfg, device, graphs))
     clock = Clock(backend, device)

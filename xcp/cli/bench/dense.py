@@ -28,7 +28,7 @@ from ..common import (
 )
 from .config import BenchConfig
 from .replay import measure_replay
-from .report import check_text, header, into, meta, run_work
+from .report import check_text, dims_row, header, into, meta, run_work
 from .timing import check_into, time_into
 from .virtual import VirtualRing
 
@@ -38,7 +38,7 @@ def estimate_bytes(cfg: BenchConfig, device_type: str) -> tuple[int, str]:
     the ring at the memory figure's length over the fewest ranks. The math kernel (the cpu backend's, and a
     device's for float64) materialises scores; fused device kernels are linear in the length."""
     quadratic = device_type == "cpu" or cfg.dtype == "float64"
-    problem = Problem(cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dtype)
+    problem = Problem(cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dtype, value_head_dim=cfg.value_head_dim)
     seq, world = max(cfg.seqs), min(cfg.memory_worlds)
     candidates = [
         (attention_bytes(problem, seq, 1, quadratic), f"fwd+bwd on the whole sequence at S={seq}"),
@@ -48,7 +48,7 @@ def estimate_bytes(cfg: BenchConfig, device_type: str) -> tuple[int, str]:
         ),
     ]
     needed, what = max(candidates)
-    shape = f"B={cfg.batch} H={cfg.heads}/{cfg.kv_heads} D={cfg.head_dim} {cfg.dtype}"
+    shape = f"B={cfg.batch} H={cfg.heads}/{cfg.kv_heads} D={cfg.dims_text()} {cfg.dtype}"
     return needed, f"{what}, {shape}"
 
 
@@ -81,8 +81,9 @@ def time_one(cfg: BenchConfig, backend, clock: Clock, device: torch.device, seq:
     full = random_inputs(cfg, seq, device)
     balance = windows.resolve_balance(cfg.balance, world, causal, None, None)  # dense: auto is zigzag
     ring = VirtualRing(backend, world, full, causal, balance)
-    row: dict[str, Any] = {"seq": seq, "world": world, "causal": causal, "balance": balance}
-    flops = {b: attention_flops(cfg.batch, seq, cfg.heads, cfg.head_dim, causal, b) for b in (False, True)}
+    row: dict[str, Any] = {"seq": seq, "world": world, "causal": causal, "balance": balance, **dims_row(cfg)}
+    flops = {b: attention_flops(cfg.batch, seq, cfg.heads, cfg.head_dim, causal, b, cfg.value_dim)
+             for b in (False, True)}  # fmt: skip
     return measure(cfg, clock, ring, lambda b: whole_kernel(backend, full, causal, b), flops, row)
 
 
@@ -118,11 +119,12 @@ def _memory_one(cfg: BenchConfig, backend, device: torch.device, world: int, pol
     balance = windows.resolve_balance(cfg.balance, world, True, None, None)
     ring = VirtualRing(backend, world, full, True, balance, policy)
     device_bytes = device_peak(backend, device, lambda: ring.run(backward=True))
-    shard_bytes = 2 * full[1].numel() * full[1].element_size() // world
+    shard_bytes = sum(x.numel() * x.element_size() for x in full[1:3]) // world  # K and V (in v's head dim)
     row = {
         "seq": seq,
         "world": world,
         "policy": policy,
+        **dims_row(cfg),
         "kv_shard_bytes": shard_bytes,
         "peak_kv_shards": max(led.peak_kv_shards for led in ring.ledgers),
         "peak_ring_bytes_per_rank": max(led.peak_bytes for led in ring.ledgers),
@@ -158,6 +160,7 @@ def _graph_one(cfg: BenchConfig, backend, clock: Clock, device: torch.device) ->
     return {
         "seq": seq,
         "world": 1,
+        **dims_row(cfg),
         "eager_s": eager,
         "replay_s": replay,
         "speedup": eager / replay,

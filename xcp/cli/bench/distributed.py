@@ -31,9 +31,11 @@ from ..common import (
     attention_bytes,
     attention_flops,
     check_memory,
+    check_value_dim,
     device_peak,
     error,
     gather_whole,
+    head_dims_text,
     join_process_group,
     measurement_args,
     median,
@@ -62,7 +64,7 @@ def estimate_bytes(cfg: DistBenchConfig, world: int, local_world: int, device_ty
     """Estimated peak memory of one machine: rank 0's whole-sequence kernel (check and reference) and each
     rank's shard of the longest ring; on the CPU every local rank shares the machine's memory."""
     quadratic = device_type == "cpu" or cfg.dtype == "float64"
-    problem = Problem(cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dtype)
+    problem = Problem(cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dtype, value_head_dim=cfg.value_head_dim)
     whole = max(cfg.check_seq, cfg.reference_seq)
     ring_seq = max(*cfg.seqs, cfg.memory_seq)
     ring = attention_bytes(problem, ring_seq // world, 1, quadratic)
@@ -84,11 +86,13 @@ def run_distributed_bench(cfg: DistBenchConfig) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     backend, device, rank, world = join_process_group(cfg.device)
+    check_value_dim(backend, cfg.head_dim, cfg.value_dim)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     check_memory(backend, device, *estimate_bytes(cfg, world, local_world, device.type))
     clock = Clock(backend, device)
     report: dict[str, Any] = {"world": world, "backend": backend.name, "dist_backend": dist.get_backend()}
     report["sizes_note"] = cfg.sizes_note
+    report["head_dim"], report["value_head_dim"] = cfg.head_dim, cfg.value_dim
 
     # correctness: gather the ring's results to rank 0 and compare with the whole-sequence kernel
     full = random_inputs(cfg, cfg.check_seq, device)  # the same seed, so the same sequence, on every rank
@@ -114,7 +118,7 @@ def run_distributed_bench(cfg: DistBenchConfig) -> dict[str, Any] | None:
         for _ in range(cfg.warmup):
             step()
         t = median([clock.time(step) for _ in range(cfg.reps)])
-        flops = attention_flops(cfg.batch, cfg.reference_seq, cfg.heads, cfg.head_dim, True, True)
+        flops = attention_flops(cfg.batch, cfg.reference_seq, cfg.heads, cfg.head_dim, True, True, cfg.value_dim)
         report["reference"] = {"seq": cfg.reference_seq, "seconds": t, "tflops": flops / t / 1e12}
         del whole
     rows = []
@@ -129,7 +133,7 @@ def run_distributed_bench(cfg: DistBenchConfig) -> dict[str, Any] | None:
             times.append(clock.time(functools.partial(_ring_step, cfg, shards)))
         slowest = torch.tensor([median(times)], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        flops = attention_flops(cfg.batch, seq, cfg.heads, cfg.head_dim, True, True)
+        flops = attention_flops(cfg.batch, seq, cfg.heads, cfg.head_dim, True, True, cfg.value_dim)
         seconds = slowest.item()
         row = {"seq": seq, "seconds": seconds, "tflops_per_rank": flops / world / seconds / 1e12}
         if rank == 0:
@@ -163,8 +167,10 @@ def run_distributed_bench(cfg: DistBenchConfig) -> dict[str, Any] | None:
 
 def format_distributed(report: dict[str, Any]) -> str:
     """Rank 0's tables."""
+    dims = head_dims_text(report.get("head_dim", 0), report.get("value_head_dim"))
     lines = [
         f"xcp bench --distributed: {report['world']} ranks, backend {report['backend']} over {report['dist_backend']}"
+        + (f", D={dims} (q/k, v)" if "/" in dims else "")
     ]
     if report.get("sizes_note"):
         lines.append(f"sizes: {report['sizes_note']} (give the flags to change them)")

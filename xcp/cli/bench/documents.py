@@ -11,21 +11,34 @@ from typing import Any
 import torch
 
 from ...documents import document_plan
-from ...traffic import ring_traffic
+from ...traffic import RingTraffic, ring_traffic
 from .. import packing, windows
 from ..common import (
     Clock,
     Problem,
     attention_bytes,
     check_memory,
+    pair_flops,
     random_inputs,
     whole_varlen,
     whole_window,
 )
 from .config import BenchConfig
 from .dense import measure, time_one
-from .report import into, meta, run_work, versus_table
+from .report import dims_row, into, meta, run_work, versus_table
 from .virtual import VirtualRing
+
+
+def value_ring_traffic(seq: int, world: int, steps: int, kv_heads: int, head_dim: int, value_head_dim: int,
+                       dtype: torch.dtype, batch: int = 1) -> RingTraffic:  # fmt: skip
+    """:func:`xcp.traffic.ring_traffic` with v of another head dim: a K/V shard is K of ``head_dim`` and V of
+    ``value_head_dim``, (S/P)·Hkv·(D + Dv) elements (a dK/dV message alike). The formula is linear in the head
+    dim and counts K and V alike, so it is the mean of the formula at D and at Dv (exact: each is even)."""
+    at_d = ring_traffic(seq, world, steps, kv_heads, head_dim, dtype, batch)
+    if value_head_dim == head_dim:
+        return at_d
+    at_dv = ring_traffic(seq, world, steps, kv_heads, value_head_dim, dtype, batch)
+    return RingTraffic(world, steps, (at_d.kv_shard + at_dv.kv_shard) // 2, (at_d.dkv_message + at_dv.dkv_message) // 2)
 
 
 def estimate_documents_bytes(cfg: BenchConfig, device_type: str) -> tuple[int, str]:
@@ -33,7 +46,7 @@ def estimate_documents_bytes(cfg: BenchConfig, device_type: str) -> tuple[int, s
     and, for a math kernel, the scores of the longest document (the varlen default computes one document
     segment at a time) on every virtual rank at once; with ``compare_dense``, the dense figure's too."""
     quadratic = device_type == "cpu" or cfg.dtype == "float64"
-    problem = Problem(cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dtype)
+    problem = Problem(cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dtype, value_head_dim=cfg.value_head_dim)
     spec = cfg.document_spec()
     seq, world = max(cfg.seqs), max(cfg.worlds)
     if spec is None:  # a window over one sequence: the whole-sequence call is one segment of S
@@ -48,7 +61,7 @@ def estimate_documents_bytes(cfg: BenchConfig, device_type: str) -> tuple[int, s
         dense = attention_bytes(problem, seq, 1, quadratic)
         if dense > needed:
             needed, what = dense, f"the dense comparison: fwd+bwd on the whole sequence at S={seq}"
-    return needed, f"{what}, B={cfg.batch} H={cfg.heads}/{cfg.kv_heads} D={cfg.head_dim} {cfg.dtype}"
+    return needed, f"{what}, B={cfg.batch} H={cfg.heads}/{cfg.kv_heads} D={cfg.dims_text()} {cfg.dtype}"
 
 
 def run_documents(
@@ -94,6 +107,7 @@ def _time_documents(cfg: BenchConfig, backend, clock: Clock, device: torch.devic
         "world": world,
         "causal": causal,
         "balance": balance,
+        **dims_row(cfg),
         "documents": len(lengths) if spec is not None else None,
         "longest": max(lengths),
         "shortest": min(lengths),
@@ -104,10 +118,10 @@ def _time_documents(cfg: BenchConfig, backend, clock: Clock, device: torch.devic
     }
     dtype = full[0].dtype
     for name, m in (("ring", steps), ("dense", world)):  # what each rank sends, by the formula
-        t = ring_traffic(seq, world, m, cfg.kv_heads, cfg.head_dim, dtype, cfg.batch)
+        t = value_ring_traffic(seq, world, m, cfg.kv_heads, cfg.head_dim, cfg.value_dim, dtype, cfg.batch)
         row[f"{name}_sent_formula"] = {"steps": m, "fwd": t.forward, "fwd_bwd": t.total, "kv_shard": t.kv_shard,
                                        "dkv_message": t.dkv_message}  # fmt: skip
-    flops = {b: 4.0 * cfg.heads * cfg.head_dim * total * (3.5 if b else 1.0) for b in (False, True)}
+    flops = {b: pair_flops(total, cfg.heads, cfg.head_dim, b, cfg.value_dim) for b in (False, True)}
     if window is None:
         return measure(cfg, clock, ring, lambda b: whole_varlen(backend, full, cu, causal, b), flops, row)
     row["window"] = windows.text_of(window)

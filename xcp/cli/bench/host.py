@@ -21,7 +21,7 @@ from ...testing.doubles import LoopbackCommunicator, NullKernels
 from .. import windows
 from ..common import Clock, Problem, attention_bytes, check_memory, median, random_inputs
 from .config import HOST_MIN_REPS, BenchConfig
-from .report import into, meta, run_work, wrap
+from .report import dims_row, into, meta, run_work, wrap
 from .world_of_one import format_world_of_one, time_world_of_one
 
 HOST_TARGETS_US = {"fwd": 50.0, "bwd": 100.0}
@@ -145,6 +145,7 @@ def _host_one(cfg: BenchConfig, backend, device: torch.device, world: int, causa
         "world": world,
         "causal": causal,
         "balance": balance,
+        **dims_row(cfg),
         "tokens_per_rank": cfg.host_tokens,
         "steps": steps,
         "reps": reps,
@@ -172,9 +173,9 @@ def estimate_host_bytes(cfg: BenchConfig, device_type: str) -> tuple[int, str]:
     """Estimated peak memory of ``--host`` / ``--world-of-one``: forward+backward of a world of one at the
     largest of ``seqs`` (the host figure's problems are tiny)."""
     quadratic = device_type == "cpu" or cfg.dtype == "float64"
-    problem = Problem(cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dtype)
+    problem = Problem(cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dtype, value_head_dim=cfg.value_head_dim)
     seq = max(cfg.seqs)
-    shape = f"B={cfg.batch} H={cfg.heads}/{cfg.kv_heads} D={cfg.head_dim} {cfg.dtype}"
+    shape = f"B={cfg.batch} H={cfg.heads}/{cfg.kv_heads} D={cfg.dims_text()} {cfg.dtype}"
     return attention_bytes(problem, seq, 1, quadratic), f"the world of one at S={seq}, {shape}"
 
 

@@ -25,7 +25,7 @@ from ..common import (
 )
 from .config import BenchConfig
 from .dense import measure
-from .report import check_text, into, meta, run_work, wrap
+from .report import check_text, dims_row, into, meta, run_work, wrap
 from .virtual import VirtualRing
 
 
@@ -35,9 +35,9 @@ def run_ulysses(
     """The figures of ``--ulysses``: per (S, P, mask) and each U, the hybrid over P virtual ranks against one
     whole-sequence kernel call, checked first, with the bytes each rank sent against the formula."""
     quadratic = device.type == "cpu" or cfg.dtype == "float64"
-    problem = Problem(cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dtype)
+    problem = Problem(cfg.batch, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dtype, value_head_dim=cfg.value_head_dim)
     seq = max(cfg.seqs)  # the whole-sequence call (and U = P, whose ranks each compute S x S for H/P heads)
-    shape = f"B={cfg.batch} H={cfg.heads}/{cfg.kv_heads} D={cfg.head_dim} {cfg.dtype}"
+    shape = f"B={cfg.batch} H={cfg.heads}/{cfg.kv_heads} D={cfg.dims_text()} {cfg.dtype}"
     check_memory(backend, device, attention_bytes(problem, seq, 1, quadratic), f"fwd+bwd at S={seq}, {shape}")
     clock = Clock(backend, device)
     report: dict[str, Any] = {"meta": meta(cfg, backend, device), "timing": [], "memory": [], "graph": None,
@@ -58,9 +58,15 @@ ULYSSES_TAGS = ("a2a", "kv", "dkv")
 and its dK/dV."""
 
 
-def ulysses_formula(t) -> dict[str, dict[str, int]]:
+def ulysses_formula(t, tv=None) -> dict[str, dict[str, int]]:
     """Bytes per rank and tag of one forward (``fwd``) and one forward+backward (``fwd_bwd``) by the formula
-    (:class:`xcp.hybrid.HybridTraffic`)."""
+    (:class:`xcp.hybrid.HybridTraffic`). ``tv``: the formula at v's head dim where it is another than q/k's
+    (``t`` at q/k's). Half of what moves is in each dim — q, k, dq, dk in D; v, out, dout, dv in Dv, and so K
+    and dK against V and dV in the ring — and the formula is linear in the head dim (each count even), so the
+    bytes are the mean of the two formulas."""
+    if tv is not None:
+        at_d, at_dv = ulysses_formula(t), ulysses_formula(tv)
+        return {mode: {tag: (n + at_dv[mode][tag]) // 2 for tag, n in counts.items()} for mode, counts in at_d.items()}
     fwd = {"a2a": t.forward_alltoall, "kv": t.forward_ring, "dkv": 0}
     fwd_bwd = {"a2a": t.forward_alltoall + t.backward_alltoall, "kv": t.forward_ring + t.backward_ring_kv,
                "dkv": t.backward_ring_dkv}  # fmt: skip
@@ -74,10 +80,13 @@ def _time_ulysses(cfg: BenchConfig, backend, clock: Clock, device: torch.device,
     rings = world // ulysses
     balance = windows.resolve_balance(cfg.balance, rings, causal, None, None)  # dense: auto is zigzag
     ring = VirtualRing(backend, world, full, causal, balance, ulysses=ulysses)
-    t = hybrid_traffic(cfg.batch, seq, cfg.heads, cfg.kv_heads, cfg.head_dim, DTYPES[cfg.dtype], world, ulysses)
+    t, tv = (hybrid_traffic(cfg.batch, seq, cfg.heads, cfg.kv_heads, d, DTYPES[cfg.dtype], world, ulysses)
+             for d in (cfg.head_dim, cfg.value_dim))  # fmt: skip
+    formula = ulysses_formula(t, None if cfg.value_dim == cfg.head_dim else tv)
     row: dict[str, Any] = {"seq": seq, "world": world, "ulysses": ulysses, "ring": rings, "causal": causal,
-                           "balance": balance, "sent_formula": ulysses_formula(t)}  # fmt: skip
-    flops = {b: attention_flops(cfg.batch, seq, cfg.heads, cfg.head_dim, causal, b) for b in (False, True)}
+                           "balance": balance, **dims_row(cfg), "sent_formula": formula}  # fmt: skip
+    flops = {b: attention_flops(cfg.batch, seq, cfg.heads, cfg.head_dim, causal, b, cfg.value_dim)
+             for b in (False, True)}  # fmt: skip
     row = measure(cfg, clock, ring, lambda b: whole_kernel(backend, full, causal, b), flops, row)
     row["sent_ok"] = all(  # every rank sent what the formula says, per tag, in the last forward and fwd+bwd runs
         sent.get(tag, 0) == row["sent_formula"][mode][tag] and set(sent) <= set(ULYSSES_TAGS)

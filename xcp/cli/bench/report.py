@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..common import write_json
+from ..common import head_dims_text, write_json
 from .config import BenchConfig
 
 
@@ -61,7 +61,7 @@ def meta(cfg: BenchConfig, backend, device: torch.device) -> dict[str, Any]:
         "cuda": getattr(torch.version, "cuda", None),
         "backend": backend.name,
         "kernel": backend.kernel,
-        "config": asdict(cfg),
+        "config": {**asdict(cfg), "value_head_dim": cfg.value_dim},  # None (head_dim's) resolved
     }
     if device.type != "cpu":
         meta["device_name"] = torch.get_device_module(device.type).get_device_name(device)
@@ -73,6 +73,19 @@ def wrap(text: str, width: int = 110) -> list[str]:
     return textwrap.wrap(text, width)
 
 
+def dims_of(config: dict[str, Any]) -> str:
+    """A report's head dims: ``128``, or ``192/128`` (q/k, v) where v's is another."""
+    return head_dims_text(config["head_dim"], config.get("value_head_dim"))
+
+
+def dims_row(cfg: BenchConfig) -> dict[str, int]:
+    """The head dims every row of a report carries: q/k's (``head_dim``) and v's (``value_head_dim``)."""
+    return {"head_dim": cfg.head_dim, "value_head_dim": cfg.value_dim}
+
+
+_VALUES = "values of another head dim: q, k, dq, dk of D={}; v, out, dout, dv of Dv={}"
+
+
 def header(report: dict[str, Any]) -> list[str]:
     """The lines every local report opens with: date, device, versions, backend, problem, repetitions."""
     m = report["meta"]
@@ -80,8 +93,9 @@ def header(report: dict[str, Any]) -> list[str]:
     return [
         f"xcp bench {m['date']} on {m.get('device_name', m['host'])}, torch {m['torch']}, cuda {m['cuda']}, "
         f"backend {m['backend']} ({m['kernel']})",
-        f"B={c['batch']} H={c['heads']} Hkv={c['kv_heads']} D={c['head_dim']} {c['dtype']} balance {c['balance']}, "
+        f"B={c['batch']} H={c['heads']} Hkv={c['kv_heads']} D={dims_of(c)} {c['dtype']} balance {c['balance']}, "
         f"median of {c['reps']} after {c['warmup']} warm-up",
+        *([_VALUES.format(c["head_dim"], c.get("value_head_dim"))] if dims_of(c) != str(c["head_dim"]) else []),
         *([f"sizes: {c['sizes_note']} (give the flags to change them)"] if c.get("sizes_note") else []),
     ]
 

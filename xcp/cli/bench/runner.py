@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..common import tool_backend
+from ..common import check_value_dim, tool_backend
 from .config import REPLAY_FLAG, BenchConfig
 from .dense import format_dense, run_dense
 from .documents import format_documents, run_documents
@@ -24,6 +24,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, checkpoint: str | None = 
     """
     cfg.validate()
     backend, device = tool_backend(cfg.device, 0)
+    check_value_dim(backend, cfg.head_dim, cfg.value_dim)
     if cfg.replay and backend.new_graph() is None:
         raise ValueError(f"{REPLAY_FLAG}: needs a backend with device graphs (cuda has them); backend "
                          f"{backend.name!r} has none")  # fmt: skip

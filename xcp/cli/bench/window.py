@@ -8,7 +8,7 @@ from typing import Any
 
 from .. import packing, windows
 from ..common import human_bytes
-from .report import versus_table
+from .report import dims_of, versus_table
 
 
 def format_windows(report: dict[str, Any]) -> list[str]:
@@ -29,11 +29,12 @@ def format_windows(report: dict[str, Any]) -> list[str]:
         ),
     ]
     first = report["documents"][0]["ring_sent_formula"] if report["documents"] else None
+    elements = "2·(S/P)·Hkv·D" if dims_of(c) == str(c["head_dim"]) else "(S/P)·Hkv·(D+Dv)"  # K in D, V in Dv
     lines += [
         "",
         "steps and bytes sent per rank, this ring and the dense ring (all P steps, no window): a K/V shard is",
-        "2·(S/P)·Hkv·D·itemsize; forward m-1 K/V shards; backward m-1 K/V shards and m dK/dV messages",
-        f"(2·(S/P)·Hkv·D in the accumulator dtype{'' if c['dtype'] == 'float64' else ', float32'})"
+        f"{elements}·itemsize; forward m-1 K/V shards; backward m-1 K/V shards and m dK/dV messages",
+        f"({elements} in the accumulator dtype{'' if c['dtype'] == 'float64' else ', float32'})"
         + (f"; at the first row a K/V shard is {human_bytes(first['kv_shard'])}" if first else ""),
     ]
     for r in report["documents"]:

@@ -13,7 +13,7 @@ import torch
 from ...api import attention
 from ..common import DTYPES, REL_TOLERANCE, Clock, error, median, random_inputs
 from .config import HOST_MIN_REPS, BenchConfig
-from .report import check_text, wrap
+from .report import check_text, dims_of, dims_row, wrap
 from .timing import ratio
 
 WORLD_OF_ONE_SEQS = [1024, 4096]
@@ -48,7 +48,7 @@ def time_world_of_one(
         out = call(*leaves)
         return out, torch.autograd.grad(out, leaves, dout)
 
-    row: dict[str, Any] = {"seq": seq, "causal": causal, "tolerance": REL_TOLERANCE[dtype]}
+    row: dict[str, Any] = {"seq": seq, "causal": causal, **dims_row(cfg), "tolerance": REL_TOLERANCE[dtype]}
     reps = max(cfg.reps, HOST_MIN_REPS)
     for mode, backward in (("fwd", False), ("fwd_bwd", True)):
         if cfg.check:
@@ -84,8 +84,8 @@ def format_world_of_one(report: dict[str, Any]) -> list[str]:
             "",
             *wrap(
                 f"world of one: xcp.attention(q, k, v, causal=...) without a group against torch SDPA (q, k, v "
-                f"as [B, H, S, D] views, enable_gqa=True), {c['dtype']}; each checked against the other "
-                f"(relative 2-norm error of out, dq, dk, dv ≤ {w1[0]['tolerance']:.0e}) before it is timed; "
+                f"as [B, H, S, D] views, enable_gqa=True), {c['dtype']}, D={dims_of(c)}; each checked against the "
+                f"other (relative 2-norm error of out, dq, dk, dv ≤ {w1[0]['tolerance']:.0e}) before it is timed; "
                 f"median of {w1[0]['reps']}, interleaved; ratio = xcp / SDPA. xcp hands a world of one to the "
                 f"backend's whole_attention where it has one (cuda: torch SDPA itself), so the ratio is the cost "
                 f"of xcp's checks and dispatch around it"
