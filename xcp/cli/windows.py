@@ -25,6 +25,8 @@ from .common import human_bytes
 FLAG = "--window"
 AUTO = "auto"
 BALANCE_CHOICES = (*schedule.BALANCES, AUTO)
+DOCUMENT_BALANCE_CHOICES = (*schedule.ALL_BALANCES, AUTO)
+"""``--balance`` where packed documents may be given: the balances that place each document too."""
 BALANCE_HELP = (
     "how the sequence is cut into shards; auto: what xcp.choose_balance recommends for the configuration "
     "(the busiest rank's work first, then the fewest ring steps)"

@@ -49,7 +49,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="which masks to time (default: both; with --window, causal when R is 0 or none, else full)",
     )
     add_problem_flags(p, d, [n for n in MEASUREMENT_FLAGS if n not in (*SIZE_FLAGS, "value_head_dim")])
-    p.add_argument("--balance", choices=windows.BALANCE_CHOICES, default=d.balance, help=windows.BALANCE_HELP)
+    p.add_argument("--balance", choices=windows.DOCUMENT_BALANCE_CHOICES, default=d.balance,
+                   help=windows.BALANCE_HELP + "; document_zigzag (each packed document zigzagged over the ranks) "
+                   "with --documents")  # fmt: skip
     for name in ("heads", "kv_heads", "head_dim", "dtype"):
         p.add_argument("--" + name.replace("_", "-"), default=None, **_size_flag(name))
         if name == "head_dim":

@@ -102,8 +102,12 @@ class BenchConfig(Measurement):
         if self.ulysses is not None and (self.documents is not None or self.window is not None):
             name = packing.FLAG if self.documents is not None else windows.FLAG
             raise ValueError(f"{name}: not measured with {ulysses.FLAG} yet; got {self.documents or self.window!r}")
-        if self.balance not in windows.BALANCE_CHOICES:
-            raise ValueError(f"--balance: expected one of {', '.join(windows.BALANCE_CHOICES)}; got {self.balance!r}")
+        if self.balance not in windows.DOCUMENT_BALANCE_CHOICES:
+            choices = ", ".join(windows.DOCUMENT_BALANCE_CHOICES)
+            raise ValueError(f"--balance: expected one of {choices}; got {self.balance!r}")
+        if self.balance in schedule.DOCUMENT_BALANCES and (self.documents is None or self.window is not None):
+            raise ValueError(f"--balance: {self.balance} places each packed document: expected --documents (and "
+                             f"no --window in the bench); got balance {self.balance!r} without them")  # fmt: skip
         split_by = windows.check_balance(self.balance)  # auto: at least a multiple of P
         window = self.window_sides()
         if window is not None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ... import schedule
 from ...api import shard, unshard
 from ...comm import LocalWorld
 from ...hybrid import HybridConfig, hybrid_backward, hybrid_config, hybrid_forward
@@ -43,7 +44,12 @@ class VirtualRing:
         """Bytes each rank sent in the last run, per tag (``kv``, ``dkv``; ``a2a`` for the hybrid's all-to-alls)."""
         self.device = full[0].device
         self.world = LocalWorld(world, device=self.device)
-        self.shards = [tuple(shard(x, world, r, balance=balance, ulysses=ulysses) for x in full) for r in range(world)]
+        self.place: dict[str, Any] = {"balance": balance, "ulysses": ulysses}
+        """How the inputs are placed (``xcp.shard``'s and ``xcp.unshard``'s keywords): a balance that places each
+        document takes the documents' boundaries too."""
+        if balance in schedule.DOCUMENT_BALANCES:
+            self.place["cu_seqlens"] = self.documents
+        self.shards = [tuple(shard(x, world, r, **self.place) for x in full) for r in range(world)]
         self.streams = [backend.new_stream(self.device) for _ in range(world)]
         self.scale = 1.0 / math.sqrt(full[0].shape[-1])
         self.ledgers: list[Any] = [None] * world
@@ -91,9 +97,8 @@ class VirtualRing:
 
 def check_against_whole_kernel(ring: VirtualRing, results, whole_out, whole_grads) -> dict[str, float]:
     """Relative errors of the ring's out (and grads) against the whole-sequence kernel."""
-    u = ring.ulysses
-    errs = {"out": error(unshard([r[1] for r in results], balance=ring.balance, ulysses=u), whole_out).rel}
+    errs = {"out": error(unshard([r[1] for r in results], **ring.place), whole_out).rel}
     if whole_grads is not None:
         for i, name in enumerate(("dq", "dk", "dv")):
-            errs[name] = error(unshard([r[2][i] for r in results], balance=ring.balance, ulysses=u), whole_grads[i]).rel
+            errs[name] = error(unshard([r[2][i] for r in results], **ring.place), whole_grads[i]).rel
     return errs
