@@ -9,21 +9,9 @@ from __future__ import annotations
 import functools
 
 import torch
+from mla_blocks import timed  # this folder, run as a script
 
 from xcp_cuda import kernels
-
-
-def timed(fn, reps: int = 5) -> float:
-    for _ in range(2):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main() -> None:

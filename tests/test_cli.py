@@ -1119,4 +1119,4 @@ def test_bad_value_head_dim_is_a_usage_error(capsys, tool, value):
     with pytest.raises(SystemExit) as exit_:
         main([tool, f"--value-head-dim={value}"])
     assert exit_.value.code == 2
-    assert f"--value-head-dim: expected a positive integer; got '{value}'" in capsys.readouterr().err
+    assert f"--value-head-dim: expected an integer >= 1; got '{value}'" in capsys.readouterr().err

@@ -87,18 +87,6 @@ def positive(text: str) -> int:
     return value
 
 
-def positive_integer(text: str) -> int:
-    """argparse type: an integer >= 1, refused as ``expected a positive integer`` (argparse prefixes the flag:
-    ``--value-head-dim: expected ...``)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
-    return value
-
-
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with each flag's default, except where there is none to show (None, a switch) or the help
     text already says it."""
@@ -166,7 +154,7 @@ FLAGS: dict[str, dict[str, Any]] = {
     "kv_heads": {"type": positive, "help": "key/value heads (a divisor of --heads)"},
     "head_dim": {"type": positive, "help": "size of one head"},
     "value_head_dim": {
-        "type": positive_integer,
+        "type": positive,
         "metavar": "N",
         "help": "size of one value head: v's, out's, dout's and dv's (multi-head latent attention, DeepSeek-V3: "
         "--head-dim 192 --value-head-dim 128) (default: --head-dim)",
