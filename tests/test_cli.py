@@ -144,10 +144,14 @@ def test_sanitize_keep_all_is_a_finding(capsys):
     assert "[bound]" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("extra", [[], ["--decode", "2", "--chunk", "3"]], ids=["ring", "decode"])
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--decode", "2", "--chunk", "3"], ["--seq", "19", "--documents", "5,1,13", "--balance", "document_zigzag"]],
+    ids=["ring", "decode", "document_zigzag"],
+)
 def test_run_under_torchrun_uses_the_process_group(tmp_path, extra):
     """With RANK/WORLD_SIZE set (torchrun), ``xcp run`` runs on the real gloo process group; with --decode,
-    each process's KVCache combines over it."""
+    each process's KVCache combines over it; under document_zigzag, shards of 10 and 9 tokens are gathered."""
     import os
     import subprocess
     import sys
@@ -160,7 +164,7 @@ def test_run_under_torchrun_uses_the_process_group(tmp_path, extra):
     assert proc.stdout.count("torch.distributed (gloo), rank") == 1  # rank 0 alone prints the report
     assert "rank 0 of 2" in proc.stdout
     assert proc.stdout.count("PASS") == 1
-    if extra:  # every step checked, with the tokens each process holds
+    if "--decode" in extra:  # every step checked, with the tokens each process holds
         rows = decode_rows(proc.stdout)
         assert list(rows) == ["prefill", "decode 1", "decode 2", "chunk"] and rows["chunk"][3] == [35, 34]
 
@@ -289,11 +293,12 @@ def test_help_shows_the_defaults(capsys, tool, shown):
 
 def brute_force_pairs(lengths, world, rank, src, causal, balance):
     """(query, key) pairs of rank's queries against src's keys that the document mask allows."""
-    from xcp.schedule import shard_indices
+    from xcp.cli.packing import boundaries
+    from xcp.schedule import DOCUMENT_BALANCES, shard_indices
 
     doc = [d for d, n in enumerate(lengths) for _ in range(n)]
-    seq = len(doc)
-    queries, keys = shard_indices(seq, world, rank, balance), shard_indices(seq, world, src, balance)
+    seq, cu = len(doc), boundaries(lengths) if balance in DOCUMENT_BALANCES else None
+    queries, keys = (shard_indices(seq, world, r, balance, cu) for r in (rank, src))
     return sum(doc[i] == doc[j] and (not causal or j <= i) for i in queries for j in keys)
 
 
@@ -308,6 +313,7 @@ def brute_force_pairs(lengths, world, rank, src, causal, balance):
         (5, "stripe", False, [1] * 10),
         (4, "contiguous", True, [4, 8, 8, 8, 4]),  # the ring stops after 2 steps
         (3, "zigzag", True, [2] * 6),  # after 1 step: nothing moves
+        (4, "document_zigzag", True, [3, 9, 1, 1, 18]),  # each document zigzagged over the ranks
     ],
 )
 def test_plan_documents_work_is_the_brute_force_count_of_allowed_pairs(capsys, world, balance, causal, lengths):
@@ -652,17 +658,22 @@ def hybrid_rows(text):
     return rows, totals
 
 
-def counted_hybrid_run(world, ulysses, seq, heads, kv_heads, dim, dtype, causal, balance, window):
+def counted_hybrid_run(world, ulysses, seq, heads, kv_heads, dim, dtype, causal, balance, window, value_dim=None,
+                       cu=None):  # fmt: skip
     """xcp.attention(ulysses=...) forward and backward on a LocalWorld, every exchange counted at the
     communicator: per rank, the (pass, tag, bytes sent) of each exchange that sent something, in order (the
-    all-to-all sends U - 1 rows in one exchange; the agreement's fingerprint left out)."""
+    all-to-all sends U - 1 rows in one exchange; the agreement's fingerprint left out). v and dout of
+    ``value_dim`` (None: ``dim``); ``cu``: packed documents' boundaries."""
     import threading
 
+    from xcp.cli.common import placement
     from xcp.comm import LocalGroup
 
     gen = torch.Generator().manual_seed(0)
-    q, dout = (torch.randn(1, seq, heads, dim, generator=gen).to(dtype) for _ in range(2))
-    k, v = (torch.randn(1, seq, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    dv = dim if value_dim is None else value_dim
+    q, dout = (torch.randn(1, seq, heads, d, generator=gen).to(dtype) for d in (dim, dv))
+    k, v = (torch.randn(1, seq, kv_heads, d, generator=gen).to(dtype) for d in (dim, dv))
+    place = placement(balance, ulysses, cu)
     log: dict[str, list] = {}
     phase = threading.local()
     exchange = LocalGroup.exchange
@@ -675,11 +686,12 @@ def counted_hybrid_run(world, ulysses, seq, heads, kv_heads, dim, dtype, causal,
 
     def rank_fn(group):
         r = group.rank()
-        local = [xcp.shard(t, world, r, balance=balance, ulysses=ulysses).requires_grad_() for t in (q, k, v)]
+        local = [xcp.shard(t, world, r, **place).requires_grad_() for t in (q, k, v)]
         phase.name = "forward"
-        out = xcp.attention(*local, causal=causal, group=group, balance=balance, ulysses=ulysses, window=window)
+        out = xcp.attention(*local, causal=causal, group=group, balance=balance, ulysses=ulysses, window=window,
+                            cu_seqlens=None if cu is None else torch.tensor(cu))  # fmt: skip
         phase.name = "backward"
-        out.backward(xcp.shard(dout, world, r, balance=balance, ulysses=ulysses))
+        out.backward(xcp.shard(dout, world, r, **place))
         return threading.current_thread().name
 
     LocalGroup.exchange = counting
@@ -961,10 +973,10 @@ def test_run_decode_bad_flags_name_the_flag(capsys, args, message):
     assert err.startswith("xcp run: error: ") and message in err
 
 
-def counted_decode(world, prompt, steps, balance, window, heads, dim, dtype, combine="auto"):
+def counted_decode(world, prompt, steps, balance, window, heads, dim, dtype, combine="auto", value_dim=None):
     """A KVCache per rank of a LocalWorld, prefilled and appended to as xcp plan --decode plans it; per rank
     and step the tokens held, the kernel calls of the local partial and the bytes sent in the combine
-    (counted at the communicator and at the block call)."""
+    (counted at the communicator and at the block call). v of ``value_dim`` (None: ``dim``)."""
     import threading
 
     from xcp.comm import LocalGroup
@@ -973,7 +985,7 @@ def counted_decode(world, prompt, steps, balance, window, heads, dim, dtype, com
     gen = torch.Generator().manual_seed(0)
     total = prompt + sum(steps)
     q = torch.randn(1, total, heads, dim, generator=gen).to(dtype)
-    k, v = (torch.randn(1, total, 1, dim, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(1, total, 1, d, generator=gen).to(dtype) for d in (dim, value_dim or dim))
     mine = threading.local()
     exchange, forward = LocalGroup.exchange, BlockCall.forward
 
@@ -1006,16 +1018,18 @@ def counted_decode(world, prompt, steps, balance, window, heads, dim, dtype, com
 
 
 @pytest.mark.parametrize(
-    ("world", "prompt", "balance", "window", "dtype"),
+    ("world", "prompt", "balance", "window", "dtype", "qk_dim"),
     [
-        (4, 16, "zigzag", None, "float32"),
-        (3, 0, "contiguous", (2, 0), "float64"),
-        (1, 8, "stripe", None, "bfloat16"),
-        (4, 8, "stripe", None, "over heads"),
+        (4, 16, "zigzag", None, "float32", 8),
+        (3, 0, "contiguous", (2, 0), "float64", 8),
+        (1, 8, "stripe", None, "bfloat16", 8),
+        (4, 8, "stripe", None, "over heads", 8),
+        (4, 16, "zigzag", None, "bfloat16", 12),  # q/k of 12, v of 8: the partials' out is v's, as is the combine
+        (4, 8, "stripe", None, "over heads", 12),
     ],  # fmt: skip
 )
 def test_plan_decode_is_what_the_cache_holds_calls_and_sends(monkeypatch, capsys, world, prompt, balance, window,
-                                                             dtype):  # fmt: skip
+                                                             dtype, qk_dim):  # fmt: skip
     import re
 
     from xcp import cache_plan
@@ -1027,12 +1041,13 @@ def test_plan_decode_is_what_the_cache_holds_calls_and_sends(monkeypatch, capsys
         dtype = "bfloat16"
 
     args = ["plan", "--world", str(world), "--decode", "3", "--chunk", "7", "--balance", balance, "--heads", "4",
-            "--kv-heads", "1", "--head-dim", "8", "--dtype", dtype]  # fmt: skip
+            "--kv-heads", "1", "--head-dim", str(qk_dim), "--value-head-dim", "8", "--dtype", dtype]  # fmt: skip
     args += (["--seq", str(prompt)] if prompt else []) + (["--window", f"{window[0]},0"] if window else [])
     assert main(args) == 0
     text = capsys.readouterr().out
-    counted = counted_decode(world, prompt, [1, 1, 1, 7], balance, window, 4, 8, DTYPES[dtype],
-                             "heads" if over_heads else "auto")  # fmt: skip
+    assert f"head_dim {qk_dim}/8," in text if qk_dim != 8 else "head_dim 8," in text
+    counted = counted_decode(world, prompt, [1, 1, 1, 7], balance, window, 4, qk_dim, DTYPES[dtype],
+                             "heads" if over_heads else "auto", 8)  # fmt: skip
     cell = r"(\d+(?:\.\d+)? \w+)"
     rows = re.findall(rf"^(?:decode \d+|chunk)\s+(\d+)\s+(\d+)\s+([\d ]+?)\s\s+([\d ]+?)\s\s+{cell}\s+{cell}$", text,
                       re.M)  # fmt: skip
@@ -1120,3 +1135,162 @@ def test_bad_value_head_dim_is_a_usage_error(capsys, tool, value):
         main([tool, f"--value-head-dim={value}"])
     assert exit_.value.code == 2
     assert f"--value-head-dim: expected an integer >= 1; got '{value}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("world", "ulysses", "balance", "lengths", "dtype"),
+    [
+        (3, 1, "document_zigzag", (5, 1, 13), "float64"),  # shards of 7, 6, 6 tokens: each travels as 7
+        (4, 1, "zigzag", None, "bfloat16"),
+        (4, 2, "zigzag", None, "float32"),
+    ],
+)
+def test_plan_value_head_dim_bytes_are_the_formula_and_what_a_run_sends(capsys, world, ulysses, balance, lengths,
+                                                                         dtype):  # fmt: skip
+    """xcp plan --value-head-dim: K, q, dq, dk counted in --head-dim; V, out, dout, dv in --value-head-dim (the
+    ring's K/V shards and dK/dV messages, the hybrid's all-to-alls): the formula written out here, and what
+    each rank of a LocalWorld run of xcp.attention sends."""
+    from xcp.cli.packing import boundaries
+
+    d, dv, heads, kv_heads = 12, 8, 4, 2
+    seq, cu = (sum(lengths), boundaries(lengths)) if lengths else (32, None)
+    args = ["plan", "--world", str(world), "--ulysses", str(ulysses), "--causal", "--balance", balance, "--heads",
+            str(heads), "--kv-heads", str(kv_heads), "--head-dim", str(d), "--value-head-dim", str(dv), "--dtype",
+            dtype, *(["--documents", ",".join(map(str, lengths))] if lengths else ["--seq", str(seq)])]  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "D/Dv 12/8" in text and max(len(line) for line in text.splitlines()) <= 100
+    item, acc = torch.empty((), dtype=getattr(torch, dtype)).element_size(), 8 if dtype == "float64" else 4
+    counted = counted_hybrid_run(world, ulysses, seq, heads, kv_heads, d, getattr(torch, dtype), True, balance, None,
+                                 dv, cu)  # fmt: skip
+    if ulysses == 1:
+        n = -(-seq // world)  # the longest shard's tokens
+        shard, message = (n * kv_heads * (d + dv) * x for x in (item, acc))
+        cost = cost_rows(text)
+        assert cost["forward K/V"][0] == cost["backward K/V"][0] == (world - 1) * shard
+        assert cost["backward dK/dV"][0] == world * message
+        want = {("forward", "kv"): (world - 1) * shard, ("backward", "kv"): (world - 1) * shard,
+                ("backward", "dkv"): world * message}  # fmt: skip
+        for per_rank in counted:
+            assert {key: sum(x[2] for x in per_rank if x[:2] == key) for key in want} == want
+            assert {x[:2] for x in per_rank} == set(want)
+        return
+    n, r = seq // world, world // ulysses
+    q_d, q_v, kv_d, kv_v = ((ulysses - 1) * n * h * x * item // ulysses for h in (heads, kv_heads) for x in (d, dv))
+    shard, message = ((seq // r) * (kv_heads // ulysses) * (d + dv) * x for x in (item, acc))
+    rows, totals = hybrid_rows(text)
+    want = {"q": q_d, "k": kv_d, "v": kv_v, "out": q_v, "dout": q_v, "dq": q_d, "dk": kv_d, "dv": kv_v,
+            "K/V shard": shard, "dK/dV": message}  # fmt: skip
+    assert {row[2]: row[3] for row in rows} == want
+    for per_rank in counted:  # the all-to-alls, in order: q, k, v in; out back; dout in; dq, dk, dv back
+        assert [x[2] for x in per_rank if x[1] == "a2a"] == [q_d + kv_d + kv_v, q_v, q_v, q_d + kv_d + kv_v]
+        assert sum(x[2] for x in per_rank if x[0] == "forward") == totals["forward total"][0]
+        assert sum(x[2] for x in per_rank if x[0] == "backward") == totals["backward total"][0]
+
+
+# --- packed documents in xcp run, and the balance that places each of them (document_zigzag) ---
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--world", "3", "--balance", "document_zigzag", "--head-dim", "12", "--value-head-dim", "8"],
+     ["--world", "4", "--balance", "stripe", "--ulysses", "2", "--head-dim", "8"]],
+    ids=["document_zigzag", "stripe-ulysses"],
+)  # fmt: skip
+def test_run_documents_checks_the_ring_over_packed_documents(capsys, monkeypatch, extra):
+    """xcp run --documents: the shards placed (by each document under document_zigzag: 14, 13, 13 tokens),
+    xcp.attention given the boundaries, every tensor checked against float64 attention over each document
+    alone; the ring honours them: against the whole sequence's attention the run fails."""
+    import re
+
+    from xcp.cli import run
+
+    args = ["run", "--documents", "5,1,13,21", "--heads", "4", "--kv-heads", "2", "--dtype", "float64", *extra]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    balance = extra[extra.index("--balance") + 1]
+    assert "seq 40," in text and f"balance {balance}," in text and text.endswith("PASS\n"), text
+    assert "documents: 4 packed, lengths 5,1,13,21 (each attends within itself)" in text
+    for name in run.TENSORS:
+        assert float(re.search(rf"^{name}\s+\S+\s+(\S+)\s+\S+\s+ok$", text, re.M).group(1)) <= 1e-11
+    if balance == "document_zigzag":
+        whole = run.reference
+        monkeypatch.setattr(run, "reference", lambda q, k, v, dout, causal, cu: whole(q, k, v, dout, causal))
+        assert main(args) == 1 and "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("tool", "args", "message"),
+    [
+        ("run", ["--balance", "document_zigzag"], "--balance: document_zigzag places each packed document: expected "
+         "--documents too; got --balance document_zigzag without --documents"),
+        ("plan", ["--balance", "document_zigzag", "--seq", "16"], "--balance: document_zigzag places each packed "
+         "document: expected --documents too"),
+        ("plan", ["--balance", "document_zigzag", "--decode", "2"], "--balance: document_zigzag places each packed "
+         "document: expected --documents too"),
+        ("run", ["--balance", "document_zigzag", "--documents", "8,8", "--ulysses", "2"], "--ulysses: expected 1 with "
+         "balance document_zigzag"),
+        ("plan", ["--balance", "document_zigzag", "--documents", "8,8", "--ulysses", "2"], "--ulysses: expected 1 "
+         "with balance document_zigzag"),
+        ("run", ["--documents", "8,8", "--decode", "2"], "--decode: expected no --documents"),
+        ("run", ["--documents", "8,8", "--batch", "2"], "--batch: expected 1 with --documents (the packed layout); "
+         "got 2"),
+        ("run", ["--documents", "8,9"], "--documents: expected lengths summing to a multiple of 8 (balance 'zigzag' "
+         "over 4 ranks needs it); got a sum of 17"),
+    ],
+)  # fmt: skip
+def test_documents_and_document_zigzag_bad_flags_name_the_flag(capsys, tool, args, message):
+    assert main([tool, "--world", "4", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"xcp {tool}: error: ") and message in err, err
+
+
+def test_plan_document_zigzag_prints_its_figures(capsys):
+    """Uneven shards (7, 6, 6 tokens): the table, the work per rank, the ring's cost with every K/V shard
+    travelling as long as the longest, and the balances weighed with documents, document_zigzag among them."""
+    import re
+
+    assert main(["plan", "--world", "3", "--causal", "--documents", "5,1,13", "--balance", "document_zigzag",
+                 "--kv-heads", "2", "--head-dim", "8", "--dtype", "float32"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[0] == "ring plan: world 3, causal attention, balance document_zigzag, 3 packed documents"
+    assert lines[1] == "documents: S = 19 tokens (6 or 7 per rank), lengths 5,1,13"
+    assert "a K/V shard is 2·(⌈S/P⌉)·Hkv·D·itemsize = 2·7·2·8·4 (float32) = 896 B" in text
+    assert "the shards differ by a token: each travels as long as the longest, ⌈S/P⌉ = 7 tokens" in text
+    assert cost_rows(text)["forward K/V"] == (2 * 896, 2 * 896)
+    assert re.search(r"^  document_zigzag busiest \S+ even, .*<- recommended, this plan$", text, re.M)
+    assert re.search(r"^  zigzag +cannot split S = 19 \(needs a multiple of 6\)$", text, re.M)
+    assert max(len(line) for line in lines) <= 100
+
+
+def test_sanitize_value_head_dim_runs_the_ring_and_the_cache(capsys):
+    assert main(["sanitize", "--world", "3", "--backward", "--head-dim", "12", "--value-head-dim", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "head_dim=12/8" in text and "no finding" in text
+    assert main(["sanitize", "--world", "3", "--decode", "2", "--chunk", "3", "--head-dim", "8",
+                 "--value-head-dim", "12"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "head_dim=8/12" in text and "no finding" in text
+
+
+@pytest.mark.parametrize(("balance", "ulysses", "world"), [("document_zigzag", 1, 3), ("stripe", 2, 4)])
+def test_run_documents_on_the_path_of_virtual_gpu_ranks(balance, ulysses, world):
+    """On a GPU xcp run drives each virtual rank through ring_forward/ring_backward (or the hybrid's) with the
+    documents in their configurations: that path, run here on the CPU, equals one softmax over the whole
+    sequence under the document mask (the tests' own reference), and so does the tool's per-document one."""
+    from helpers import independent_masked_reference
+
+    from xcp.cli.common import random_inputs as tool_inputs
+    from xcp.cli.common import reference as tool_reference
+    from xcp.cli.run import RunConfig, rank_step
+
+    cu = (0, 5, 6, 19, 40)
+    cfg = RunConfig(world=world, seq=40, heads=4, kv_heads=2, head_dim=12, value_head_dim=8, dtype="float64",
+                    device="cpu", ulysses=ulysses, balance=balance, documents=cu)  # fmt: skip
+    full = tool_inputs(cfg, cfg.seq, torch.device("cpu"))
+    results = xcp.LocalWorld(world).run(rank_step, cfg, xcp.get_backend("cpu"), full, True)
+    want = independent_masked_reference(*full, cu, True)
+    for i, tool in enumerate(tool_reference(*full, True, cu)):
+        torch.testing.assert_close(xcp.unshard([r[i] for r in results], **cfg.place()), want[i], atol=1e-10, rtol=0)
+        torch.testing.assert_close(tool, want[i], atol=1e-10, rtol=0)

@@ -377,3 +377,47 @@ def test_sanitize_ring_rejects_bad_windows():
     with pytest.raises(ValueError, match="batch: expected 1 with a window"):
         sanitize_ring(world=2, window=(3, 0), batch=2)
     assert sanitize_ring(world=2, window=(None, 0)).window is None  # bounds nothing: the dense ring
+
+
+# ----------------------------------------------------------------------------------------------------
+# values of another head dim (multi-head latent attention): K in q/k's head dim, V in its own
+
+
+@pytest.mark.parametrize(
+    ("cfg", "dims"),
+    [
+        (dict(world=4, backward=True), (12, 8)),
+        (dict(world=3, backward=True, documents=3, handoff="clone"), (8, 12)),
+        (dict(world=4, backward=True, ulysses=2, dtype=torch.bfloat16), (12, 8)),
+        (dict(world=4, window=(3, 0), balance="contiguous"), (12, 8)),
+    ],
+    ids=["dense", "documents-wider-v", "ulysses-bf16", "window"],
+)
+def test_ring_with_values_of_another_head_dim_is_clean_and_bounded(cfg, dims):
+    """The ring (and the hybrid) with v of another head dim: no finding, every tensor within the dtype's
+    bound, and the received buffers peak at exactly their bound, two shards of K in D and V in Dv (forward;
+    and two dK/dV messages backward): v's dim in the bound is what the ring allocates, wider or narrower."""
+    report = sanitize_ring(head_dim=dims[0], value_head_dim=dims[1], **cfg)
+    assert report.ok, report.format()
+    assert report.config["head_dim"] == f"{dims[0]}/{dims[1]}" and f"head_dim={dims[0]}/{dims[1]}" in report.format()
+    dtype, u, backward = cfg.get("dtype", torch.float64), cfg.get("ulysses", 1), cfg.get("backward", False)
+    assert set(report.max_error) == ({"out", "dq", "dk", "dv"} if backward else {"out"})
+    assert all(err <= TOLERANCE[dtype] for err in report.max_error.values())
+    elements = report.config["seq"] // (cfg["world"] // u) * (2 // u) * sum(dims)  # S/R tokens, H_kv/U heads, K and V
+    shard, message = elements * dtype.itemsize, elements * (8 if dtype == torch.float64 else 4)
+    assert report.bound_comm_bytes == 2 * shard + (2 * message if backward else 0)
+    if report.ring_steps > 2:
+        assert max(report.peak_comm_bytes.values()) == report.bound_comm_bytes
+
+
+@pytest.mark.parametrize("preallocated", [False, True])
+def test_decode_with_values_of_another_head_dim_is_clean(preallocated):
+    from xcp.testing.decode_sanitizer import sanitize_decode
+
+    report = sanitize_decode(world=3, decode=2, chunk=3, head_dim=12, value_head_dim=8, preallocated=preallocated)
+    assert report.ok, report.format()
+    assert report.config["head_dim"] == "12/8" and report.max_error["out"] < 1e-12
+    with pytest.raises(ValueError, match="value_head_dim: expected an integer >= 1; got 0"):
+        sanitize_decode(value_head_dim=0)
+    with pytest.raises(ValueError, match="value_head_dim: expected an integer >= 1; got 0"):
+        sanitize_ring(value_head_dim=0)

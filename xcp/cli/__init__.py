@@ -83,7 +83,7 @@ def _add_sanitize(sub) -> None:
     p.add_argument("--handoff", choices=HANDOFF_POLICIES, default=None, help="default: the sim backend's own")
     p.add_argument("--backward", action="store_true", help="also run the backward ring (bound: 4 shards)")
     p.add_argument("--policy", choices=SLOT_POLICIES, default="bounded", help="ring buffer slot policy")
-    add_problem_flags(p, SANITIZE_DEFAULTS, ["dtype", "heads", "kv_heads", "head_dim"])
+    add_problem_flags(p, SANITIZE_DEFAULTS, ["dtype", "heads", "kv_heads", "head_dim", "value_head_dim"])
     p.add_argument("--seq", type=positive, default=None,
                    help="global length; default 4 tokens per rank (with --documents N, at least N)")  # fmt: skip
     p.add_argument("--calls", type=positive, default=1, help="calls per rank (more exercise the workspace)")
@@ -116,7 +116,7 @@ def _cmd_sanitize_decode(args) -> int:
     report = sanitize_decode(world=args.world, balance=args.balance, handoff=args.handoff, decode=args.decode,
                              chunk=args.chunk, prompt=args.seq, dtype=DTYPES[args.dtype], heads=args.heads,
                              kv_heads=args.kv_heads, head_dim=args.head_dim, seed=args.seed,
-                             preallocated=args.capacity)  # fmt: skip
+                             preallocated=args.capacity, value_head_dim=args.value_head_dim)  # fmt: skip
     print(report.format())
     return 0 if report.ok else 1
 
@@ -146,6 +146,7 @@ def _cmd_sanitize(args) -> int:
         documents=args.documents,
         window=window,
         ulysses=args.ulysses,
+        value_head_dim=args.value_head_dim,
     )
     print(report.format())
     return 0 if report.ok else 1

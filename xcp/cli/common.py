@@ -289,16 +289,18 @@ def random_inputs(problem: Problem, seq: int, device: torch.device, seed: int = 
                  for h, dim in shapes)  # fmt: skip
 
 
-def reference(q, k, v, dout, causal: bool) -> tuple[torch.Tensor, ...]:
+def reference(q, k, v, dout, causal: bool, cu_seqlens: Sequence[int] | None = None) -> tuple[torch.Tensor, ...]:
     """out, dq, dk, dv of whole-sequence attention in float64 on the CPU: the library's
-    :func:`xcp.testing.reference.sdpa_reference` and its gradients. Not ``reference_gradients``: that one
-    materialises the scores (at S=4096 with 8 heads about 5 GiB and 9x the time, against 0.2 GiB), and the
-    tools check lengths where it would not fit."""
+    :func:`xcp.testing.reference.sdpa_reference` and its gradients; with ``cu_seqlens`` (packed documents'
+    boundaries, batch 1), of each document alone. Not ``reference_gradients``: that one materialises the
+    scores (at S=4096 with 8 heads about 5 GiB and 9x the time, against 0.2 GiB), and the tools check
+    lengths where it would not fit."""
     q, k, v, dout = (x.detach().to("cpu", torch.float64) for x in (q, k, v, dout))
     q.requires_grad_()
     k.requires_grad_()
     v.requires_grad_()
-    out = sdpa_reference(q, k, v, causal)
+    cu = (0, q.shape[1]) if cu_seqlens is None else tuple(cu_seqlens)
+    out = torch.cat([sdpa_reference(q[:, a:b], k[:, a:b], v[:, a:b], causal) for a, b in zip(cu, cu[1:])], dim=1)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     return out.detach(), dq, dk, dv
 
@@ -455,16 +457,31 @@ def _leave_process_group() -> None:
     dist.destroy_process_group()
 
 
-def gather_whole(shards: Sequence[torch.Tensor], world: int, balance: str, ulysses: int = 1) -> list[torch.Tensor]:
+def placement(balance: str, ulysses: int = 1, cu_seqlens: Sequence[int] | None = None) -> dict[str, Any]:
+    """``xcp.shard``'s and ``xcp.unshard``'s keywords: a balance that places each document takes the
+    documents' boundaries ``cu_seqlens`` too (the others place the whole sequence, documents or not)."""
+    place: dict[str, Any] = {"balance": balance, "ulysses": ulysses}
+    if balance in schedule.DOCUMENT_BALANCES:
+        place["cu_seqlens"] = cu_seqlens
+    return place
+
+
+def gather_whole(shards: Sequence[torch.Tensor], world: int, balance: str, ulysses: int = 1,
+                 cu_seqlens: Sequence[int] | None = None) -> list[torch.Tensor]:  # fmt: skip
     """Every rank's shard of each tensor, all-gathered and put back in sequence order on every rank (shards
-    placed by ``xcp.shard`` with ``balance`` and ``ulysses``)."""
+    placed by ``xcp.shard`` with ``balance``, ``ulysses`` and ``cu_seqlens``). Shards that differ by a token
+    (``document_zigzag``) are gathered padded to the longest and cut back."""
     import torch.distributed as dist
 
+    place = placement(balance, ulysses, cu_seqlens)
+    cu = place.get("cu_seqlens")
     whole = []
     for t in shards:
-        parts = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(parts, t.contiguous())
-        whole.append(unshard(parts, balance=balance, ulysses=ulysses))
+        lengths = [t.shape[1]] * world if cu is None else schedule.shard_lengths(cu[-1], world, balance)
+        padded = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, lengths[0] - t.shape[1]))
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded.contiguous())
+        whole.append(unshard([p[:, :n] for p, n in zip(parts, lengths)], **place))
     return whole
 
 

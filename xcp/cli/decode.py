@@ -35,6 +35,7 @@ from .common import (
     Problem,
     error,
     gather_whole,
+    head_dims_text,
     human_bytes,
     join_process_group,
     random_inputs,
@@ -216,17 +217,27 @@ def _run_distributed(cfg: DecodeConfig) -> DecodeResult:
     )
 
 
+def check_alone(given) -> None:
+    """A ValueError naming ``--decode`` and the first flag of ``given`` (pairs of a flag and whether it was
+    given) that a KV cache does not take."""
+    for flag, on in given:
+        if on:
+            raise ValueError(f"{FLAG}: expected no {flag} (a KV cache is one sequence over the ranks of its group); "
+                             f"got {flag}")  # fmt: skip
+
+
 def run_command(args: argparse.Namespace, problem: dict) -> int:
     """``xcp run --decode``: the flags checked, the run, its table; 0 when every step passes, else 1."""
     check_flags(args.decode, args.chunk)
+    check_alone((("--documents", args.documents is not None),))
     if not args.causal:
         raise ValueError(f"{FLAG}: expected a causal mask (each token attends to the tokens before it); got "
                          "--no-causal")  # fmt: skip
     if args.ulysses != 1:
         raise ValueError(f"{FLAG}: expected --ulysses 1 (a KV cache is sharded over the ranks of its group, not "
                          f"over heads); got --ulysses {args.ulysses}")  # fmt: skip
-    cfg = DecodeConfig(world=args.world, seq=args.seq, decode=args.decode, chunk=args.chunk, seed=args.seed,
-                       **problem)  # fmt: skip
+    cfg = DecodeConfig(world=args.world, seq=args.seq or DecodeConfig.seq, decode=args.decode, chunk=args.chunk,
+                       seed=args.seed, **problem)  # fmt: skip
     result = run_decode(cfg)
     print(result.table())
     return 0 if result.ok else 1
@@ -248,11 +259,12 @@ class PlannedStep:
     gathered: int
 
 
-def plan_steps(world: int, prompt: int, decode: int, chunk: int, balance: str, heads: int, head_dim: int,
+def plan_steps(world: int, prompt: int, decode: int, chunk: int, balance: str, heads: int, value_dim: int,
                dtype: torch.dtype, window: tuple | None = None, batch: int = 1) -> list[PlannedStep]:  # fmt: skip
     """What every rank's cache holds and does at each step (:mod:`xcp.cache_plan`, as :class:`xcp.KVCache`
     runs it): a prompt of ``prompt`` tokens prefilled (0: none), then :func:`steps`; causal attention of the
-    last T queries, under ``window`` when given. A world of one makes its local calls and sends nothing."""
+    last T queries, under ``window`` when given. A world of one makes its local calls and sends nothing.
+    ``value_dim``: v's head dim, the partials' out's (what the combine sends)."""
     stored = [cache_plan.prefill_runs(prompt, world, r, balance) if prompt else () for r in range(world)]
     out, s = [], prompt
     for name, t in steps(decode, chunk):
@@ -261,7 +273,7 @@ def plan_steps(world: int, prompt: int, decode: int, chunk: int, balance: str, h
         s += t
         calls = tuple(len(cache_plan.partial_calls(runs, s, t, True, window)) for runs in stored)
         held = tuple(sum(run.count for run in runs) for runs in stored)
-        sends, gathered = cache_plan.combine_traffic(world, batch, t, heads, head_dim, dtype)
+        sends, gathered = cache_plan.combine_traffic(world, batch, t, heads, value_dim, dtype)
         out.append(PlannedStep(name, t, s, held, calls, sends, gathered))
     return out
 
@@ -275,19 +287,23 @@ def _per_rank(values: tuple[int, ...]) -> str:
 
 
 def plan_lines(world: int, prompt: int, decode: int, chunk: int, balance: str, heads: int, kv_heads: int,
-               head_dim: int, dtype: str, window: tuple | None = None) -> list[str]:  # fmt: skip
-    """The table of ``xcp plan --decode``, with how its bytes are counted."""
-    planned = plan_steps(world, prompt, decode, chunk, balance, heads, head_dim, DTYPES[dtype], window)
-    packed, channels = packed_layout(DTYPES[dtype], head_dim)
+               head_dim: int, dtype: str, window: tuple | None = None,
+               value_head_dim: int | None = None) -> list[str]:  # fmt: skip
+    """The table of ``xcp plan --decode``, with how its bytes are counted (the partials' out in v's head dim,
+    ``value_head_dim``; None: ``head_dim``)."""
+    dv = head_dim if value_head_dim is None else value_head_dim
+    planned = plan_steps(world, prompt, decode, chunk, balance, heads, dv, DTYPES[dtype], window)
+    packed, channels = packed_layout(DTYPES[dtype], dv)
     item = packed.itemsize
-    how = ("out as the kernel gives it, the float32 lse's bits in two more channels" if channels == head_dim + 2
+    how = ("out as the kernel gives it, the float32 lse's bits in two more channels" if channels == dv + 2
            else "out and lse in the accumulator dtype")  # fmt: skip
     partial = cache_plan.combine_bytes(1, 1, 1, heads, channels, item)
     text = [
         "Each appended chunk is cut into P contiguous pieces in rank order, rank r keeping as many tokens as the "
         "chunk has positions p with p % P == r (one token: rank p % P), so holdings stay within one token.",
         "calls: the kernel calls of each rank's local partial (segments of its own tokens against the T queries).",
-        f"combine: one all-gather of every rank's partial [out | lse] of B·T·H·(D+{channels - head_dim})·{item} "
+        f"combine: one all-gather of every rank's partial [out | lse] of B·T·H·({'D' if dv == head_dim else 'Dv'}+"
+        f"{channels - dv})·{item} "
         f"bytes ({str(packed).replace('torch.', '')}: {how}; at T = 1: 1·1·{heads}·{channels}·{item} = "
         f"{human_bytes(partial)}); each rank sends its partial to the P-1 others and gathers P partials (a world "
         "of one sends nothing).",
@@ -303,7 +319,7 @@ def plan_lines(world: int, prompt: int, decode: int, chunk: int, balance: str, h
                     f"{prompt}).")  # fmt: skip
     lines = [
         f"decode plan: world {world}, prompt {prompt}, {decode} decode steps, chunk {chunk}, heads {heads}/{kv_heads} "
-        f"kv, head_dim {head_dim}, {dtype}, balance {balance}, causal"
+        f"kv, head_dim {head_dims_text(head_dim, dv)}, {dtype}, balance {balance}, causal"
         + (f", window {windows.text_of(window)}" if window is not None else "")
         + ", batch 1",
         *(line for paragraph in text for line in textwrap.wrap(paragraph, WIDTH)),
@@ -322,11 +338,8 @@ def plan_lines(world: int, prompt: int, decode: int, chunk: int, balance: str, h
 def plan_command(args: argparse.Namespace) -> int:
     """``xcp plan --decode``: pure, nothing runs."""
     check_flags(args.decode, args.chunk)
-    for flag, given in (("--ulysses", args.ulysses != 1), ("--documents", args.documents is not None),
-                        ("--plot", args.plot is not None)):  # fmt: skip
-        if given:
-            raise ValueError(f"{FLAG}: expected no {flag} (a KV cache is one sequence over the ranks of its group); "
-                             f"got {flag}")  # fmt: skip
+    check_alone((("--ulysses", args.ulysses != 1), ("--documents", args.documents is not None),
+                 ("--plot", args.plot is not None)))  # fmt: skip
     window = windows.check(args.window, True)
     prompt = args.seq or 0
     balance = windows.resolve_balance(args.balance, args.world, True, window, None, prompt) if prompt else (
@@ -334,5 +347,5 @@ def plan_command(args: argparse.Namespace) -> int:
     if prompt:
         schedule.check_seq_len(prompt, args.world, balance, what="--seq")
     print("\n".join(plan_lines(args.world, prompt, args.decode, args.chunk, balance, args.heads, args.kv_heads,
-                               args.head_dim, args.dtype, window)))  # fmt: skip
+                               args.head_dim, args.dtype, window, args.value_head_dim)))  # fmt: skip
     return 0

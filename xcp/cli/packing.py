@@ -79,6 +79,11 @@ def parse_documents(text: str) -> DocumentSpec:
     return DocumentSpec(text, lengths)
 
 
+def add_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """Declare ``--documents`` on ``parser``, parsed by :func:`parse_documents`."""
+    parser.add_argument(FLAG, type=parse_documents, metavar="L1,L2,...|longtail:MIN:MAX[:SEED]", help=help_text)
+
+
 def longtail_lengths(seq: int, low: int, high: int, seed: int = 0) -> tuple[int, ...]:
     """Lengths drawn log-uniformly from [low, high] (seeded) until they reach ``seq``; the last one is
     trimmed so that they sum to ``seq`` exactly (it may come out shorter than ``low``)."""
@@ -104,6 +109,20 @@ def check_total(total: int, world: int, balance: str) -> None:
             f"{FLAG}: expected lengths summing to a multiple of {m} (balance {balance!r} over {world} ranks "
             f"needs it); got a sum of {total} (nearest: {nearest})"
         )
+
+
+def check_balance(balance: str, documents: bool, ulysses: int = 1) -> None:
+    """A ValueError naming ``--balance`` where a balance that places each packed document (``document_zigzag``)
+    comes without ``--documents``, and naming ``--ulysses`` where the hybrid would cut its shards, which may
+    differ by a token, into equal pieces."""
+    if balance not in schedule.DOCUMENT_BALANCES:
+        return
+    if not documents:
+        raise ValueError(f"--balance: {balance} places each packed document: expected {FLAG} too; got --balance "
+                         f"{balance} without {FLAG}")  # fmt: skip
+    if ulysses != 1:
+        raise ValueError(f"--ulysses: expected 1 with balance {balance} (its shards may differ by a token; the hybrid "
+                         f"cuts each ring shard into equal pieces); got {ulysses}")  # fmt: skip
 
 
 def resolve_lengths(spec: DocumentSpec, seq: int | None, world: int, balance: str, seq_flag: str = "--seq"):

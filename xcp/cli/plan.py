@@ -11,12 +11,12 @@ from .. import schedule
 from ..documents import document_plan
 from ..hybrid import hybrid_traffic, kv_replicas
 from ..kernels.merge import accumulator_dtype
-from ..traffic import ring_traffic
 from . import decode, packing, ulysses, windows
 from .common import (
     DTYPES,
     Problem,
     add_problem_flags,
+    head_dims_text,
     human_bytes,
     positive,
     pyplot,
@@ -213,7 +213,8 @@ def document_table(
     kinds = [k for k in DOCUMENT_KINDS if any(b.kind == k for row in blocks for b in row)]
     mean = sum(work) / world_size
     without = " or ".join(name for name, on in (("documents", packed), ("window", window is not None)) if on)
-    per_rank = f"S = {cu[-1]} tokens ({cu[-1] // world_size} per rank)"
+    held = sorted(set(schedule.shard_lengths(cu[-1], world_size, balance)))  # document_zigzag's differ by a token
+    per_rank = f"S = {cu[-1]} tokens ({' or '.join(map(str, held))} per rank)"
     lines = [
         f"ring plan: world {world_size}, {'causal' if causal else 'full'} attention, balance {balance}"
         + (f", {len(lengths)} packed documents" if packed else "")
@@ -242,12 +243,22 @@ def bytes_cell(n: int) -> str:
     return human_bytes(n) + (f" ({n} B)" if n >= 1024 else "")
 
 
-def cost_lines(seq: int, world_size: int, steps: int, kv_heads: int, head_dim: int, dtype: str) -> list[str]:
+def dims_label(head_dim: int, value_head_dim: int | None) -> str:
+    """``D 128``, or ``D/Dv 192/128`` where v's head dim is another (None: the same)."""
+    same = value_head_dim is None or value_head_dim == head_dim
+    return f"{'D' if same else 'D/Dv'} {head_dims_text(head_dim, value_head_dim)}"
+
+
+def cost_lines(seq: int, world_size: int, steps: int, kv_heads: int, head_dim: int, dtype: str,
+               value_head_dim: int | None = None, balance: str = schedule.DEFAULT_BALANCE) -> list[str]:  # fmt: skip
     """What a ring of ``steps`` of ``world_size`` steps over ``seq`` tokens costs each rank in bytes sent,
-    next to the dense ring's (all P steps), and how they are counted (see :mod:`xcp.cli.windows`)."""
+    next to the dense ring's (all P steps), and how they are counted (see :mod:`xcp.cli.windows`): K in
+    ``head_dim``, V in ``value_head_dim`` (None: ``head_dim``), shards as ``balance`` makes them travel."""
     torch_dtype = DTYPES[dtype]
-    ring = ring_traffic(seq, world_size, steps, kv_heads, head_dim, torch_dtype)
-    dense = ring_traffic(seq, world_size, world_size, kv_heads, head_dim, torch_dtype)
+    dv = head_dim if value_head_dim is None else value_head_dim
+    ring, dense = (windows.ring_bytes(seq, world_size, m, kv_heads, head_dim, dv, torch_dtype, balance)
+                   for m in (steps, world_size))  # fmt: skip
+    local = windows.travelling_tokens(seq, world_size, balance)
 
     cell = bytes_cell
     rows = [
@@ -258,9 +269,11 @@ def cost_lines(seq: int, world_size: int, steps: int, kv_heads: int, head_dim: i
         ("fwd+bwd total", cell(ring.total), cell(dense.total)),
     ]
     width = max(len("this ring"), *(len(r[1]) for r in rows)) + 2
+    formula = windows.formula_lines(ring, local, kv_heads, head_dim, torch_dtype, dv, seq % world_size != 0)
     return [
-        f"ring cost: steps run and bytes sent per rank (S = {seq}, Hkv {kv_heads}, D {head_dim}, {dtype}, batch 1):",
-        *("  " + line for line in windows.formula_lines(ring, seq // world_size, kv_heads, head_dim, torch_dtype)),
+        f"ring cost: steps run and bytes sent per rank (S = {seq}, Hkv {kv_heads}, {dims_label(head_dim, dv)}, "
+        f"{dtype}, batch 1):",
+        *("  " + line for line in formula),
         f"  {'':<16}{'this ring':<{width}}dense ring (all P steps)",
         *(f"  {name:<16}{a:<{width}}{b}" for name, a, b in rows),
     ]
@@ -314,24 +327,60 @@ def _ring_step(first: int, last: int) -> str:
     return f"ring step {first}" if first == last else f"ring steps {first}..{last}"
 
 
-def hybrid_step_bytes(t) -> list[StepBytes]:
-    """The rows of :func:`hybrid_cost_lines` from a :class:`xcp.hybrid.HybridTraffic`."""
+def _mean(a: int, b: int) -> int:
+    """The bytes of a count made at q/k's head dim (``a``) and at v's (``b``) whose tensors are half in each:
+    the formulas are linear in the head dim, so the mean (exact: each counts two tensors alike)."""
+    return (a + b) // 2
+
+
+def hybrid_step_bytes(t, tv=None) -> list[StepBytes]:
+    """The rows of :func:`hybrid_cost_lines` from a :class:`xcp.hybrid.HybridTraffic` at q/k's head dim
+    (``t``) and at v's (``tv``; None: the same): q, k, dq, dk in D; v, out, dout, dv in Dv; the ring's K/V
+    shards and dK/dV messages half in each."""
+    tv = t if tv is None else tv
     m = t.ring_steps
+    shard, message = _mean(t.kv_shard, tv.kv_shard), _mean(t.dkv_message, tv.dkv_message)
     a2a_in, a2a_out = "all-to-all in", "all-to-all out"
-    rows = [StepBytes("forward", a2a_in, x, n, 1) for x, n in (("q", t.q), ("k", t.kv), ("v", t.kv))]
+    rows = [StepBytes("forward", a2a_in, x, n, 1) for x, n in (("q", t.q), ("k", t.kv), ("v", tv.kv))]
     if m > 1:
-        rows.append(StepBytes("forward", _ring_step(0, m - 2), "K/V shard", t.kv_shard, m - 1))
+        rows.append(StepBytes("forward", _ring_step(0, m - 2), "K/V shard", shard, m - 1))
     else:
         rows.append(StepBytes("forward", "ring step 0", "nothing", 0, 1))
-    rows.append(StepBytes("forward", a2a_out, "out", t.q, 1))
-    rows.append(StepBytes("backward", a2a_in, "dout", t.q, 1))
+    rows.append(StepBytes("forward", a2a_out, "out", tv.q, 1))
+    rows.append(StepBytes("backward", a2a_in, "dout", tv.q, 1))
     if m > 1:
-        rows.append(StepBytes("backward", _ring_step(0, m - 2), "K/V shard", t.kv_shard, m - 1))
-        rows.append(StepBytes("backward", _ring_step(0, m - 1), "dK/dV", t.dkv_message, m))
+        rows.append(StepBytes("backward", _ring_step(0, m - 2), "K/V shard", shard, m - 1))
+        rows.append(StepBytes("backward", _ring_step(0, m - 1), "dK/dV", message, m))
     else:
         rows.append(StepBytes("backward", "ring step 0", "nothing", 0, 1))
-    rows += [StepBytes("backward", a2a_out, x, n, 1) for x, n in (("dq", t.q), ("dk", t.kv), ("dv", t.kv))]
+    rows += [StepBytes("backward", a2a_out, x, n, 1) for x, n in (("dq", t.q), ("dk", t.kv), ("dv", tv.kv))]
     return rows
+
+
+def _hybrid_formula(seq: int, world: int, u: int, steps: int, heads: int, kv_heads: int, head_dim: int, dv: int,
+                    item: int, acc: str, t, tv) -> list[str]:  # fmt: skip
+    """How :func:`hybrid_cost_lines` counts its bytes, with the problem's numbers in."""
+    r, n = world // u, seq // world
+    hkv = kv_heads * kv_replicas(heads, kv_heads, u)
+    replicated = " (replicated)" if hkv != kv_heads else ""
+    head = f"all-to-all: each rank sends (U-1)/U of each of its tensors of S/P = {n} tokens (it keeps its own heads' "
+    head += "piece): "
+    q_formula = f"(U-1)/U·(S/P)·H·D·itemsize = {u - 1}/{u}·{n}·{heads}·{head_dim}·{item} = {human_bytes(t.q)}"
+    ring = f"ring over R = {r} rank{'s' * (r > 1)}, {steps} of {r} steps: a K/V shard is "
+    if dv == head_dim:
+        a2a = (f"q, out, dout, dq {q_formula}; k, v, dk, dv the same with Hkv' = {hkv} K/V heads{replicated}: "
+               f"{human_bytes(t.kv)}")  # fmt: skip
+        ring += f"2·(S/R)·(Hkv'/U)·D·itemsize = 2·{seq // r}·{hkv // u}·{head_dim}·{item}"
+    else:  # q, k and their gradients in D; v, out and theirs in Dv
+        a2a = (f"q, dq {q_formula}; out, dout the same in Dv = {dv}: {human_bytes(tv.q)}; k, dk the same with "
+               f"Hkv' = {hkv} K/V heads{replicated}: {human_bytes(t.kv)}; v, dv with Hkv' in Dv: "
+               f"{human_bytes(tv.kv)}")  # fmt: skip
+        ring += f"(S/R)·(Hkv'/U)·(D+Dv)·itemsize = {seq // r}·{hkv // u}·({head_dim}+{dv})·{item}"
+    ring += (f" = {human_bytes(_mean(t.kv_shard, tv.kv_shard))}; forward m-1 K/V shards, backward m-1 K/V shards "
+             f"and m dK/dV messages ({acc} accumulators: {human_bytes(_mean(t.dkv_message, tv.dkv_message))}); a ring "
+             "of 1 step sends nothing")  # fmt: skip
+    wrap = textwrap.TextWrapper(WIDTH - 2, initial_indent="  ", subsequent_indent="  ")
+    return [*wrap.wrap(head + a2a), *wrap.wrap(ring)]
 
 
 def hybrid_cost_lines(
@@ -344,40 +393,27 @@ def hybrid_cost_lines(
     head_dim: int,
     dtype: str,
     flat_steps: int | None,
+    value_head_dim: int | None = None,
 ) -> list[str]:
     """The bytes one rank sends at each step of the hybrid's forward and backward (all-to-alls and ring),
     per tensor, how they are counted, and the totals next to the ring alone over all ``world`` ranks
-    (``flat_steps`` of them; None where the balance cannot place S over P ranks)."""
+    (``flat_steps`` of them; None where the balance cannot place S over P ranks). q, k and their gradients
+    in ``head_dim``; v, out and theirs in ``value_head_dim`` (None: ``head_dim``)."""
     torch_dtype = DTYPES[dtype]
-    u, r = ulysses, world // ulysses
-    t = hybrid_traffic(1, seq, heads, kv_heads, head_dim, torch_dtype, world, u, steps)
-    hkv = kv_heads * kv_replicas(heads, kv_heads, u)
-    item = torch_dtype.itemsize
+    u = ulysses
+    dv = head_dim if value_head_dim is None else value_head_dim
+
+    def traffic(dim: int, ulysses: int, steps: int):
+        return hybrid_traffic(1, seq, heads, kv_heads, dim, torch_dtype, world, ulysses, steps)
+
+    t, tv = traffic(head_dim, u, steps), traffic(dv, u, steps)
     acc = str(accumulator_dtype(torch_dtype)).replace("torch.", "")
     lines = [
-        f"bytes sent per rank, one forward and one backward (S = {seq}, H {heads}, Hkv {kv_heads}, D {head_dim}, "
-        f"{dtype}, batch 1):",
-        *textwrap.wrap(
-            f"all-to-all: each rank sends (U-1)/U of each of its tensors of S/P = {seq // world} tokens (it keeps "
-            f"its own heads' piece): q, out, dout, dq (U-1)/U·(S/P)·H·D·itemsize = {u - 1}/{u}·{seq // world}·"
-            f"{heads}·{head_dim}·{item} = {human_bytes(t.q)}; k, v, dk, dv the same with Hkv' = {hkv} K/V heads"
-            f"{' (replicated)' if hkv != kv_heads else ''}: {human_bytes(t.kv)}",
-            WIDTH - 2,
-            initial_indent="  ",
-            subsequent_indent="  ",
-        ),
-        *textwrap.wrap(
-            f"ring over R = {r} rank{'s' * (r > 1)}, {steps} of {r} steps: a K/V shard is "
-            f"2·(S/R)·(Hkv'/U)·D·itemsize = 2·{seq // r}·{hkv // u}·{head_dim}·{item} = {human_bytes(t.kv_shard)}; "
-            "forward m-1 K/V shards, "
-            f"backward m-1 K/V shards and m dK/dV messages ({acc} accumulators: {human_bytes(t.dkv_message)}); a "
-            "ring of 1 step sends nothing",
-            WIDTH - 2,
-            initial_indent="  ",
-            subsequent_indent="  ",
-        ),
+        f"bytes sent per rank, one forward and one backward (S = {seq}, H {heads}, Hkv {kv_heads}, "
+        f"{dims_label(head_dim, dv)}, {dtype}, batch 1):",
+        *_hybrid_formula(seq, world, u, steps, heads, kv_heads, head_dim, dv, torch_dtype.itemsize, acc, t, tv),
     ]
-    rows = hybrid_step_bytes(t)
+    rows = hybrid_step_bytes(t, tv)
     per = max(len("bytes per step"), *(len(bytes_cell(x.per_step)) for x in rows)) + 2
     lines.append(f"  {'pass':<10}{'step':<20}{'sends':<11}{'bytes per step':<{per}}{'steps':<7}bytes")
     previous = None
@@ -387,18 +423,17 @@ def hybrid_cost_lines(
         lines.append(
             f"  {phase:<10}{x.step:<20}{x.what:<11}{bytes_cell(x.per_step):<{per}}{x.steps:<7}{bytes_cell(x.total)}"
         )
-    flat = None if flat_steps is None else hybrid_traffic(1, seq, heads, kv_heads, head_dim, torch_dtype, world, 1,
-                                                          flat_steps)  # fmt: skip
-    col = max(len(f"this hybrid (U = {u})"), *(len(bytes_cell(n)) for n in (t.forward, t.backward, t.total))) + 2
+    mine = {name: _mean(getattr(t, name), getattr(tv, name)) for name in ("forward", "backward", "total")}
+    alone = None
+    if flat_steps is not None:
+        flat, flat_v = traffic(head_dim, 1, flat_steps), traffic(dv, 1, flat_steps)
+        alone = {name: _mean(getattr(flat, name), getattr(flat_v, name)) for name in mine}
+    col = max(len(f"this hybrid (U = {u})"), *(len(bytes_cell(n)) for n in mine.values())) + 2
     lines.append(f"  {'per rank':<41}{'this hybrid (U = ' + str(u) + ')':<{col}}"
-                 + ("" if flat is None else f"ring alone over P = {world} (U = 1)"))  # fmt: skip
-    for name, mine, alone in (
-        ("forward total", t.forward, None if flat is None else flat.forward),
-        ("backward total", t.backward, None if flat is None else flat.backward),
-        ("fwd+bwd total", t.total, None if flat is None else flat.total),
-    ):
-        lines.append(f"  {name:<41}{bytes_cell(mine):<{col}}" + ("" if alone is None else bytes_cell(alone)))
-    if flat is None:
+                 + ("" if alone is None else f"ring alone over P = {world} (U = 1)"))  # fmt: skip
+    for name, key in (("forward total", "forward"), ("backward total", "backward"), ("fwd+bwd total", "total")):
+        lines.append(f"  {name:<41}{bytes_cell(mine[key]):<{col}}" + ("" if alone is None else bytes_cell(alone[key])))
+    if alone is None:
         lines.append(f"  (the ring alone cannot place S = {seq} over P = {world} ranks with this balance)")
     return [line.rstrip() for line in lines]
 
@@ -484,13 +519,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--world", type=positive, required=True, help="ranks in the ring")
     p.add_argument("--causal", action="store_true", help="causal mask (default: full attention)")
-    p.add_argument("--balance", choices=windows.BALANCE_CHOICES, default=schedule.DEFAULT_BALANCE,
-                   help=windows.BALANCE_HELP)  # fmt: skip
-    p.add_argument(
-        "--documents", type=packing.parse_documents, metavar="L1,L2,...|longtail:MIN:MAX[:SEED]",
-        help="packed documents: their lengths in sequence order (summing to S), or lengths drawn log-uniformly "
-        "in [MIN, MAX] (seeded) to fill --seq",
-    )  # fmt: skip
+    p.add_argument("--balance", choices=windows.DOCUMENT_BALANCE_CHOICES, default=schedule.DEFAULT_BALANCE,
+                   help=windows.BALANCE_HELP + "; document_zigzag (each packed document zigzagged over the ranks) "
+                   "with --documents")  # fmt: skip
+    packing.add_flag(p, "packed documents: their lengths in sequence order (summing to S), or lengths drawn "
+                     "log-uniformly in [MIN, MAX] (seeded) to fill --seq")  # fmt: skip
     p.add_argument(
         windows.FLAG, type=windows.parse_window, metavar="L,R",
         help="sliding window: query i sees keys i-L..i+R (none: unbounded; with --causal R is 0 or none); needs "
@@ -499,7 +532,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seq", type=positive, default=None,
                    help="global length S: with --documents (default: the sum of the lengths), with --window, or "
                    "alone to print the steps and bytes of the dense ring")  # fmt: skip
-    add_problem_flags(p, Problem(), ["kv_heads", "head_dim", "dtype", "heads"])
+    add_problem_flags(p, Problem(), ["kv_heads", "head_dim", "value_head_dim", "dtype", "heads"])
     p.add_argument(ulysses.FLAG, type=positive, default=1,
                    help=ulysses.HELP + ". Shows the head groups and rings, the plan of the ring over R ranks and, "
                    "with --seq, the bytes each rank sends at each step: the all-to-alls (q, k, v in and out back; "
@@ -517,6 +550,7 @@ def command(args) -> int:
     world, causal, u = args.world, args.causal, args.ulysses
     if args.heads % args.kv_heads:
         raise ValueError(f"--kv-heads: expected a divisor of --heads {args.heads}; got {args.kv_heads}")
+    packing.check_balance(args.balance, args.documents is not None, u)
     if args.decode is not None:
         return decode.plan_command(args)
     ring = ulysses.check_flag(u, world, args.heads)  # the ring's ranks: P, or R = P/U with --ulysses
@@ -533,6 +567,7 @@ def command(args) -> int:
     balance = windows.resolve_balance(args.balance, ring, causal, window, documents, None if cu is None else cu[-1])
     if args.balance == windows.AUTO:
         print(f"--balance auto: xcp.choose_balance recommends {balance}")
+        packing.check_balance(balance, documents is not None, u)
     if cu is not None and documents is None:
         schedule.check_seq_len(cu[-1], ring, balance, what="--seq")
     elif documents is not None:
@@ -559,9 +594,10 @@ def command(args) -> int:
             if cu[-1] % schedule.required_multiple(world, balance) == 0:
                 flat = windows.ring_steps(cu, world, causal, balance, window)
             print("\n".join(hybrid_cost_lines(cu[-1], world, u, steps, args.heads, args.kv_heads, args.head_dim,
-                                               args.dtype, flat)))  # fmt: skip
+                                               args.dtype, flat, args.value_head_dim)))  # fmt: skip
         else:
-            print("\n".join(cost_lines(cu[-1], world, steps, args.kv_heads, args.head_dim, args.dtype)))
+            print("\n".join(cost_lines(cu[-1], world, steps, args.kv_heads, args.head_dim, args.dtype,
+                                        args.value_head_dim, balance)))  # fmt: skip
         if documents is not None or window is not None:
             print()
             print("\n".join(windows.balance_lines(cu, ring, causal, window, balance)))

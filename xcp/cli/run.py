@@ -12,20 +12,23 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from .. import schedule
 from ..api import attention, shard, unshard
 from ..comm import LocalWorld, resolve_group
 from ..hybrid import hybrid_backward, hybrid_config, hybrid_forward
 from ..lifetime import track_buffers
 from ..ring import RingConfig, ring_backward, ring_forward
-from . import decode, ulysses
+from . import decode, packing, ulysses
 from .common import (
     DTYPES,
+    FLAGS,
     REL_TOLERANCE,
     Problem,
     add_problem_flags,
@@ -33,6 +36,7 @@ from .common import (
     error,
     gather_whole,
     join_process_group,
+    placement,
     positive,
     problem_args,
     random_inputs,
@@ -54,6 +58,12 @@ class RunConfig(Problem):
     seed: int = 0
     ulysses: int = 1
     """U of the hybrid all-to-all + ring (1: the ring alone)."""
+    documents: tuple[int, ...] | None = None
+    """The global boundaries ``(0, ..., S)`` of packed documents (batch 1); None: one sequence."""
+
+    def place(self) -> dict:
+        """``xcp.shard``'s and ``xcp.unshard``'s keywords for this run (:func:`xcp.cli.common.placement`)."""
+        return placement(self.balance, self.ulysses, self.documents)
 
 
 # xcp run's defaults: small enough for a laptop CPU, large enough to cross several key tiles
@@ -97,6 +107,14 @@ class RunResult:
                 else []
             ),
             *(
+                [
+                    f"documents: {len(c.documents) - 1} packed, lengths "
+                    f"{packing.abbreviate(packing.lengths_of(c.documents))} (each attends within itself)"
+                ]
+                if c.documents is not None
+                else []
+            ),
+            *(
                 [f"values of another head dim: q, k, dq, dk of {c.head_dim}; v, out, dout, dv of {c.value_dim}"]
                 if c.value_dim != c.head_dim
                 else []
@@ -136,7 +154,7 @@ def _call(group, cfg: RunConfig, backend, full: tuple[torch.Tensor, ...], functi
           clock: Callable[[], float]):  # fmt: skip
     """One call on this rank's shards, forward and backward; returns (out, dq, dk, dv, seconds, ledger)."""
     u = cfg.ulysses
-    q, k, v, dout = (shard(x, group.size(), group.rank(), balance=cfg.balance, ulysses=u) for x in full)
+    q, k, v, dout = (shard(x, group.size(), group.rank(), **cfg.place()) for x in full)
     scale = 1.0 / math.sqrt(cfg.head_dim)
     dq: torch.Tensor | None  # None only were a leaf left out of the graph (autograd's .grad)
     dk: torch.Tensor | None
@@ -144,18 +162,20 @@ def _call(group, cfg: RunConfig, backend, full: tuple[torch.Tensor, ...], functi
     with track_buffers() as ledger:
         start = clock()
         if functional and u > 1:  # the hybrid's ring_forward / ring_backward
-            hybrid = hybrid_config(q, k, group, backend, u, causal=cfg.causal, scale=scale, balance=cfg.balance)
+            hybrid = hybrid_config(q, k, group, backend, u, causal=cfg.causal, scale=scale, balance=cfg.balance,
+                                   cu_seqlens=cfg.documents, v=v)  # fmt: skip
             out, state = hybrid_forward(q, k, v, hybrid)
             dq, dk, dv = hybrid_backward(dout, state, hybrid)
             del state
         elif functional:  # GPU threads cannot share autograd's one device worker: a waiting backward blocks it
-            ring = RingConfig(group, backend, cfg.causal, scale, cfg.balance)
+            ring = RingConfig(group, backend, cfg.causal, scale, cfg.balance, documents=cfg.documents)
             out, lse = ring_forward(q, k, v, ring)
             dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ring)
         else:
             q, k, v = (x.requires_grad_() for x in (q, k, v))
+            cu = None if cfg.documents is None else torch.tensor(cfg.documents)
             out = attention(q, k, v, causal=cfg.causal, group=group, balance=cfg.balance, device=cfg.device,
-                            ulysses=u)  # fmt: skip
+                            ulysses=u, cu_seqlens=cu)  # fmt: skip
             out.backward(dout)
             dq, dk, dv = q.grad, k.grad, v.grad
         backend.synchronize(out.device)
@@ -165,7 +185,7 @@ def _call(group, cfg: RunConfig, backend, full: tuple[torch.Tensor, ...], functi
 
 def _errors(cfg: RunConfig, full, got) -> dict[str, tuple[float, float]]:
     q, k, v, dout = full
-    ref = reference(q, k, v, dout, cfg.causal)
+    ref = reference(q, k, v, dout, cfg.causal, cfg.documents)
     return {name: error(g, r) for name, g, r in zip(TENSORS, got, ref)}
 
 
@@ -178,7 +198,7 @@ def run_demo(cfg: RunConfig, clock: Callable[[], float] = time.perf_counter) -> 
     full = random_inputs(cfg, cfg.seq, device, cfg.seed)
     world = LocalWorld(cfg.world, device=device)
     results = world.run(rank_step, cfg, backend, full, device.type != "cpu", clock)
-    got = [unshard([r[i] for r in results], balance=cfg.balance, ulysses=cfg.ulysses) for i in range(4)]
+    got = [unshard([r[i] for r in results], **cfg.place()) for i in range(4)]
     return RunResult(
         cfg,
         _errors(cfg, full, got),
@@ -196,10 +216,11 @@ def _run_distributed(cfg: RunConfig, clock: Callable[[], float]) -> RunResult:
     backend, device, rank, world = join_process_group(cfg.device)
     cfg.world = world
     ulysses.check_flag(cfg.ulysses, world, cfg.heads, "the torchrun world size")
-    ulysses.check_seq(cfg.seq, world, cfg.ulysses, cfg.balance)
+    if cfg.ulysses > 1:
+        ulysses.check_seq(cfg.seq, world, cfg.ulysses, cfg.balance, "--seq" if cfg.documents is None else packing.FLAG)
     full = random_inputs(cfg, cfg.seq, device, cfg.seed)
     out, dq, dk, dv, first, warm, ledger = rank_step(resolve_group(None), cfg, backend, full, False, clock)
-    gathered = gather_whole((out, dq, dk, dv), world, cfg.balance, cfg.ulysses)
+    gathered = gather_whole((out, dq, dk, dv), world, cfg.balance, cfg.ulysses, cfg.documents)
     stats = [warm, first, ledger.peak_bytes, ledger.peak_kv_shards]
     mine = torch.tensor(stats, dtype=torch.float64, device=device)
     all_stats = [torch.empty_like(mine) for _ in range(world)]
@@ -220,10 +241,18 @@ def add_parser(sub) -> None:
     p = sub.add_parser("run", help="ring attention on a LocalWorld (or under torchrun), checked against float64")
     p.add_argument("--world", type=positive, default=d.world, help="virtual ranks (ignored under torchrun)")
     add_problem_flags(p, d, ["batch"])  # interleaved with the run's own flags, in the order of --help
-    p.add_argument("--seq", type=positive, default=d.seq, help="global sequence length")
+    p.add_argument("--seq", type=positive, default=None,
+                   help=f"global sequence length (default: {d.seq}); with {packing.FLAG} of explicit lengths, "
+                   "their sum unless given")  # fmt: skip
     add_problem_flags(p, d, ["heads", "kv_heads", "head_dim", "value_head_dim", "dtype"])
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=d.causal, help="causal mask")
-    add_problem_flags(p, d, ["balance", "device"])
+    p.add_argument("--balance", choices=schedule.ALL_BALANCES, default=d.balance,
+                   help=FLAGS["balance"]["help"] + "; document_zigzag (each packed document zigzagged over the ranks) "
+                   f"with {packing.FLAG}")  # fmt: skip
+    packing.add_flag(p, "packed documents (batch 1), each attending within itself (xcp.attention's cu_seqlens): "
+                     "their lengths in sequence order (summing to S), or lengths drawn log-uniformly in [MIN, MAX] "
+                     "(seeded) to fill --seq; checked against float64 attention over each document")  # fmt: skip
+    add_problem_flags(p, d, ["device"])
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the random inputs")
     p.add_argument(ulysses.FLAG, type=positive, default=d.ulysses,
                    help=ulysses.HELP + " (under torchrun, U divides the world size)")  # fmt: skip
@@ -235,16 +264,32 @@ def add_parser(sub) -> None:
     p.add_argument(decode.CHUNK_FLAG, type=int, default=decode.DEFAULT_CHUNK, metavar="T", help=decode.CHUNK_HELP)
 
 
+def _documents(args: argparse.Namespace) -> tuple[int, tuple[int, ...] | None]:
+    """S and the boundaries of ``--documents`` (None without), checked against ``--seq``, ``--batch`` and the
+    balance over the ranks of a ring (under torchrun, of its world)."""
+    if args.documents is None:
+        return args.seq or RUN_DEFAULTS.seq, None
+    if args.batch != 1:
+        raise ValueError(f"--batch: expected 1 with {packing.FLAG} (the packed layout); got {args.batch}")
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world
+    seq = args.seq if args.seq is not None or args.documents.lengths is not None else RUN_DEFAULTS.seq
+    lengths, seq = packing.resolve_lengths(args.documents, seq, world // args.ulysses, args.balance)
+    return seq, packing.boundaries(lengths)
+
+
 def command(args: argparse.Namespace) -> int:
     backend, _ = tool_backend(args.device)  # an unknown or unusable backend: xcp's error and the table, first
     check_value_dim(backend, args.head_dim, args.value_head_dim or args.head_dim)
+    packing.check_balance(args.balance, args.documents is not None, args.ulysses)
     if args.decode is not None:
         return decode.run_command(args, problem_args(args))
-    cfg = RunConfig(world=args.world, seq=args.seq, causal=args.causal, seed=args.seed, ulysses=args.ulysses,
-                    **problem_args(args))  # fmt: skip
     if args.ulysses > 1 and not under_torchrun():  # under torchrun, once the world size is known
         ulysses.check_flag(args.ulysses, args.world, args.heads)
-        ulysses.check_seq(args.seq, args.world, args.ulysses, args.balance)
+    seq, documents = _documents(args)
+    if args.ulysses > 1 and not under_torchrun():
+        ulysses.check_seq(seq, args.world, args.ulysses, args.balance, "--seq" if documents is None else packing.FLAG)
+    cfg = RunConfig(world=args.world, seq=seq, causal=args.causal, seed=args.seed, ulysses=args.ulysses,
+                    documents=documents, **problem_args(args))  # fmt: skip
     result = run_demo(cfg)
     print(result.table())
     return 0 if result.ok else 1

@@ -6,12 +6,13 @@ unbounded; with a causal mask R must be 0 or none. A window needs batch 1 (the r
 sequence, ``(0, S)``, or over ``--documents``).
 
 The bytes a rank sends, for a ring that runs m of P steps: :func:`xcp.traffic.ring_traffic` (K/V shards of
-S/P tokens).
+S/P tokens), or :func:`ring_bytes` where v has another head dim or ``document_zigzag`` shards differ by a token.
 """
 
 from __future__ import annotations
 
 import argparse
+import textwrap
 from collections.abc import Sequence
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from .. import schedule
 from ..documents import balance_costs, check_window, choose_balance, document_plan, ring_segments
 from ..kernels.merge import accumulator_dtype
-from ..traffic import RingTraffic
+from ..traffic import RingTraffic, ring_traffic
 from .common import human_bytes
 
 FLAG = "--window"
@@ -107,38 +108,70 @@ def rank_pairs(cu: tuple[int, ...], world: int, causal: bool, balance: str, wind
     return [sum(document_plan(cu, world, r, causal, balance, window).pairs) for r in range(world)]
 
 
-def formula_lines(t: RingTraffic, local: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> list[str]:
-    """How the bytes are counted, with the problem's numbers in (``local``: S/P)."""
+def travelling_tokens(seq: int, world: int, balance: str) -> int:
+    """The tokens of a K/V shard as it travels the ring: S/P, or for a balance that places each document
+    (shards that differ by a token) the longest shard's, which the shorter ones are padded to."""
+    return schedule.shard_lengths(seq, world, balance)[0]
+
+
+def ring_bytes(seq: int, world: int, steps: int, kv_heads: int, head_dim: int, value_head_dim: int,
+               dtype: torch.dtype, balance: str = schedule.DEFAULT_BALANCE, batch: int = 1) -> RingTraffic:  # fmt: skip
+    """:func:`xcp.traffic.ring_traffic` with v of another head dim and shards as they travel
+    (:func:`travelling_tokens`): a K/V shard is K of ``head_dim`` and V of ``value_head_dim``, n·Hkv·(D + Dv)
+    elements (a dK/dV message alike). The formula is linear in the head dim and counts K and V alike, so it
+    is the mean of the formula at D and at Dv (exact: each is even)."""
+    padded = world * travelling_tokens(seq, world, balance)
+    at_d = ring_traffic(padded, world, steps, kv_heads, head_dim, dtype, batch)
+    if value_head_dim == head_dim:
+        return at_d
+    at_dv = ring_traffic(padded, world, steps, kv_heads, value_head_dim, dtype, batch)
+    return RingTraffic(world, steps, (at_d.kv_shard + at_dv.kv_shard) // 2, (at_d.dkv_message + at_dv.dkv_message) // 2)
+
+
+def formula_lines(t: RingTraffic, local: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                  value_head_dim: int | None = None, padded: bool = False) -> list[str]:  # fmt: skip
+    """How the bytes are counted, with the problem's numbers in (``local``: S/P, or with ``padded`` the
+    longest shard's tokens, ⌈S/P⌉; ``value_head_dim``: v's head dim, None: ``head_dim``)."""
     name, acc = (str(x).replace("torch.", "") for x in (dtype, accumulator_dtype(dtype)))
     item = torch.empty((), dtype=dtype).element_size()
     acc_item = torch.empty((), dtype=accumulator_dtype(dtype)).element_size()
+    n = "⌈S/P⌉" if padded else "S/P"
+    if value_head_dim is None or value_head_dim == head_dim:
+        shape, numbers = f"2·({n})·Hkv·D", f"2·{local}·{kv_heads}·{head_dim}"
+    else:  # K in q/k's head dim, V in v's
+        shape, numbers = f"({n})·Hkv·(D+Dv)", f"{local}·{kv_heads}·({head_dim}+{value_head_dim})"
     return [
-        f"a K/V shard is 2·(S/P)·Hkv·D·itemsize = 2·{local}·{kv_heads}·{head_dim}·{item} ({name}) = "
-        f"{human_bytes(t.kv_shard)}",
-        f"a dK/dV message is 2·(S/P)·Hkv·D·{acc_item} ({acc} accumulators) = {human_bytes(t.dkv_message)}",
+        f"a K/V shard is {shape}·itemsize = {numbers}·{item} ({name}) = {human_bytes(t.kv_shard)}",
+        f"a dK/dV message is {shape}·{acc_item} ({acc} accumulators) = {human_bytes(t.dkv_message)}",
         "a ring of m steps sends, per rank: forward m-1 K/V shards; backward m-1 K/V shards and m dK/dV",
         "messages (a ring of 1 step sends nothing)",
+        *([f"the shards differ by a token: each travels as long as the longest, {n} = {local} tokens"] * padded),
     ]
 
 
 def balance_lines(cu: tuple[int, ...], world: int, causal: bool, window: tuple | None, current: str) -> list[str]:
-    """Which balance xcp.choose_balance recommends, and how it weighs each (xcp.documents.balance_costs)."""
+    """Which balance xcp.choose_balance recommends, and how it weighs each (xcp.documents.balance_costs; with
+    documents, the balances that place each document too)."""
     documents = None if cu == (0, cu[-1]) else cu
     chosen = choose_balance(world, causal=causal, window=window, cu_seqlens=documents, seq_len=cu[-1])
-    costs = {c.balance: c for c in balance_costs(cu, world, causal, window)}
+    balances = schedule.BALANCES if documents is None else schedule.ALL_BALANCES
+    costs = {c.balance: c for c in balance_costs(cu, world, causal, window, balances)}
+    order = ", ".join(("zigzag", "contiguous", *(schedule.DOCUMENT_BALANCES if documents else ()), "stripe"))
+    how = (f"(it weighs the busiest rank's pairs plus a per-call cost of 2^24 pairs, in 10% steps of the even share; "
+           f"then the fewest ring steps; then {order} in that order):")  # fmt: skip
     lines = [
         f"balance: xcp.choose_balance recommends {chosen}",
-        "  (it weighs the busiest rank's pairs plus a per-call cost of 2^24 pairs, in 10% steps of the even",
-        "  share; then the fewest ring steps; then zigzag, contiguous, stripe in that order):",
+        *textwrap.wrap(how, 100, initial_indent="  ", subsequent_indent="  "),
     ]
-    for balance in schedule.BALANCES:
+    width = max(map(len, balances))
+    for balance in balances:
         c = costs.get(balance)
         if c is None:
             text = f"cannot split S = {cu[-1]} (needs a multiple of {schedule.required_multiple(world, balance)})"
         else:
             text = f"busiest {c.busiest:.2f}x even, {c.calls} calls, cost {c.cost:.2f}, {c.steps}/{world} steps"
         marks = [m for m, on in (("recommended", balance == chosen), ("this plan", balance == current)) if on]
-        lines.append(f"  {balance:<10} {text}" + (f"  <- {', '.join(marks)}" if marks else ""))
+        lines.append(f"  {balance:<{width}} {text}" + (f"  <- {', '.join(marks)}" if marks else ""))
     return lines
 
 

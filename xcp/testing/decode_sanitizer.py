@@ -57,6 +57,7 @@ def sanitize_decode(
     seed: int = 0,
     preallocated: bool = False,
     combine: str = "auto",
+    value_head_dim: int | None = None,
 ) -> SanitizerReport:
     """Prefill a KV cache on ``world`` virtual ranks of the sim device, then ``decode`` single tokens and one
     chunk of ``chunk`` tokens, each followed by the cache's attention; check every lifetime rule.
@@ -67,10 +68,13 @@ def sanitize_decode(
         their lengths on the device and run ``forward_range`` (the path a captured step takes).
     :param combine: the caches' ``combine`` (``heads``: a chunk of at least
         :data:`xcp.cache_plan.HEADS_COMBINE_MIN_QUERIES` tokens combines over heads where P divides heads).
+    :param value_head_dim: v's head dim (and the output's), None: ``head_dim`` (multi-head latent attention's
+        values of another head dim otherwise: the caches keep K and V in their own dims).
     :returns: a :class:`xcp.testing.sanitizer.SanitizerReport`; findings of kind race, reuse, leak or numerics.
     """
+    value_dim = head_dim if value_head_dim is None else value_head_dim
     for name, value in (("world", world), ("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim),
-                        ("batch", batch), ("decode", decode)):  # fmt: skip
+                        ("value_head_dim", value_dim), ("batch", batch), ("decode", decode)):  # fmt: skip
         if not schedule.is_integer(value) or value < (0 if name == "decode" else 1):
             raise ValueError(f"{name}: expected an integer >= {0 if name == 'decode' else 1}; got {value!r}")
     if not schedule.is_integer(chunk) or chunk < 0:
@@ -88,11 +92,13 @@ def sanitize_decode(
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, total, heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
     k = torch.randn(batch, total, kv_heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
-    v = torch.randn(batch, total, kv_heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
+    v = torch.randn(batch, total, kv_heads, value_dim, generator=gen, dtype=torch.float64).to(dtype)
     scale = 1.0 / math.sqrt(head_dim)
     config = {"world": world, "balance": balance, "handoff": handoff or "record_stream", "decode": decode,
               "chunk": chunk, "prompt": prompt, "dtype": str(dtype).replace("torch.", ""), "heads": heads,
               "kv_heads": kv_heads, "preallocated": preallocated}  # fmt: skip
+    if value_dim != head_dim:
+        config["head_dim"] = f"{head_dim}/{value_dim}"
 
     findings: list[Finding] = []
     with Sanitizer() as san:

@@ -277,6 +277,7 @@ def sanitize_ring(
     documents: int | None = None,
     window: tuple[int | None, int | None] | None = None,
     ulysses: int = 1,
+    value_head_dim: int | None = None,
 ) -> SanitizerReport:
     """Run the ring on ``world`` virtual ranks of the sim device and check every lifetime rule.
 
@@ -300,12 +301,15 @@ def sanitize_ring(
         bounds are the ring's, for its K/V shards of S/R tokens and H_kv'/U heads (the all-to-all buffers are
         no slots: docs/lifetime.md, the hybrid's all-to-all). Races between two peers' copies into their own
         rows of one all-to-all receive buffer (U >= 3) are set aside (:func:`peers_rows`), and counted.
+    :param value_head_dim: v's head dim (and out's, dout's, dv's), None: ``head_dim``; another one is multi-head
+        latent attention's: the K/V shards and dK/dV messages then hold K in ``head_dim`` and V in this one.
     :returns: a :class:`SanitizerReport`; findings of kind race, reuse, leak, bound, capture or numerics.
     """
     _check_int("world", world, 1)
     _check_int("heads", heads, 1)
     _check_int("kv_heads", kv_heads, 1)
     _check_int("head_dim", head_dim, 1)
+    value_dim = head_dim if value_head_dim is None else _check_int("value_head_dim", value_head_dim, 1)
     _check_int("batch", batch, 1)
     _check_int("calls", calls, 1)
     _check_int("ulysses", ulysses, 1)
@@ -347,8 +351,8 @@ def sanitize_ring(
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, seq, heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
     k = torch.randn(batch, seq, kv_heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
-    v = torch.randn(batch, seq, kv_heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
-    dout = torch.randn(batch, seq, heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
+    v = torch.randn(batch, seq, kv_heads, value_dim, generator=gen, dtype=torch.float64).to(dtype)
+    dout = torch.randn(batch, seq, heads, value_dim, generator=gen, dtype=torch.float64).to(dtype)
     scale = 1.0 / math.sqrt(head_dim)
     lengths = cu = steps = None
     if documents is not None:
@@ -373,13 +377,16 @@ def sanitize_ring(
     bound = BACKWARD_BOUND if backward else FORWARD_BOUND
     # a ring shard: S/R tokens with H_kv'/U K/V heads (S/P and H_kv without ulysses)
     ring_kv_heads = kv_heads * kv_replicas(heads, kv_heads, ulysses) // ulysses
-    sent = ring_traffic(seq, ring, ring, ring_kv_heads, head_dim, dtype, batch)
-    bound_bytes = 2 * sent.kv_shard + (2 * sent.dkv_message if backward else 0)
+    # two shards (K in head_dim, V in value_dim): the formula at each dim counts one K/V shard's worth of each
+    sent = [ring_traffic(seq, ring, ring, ring_kv_heads, d, dtype, batch) for d in (head_dim, value_dim)]
+    bound_bytes = sum(t.kv_shard + (t.dkv_message if backward else 0) for t in sent)
     config = {
         "world": world, "causal": causal, "balance": balance, "handoff": handoff or SimBackend.handoff_policy,
         "backward": backward, "dtype": str(dtype).replace("torch.", ""), "heads": heads, "kv_heads": kv_heads,
         "seq": seq, "slots": slots, "calls": calls, "documents": documents,
     }  # fmt: skip
+    if value_dim != head_dim:
+        config["head_dim"] = f"{head_dim}/{value_dim}"
     if window is not None:
         config["window"] = ",".join("none" if x is None else str(x) for x in window)
     if ulysses > 1:

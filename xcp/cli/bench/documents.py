@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from ...documents import document_plan
-from ...traffic import RingTraffic, ring_traffic
 from .. import packing, windows
 from ..common import (
     Clock,
@@ -27,18 +26,6 @@ from .config import BenchConfig
 from .dense import measure, time_one
 from .report import dims_row, into, meta, run_work, versus_table
 from .virtual import VirtualRing
-
-
-def value_ring_traffic(seq: int, world: int, steps: int, kv_heads: int, head_dim: int, value_head_dim: int,
-                       dtype: torch.dtype, batch: int = 1) -> RingTraffic:  # fmt: skip
-    """:func:`xcp.traffic.ring_traffic` with v of another head dim: a K/V shard is K of ``head_dim`` and V of
-    ``value_head_dim``, (S/P)·Hkv·(D + Dv) elements (a dK/dV message alike). The formula is linear in the head
-    dim and counts K and V alike, so it is the mean of the formula at D and at Dv (exact: each is even)."""
-    at_d = ring_traffic(seq, world, steps, kv_heads, head_dim, dtype, batch)
-    if value_head_dim == head_dim:
-        return at_d
-    at_dv = ring_traffic(seq, world, steps, kv_heads, value_head_dim, dtype, batch)
-    return RingTraffic(world, steps, (at_d.kv_shard + at_dv.kv_shard) // 2, (at_d.dkv_message + at_dv.dkv_message) // 2)
 
 
 def estimate_documents_bytes(cfg: BenchConfig, device_type: str) -> tuple[int, str]:
@@ -118,7 +105,7 @@ def _time_documents(cfg: BenchConfig, backend, clock: Clock, device: torch.devic
     }
     dtype = full[0].dtype
     for name, m in (("ring", steps), ("dense", world)):  # what each rank sends, by the formula
-        t = value_ring_traffic(seq, world, m, cfg.kv_heads, cfg.head_dim, cfg.value_dim, dtype, cfg.batch)
+        t = windows.ring_bytes(seq, world, m, cfg.kv_heads, cfg.head_dim, cfg.value_dim, dtype, balance, cfg.batch)
         row[f"{name}_sent_formula"] = {"steps": m, "fwd": t.forward, "fwd_bwd": t.total, "kv_shard": t.kv_shard,
                                        "dkv_message": t.dkv_message}  # fmt: skip
     flops = {b: pair_flops(total, cfg.heads, cfg.head_dim, b, cfg.value_dim) for b in (False, True)}
