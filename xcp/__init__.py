@@ -22,10 +22,11 @@ if TYPE_CHECKING:
     from .padding import pad_to_balance
     from .plugins import backend_table, get_backend, list_backends, register_plugin, unregister_plugin
     from .ring import RingConfig, ring_backward, ring_forward
-    from .schedule import BALANCES, Plan, Step, plan
+    from .schedule import BALANCES, DOCUMENT_BALANCES, Plan, Step, plan
 
 _EXPORTS = {
     "BALANCES": "schedule",
+    "DOCUMENT_BALANCES": "schedule",
     "Backend": "backends.base",
     "BufferLedger": "lifetime",
     "CommTimeout": "comm",
@@ -58,6 +59,7 @@ _EXPORTS = {
 
 __all__ = [
     "BALANCES",
+    "DOCUMENT_BALANCES",
     "Backend",
     "BufferLedger",
     "CommTimeout",
