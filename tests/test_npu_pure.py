@@ -37,6 +37,7 @@ from strategies import assert_close_to
 
 import xcp
 from xcp.backends.base import Backend, SynchronousBackend
+from xcp.backends.fused import widen_head_dim
 from xcp.kernels.math import allowed_keys, math_backward, math_forward
 from xcp.ring import RingConfig, ring_backward, ring_forward
 from xcp_npu import NPUBackend, convert
@@ -1209,7 +1210,7 @@ def test_value_dims_stand_in_refuses_what_the_docs_refuse(fake_npu, monkeypatch)
 
     def like_query(*args, **kwargs):
         outputs = good(*args, **kwargs)
-        return (convert.widen(outputs[0], args[0].shape[-1]), *outputs[1:])
+        return (widen_head_dim(outputs[0], args[0].shape[-1]), *outputs[1:])
 
     monkeypatch.setattr(fake_npu, "npu_fusion_attention", like_query)
     q, k, v = _mla(1, 3, 3, 192, 128)
@@ -1228,8 +1229,8 @@ def test_value_dims_arguments():
     )
     assert [convert.call_head_dim(*d) for d in VALUE_DIMS] == [192, 128, 128, 576]
     x = _rand(2, 3, 64)
-    wide = convert.widen(x, 96)
-    assert convert.widen(x, 64) is x and wide.shape == (2, 3, 96) and torch.equal(wide[..., :64], x)
+    wide = widen_head_dim(x, 96)
+    assert widen_head_dim(x, 64) is x and wide.shape == (2, 3, 96) and torch.equal(wide[..., :64], x)
     assert (wide[..., 64:] == 0).all()
     tnd = convert.tnd_head_dims_unsupported
     assert all(tnd(*d) is None for d in VALUE_DIMS) and tnd(128, 128) is None

@@ -85,7 +85,7 @@ from typing import Any
 import torch
 
 from xcp.backends.base import Block
-from xcp.backends.fused import repeat_kv, sum_kv_groups
+from xcp.backends.fused import repeat_kv, sum_kv_groups, widen_head_dim
 
 ATEN: Any = torch.ops.aten
 """The op namespace the wrappers call (tests on CPU substitute a stand-in with the same signatures)."""
@@ -610,11 +610,6 @@ def common_head_dim(q: torch.Tensor, v: torch.Tensor) -> int:
     return max(q.shape[-1], v.shape[-1])
 
 
-def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
-    """x with zero channels appended up to ``width`` (x itself where it is that wide)."""
-    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
-
-
 def with_common_head_dim(forward_op):
     """A forward for values of another head dim than q/k's, through a kernel that takes one head dim: the
     narrower side padded with zeros to the wider (zero channels of q and k add nothing to a score, and the
@@ -622,7 +617,7 @@ def with_common_head_dim(forward_op):
 
     def run(q, k, v, *args):
         width, dv = common_head_dim(q, v), v.shape[-1]
-        out, lse = forward_op(_widen(q, width), _widen(k, width), _widen(v, width), *args)
+        out, lse = forward_op(*(widen_head_dim(x, width) for x in (q, k, v)), *args)
         return out[..., :dv], lse
 
     return run
@@ -634,7 +629,7 @@ def with_common_head_dim_backward(backward_op):
 
     def run(dout, q, k, v, out, lse, *args):
         width = common_head_dim(q, v)
-        wide = (_widen(x, width) for x in (dout, q, k, v, out))
+        wide = (widen_head_dim(x, width) for x in (dout, q, k, v, out))
         dq, dk, dv = backward_op(*wide, lse, *args)
         return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
 

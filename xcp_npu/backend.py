@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from xcp.backends.fused import FusedKernelBackend, repeat_kv, sum_kv_groups
+from xcp.backends.fused import FusedKernelBackend, repeat_kv, sum_kv_groups, widen_head_dim
 from xcp.kernels.math import math_backward, math_forward
 
 from . import convert
@@ -161,7 +161,7 @@ class NPUBackend(FusedKernelBackend):
             out, lse = math_forward(q, k, v, mask, scale)
             return (out.to(q.dtype) if q.dtype != torch.float64 else out), lse
         width = convert.call_head_dim(dqk, dv)
-        return super().forward(convert.widen(q, width), convert.widen(k, width), v, mask, scale)
+        return super().forward(widen_head_dim(q, width), widen_head_dim(k, width), v, mask, scale)
 
     def backward(self, dout, q, k, v, out, lse, mask, scale):
         """(dq, dk, dv) of the block from the merged out and lse, shaped like q, k, v (dv in v's head dim), the way
@@ -172,7 +172,8 @@ class NPUBackend(FusedKernelBackend):
         if convert.value_dims_unsupported(dqk, dv):
             return math_backward(dout, q, k, v, out, lse, mask, scale)
         width = convert.call_head_dim(dqk, dv)
-        dq, dk, dv_ = super().backward(dout, convert.widen(q, width), convert.widen(k, width), v, out, lse, mask, scale)
+        wide_q, wide_k = widen_head_dim(q, width), widen_head_dim(k, width)
+        dq, dk, dv_ = super().backward(dout, wide_q, wide_k, v, out, lse, mask, scale)
         return dq[..., :dqk], dk[..., :dqk], dv_
 
     def square_forward(self, q, k, v, causal: bool, scale: float):
@@ -225,8 +226,8 @@ class NPUBackend(FusedKernelBackend):
             return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale, window)
         groups = self.kv_groups(q, k)
         width = convert.call_head_dim(q.shape[3], v.shape[3])
-        qt = convert.widen(q[0], width).contiguous()  # [T, N, D]: batch 1 dropped
-        kt = convert.widen(repeat_kv(k, groups)[0], width).contiguous()
+        qt = widen_head_dim(q[0], width).contiguous()  # [T, N, D]: batch 1 dropped
+        kt = widen_head_dim(repeat_kv(k, groups)[0], width).contiguous()
         vt = repeat_kv(v, groups)[0].contiguous()
         outputs = self.vendor().npu_fusion_attention(
             qt,
@@ -249,8 +250,8 @@ class NPUBackend(FusedKernelBackend):
         groups = self.kv_groups(q, k)
         dqk = q.shape[3]
         width = convert.call_head_dim(dqk, v.shape[3])
-        qt = convert.widen(q[0], width).contiguous()
-        kt = convert.widen(repeat_kv(k, groups)[0], width).contiguous()
+        qt = widen_head_dim(q[0], width).contiguous()
+        kt = widen_head_dim(repeat_kv(k, groups)[0], width).contiguous()
         vt = repeat_kv(v, groups)[0].contiguous()
         softmax_max, softmax_sum = convert.tnd_stats_from_lse(lse, cu_q, self.tnd_stats)
         grads = self.vendor().npu_fusion_attention_grad(
@@ -292,9 +293,9 @@ class NPUBackend(FusedKernelBackend):
         b, t, n, _ = q.shape
         groups = self.kv_groups(q, k)
         width = convert.call_head_dim(q.shape[3], v.shape[3])  # v's head dim above q/k's: q, k zero-padded to it
-        qt = convert.widen(q, width).reshape(b * t, n, width).contiguous()
+        qt = widen_head_dim(q, width).reshape(b * t, n, width).contiguous()
         kt, vt = (
-            convert.widen(repeat_kv(x[:, start:stop], groups), w).reshape(b * length, -1, w).contiguous()
+            widen_head_dim(repeat_kv(x[:, start:stop], groups), w).reshape(b * length, -1, w).contiguous()
             for x, w in ((k, width), (v, v.shape[3]))
         )
         cu_q, cu_k = convert.range_cuts(b, t), convert.range_cuts(b, length)

@@ -532,13 +532,8 @@ def value_dims_unsupported(dqk: int, dv: int) -> str | None:
 
 def call_head_dim(dqk: int, dv: int) -> int:
     """The q/k head dim of the op call for values of head dim ``dv``: ``dqk`` when ``dv <= dqk`` (the docs' Dk >= Dv),
-    else ``dv`` (q and k padded with zero channels, :func:`widen`)."""
+    else ``dv`` (q and k padded with zero channels, :func:`xcp.backends.fused.widen_head_dim`)."""
     return max(dqk, dv)
-
-
-def widen(x: torch.Tensor, width: int) -> torch.Tensor:
-    """``x`` with zero channels appended to its last dim up to ``width`` (``x`` itself when that wide)."""
-    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
 
 def tnd_head_dims_unsupported(dqk: int, dv: int) -> str | None:

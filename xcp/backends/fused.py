@@ -191,6 +191,13 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.repeat_interleave(groups, dim=2) if groups > 1 else x
 
 
+def widen_head_dim(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` with zero channels appended to its last dim up to ``width`` (``x`` itself when that wide): how a
+    kernel that takes one head dim serves values of another (zero channels of q and k add nothing to a
+    score; zero channels of v give zero channels of out)."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
 def sum_kv_groups(g: torch.Tensor, groups: int) -> torch.Tensor:
     """[B, S, Hkv * groups, D] -> [B, S, Hkv, D]: the gradient of :func:`repeat_kv` (sum over each group)."""
     if groups == 1:
