@@ -20,6 +20,10 @@
 #   benchmarks/h200.sh mla      # values of another head dim (q/k 192, v 128): tests, conformance dv cases, xcp run,
 #                               # the 64K/128K causal rings over 8 ranks (32 heads, MHA) and 128K packed documents
 #                               # (about 2 minutes on the H200)
+#   benchmarks/h200.sh mla-profile  # 192/128: each block mask's cost per pair through the backend, an unmasked
+#                               # square as two causal calls, the 64K rings' device time by kernel (stripe, zigzag)
+#   benchmarks/h200.sh mla-ring # 192/128: cuda tests, block costs with one or causal backward calls, the 64K/128K rings
+#                               # (zigzag, stripe) and the hybrid (U = 2, 4, 8) over 8 ranks (about 6 minutes)
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -257,6 +261,34 @@ mla)
   timeout 120 xcp bench --documents longtail:512:32768 --seqs 131072 --worlds 8 --mask causal --heads 32 --kv-heads 32 \
     "${dims[@]}" --reps 3 --quiet --json "$out/mla_documents.json" 2>&1 | tee "$out/mla_documents.txt"
   ;;
-*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench|decode|chunk|mla" >&2; exit 2 ;;
+mla-profile)
+  mla=(--heads 32 --kv-heads 32 --head-dim 192 --value-head-dim 128)
+  section "what each block mask costs per pair at 192/128, and an unmasked square as two causal calls"
+  timeout 150 python3 benchmarks/mla_masks.py --sizes 8192,16384 2>&1 | tee "$out/mla_masks.txt"
+  for balance in stripe zigzag; do
+    section "the ring's device time by kernel kind, 64K over 8 ranks, 192/128, $balance"
+    timeout 120 python3 benchmarks/ring_profile.py --seq 65536 --world 8 --mask causal --balance $balance "${mla[@]}" \
+      --top 16 2>&1 | tee "$out/mla_profile_$balance.txt"
+  done
+  ;;
+mla-ring)
+  mla=(--heads 32 --kv-heads 32 --head-dim 192 --value-head-dim 128 --dtype bfloat16)
+  section "cuda tests: blocks with values of another head dim (causal backward), stripe on causal calls, conformance"
+  timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_cuda_backend.py tests/test_value_dim.py \
+    -k "value or another_head or causal_calls" 2>&1 | tail -4 | tee "$out/mla_ring_tests.txt"
+  timeout 90 python3 -m xcp.testing --xcp-backend cuda -q -p no:cacheprovider -k "dv or stripe or lower or upper" 2>&1 \
+    | tail -3 | tee -a "$out/mla_ring_tests.txt"
+  section "block costs at 192/128: causal, shifted causal, unmasked with one or causal backward calls"
+  timeout 100 python3 benchmarks/mla_masks.py --sizes 2048,4096,8192 2>&1 | tee "$out/mla_masks.txt"
+  for balance in zigzag stripe; do
+    section "xcp bench: 64K and 128K causal over 8 virtual ranks, 32 heads (MHA), 192/128, bf16, $balance"
+    timeout 110 xcp bench --seqs 65536,131072 --worlds 8 --mask causal "${mla[@]}" --balance $balance --reps 3 \
+      --no-graph --memory-seq 65536 --memory-worlds 8 --quiet --json "$out/mla_$balance.json" 2>&1 | tee "$out/mla_$balance.txt"
+  done
+  section "xcp bench: the hybrid, U = 2, 4, 8 over 8 ranks, 64K and 128K, 192/128"
+  timeout 150 xcp bench --ulysses 2,4,8 --seqs 65536,131072 --worlds 8 --mask causal "${mla[@]}" --reps 3 --no-graph \
+    --memory-seq 65536 --memory-worlds 8 --quiet --json "$out/mla_ulysses.json" 2>&1 | tee "$out/mla_ulysses.txt"
+  ;;
+*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench|decode|chunk|mla|mla-profile|mla-ring" >&2; exit 2 ;;
 esac
 section done

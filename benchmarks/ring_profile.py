@@ -2,7 +2,8 @@
 runs them) under torch.profiler, and the kernels' time is summed by kind (attention, merge, copies,
 accumulations, casts, fills, other) next to one whole-sequence call of the same kernel.
 
-    PYTHONPATH=. python3 benchmarks/ring_profile.py [--seq 65536] [--world 8] [--mask causal]
+    PYTHONPATH=. python3 benchmarks/ring_profile.py [--seq 65536] [--world 8] [--mask causal] [--balance zigzag]
+        [--heads 32 --kv-heads 8 --head-dim 128 --value-head-dim 128]
 
 The sum of kernel times of the ring minus that of the whole call is the device-side overhead; the wall
 time minus the sum is where the device waited (host work, hand-overs, waits between streams).
@@ -18,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from xcp.cli.bench import VirtualRing
-from xcp.cli.common import Problem, random_inputs, whole_kernel
+from xcp.cli.common import Problem, add_problem_flags, problem_args, random_inputs, whole_kernel
 from xcp.plugins import select_backend
 
 KINDS = (
@@ -65,13 +66,14 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--mask", choices=("causal", "full"), default="causal")
     ap.add_argument("--top", type=int, default=12)
+    add_problem_flags(ap, Problem(), ("heads", "kv_heads", "head_dim", "value_head_dim", "balance"))
     args = ap.parse_args()
     device = torch.device("cuda")
     backend = select_backend("cuda", "cuda")
-    problem = Problem(1, 32, 8, 128, "bfloat16")
+    problem = Problem(**problem_args(args, ("heads", "kv_heads", "head_dim", "value_head_dim", "balance")))
     full = random_inputs(problem, args.seq, device)
     causal = args.mask == "causal"
-    ring = VirtualRing(backend, args.world, full, causal, "zigzag")
+    ring = VirtualRing(backend, args.world, full, causal, problem.balance)
     for _ in range(2):
         ring.run(True)
         whole_kernel(backend, full, causal, True)
@@ -80,7 +82,9 @@ def main() -> None:
     for label, fn in (("whole", lambda: whole_kernel(backend, full, causal, True)), ("ring", lambda: ring.run(True))):
         wall, names, kinds = kernel_times(fn, device)
         rows.append((label, wall, names, kinds))
-    print(f"S = {args.seq}, P = {args.world}, {args.mask}, 32/8 heads, D = 128, bf16, fwd+bwd; device ms by kind")
+    heads, dims = f"{problem.heads}/{problem.kv_heads}", f"{problem.head_dim}/{problem.value_dim}"
+    print(f"S = {args.seq}, P = {args.world}, {args.mask}, {problem.balance}, {heads} heads, D = {dims}, bf16, "
+          "fwd+bwd; device ms by kind")  # fmt: skip
     order = [k for k, _ in KINDS] + ["other"]
     print(f"{'':6} {'wall':>8} {'kernels':>8} | " + " ".join(f"{k:>9}" for k in order))
     for label, wall, _, kinds in rows:

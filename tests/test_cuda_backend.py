@@ -27,6 +27,7 @@ from xcp.checks import check_qkv
 from xcp.kernels.math import allowed_keys, math_backward, math_forward, math_forward_range
 from xcp.testing import conformance
 from xcp_cuda import CUDABackend, kernels
+from xcp_cuda import backend as backend_module
 
 MASKS = ("none", "causal", "strict")
 NEG_INF = float("-inf")
@@ -1241,19 +1242,21 @@ def test_env_flags(monkeypatch):
 
 
 def test_every_setting_is_read_when_the_backend_is_built_and_a_constructor_argument_overrides_it(monkeypatch):
-    for name, value in (("CUDNN", "0"), ("FUSED_MERGE", "1"), ("PAIR_MERGE", "0"), ("FAST_LAUNCH", "0")):
+    flags = (("CUDNN", "0"), ("FUSED_MERGE", "1"), ("PAIR_MERGE", "0"), ("FAST_LAUNCH", "0"), ("CAUSAL_BACKWARD", "0"))
+    for name, value in flags:
         monkeypatch.setenv(f"XCP_CUDA_{name}", value)
     b = CUDABackend()
-    assert (b.use_cudnn, b.fused_merge, b.folds_pairs, b.launcher.fast) == (False, True, False, False)
-    b = CUDABackend(use_cudnn=True, fused_merge=True, pair_merge=True, fast_launch=True)
-    assert (b.use_cudnn, b.fused_merge, b.folds_pairs, b.launcher.fast) == (True, True, True, True)
+    read = (b.use_cudnn, b.fused_merge, b.folds_pairs, b.launcher.fast, b.causal_backward)
+    assert read == (False, True, False, False, False)
+    b = CUDABackend(use_cudnn=True, fused_merge=True, pair_merge=True, fast_launch=True, causal_backward=True)
+    assert (b.use_cudnn, b.fused_merge, b.folds_pairs, b.launcher.fast, b.causal_backward) == (True,) * 5
     assert not CUDABackend(fused_merge=False, pair_merge=True).folds_pairs  # pairs need the fused merge
     monkeypatch.setenv("XCP_CUDA_FAST_LAUNCH", "2")
     with pytest.raises(ValueError, match="XCP_CUDA_FAST_LAUNCH: expected 0 or 1; got '2'"):
         CUDABackend()
     assert {s.name for s in CUDABackend.settings} == {
         "XCP_CUDA_GQA", "XCP_CUDA_FLASH_ATTN", "XCP_CUDA_CUDNN", "XCP_CUDA_FUSED_MERGE", "XCP_CUDA_PAIR_MERGE",
-        "XCP_CUDA_FAST_LAUNCH",
+        "XCP_CUDA_FAST_LAUNCH", "XCP_CUDA_CAUSAL_BACKWARD",
     }  # fmt: skip
 
 
@@ -1494,7 +1497,7 @@ def test_the_pair_merge_equals_two_eager_merges_on_a_gpu(dtype, offset, fresh):
 def test_the_dq_add_pair_equals_two_adds_on_a_gpu(dtype, offset):
     """On a GPU: ``acc[rows] += a + b`` in one kernel equals two in-place adds (float32: to 1e-6), for a view
     of rows from ``offset`` and addends laid out as cuDNN returns them (heads before sequence in memory);
-    rows outside the view are untouched."""
+    rows outside the view are untouched. ``acc[rows] += a`` alone (``fused_add_``) equals torch's add."""
     backend = CUDABackend()
     ok, reason = backend.available()
     if not ok:
@@ -1511,6 +1514,11 @@ def test_the_dq_add_pair_equals_two_adds_on_a_gpu(dtype, offset):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(got[:, :offset], acc[:, :offset])
     assert not backend.fused_add_pair_(got[:, offset:].double(), a, b)  # not float32: the ring adds eagerly
+    one, want = acc.clone(), acc.clone()
+    want[:, offset:].add_(a)
+    assert backend.fused_add_(one[:, offset:], a)  # one addend: the same kernel, the second not read
+    assert torch.equal(one, want)  # c + float(a) in float32 either way: the same bits
+    assert not backend.fused_add_(one[:, offset:].double(), a)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -2194,3 +2202,40 @@ def test_varlen_and_ranges_too_wide_for_flash_take_the_base_class(monkeypatch):
     assert fake.calls == [] and out.shape == (2, 1, 2, 512)
     want_out, want_lse = math_forward_range(rq, rk, rv, lo, hi, 0.05)
     _close("out", out, want_out, 2e-2)
+
+
+@pytest.mark.parametrize(("sq", "sk", "squares", "rest"), [(12, 6, 2, 0), (6, 12, 2, 0), (6, 6, 1, 0), (7, 3, 2, 1)])
+@pytest.mark.parametrize("gqa", ["native", "repeat"])
+def test_an_unmasked_cudnn_backward_with_values_of_another_head_dim_runs_as_causal_calls(
+    monkeypatch, sq, sk, squares, rest, gqa
+):
+    """192/128's unmasked cuDNN backward costs more per pair than its causal one: such a block's backward is
+    cut into squares, each a causal call and a causal call on its reversed rows and keys (a rest that is not
+    square one unmasked call); the gradients equal the math kernel's. Equal head dims, or causal_backward
+    off, keep one unmasked call."""
+    monkeypatch.setattr(backend_module, "CAUSAL_BACKWARD_MIN", 2)
+    monkeypatch.setattr(kernels, "SDPA_CHOICE", _sdpa_choice("CUDNN_ATTENTION", []))
+    q, k, _ = _block(2, sq, sk, 4, 2, 24, dtype=torch.bfloat16, seed=21)
+    for dv, on, split in ((16, True, True), (16, False, False), (24, True, False)):
+        backend, fake = _cpu_backend(monkeypatch, gqa=gqa, causal_backward=on)
+        v = _rand(2, sk, 2, dv, dtype=torch.bfloat16, seed=22)
+        out, lse = backend.forward(q, k, v, "none", 0.2)
+        dout = _rand(*out.shape, dtype=torch.bfloat16, seed=23)
+        before = [x.clone() for x in (dout, q, k, v, out, lse)]
+        fake.calls.clear()
+        grads = backend.backward(dout, q, k, v, out, lse, "none", 0.2)
+        calls = [(c[1], c[2], c[4]) for c in fake.calls]
+        if split:
+            side = min(sq, sk)
+            causal = [c for c in calls if c[2]]
+            assert len(causal) == 2 * squares and all(a == b for a, b, _ in causal), calls
+            assert {a for a, _, _ in causal} == {side, side - 1}
+            assert len(calls) - len(causal) == rest
+            assert all(g.dtype == torch.float32 for g in grads)
+        else:
+            assert calls == [(sq, sk, False)]
+        wants = math_backward(dout, q, k, v, out, lse, "none", 0.2)
+        for name, got, want in zip(("dq", "dk", "dv"), grads, wants):
+            assert got.shape == want.shape
+            _close(name, got, want, 2e-2)
+        assert all(torch.equal(x, y) for x, y in zip((dout, q, k, v, out, lse), before))

@@ -192,3 +192,36 @@ def test_blocks_over_the_limit_are_folded_and_added_at_once(reference, ring, mon
             got = ring(q, k, v, dout, 4, False, "zigzag", device=backend.name)
         assert_matches(got, reference(q, k, v, dout, False))
         assert len(backend.calls) == pairs and len(backend.adds) == pairs
+
+
+class AddCPU(CPUBackend):
+    """CPU blocks; every single addition offered to ``fused_add_`` done here (or refused with ``answer=False``)
+    and recorded by the accumulator's dims."""
+
+    def __init__(self, name: str, answer: bool = True) -> None:
+        super().__init__()
+        self.name, self.answer = name, answer
+        self.adds: list[tuple[int, int]] = []  # (rows, head dim) of each addition offered
+
+    def fused_add_(self, acc, grad) -> bool:
+        assert acc.shape == grad.shape and acc.dtype == torch.float64
+        self.adds.append((acc.shape[1], acc.shape[3]))
+        if self.answer:
+            acc.add_(grad)
+        return self.answer
+
+
+@pytest.mark.parametrize("answer", [True, False], ids=["served", "refused"])
+@pytest.mark.parametrize("balance", xcp.BALANCES)
+def test_every_gradient_addition_is_offered_to_the_backend(reference, ring, balance, answer):
+    """The backward offers each block's dQ, dK and dV addition to ``backend.fused_add_`` (values of another
+    head dim show which is which); served or refused, the ring matches float64 attention."""
+    world, seq = 4, 24
+    q, k, _, dout = random_inputs(2, seq, 4, 2, 6, seed=3)
+    v = torch.randn(2, seq, 2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    dout = torch.randn(2, seq, 4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    with installed(AddCPU(f"cpu-add-{balance}-{answer}", answer)) as backend:
+        got = ring(q, k, v, dout, world, True, balance, device=backend.name)
+    assert_matches(got, reference(q, k, v, dout, True))
+    dims = [d for _, d in backend.adds]
+    assert dims.count(5) > 0 and dims.count(6) == 2 * dims.count(5)  # dQ and dK in q's dim, dV in v's

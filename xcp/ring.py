@@ -109,7 +109,20 @@ class BlockCall:
 @functools.lru_cache(maxsize=1024)
 def _dense_calls(world: int, rank: int, causal: bool, balance: str, n: int) -> tuple[tuple[BlockCall, ...], ...]:
     plan = schedule.plan(world, rank, causal, balance)
-    return tuple((BlockCall(*_views(st, n), st.mask),) if st.computes else () for st in plan.steps)
+    return tuple(_step_calls(st, n) if st.computes else () for st in plan.steps)
+
+
+def _step_calls(step: schedule.Step, n: int) -> tuple[BlockCall, ...]:
+    """The call of a dense step. A strictly causal block (stripe, src > r; always square) runs as causal
+    attention of rows 1.. against keys ..n-2 of views of the same tensors: one causal call that writes its
+    rows' results in place, where a kernel's own strict form is causal pieces concatenated and padded
+    (copies of out, lse, dq, dk and dv); its row 0 sees no key of the block and is not touched."""
+    qs, ks = _views(step, n)
+    if step.mask != "strict":
+        return (BlockCall(qs, ks, step.mask),)
+    if qs.stop - qs.start < 2:
+        return ()
+    return (BlockCall(slice(qs.start + 1, qs.stop), slice(ks.start, ks.stop - 1), "causal"),)
 
 
 @functools.lru_cache(maxsize=64)
@@ -123,6 +136,13 @@ def _views(step: schedule.Step, n: int) -> tuple[slice, slice]:
     q0, q1 = step.q_range(n)
     k0, k1 = step.k_range(n)
     return slice(q0, q1), slice(k0, k1)
+
+
+def add_into(backend: Backend, acc: torch.Tensor, grad: torch.Tensor) -> None:
+    """``acc += grad`` in place on the view ``acc`` (no write-back through __setitem__): the backend's kernel
+    where it has one for these tensors, else torch's add."""
+    if not backend.fused_add_(acc, grad):
+        acc.add_(grad)
 
 
 def merge_block(backend: Backend, out, lse, block_out, block_lse, rows: slice = slice(None)) -> None:
@@ -190,7 +210,7 @@ class _PairedAdds(_Pairs):
 
     def _one(self, key: Any, block: tuple[torch.Tensor, ...]) -> None:
         grad, acc = block
-        acc.add_(grad)  # in place on the view: no write-back through __setitem__
+        add_into(self.backend, acc, grad)
 
     def _two(self, key: Any, first: tuple[torch.Tensor, ...], second: tuple[torch.Tensor, ...]) -> bool:
         return self.backend.fused_add_pair_(second[1], first[0], second[0])
@@ -405,8 +425,8 @@ def ring_backward(
                 (dkv,) = dkv_slots.slot(i)
             dk_acc, dv_acc = pair_views(dkv, k, v)
             for ks, gk, gv in grads:  # slot views made anew each step: a kept view would keep a slot alive
-                dk_acc[:, ks].add_(gk)
-                dv_acc[:, ks].add_(gv)
+                add_into(backend, dk_acc[:, ks], gk)
+                add_into(backend, dv_acc[:, ks], gv)
             del grads
             # after the last step this is the hop home: the owner of src is the next rank
             del dk_acc, dv_acc
@@ -450,9 +470,8 @@ def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig, blocks: Sequence[B
     for b in blocks:
         qs, ks = b.qs, b.ks
         g = b.backward(backend, dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], cfg.scale)
-        grads[0][:, qs].add_(g[0])
-        grads[1][:, ks].add_(g[1])
-        grads[2][:, ks].add_(g[2])
+        for total, x, where in zip(grads, g, (qs, ks, ks)):
+            add_into(backend, total[:, where], x)
     return tuple(x.to(like.dtype) for x, like in zip(grads, (q, k, v)))
 
 

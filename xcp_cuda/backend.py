@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from xcp.backends.fused import FusedKernelBackend
+from xcp.backends.fused import FusedKernelBackend, backward_as_causal
 from xcp.kernels.math import math_backward, math_forward
 from xcp.settings import Setting
 
@@ -56,6 +56,10 @@ class _StreamSwitch:
             torch.cuda.set_device(self.device)
 
 
+CAUSAL_BACKWARD_MIN = 8192
+"""The fewest rows of the squares an unmasked block's backward is cut into before it runs as causal calls."""
+
+
 def _one_row(x: torch.Tensor) -> torch.Tensor:
     """[B, S, ...] as one batch row [1, B * S, ...] (a copy where the rows are strided)."""
     return x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:])
@@ -84,6 +88,9 @@ class CUDABackend(FusedKernelBackend):
     :param pair_merge: with ``fused_merge``, fold two blocks (and add two dQ) at once (default True).
     :param fast_launch: launch a Triton kernel seen before directly (default True; see
         :class:`xcp_cuda.kernels.Launcher`).
+    :param causal_backward: run the backward of an unmasked cuDNN block whose values have another head dim
+        (multi-head latent attention's 192/128) as causal calls (:func:`xcp.backends.fused.backward_as_causal`)
+        where its squares have at least :data:`CAUSAL_BACKWARD_MIN` rows (default True).
     """
 
     name = "cuda"
@@ -107,6 +114,7 @@ class CUDABackend(FusedKernelBackend):
         fused_merge: bool | None = None,
         pair_merge: bool | None = None,
         fast_launch: bool | None = None,
+        causal_backward: bool | None = None,
     ) -> None:
         super().__init__(gqa)
         self.use_flash_attn = _given(use_flash_attn, cuda_settings.FLASH_ATTN)
@@ -115,6 +123,7 @@ class CUDABackend(FusedKernelBackend):
         self.fused_merge = _given(fused_merge, cuda_settings.FUSED_MERGE, triton)
         self.folds_pairs = self.fused_merge and _given(pair_merge, cuda_settings.PAIR_MERGE)
         self.launcher = kernels.Launcher(fast=_given(fast_launch, cuda_settings.FAST_LAUNCH))
+        self.causal_backward = _given(causal_backward, cuda_settings.CAUSAL_BACKWARD)
         self._cudnn_blocks: dict[tuple, bool] = {}  # block signature -> SDPA's answer (asked once each)
         self._flash_attn: Any = None
         self._flash_attn_error: str | None = None
@@ -207,6 +216,19 @@ class CUDABackend(FusedKernelBackend):
             return True
         return False
 
+    def fused_add_(self, acc, grad) -> bool:
+        """One Triton kernel where it applies (a float32 [B, S, H, D] ``acc``, unit stride on head_dim, D <=
+        256): torch's add of a 16-bit tensor into a float32 one takes its unvectorised mixed-dtype path. False
+        lets the ring add eagerly."""
+        if self.fused_merge and acc.is_cuda and kernels.fused_add_pair_supported(acc, grad):
+            kernels.fused_add_pair_(acc, grad, None, self.launcher)
+            return True
+        return False
+
+    def _add_into(self, acc: torch.Tensor, grad: torch.Tensor) -> None:
+        if not self.fused_add_(acc, grad):
+            acc.add_(grad)
+
     def fused_merge_partials_(self, out, parts):
         """A KV cache's P-way merge of packed partials in one Triton kernel where it applies: contiguous CUDA
         tensors, a float32 ``out`` [B, T, H, D] with head_dim <= :data:`kernels.PARTIALS_MAX_DIM`, and
@@ -290,7 +312,22 @@ class CUDABackend(FusedKernelBackend):
         )
         if self.kv_groups(q, k, kernels.native_gqa(kind)) > 1:
             op = kernels.with_repeated_kv_backward(op)
+        if self._backward_as_causal(kind, q, k, v, causal):
+            return backward_as_causal(op, dout, q, k, v, out, lse, scale, self._add_into)
         return op(dout, q, k, v, out, lse, causal, scale)
+
+    def _backward_as_causal(self, kind: str, q, k, v, causal: bool) -> bool:
+        """Whether an unmasked block's backward runs as causal calls: cuDNN, values of another head dim, squares
+        of at least :data:`CAUSAL_BACKWARD_MIN` rows, and ``causal_backward`` on. On the H200 at q/k 192, v 128,
+        32 heads: 9.3 against 11.6 ms for 8192 x 8192, 32.0 against 45.3 ms for 16384 x 16384, reversals
+        included (``benchmarks/mla_masks.py``); at equal head dims the two forms cost alike per pair."""
+        return (
+            self.causal_backward
+            and not causal
+            and kind == kernels.CUDNN
+            and v.shape[-1] != q.shape[-1]
+            and min(q.shape[1], k.shape[1]) >= CAUSAL_BACKWARD_MIN
+        )
 
     def whole_attention(self, q, k, v, causal: bool, scale: float):
         """torch SDPA (its own choice of kernel, cuDNN on Hopper; its backward native), where the

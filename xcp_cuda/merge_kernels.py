@@ -1,5 +1,6 @@
 """The one-pass Triton kernels of the CUDA backend: the log-sum-exp merge of one block, of two blocks at once,
-the backward's dQ add of two blocks, and a KV cache's merge of P ranks' packed partials.
+the backward's additions of a block's gradients (and of two blocks' dQ), and a KV cache's merge of P ranks'
+packed partials.
 
 This module imports triton, so :mod:`xcp_cuda.kernels` imports it only at the first launch (importing the
 plugin touches no vendor package). Each kernel covers a [B, S, H, D] tensor as ``n_rows = B * S * H`` rows
@@ -106,16 +107,19 @@ def add_pair_kernel(
     acc_ptr, a_ptr, b_ptr,
     n_rows, seq, heads, dim,
     c_sb, c_ss, c_sh, a_sb, a_ss, a_sh, b_sb, b_ss, b_sh,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PAIR: tl.constexpr,
 ):  # fmt: skip
     rmask, b, i, h = row_coordinates(n_rows, seq, heads, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     mask2 = rmask[:, None] & (d < dim)[None, :]
     c_ptrs = acc_ptr + (b * c_sb + i * c_ss + h * c_sh)[:, None] + d[None, :]
     x = tl.load(a_ptr + (b * a_sb + i * a_ss + h * a_sh)[:, None] + d[None, :], mask=mask2, other=0.0)
-    y = tl.load(b_ptr + (b * b_sb + i * b_ss + h * b_sh)[:, None] + d[None, :], mask=mask2, other=0.0)
+    x = x.to(tl.float32)
+    if PAIR:  # else acc += a alone: b_ptr is not read
+        y = tl.load(b_ptr + (b * b_sb + i * b_ss + h * b_sh)[:, None] + d[None, :], mask=mask2, other=0.0)
+        x = x + y.to(tl.float32)
     c = tl.load(c_ptrs, mask=mask2, other=0.0)
-    tl.store(c_ptrs, c + (x.to(tl.float32) + y.to(tl.float32)), mask=mask2)
+    tl.store(c_ptrs, c + x, mask=mask2)
 
 
 # A KV cache's combine (xcp.cache.KVCache._combine): P ranks' partials, gathered as one packed buffer, merged

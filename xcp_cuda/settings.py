@@ -48,5 +48,15 @@ FAST_LAUNCH = Setting(
     READ_AT_CONSTRUCTION,
 )
 
-ALL: tuple[Setting, ...] = (GQA, FLASH_ATTN, CUDNN, FUSED_MERGE, PAIR_MERGE, FAST_LAUNCH)
+CAUSAL_BACKWARD = Setting(
+    "XCP_CUDA_CAUSAL_BACKWARD",
+    "flag",
+    True,
+    "0: an unmasked cuDNN block whose values have another head dim takes one unmasked backward call, not "
+    "causal calls on its squares and their reversed rows (cuDNN's causal backward is cheaper per pair "
+    "there); constructor argument causal_backward=",
+    READ_AT_CONSTRUCTION,
+)
+
+ALL: tuple[Setting, ...] = (GQA, FLASH_ATTN, CUDNN, FUSED_MERGE, PAIR_MERGE, FAST_LAUNCH, CAUSAL_BACKWARD)
 """Every setting of the CUDA backend, in the order ``xcp backends --settings`` lists them."""

@@ -6,7 +6,7 @@ required device primitives  identity (``name``, ``device_type``, ``dist_backend`
                             ``backward`` have no default (a class without them is refused at registration);
                             the rest default to torch's device module.
 optional fast paths         ``whole_attention``, ``forward_varlen`` / ``backward_varlen``, ``forward_range``,
-                            ``fused_merge_``, ``fused_merge_pair_``, ``fused_add_pair_``,
+                            ``fused_merge_``, ``fused_merge_pair_``, ``fused_add_``, ``fused_add_pair_``,
                             ``fused_merge_partials_``, ``folds_pairs``: the
                             defaults are correct (not served, or one block call per segment), only slower.
 tool hooks                  ``new_graph``, ``capture_graph``, ``memory_stats``, ``reset_peak_memory``,
@@ -45,7 +45,7 @@ REQUIRED_PRIMITIVES = (
 
 FAST_PATHS = (
     "whole_attention", "forward_varlen", "backward_varlen", "forward_range", "fused_merge_", "fused_merge_pair_",
-    "fused_add_pair_", "fused_merge_partials_", "folds_pairs",
+    "fused_add_", "fused_add_pair_", "fused_merge_partials_", "folds_pairs",
 )  # fmt: skip
 """What a backend may override to run faster; the defaults are correct."""
 
@@ -106,10 +106,11 @@ class Backend:
         tensors), ``dist_backend`` (the torch.distributed backend for its collectives), ``handoff_policy``
         (the default hand-off), ``kernel`` (a short description of the block kernels that run, for
         ``xcp backends``), ``dtypes`` (the dtypes its kernel serves), ``masks`` (the block masks it serves;
-        the ring needs ``none`` always, ``causal`` for causal attention and ``strict`` for the stripe
-        balance), ``value_head_dims`` (whether its kernels take values of another head dim than q and k,
-        as multi-head latent attention has: out and dv then in v's dim; False, the default, makes such a
-        call a ValueError before any kernel runs), :meth:`available`. Then streams and events, and the
+        the ring needs ``none`` always and ``causal`` for causal attention; it runs stripe's strictly causal
+        blocks as causal calls on shifted views, so ``strict`` serves direct callers), ``value_head_dims``
+        (whether its kernels take values of another head dim than q and k, as multi-head latent attention
+        has: out and dv then in v's dim; False, the default, makes such a call a ValueError before any
+        kernel runs), :meth:`available`. Then streams and events, and the
         block :meth:`forward` / :meth:`backward`, which every subclass defines.
     Optional fast paths
         ``folds_pairs``: whether :meth:`fused_merge_pair_` and :meth:`fused_add_pair_` may fold two blocks
@@ -339,6 +340,15 @@ class Backend:
         :param fresh: True when ``out`` and ``lse`` hold nothing yet (uninitialised memory, every row covered
             by ``rows``): the result is the two blocks' merge alone, and nothing of ``out`` may be read.
         :returns: True when the blocks were folded in.
+        """
+        return False
+
+    def fused_add_(self, acc: torch.Tensor, grad: torch.Tensor) -> bool:
+        """``acc += grad`` (the backward's additions of a block's dQ, dK or dV into a float32 or float64
+        accumulator, a view of its rows) in one kernel, if the backend has one that serves these tensors;
+        return False (the default) to let the ring add them with torch.
+
+        :returns: True when ``grad`` was added.
         """
         return False
 

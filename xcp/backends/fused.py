@@ -150,6 +150,52 @@ def backward(kernel: SquareBackward, dout, q, k, v, out, lse, mask: str, scale: 
     return dq, dk, dv
 
 
+AddInto = Callable[[torch.Tensor, torch.Tensor], None]
+"""``add(acc, x)``: ``acc += x`` in place (``acc`` a float32 or float64 view); a backend passes its own kernel."""
+
+
+def _torch_add(acc: torch.Tensor, x: torch.Tensor) -> None:
+    acc.add_(x)
+
+
+def backward_as_causal(kernel: SquareBackward, dout, q, k, v, out, lse, scale: float, add: AddInto = _torch_add):
+    """``(dq, dk, dv)`` of an unmasked block from causal calls of ``kernel`` alone, in float32 (float64 for
+    float64): for a kernel whose causal backward costs less per (query, key) pair than its unmasked one (cuDNN
+    at q/k 192, v 128 on an H200, docs/benchmarks.md).
+
+    The block is cut along its longer side into squares of the shorter side (a rest that is not square takes
+    one unmasked call). A square's pairs are those with key <= query (one causal call) and those with key >
+    query: reversing the order of its rows and of its keys makes the latter strictly causal, which is causal
+    attention of the reversed rows 0..n-2 (original n-2..0) against the reversed keys 1..n-1 (original
+    n-1..1) -- one more causal call, on reversed copies, whose gradients are reversed back and added.
+    """
+    sq, sk = q.shape[1], k.shape[1]
+    acc = accumulator_dtype(q.dtype)
+    grads = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v)]
+    side = min(sq, sk)
+    for start in range(0, max(sq, sk), side) if side else ():
+        stop = min(start + side, max(sq, sk))
+        rows, keys = (slice(start, stop), slice(0, sk)) if sq >= sk else (slice(0, sq), slice(start, stop))
+        part = (dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, :, rows])
+        if stop - start != side:
+            _add_grads(add, grads, rows, keys, kernel(*part, False, scale))
+            continue
+        _add_grads(add, grads, rows, keys, kernel(*part, True, scale))
+        if side < 2:
+            continue
+        below, above = slice(rows.start, rows.stop - 1), slice(keys.start + 1, keys.stop)
+        rev = [x[:, below].flip(1) for x in (dout, q)] + [x[:, above].flip(1) for x in (k, v)]
+        g = kernel(*rev, out[:, below].flip(1), lse[:, :, below].flip(2), True, scale)
+        _add_grads(add, grads, below, above, [x.flip(1) for x in g])
+    return tuple(grads)
+
+
+def _add_grads(add: AddInto, grads: list[torch.Tensor], rows: slice, keys: slice, g) -> None:
+    """Add a piece's (dq, dk, dv) into the block's accumulators at its rows and keys."""
+    for acc, x, where in zip(grads, g, (rows, keys, keys)):
+        add(acc[:, where], x)
+
+
 def _pad_keys(g: torch.Tensor, sk: int) -> torch.Tensor:
     """``g`` [B, n, Hkv, D] extended with zero rows to [B, sk, Hkv, D] (a new tensor; ``g`` when n == sk)."""
     n = g.shape[1]
