@@ -22,8 +22,8 @@
 #                               # (about 2 minutes on the H200)
 #   benchmarks/h200.sh mla-profile  # 192/128: each block mask's cost per pair through the backend, an unmasked
 #                               # square as two causal calls, the 64K rings' device time by kernel (stripe, zigzag)
-#   benchmarks/h200.sh mla-ring # 192/128: cuda tests, block costs with one or causal backward calls, the 64K/128K rings
-#                               # (zigzag, stripe) and the hybrid (U = 2, 4, 8) over 8 ranks (about 6 minutes)
+#   benchmarks/h200.sh mla-ring # 192/128: cuda tests, the add kernel against torch's, the 64K/128K rings (zigzag,
+#                               # stripe) and the hybrid (U = 4, 8) over 8 ranks, the 32/8 x 128 ring, a profile (~6 min)
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -273,21 +273,28 @@ mla-profile)
   ;;
 mla-ring)
   mla=(--heads 32 --kv-heads 32 --head-dim 192 --value-head-dim 128 --dtype bfloat16)
-  section "cuda tests: blocks with values of another head dim (causal backward), stripe on causal calls, conformance"
+  section "cuda tests: value head dims (causal backward), the add kernels, stripe on causal calls, conformance"
   timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_cuda_backend.py tests/test_value_dim.py \
-    -k "value or another_head or causal_calls" 2>&1 | tail -4 | tee "$out/mla_ring_tests.txt"
+    tests/test_pair_merge.py -k "value or another_head or causal_calls or add or pair" 2>&1 | tail -4 \
+    | tee "$out/mla_ring_tests.txt"
   timeout 90 python3 -m xcp.testing --xcp-backend cuda -q -p no:cacheprovider -k "dv or stripe or lower or upper" 2>&1 \
     | tail -3 | tee -a "$out/mla_ring_tests.txt"
-  section "block costs at 192/128: causal, shifted causal, unmasked with one or causal backward calls"
-  timeout 100 python3 benchmarks/mla_masks.py --sizes 2048,4096,8192 2>&1 | tee "$out/mla_masks.txt"
+  section "a gradient's addition into float32: torch's mixed-dtype add against the Triton add"
+  PYTHONPATH=. timeout 60 python3 benchmarks/accumulate_probe.py 2>&1 | tee "$out/accumulate.txt"
   for balance in zigzag stripe; do
     section "xcp bench: 64K and 128K causal over 8 virtual ranks, 32 heads (MHA), 192/128, bf16, $balance"
     timeout 110 xcp bench --seqs 65536,131072 --worlds 8 --mask causal "${mla[@]}" --balance $balance --reps 3 \
       --no-graph --memory-seq 65536 --memory-worlds 8 --quiet --json "$out/mla_$balance.json" 2>&1 | tee "$out/mla_$balance.txt"
   done
-  section "xcp bench: the hybrid, U = 2, 4, 8 over 8 ranks, 64K and 128K, 192/128"
-  timeout 150 xcp bench --ulysses 2,4,8 --seqs 65536,131072 --worlds 8 --mask causal "${mla[@]}" --reps 3 --no-graph \
+  section "xcp bench: the hybrid, U = 4, 8 over 8 ranks, 64K and 128K, 192/128"
+  timeout 120 xcp bench --ulysses 4,8 --seqs 65536,131072 --worlds 8 --mask causal "${mla[@]}" --reps 3 --no-graph \
     --memory-seq 65536 --memory-worlds 8 --quiet --json "$out/mla_ulysses.json" 2>&1 | tee "$out/mla_ulysses.txt"
+  section "xcp bench: the usual layer (32/8 heads, D 128), 64K and 128K causal over 8 ranks, zigzag"
+  timeout 100 xcp bench --seqs 65536,131072 --worlds 8 --mask causal --reps 3 --no-graph --memory-seq 65536 \
+    --memory-worlds 8 --quiet --json "$out/gqa128.json" 2>&1 | tee "$out/gqa128.txt"
+  section "the ring's device time by kernel kind, 64K over 8 ranks, 192/128, stripe"
+  timeout 60 python3 benchmarks/ring_profile.py --seq 65536 --world 8 --mask causal --balance stripe "${mla[@]:0:8}" \
+    --top 14 2>&1 | tee "$out/mla_profile_stripe.txt"
   ;;
 *) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench|decode|chunk|mla|mla-profile|mla-ring" >&2; exit 2 ;;
 esac

@@ -1494,7 +1494,7 @@ def test_the_pair_merge_equals_two_eager_merges_on_a_gpu(dtype, offset, fresh):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("offset", [0, 3])
-def test_the_dq_add_pair_equals_two_adds_on_a_gpu(dtype, offset):
+def test_the_dq_add_pair_equals_two_adds_on_a_gpu(monkeypatch, dtype, offset):
     """On a GPU: ``acc[rows] += a + b`` in one kernel equals two in-place adds (float32: to 1e-6), for a view
     of rows from ``offset`` and addends laid out as cuDNN returns them (heads before sequence in memory);
     rows outside the view are untouched. ``acc[rows] += a`` alone (``fused_add_``) equals torch's add."""
@@ -1506,6 +1506,7 @@ def test_the_dq_add_pair_equals_two_adds_on_a_gpu(dtype, offset):
     n = 333
     acc = torch.randn(2, n + offset, 8, 64, device="cuda", generator=g)
     a = torch.randn(2, 8, n, 64, device="cuda", generator=g).to(dtype).transpose(1, 2)  # [B, S, H, D] view
+    monkeypatch.setattr(backend_module, "FUSED_ADD_MIN_VALUES", 1)  # the kernel at these small sizes too
     b = torch.randn(2, n, 8, 64, device="cuda", generator=g).to(dtype)
     want = acc.clone()
     want[:, offset:].add_(a).add_(b)
