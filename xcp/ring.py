@@ -20,7 +20,7 @@ import torch
 
 from . import schedule
 from .agreement import check_agreement
-from .backends.base import Backend
+from .backends.base import Backend, add_into
 from .comm import Communicator
 from .documents import Run, document_plan
 from .kernels.merge import accumulator_dtype, apply_sinks_, merge_, new_accumulators, sinks_grad
@@ -136,13 +136,6 @@ def _views(step: schedule.Step, n: int) -> tuple[slice, slice]:
     q0, q1 = step.q_range(n)
     k0, k1 = step.k_range(n)
     return slice(q0, q1), slice(k0, k1)
-
-
-def add_into(backend: Backend, acc: torch.Tensor, grad: torch.Tensor) -> None:
-    """``acc += grad`` in place on the view ``acc`` (no write-back through __setitem__): the backend's kernel
-    where it has one for these tensors, else torch's add."""
-    if not backend.fused_add_(acc, grad):
-        acc.add_(grad)
 
 
 def merge_block(backend: Backend, out, lse, block_out, block_lse, rows: slice = slice(None)) -> None:

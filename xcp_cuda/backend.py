@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from xcp.backends.base import add_into
 from xcp.backends.fused import FusedKernelBackend, backward_as_causal
 from xcp.kernels.math import math_backward, math_forward
 from xcp.settings import Setting
@@ -235,10 +236,6 @@ class CUDABackend(FusedKernelBackend):
             return True
         return False
 
-    def _add_into(self, acc: torch.Tensor, grad: torch.Tensor) -> None:
-        if not self.fused_add_(acc, grad):
-            acc.add_(grad)
-
     def fused_merge_partials_(self, out, parts):
         """A KV cache's P-way merge of packed partials in one Triton kernel where it applies: contiguous CUDA
         tensors, a float32 ``out`` [B, T, H, D] with head_dim <= :data:`kernels.PARTIALS_MAX_DIM`, and
@@ -323,7 +320,7 @@ class CUDABackend(FusedKernelBackend):
         if self.kv_groups(q, k, kernels.native_gqa(kind)) > 1:
             op = kernels.with_repeated_kv_backward(op)
         if self._backward_as_causal(kind, q, k, v, causal):
-            return backward_as_causal(op, dout, q, k, v, out, lse, scale, self._add_into)
+            return backward_as_causal(op, dout, q, k, v, out, lse, scale, functools.partial(add_into, self))
         return op(dout, q, k, v, out, lse, causal, scale)
 
     def _backward_as_causal(self, kind: str, q, k, v, causal: bool) -> bool:

@@ -529,3 +529,10 @@ def check_backend(backend: Any) -> Backend:
     if not isinstance(backend.value_head_dims, bool):
         raise TypeError(f"backend.value_head_dims: expected a bool; got {backend.value_head_dims!r}")
     return backend
+
+
+def add_into(backend: Backend, acc: torch.Tensor, grad: torch.Tensor) -> None:
+    """``acc += grad`` in place on the view ``acc`` (no write-back through __setitem__): the backend's kernel
+    (:meth:`Backend.fused_add_`) where it has one for these tensors, else torch's add."""
+    if not backend.fused_add_(acc, grad):
+        acc.add_(grad)
