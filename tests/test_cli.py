@@ -1228,10 +1228,15 @@ def test_run_documents_checks_the_ring_over_packed_documents(capsys, monkeypatch
          "document: expected --documents too"),
         ("plan", ["--balance", "document_zigzag", "--decode", "2"], "--balance: document_zigzag places each packed "
          "document: expected --documents too"),
-        ("run", ["--balance", "document_zigzag", "--documents", "8,8", "--ulysses", "2"], "--ulysses: expected 1 with "
-         "balance document_zigzag"),
-        ("plan", ["--balance", "document_zigzag", "--documents", "8,8", "--ulysses", "2"], "--ulysses: expected 1 "
-         "with balance document_zigzag"),
+        ("run", ["--balance", "document_zigzag", "--documents", "8,9", "--ulysses", "2"], "--documents: expected a "
+         "multiple of 4 ranks with --ulysses 2 (each of the 2 ring shards is cut into 2 pieces; document_zigzag "
+         "splits any length only with --ulysses 1); got 17"),
+        ("plan", ["--balance", "document_zigzag", "--documents", "8,9", "--ulysses", "2"], "--documents: expected a "
+         "multiple of 4 ranks with --ulysses 2"),
+        ("sanitize", ["--balance", "document_zigzag", "--documents", "3", "--seq", "9", "--ulysses", "2"], "--seq: "
+         "expected a multiple of 4 ranks with --ulysses 2"),
+        ("sanitize", ["--balance", "document_zigzag"], "--balance: document_zigzag places each packed document: "
+         "expected --documents too"),
         ("run", ["--documents", "8,8", "--decode", "2"], "--decode: expected no --documents"),
         ("run", ["--documents", "8,8", "--batch", "2"], "--batch: expected 1 with --documents (the packed layout); "
          "got 2"),

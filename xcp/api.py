@@ -22,6 +22,7 @@ from .checks import (
     check_dim,
     check_document_balance,
     check_documents,
+    check_piece_length,
     check_placement,
     check_return_lse,
     check_shard_length,
@@ -111,8 +112,9 @@ def attention(
         default process group when one is initialised, else a world of one rank).
     :param scale: factor on q·k; default 1/sqrt(head_dim).
     :param balance: how the sequence was sharded (``zigzag``, ``contiguous`` or ``stripe``; or
-        ``document_zigzag``, each document zigzagged over the ranks, with ``cu_seqlens`` and ``ulysses=1``:
-        shards of ``S // P`` or ``S // P + 1`` tokens, see :func:`shard`).
+        ``document_zigzag``, each document zigzagged over the ranks, with ``cu_seqlens``: shards of
+        ``S // P`` or ``S // P + 1`` tokens, see :func:`shard`; with ``ulysses`` S / P, each document
+        zigzagged over the rings of P / U ranks).
     :param device: backend name (``cpu``, ``cuda``, ``npu``, ...); default the tensors' device type.
     :param slots: the slot policy: ``bounded`` (two receive slots) or ``keep_all`` (every received shard
         kept; for comparisons only).
@@ -144,7 +146,7 @@ def attention(
     causal, scale, sinks, window, ulysses = check_call(q, k, v, causal, scale, balance, slots, handoff, sinks,
                                                        window, ulysses)  # fmt: skip
     return_lse = check_return_lse(return_lse)
-    check_document_balance(balance, cu_seqlens, ulysses)
+    check_document_balance(balance, cu_seqlens)
     if torch.compiler.is_compiling():
         if ulysses != 1:
             raise NotImplementedError(
@@ -208,7 +210,8 @@ def shard(
     ``L // 2P`` tokens, ``L % 2P`` of them one longer, and rank r gets chunks r and 2P - 1 - r of every
     document, in document order. Any length S >= P is split, with no padding; rank r's shard holds
     ``S // P + (1 if r < S % P else 0)`` tokens (:func:`xcp.schedule.shard_lengths`): shards differ by one
-    token at most, and are equal when P divides S.
+    token at most, and are equal when P divides S. With ``ulysses`` the documents are zigzagged over the R
+    ring positions and S must be a multiple of P, as under every balance: the pieces are equal.
 
     :raises ValueError: when the length along ``dim`` is not a multiple of what ``balance`` needs (and,
         with ``ulysses``, of P), or when ``ulysses`` does not divide ``world_size``.
@@ -219,16 +222,17 @@ def shard(
     schedule.check_world(world_size, rank)
     world_size, rank = int(world_size), int(rank)
     ulysses = check_ulysses(ulysses)
-    cu = check_placement(balance, cu_seqlens, ulysses, x.shape[dim])
+    cu = check_placement(balance, cu_seqlens, x.shape[dim])
     if ulysses != 1:
         rings = check_ulysses_divides(ulysses, world_size, "world_size")
         schedule.check_seq_len(x.shape[dim], rings, balance, what=f"x.shape[{dim}]")
         if x.shape[dim] % world_size:
+            also = f"; balance {balance!r} splits any length only with ulysses=1" if cu is not None else ""
             raise ValueError(
                 f"x.shape[{dim}]: expected a multiple of world_size {world_size} with ulysses={ulysses} (each of "
-                f"{rings} ring shards splits into {ulysses} pieces); got {x.shape[dim]}"
+                f"{rings} ring shards splits into {ulysses} pieces{also}); got {x.shape[dim]}"
             )
-        ring_shard = shard(x, rings, rank // ulysses, dim, balance)
+        ring_shard = shard(x, rings, rank // ulysses, dim, balance, cu_seqlens=cu)
         piece = ring_shard.shape[dim] // ulysses
         return ring_shard.narrow(dim, (rank % ulysses) * piece, piece).clone(memory_format=torch.contiguous_format)
     schedule.check_seq_len(x.shape[dim], world_size, balance, what=f"x.shape[{dim}]")
@@ -255,11 +259,14 @@ def unshard(
     world = len(shards)
     dim = check_dim(shards[0], dim)
     ulysses = check_ulysses(ulysses)
-    cu = check_placement(balance, cu_seqlens, ulysses, None)
+    cu = check_placement(balance, cu_seqlens, None)
     if ulysses != 1:  # the ranks of a head group hold consecutive pieces of one ring shard
         rings = check_ulysses_divides(ulysses, world, f"the {world} shards")
+        if cu is not None:  # every piece S / P tokens, as shard(..., ulysses=U) cuts them
+            for r, s in enumerate(shards):
+                check_piece_length(f"shards[{r}]", s.shape[dim], cu[-1], world, ulysses, balance)
         ring_shards = [torch.cat(list(shards[g * ulysses : (g + 1) * ulysses]), dim=dim) for g in range(rings)]
-        return unshard(ring_shards, dim, balance)
+        return unshard(ring_shards, dim, balance, cu_seqlens=cu)
     if cu is not None:
         seq_len = cu[-1]
         for r, s in enumerate(shards):

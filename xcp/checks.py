@@ -1,7 +1,7 @@
 """Every check of a call's arguments, in one place below the entry points (api, hybrid, ops).
 
 An error names the argument, what was expected and what came (``name: expected X; got Y``). The plans
-check their own inputs where they take them (:mod:`xcp.schedule`: balance, world, sequence length;
+check their own inputs where they take them (:mod:`xcp.schedule`: balance, world, sequence length, ulysses;
 :mod:`xcp.documents`: boundaries, window; :mod:`xcp.lifetime`: slot and hand-off policies); this module
 composes those with the checks of tensors and options that only a call has.
 
@@ -22,6 +22,10 @@ import torch
 from . import schedule
 from .documents import check_cu_seqlens, check_window
 from .lifetime import check_handoff, check_slots
+
+# with the plans' own checks, since xcp.choose_balance takes ulysses too; the entry points import them from here
+from .schedule import check_ulysses as check_ulysses
+from .schedule import check_ulysses_divides as check_ulysses_divides
 
 LAYOUT = "[batch, seq, heads, head_dim]"
 
@@ -146,26 +150,6 @@ def check_scale(scale: Any, head_dim: int) -> float:
     return float(scale)
 
 
-def check_ulysses(ulysses: Any) -> int:
-    """``ulysses`` as an int; a TypeError or ValueError naming it unless a positive integer."""
-    if type(ulysses) is int and ulysses >= 1:
-        return ulysses
-    if not schedule.is_integer(ulysses):
-        raise TypeError(f"ulysses: expected a positive integer (head-parallel ranks); got {ulysses!r}")
-    if int(ulysses) < 1:
-        raise ValueError(f"ulysses: expected a positive integer (head-parallel ranks); got {ulysses!r}")
-    return int(ulysses)
-
-
-def check_ulysses_divides(ulysses: int, world_size: int, what: str = "the world size") -> int:
-    """R = world_size // ulysses; a ValueError naming ulysses unless it divides ``world_size``."""
-    if world_size % ulysses:
-        raise ValueError(
-            f"ulysses: expected a divisor of {what} {world_size} (P = ulysses x ring ranks); got {ulysses}"
-        )
-    return world_size // ulysses
-
-
 def check_ulysses_heads(ulysses: int, heads: int) -> None:
     """A ValueError naming ulysses unless it divides the query heads."""
     if heads % ulysses:
@@ -221,7 +205,12 @@ def _cu_seqlens_values(cu_seqlens: Any) -> Any:
 
 
 def _check_documents(
-    cu_seqlens: Any, q: torch.Tensor, world: int, balance: str = schedule.DEFAULT_BALANCE, rank: int | None = None
+    cu_seqlens: Any,
+    q: torch.Tensor,
+    world: int,
+    balance: str = schedule.DEFAULT_BALANCE,
+    rank: int | None = None,
+    ulysses: int = 1,
 ) -> tuple[int, ...] | None:
     """The global document boundaries as a tuple, empty documents dropped (None for one non-empty document
     of a whole-sequence balance: the dense path)."""
@@ -232,10 +221,29 @@ def _check_documents(
         raise ValueError(f"q: expected batch 1 with cu_seqlens (the packed layout); got batch {q.shape[0]}")
     if balance in schedule.DOCUMENT_BALANCES:  # even one document: its chunks are not the dense path's halves
         cu = check_cu_seqlens(values)
+        if ulysses > 1:
+            check_piece_length("q", q.shape[1] // ulysses, cu[-1], world * ulysses, ulysses, balance)
         check_shard_length("q", q.shape[1], cu[-1], world, balance, rank)
         return cu
     cu = check_cu_seqlens(values, q.shape[1] * world)
     return None if len(cu) == 2 else cu
+
+
+def check_piece_length(name: str, n: int, seq_len: int, world: int, ulysses: int, balance: str) -> None:
+    """The hybrid cuts each ring shard into U equal pieces, so every rank holds S / P tokens under every
+    balance: a document balance, which splits any S >= P over a ring alone, needs P to divide S there. A
+    ValueError naming ``cu_seqlens`` where P does not divide ``seq_len``, else ``name`` unless ``n`` = S / P."""
+    if seq_len % world:
+        raise ValueError(
+            f"cu_seqlens: expected cu_seqlens[-1] a multiple of the {world} ranks with ulysses={ulysses} (each "
+            f"ring shard is cut into {ulysses} equal pieces; balance {balance!r} splits any length only with "
+            f"ulysses=1); got {seq_len}"
+        )
+    if n != seq_len // world:
+        raise ValueError(
+            f"{name}: expected {seq_len // world} tokens along the sequence dim (S / P of the {seq_len} tokens of "
+            f"cu_seqlens over {world} ranks with ulysses={ulysses}); got {n}"
+        )
 
 
 def check_shard_length(name: str, n: int, seq_len: int, world: int, balance: str, rank: int | None) -> None:
@@ -253,9 +261,9 @@ def check_shard_length(name: str, n: int, seq_len: int, world: int, balance: str
     )
 
 
-def check_document_balance(balance: str, cu_seqlens: Any, ulysses: int) -> bool:
+def check_document_balance(balance: str, cu_seqlens: Any) -> bool:
     """Whether ``balance`` places by documents (:data:`xcp.schedule.DOCUMENT_BALANCES`); raises where such
-    a balance cannot serve: without ``cu_seqlens``, or with the hybrid (``ulysses`` > 1)."""
+    a balance comes without ``cu_seqlens``, which it places by."""
     if balance not in schedule.DOCUMENT_BALANCES:
         return False
     if cu_seqlens is None:
@@ -263,20 +271,15 @@ def check_document_balance(balance: str, cu_seqlens: Any, ulysses: int) -> bool:
             f"cu_seqlens: expected the documents' boundaries with balance {balance!r} (it places each document "
             "over the ranks); got None"
         )
-    if ulysses != 1:
-        raise ValueError(
-            f"ulysses: expected 1 with balance {balance!r} (the hybrid cuts each ring shard into equal pieces; "
-            f"{balance!r} shards may differ by a token); got {ulysses}"
-        )
     return True
 
 
-def check_placement(balance: Any, cu_seqlens: Any, ulysses: int, seq_len: int | None) -> tuple[int, ...] | None:
+def check_placement(balance: Any, cu_seqlens: Any, seq_len: int | None) -> tuple[int, ...] | None:
     """What :func:`xcp.shard` and :func:`xcp.unshard` place by: the checked boundaries (ending at
     ``seq_len`` where given) for a document balance, None for a whole-sequence balance, which refuses them
     (:func:`xcp.attention` takes the documents for every balance; placing by them is another matter)."""
     schedule.check_balance(balance, documents=True)
-    if check_document_balance(balance, cu_seqlens, ulysses):
+    if check_document_balance(balance, cu_seqlens):
         return check_cu_seqlens(_cu_seqlens_values(cu_seqlens), seq_len)
     if cu_seqlens is not None:
         raise ValueError(
@@ -288,12 +291,19 @@ def check_placement(balance: Any, cu_seqlens: Any, ulysses: int, seq_len: int | 
 
 
 def check_documents(
-    cu_seqlens: Any, q: torch.Tensor, world: int, balance: str, window: Any, rank: int | None = None
+    cu_seqlens: Any,
+    q: torch.Tensor,
+    world: int,
+    balance: str,
+    window: Any,
+    rank: int | None = None,
+    ulysses: int = 1,
 ) -> tuple[int, ...] | None:
     """The documents a RingConfig takes: the checked boundaries, (0, S) with a window and no documents,
     None for one sequence without a window (the dense path). ``rank``: this rank, whose shard length a
-    document balance fixes (without it, any rank's length passes)."""
-    documents = _check_documents(cu_seqlens, q, world, balance, rank)
+    document balance fixes (without it, any rank's length passes). ``ulysses`` > 1: q is a ring shard of the
+    hybrid (U pieces of equal length), over ``world`` = R ring ranks."""
+    documents = _check_documents(cu_seqlens, q, world, balance, rank, ulysses)
     if window is not None and documents is None:  # the window's plan works on (0, S): one document
         schedule.check_seq_len(q.shape[1] * world, world, balance, what="the global sequence length")
         documents = (0, q.shape[1] * world)

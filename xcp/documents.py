@@ -504,6 +504,7 @@ def choose_balance(
     window: object = None,
     cu_seqlens: object = None,
     seq_len: int | None = None,
+    ulysses: int = 1,
 ) -> str:
     """The balance to shard with (pass it to :func:`xcp.shard`, :func:`xcp.attention` and
     :func:`xcp.unshard` alike) for this configuration.
@@ -520,8 +521,13 @@ def choose_balance(
     :func:`balance_costs` shows the figures.
 
     :param seq_len: the global sequence length, needed with a window when ``cu_seqlens`` is not given.
+    :param ulysses: U of the hybrid (``xcp.attention(..., ulysses=U)``): the balances are weighed over its
+        rings of P / U ranks, which run the plan (a head group's ranks share each ring shard's heads evenly),
+        and S must be a multiple of P, as the hybrid needs under every balance.
     """
     schedule.check_world(world_size)
+    u = schedule.check_ulysses(ulysses)
+    ring = schedule.check_ulysses_divides(u, int(world_size), "world_size")
     window = check_window(window, causal)
     if window is None and cu_seqlens is None:
         return schedule.DEFAULT_BALANCE
@@ -533,12 +539,17 @@ def choose_balance(
         )
     else:
         cu = (0, int(seq_len))
+    if u > 1 and cu[-1] % world_size:
+        raise ValueError(
+            f"{'seq_len' if cu_seqlens is None else 'cu_seqlens'}: expected a multiple of world_size {world_size} "
+            f"tokens with ulysses={u} (each ring shard is cut into {u} equal pieces, under every balance); got "
+            f"{cu[-1]}"
+        )
     balances = schedule.BALANCES if cu_seqlens is None else schedule.ALL_BALANCES
     order = {b: i for i, b in enumerate(("zigzag", "contiguous", *schedule.DOCUMENT_BALANCES, "stripe"))}
-    costs = balance_costs(cu, world_size, bool(causal), window, balances)
+    costs = balance_costs(cu, ring, bool(causal), window, balances)
     if not costs:
         raise ValueError(
-            f"seq_len: no balance can split {cu[-1]} tokens over {world_size} ranks "
-            f"(a multiple of {world_size} is needed)"
+            f"seq_len: no balance can split {cu[-1]} tokens over {ring} ranks (a multiple of {ring} is needed)"
         )
     return min(costs, key=lambda c: (int(10 * c.cost + 1e-9), c.steps, order[c.balance])).balance

@@ -290,7 +290,7 @@ def hybrid_config(
     h, hkv = heads // u, kv_heads * t // u
     qv, kv = _shaped(q, u * n, h), _shaped(k, u * n, hkv)  # the shapes the ring will see, for the checks
     vv = kv if v is None else _shaped(v, u * n, hkv)
-    documents = check_documents(cu_seqlens, qv, r, balance, window)
+    documents = check_documents(cu_seqlens, qv, r, balance, window, ulysses=u)
     spec = CallSpec(causal, scale, balance, slots, handoff, documents, window, u)
     # the ranks agree on the call, ulysses included, before any group is made or any head group exchanges
     check_agreement(comm, backend, qv, kv, vv, spec, sinks)

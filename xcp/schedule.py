@@ -22,6 +22,7 @@ import itertools
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 BALANCES = ("zigzag", "contiguous", "stripe")
 """Ways to place a whole sequence on ranks. ``zigzag`` is the default everywhere."""
@@ -100,6 +101,26 @@ def check_world(world_size: int, rank: object = _NO_RANK) -> None:
         raise ValueError(f"world_size: expected an integer >= 1; got {world_size!r} ({type(world_size).__name__})")
     if rank is not _NO_RANK and (not is_integer(rank) or not 0 <= rank < world_size):  # type: ignore[operator]
         raise ValueError(f"rank: expected an integer in [0, {world_size}); got {rank!r} ({type(rank).__name__})")
+
+
+def check_ulysses(ulysses: Any) -> int:
+    """``ulysses`` as an int; a TypeError or ValueError naming it unless a positive integer."""
+    if type(ulysses) is int and ulysses >= 1:
+        return ulysses
+    if not is_integer(ulysses):
+        raise TypeError(f"ulysses: expected a positive integer (head-parallel ranks); got {ulysses!r}")
+    if int(ulysses) < 1:
+        raise ValueError(f"ulysses: expected a positive integer (head-parallel ranks); got {ulysses!r}")
+    return int(ulysses)
+
+
+def check_ulysses_divides(ulysses: int, world_size: int, what: str = "the world size") -> int:
+    """R = world_size // ulysses; a ValueError naming ulysses unless it divides ``world_size``."""
+    if world_size % ulysses:
+        raise ValueError(
+            f"ulysses: expected a divisor of {what} {world_size} (P = ulysses x ring ranks); got {ulysses}"
+        )
+    return world_size // ulysses
 
 
 @dataclass(frozen=True)

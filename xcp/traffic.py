@@ -1,5 +1,5 @@
 """The bytes one rank of a ring sends, per tensor and step: one formula for the tools (``xcp plan``, ``xcp
-bench``) and the hybrid (:func:`xcp.hybrid.hybrid_traffic`).
+bench``), the sanitizer's bounds and the hybrid (:func:`xcp.hybrid.hybrid_traffic`).
 
 For a ring that runs m of its R steps over shards of n tokens (batch B):
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import schedule
 from .kernels.merge import accumulator_dtype
 
 
@@ -62,3 +63,23 @@ def ring_traffic(
     item = torch.empty((), dtype=dtype).element_size()
     acc = torch.empty((), dtype=accumulator_dtype(dtype)).element_size()
     return RingTraffic(world, steps, elements * item, elements * acc)
+
+
+def travelling_tokens(seq: int, world: int, balance: str) -> int:
+    """The tokens of a K/V shard as it travels the ring: S/P, or for a balance that places each document
+    (shards that differ by a token) the longest shard's, which the shorter ones are padded to."""
+    return schedule.shard_lengths(seq, world, balance)[0]
+
+
+def ring_bytes(seq: int, world: int, steps: int, kv_heads: int, head_dim: int, value_head_dim: int,
+               dtype: torch.dtype, balance: str = schedule.DEFAULT_BALANCE, batch: int = 1) -> RingTraffic:  # fmt: skip
+    """:func:`ring_traffic` with v of another head dim and shards as they travel
+    (:func:`travelling_tokens`): a K/V shard is K of ``head_dim`` and V of ``value_head_dim``, n·Hkv·(D + Dv)
+    elements (a dK/dV message alike). The formula is linear in the head dim and counts K and V alike, so it
+    is the mean of the formula at D and at Dv (exact: each is even)."""
+    padded = world * travelling_tokens(seq, world, balance)
+    at_d = ring_traffic(padded, world, steps, kv_heads, head_dim, dtype, batch)
+    if value_head_dim == head_dim:
+        return at_d
+    at_dv = ring_traffic(padded, world, steps, kv_heads, value_head_dim, dtype, batch)
+    return RingTraffic(world, steps, (at_d.kv_shard + at_dv.kv_shard) // 2, (at_d.dkv_message + at_dv.dkv_message) // 2)

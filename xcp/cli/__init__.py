@@ -11,9 +11,9 @@ import sys
 import textwrap
 from collections.abc import Sequence
 
-from .. import __version__
-from . import bench, plan, run, ulysses, windows
-from .common import DTYPES, HelpFormatter, Problem, add_problem_flags, positive, quiet_rank
+from .. import __version__, schedule
+from . import bench, decode, packing, plan, run, ulysses, windows
+from .common import DTYPES, FLAGS, HelpFormatter, Problem, add_problem_flags, positive, quiet_rank
 
 __all__ = ["build_parser", "main"]
 
@@ -79,13 +79,16 @@ def _add_sanitize(sub) -> None:
     p = sub.add_parser("sanitize", help="run the ring under the CPU lifetime sanitizer; exit 1 on any finding")
     p.add_argument("--world", type=positive, default=4, help="virtual ranks")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal mask")
-    add_problem_flags(p, SANITIZE_DEFAULTS, ["balance"])
+    p.add_argument("--balance", choices=schedule.ALL_BALANCES, default=SANITIZE_DEFAULTS.balance,
+                   help=f"{FLAGS['balance']['help']}; {packing.DOCUMENT_BALANCE_HELP}")  # fmt: skip
     p.add_argument("--handoff", choices=HANDOFF_POLICIES, default=None, help="default: the sim backend's own")
     p.add_argument("--backward", action="store_true", help="also run the backward ring (bound: 4 shards)")
     p.add_argument("--policy", choices=SLOT_POLICIES, default="bounded", help="ring buffer slot policy")
     add_problem_flags(p, SANITIZE_DEFAULTS, ["dtype", "heads", "kv_heads", "head_dim", "value_head_dim"])
     p.add_argument("--seq", type=positive, default=None,
-                   help="global length; default 4 tokens per rank (with --documents N, at least N)")  # fmt: skip
+                   help="global length; default 4 tokens per rank (with --documents N, at least N); under "
+                   "document_zigzag any length >= --world (shards differ by a token; a multiple of --world with "
+                   "--ulysses)")  # fmt: skip
     p.add_argument("--calls", type=positive, default=1, help="calls per rank (more exercise the workspace)")
     p.add_argument("--documents", type=positive, default=None, metavar="N",
                    help="pack the sequence with N documents of random lengths (some of 1 token, drawn from --seed); "
@@ -124,11 +127,15 @@ def _cmd_sanitize_decode(args) -> int:
 def _cmd_sanitize(args) -> int:
     from ..testing.sanitizer import sanitize_ring
 
+    packing.check_balance(args.balance, args.documents is not None)
     if args.decode is not None:
+        decode.check_alone(((packing.FLAG, args.documents is not None), (ulysses.FLAG, args.ulysses != 1)))
         return _cmd_sanitize_decode(args)
     window = windows.check(args.window, args.causal)
     if args.ulysses > 1:
         ulysses.check_flag(args.ulysses, args.world, args.heads)
+        if args.seq is not None:
+            ulysses.check_seq(args.seq, args.world, args.ulysses, args.balance)
     report = sanitize_ring(
         world=args.world,
         causal=args.causal,

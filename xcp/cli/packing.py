@@ -26,6 +26,8 @@ from ..documents import document_plan
 FLAG = "--documents"
 LONGTAIL = "longtail"
 SYNTAX = "comma-separated document lengths (integers >= 1, summing to S) or longtail:MIN:MAX[:SEED]"
+DOCUMENT_BALANCE_HELP = f"document_zigzag (each packed document zigzagged over the ranks) with {FLAG}"
+"""What ``--balance`` says of the balances that place each document, in every tool that takes them."""
 
 
 @dataclass(frozen=True)
@@ -111,18 +113,13 @@ def check_total(total: int, world: int, balance: str) -> None:
         )
 
 
-def check_balance(balance: str, documents: bool, ulysses: int = 1) -> None:
+def check_balance(balance: str, documents: bool) -> None:
     """A ValueError naming ``--balance`` where a balance that places each packed document (``document_zigzag``)
-    comes without ``--documents``, and naming ``--ulysses`` where the hybrid would cut its shards, which may
-    differ by a token, into equal pieces."""
-    if balance not in schedule.DOCUMENT_BALANCES:
-        return
-    if not documents:
+    comes without ``--documents``. (With ``--ulysses`` it needs S a multiple of P, as every balance does:
+    :func:`xcp.cli.ulysses.check_seq`.)"""
+    if balance in schedule.DOCUMENT_BALANCES and not documents:
         raise ValueError(f"--balance: {balance} places each packed document: expected {FLAG} too; got --balance "
                          f"{balance} without {FLAG}")  # fmt: skip
-    if ulysses != 1:
-        raise ValueError(f"--ulysses: expected 1 with balance {balance} (its shards may differ by a token; the hybrid "
-                         f"cuts each ring shard into equal pieces); got {ulysses}")  # fmt: skip
 
 
 def resolve_lengths(spec: DocumentSpec, seq: int | None, world: int, balance: str, seq_flag: str = "--seq"):

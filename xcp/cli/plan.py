@@ -11,6 +11,7 @@ from .. import schedule
 from ..documents import document_plan
 from ..hybrid import hybrid_traffic, kv_replicas
 from ..kernels.merge import accumulator_dtype
+from ..traffic import ring_bytes, travelling_tokens
 from . import decode, packing, ulysses, windows
 from .common import (
     DTYPES,
@@ -256,9 +257,9 @@ def cost_lines(seq: int, world_size: int, steps: int, kv_heads: int, head_dim: i
     ``head_dim``, V in ``value_head_dim`` (None: ``head_dim``), shards as ``balance`` makes them travel."""
     torch_dtype = DTYPES[dtype]
     dv = head_dim if value_head_dim is None else value_head_dim
-    ring, dense = (windows.ring_bytes(seq, world_size, m, kv_heads, head_dim, dv, torch_dtype, balance)
+    ring, dense = (ring_bytes(seq, world_size, m, kv_heads, head_dim, dv, torch_dtype, balance)
                    for m in (steps, world_size))  # fmt: skip
-    local = windows.travelling_tokens(seq, world_size, balance)
+    local = travelling_tokens(seq, world_size, balance)
 
     cell = bytes_cell
     rows = [
@@ -520,8 +521,7 @@ def add_parser(sub) -> None:
     p.add_argument("--world", type=positive, required=True, help="ranks in the ring")
     p.add_argument("--causal", action="store_true", help="causal mask (default: full attention)")
     p.add_argument("--balance", choices=windows.DOCUMENT_BALANCE_CHOICES, default=schedule.DEFAULT_BALANCE,
-                   help=windows.BALANCE_HELP + "; document_zigzag (each packed document zigzagged over the ranks) "
-                   "with --documents")  # fmt: skip
+                   help=f"{windows.BALANCE_HELP}; {packing.DOCUMENT_BALANCE_HELP}")  # fmt: skip
     packing.add_flag(p, "packed documents: their lengths in sequence order (summing to S), or lengths drawn "
                      "log-uniformly in [MIN, MAX] (seeded) to fill --seq")  # fmt: skip
     p.add_argument(
@@ -550,7 +550,7 @@ def command(args) -> int:
     world, causal, u = args.world, args.causal, args.ulysses
     if args.heads % args.kv_heads:
         raise ValueError(f"--kv-heads: expected a divisor of --heads {args.heads}; got {args.kv_heads}")
-    packing.check_balance(args.balance, args.documents is not None, u)
+    packing.check_balance(args.balance, args.documents is not None)
     if args.decode is not None:
         return decode.plan_command(args)
     ring = ulysses.check_flag(u, world, args.heads)  # the ring's ranks: P, or R = P/U with --ulysses
@@ -564,16 +564,18 @@ def command(args) -> int:
         cu = (0, args.seq)
     elif window is not None:
         raise ValueError(f"{windows.FLAG}: expected --seq (or --documents) too: a window's plan depends on S")
-    balance = windows.resolve_balance(args.balance, ring, causal, window, documents, None if cu is None else cu[-1])
+    if cu is not None and u > 1:  # P divides S (before auto's choice, which needs it too)
+        ulysses.check_seq(cu[-1], world, u, windows.check_balance(args.balance), "--seq" if documents is None
+                          else packing.FLAG)  # fmt: skip
+    balance = windows.resolve_balance(args.balance, world, causal, window, documents, None if cu is None else cu[-1],
+                                      u)  # fmt: skip
     if args.balance == windows.AUTO:
         print(f"--balance auto: xcp.choose_balance recommends {balance}")
-        packing.check_balance(balance, documents is not None, u)
+        packing.check_balance(balance, documents is not None)
     if cu is not None and documents is None:
         schedule.check_seq_len(cu[-1], ring, balance, what="--seq")
     elif documents is not None:
         packing.check_total(documents[-1], ring, balance)
-    if cu is not None and u > 1:
-        ulysses.check_seq(cu[-1], world, u, balance, "--seq" if documents is None else packing.FLAG)
     if u > 1:
         print("\n".join(hybrid_lines(world, u, args.heads, args.kv_heads)))
         print()
@@ -600,7 +602,7 @@ def command(args) -> int:
                                         args.value_head_dim, balance)))  # fmt: skip
         if documents is not None or window is not None:
             print()
-            print("\n".join(windows.balance_lines(cu, ring, causal, window, balance)))
+            print("\n".join(windows.balance_lines(cu, world, causal, window, balance, u)))
     elif u > 1:
         print()
         print("give --seq (S) for the bytes each rank sends at each step of the all-to-alls and the ring")

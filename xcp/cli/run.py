@@ -247,8 +247,7 @@ def add_parser(sub) -> None:
     add_problem_flags(p, d, ["heads", "kv_heads", "head_dim", "value_head_dim", "dtype"])
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=d.causal, help="causal mask")
     p.add_argument("--balance", choices=schedule.ALL_BALANCES, default=d.balance,
-                   help=FLAGS["balance"]["help"] + "; document_zigzag (each packed document zigzagged over the ranks) "
-                   f"with {packing.FLAG}")  # fmt: skip
+                   help=f"{FLAGS['balance']['help']}; {packing.DOCUMENT_BALANCE_HELP}")  # fmt: skip
     packing.add_flag(p, "packed documents (batch 1), each attending within itself (xcp.attention's cu_seqlens): "
                      "their lengths in sequence order (summing to S), or lengths drawn log-uniformly in [MIN, MAX] "
                      "(seeded) to fill --seq; checked against float64 attention over each document")  # fmt: skip
@@ -280,7 +279,7 @@ def _documents(args: argparse.Namespace) -> tuple[int, tuple[int, ...] | None]:
 def command(args: argparse.Namespace) -> int:
     backend, _ = tool_backend(args.device)  # an unknown or unusable backend: xcp's error and the table, first
     check_value_dim(backend, args.head_dim, args.value_head_dim or args.head_dim)
-    packing.check_balance(args.balance, args.documents is not None, args.ulysses)
+    packing.check_balance(args.balance, args.documents is not None)
     if args.decode is not None:
         return decode.run_command(args, problem_args(args))
     if args.ulysses > 1 and not under_torchrun():  # under torchrun, once the world size is known

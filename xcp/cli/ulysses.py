@@ -36,7 +36,8 @@ def check_seq(seq: int, world: int, ulysses: int, balance: str, seq_flag: str = 
     rings = world // ulysses
     schedule.check_seq_len(seq, rings, balance, what=seq_flag)
     if seq % world:
+        also = f"; {balance} splits any length only with {FLAG} 1" if balance in schedule.DOCUMENT_BALANCES else ""
         raise ValueError(
             f"{seq_flag}: expected a multiple of {world} ranks with {FLAG} {ulysses} (each of the {rings} "
-            f"ring shards is cut into {ulysses} pieces); got {seq}"
+            f"ring shards is cut into {ulysses} pieces{also}); got {seq}"
         )

@@ -6,7 +6,8 @@ unbounded; with a causal mask R must be 0 or none. A window needs batch 1 (the r
 sequence, ``(0, S)``, or over ``--documents``).
 
 The bytes a rank sends, for a ring that runs m of P steps: :func:`xcp.traffic.ring_traffic` (K/V shards of
-S/P tokens), or :func:`ring_bytes` where v has another head dim or ``document_zigzag`` shards differ by a token.
+S/P tokens), or :func:`xcp.traffic.ring_bytes` where v has another head dim or ``document_zigzag`` shards
+differ by a token.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from .. import schedule
 from ..documents import balance_costs, check_window, choose_balance, document_plan, ring_segments
 from ..kernels.merge import accumulator_dtype
-from ..traffic import RingTraffic, ring_traffic
+from ..traffic import RingTraffic
 from .common import human_bytes
 
 FLAG = "--window"
@@ -108,26 +109,6 @@ def rank_pairs(cu: tuple[int, ...], world: int, causal: bool, balance: str, wind
     return [sum(document_plan(cu, world, r, causal, balance, window).pairs) for r in range(world)]
 
 
-def travelling_tokens(seq: int, world: int, balance: str) -> int:
-    """The tokens of a K/V shard as it travels the ring: S/P, or for a balance that places each document
-    (shards that differ by a token) the longest shard's, which the shorter ones are padded to."""
-    return schedule.shard_lengths(seq, world, balance)[0]
-
-
-def ring_bytes(seq: int, world: int, steps: int, kv_heads: int, head_dim: int, value_head_dim: int,
-               dtype: torch.dtype, balance: str = schedule.DEFAULT_BALANCE, batch: int = 1) -> RingTraffic:  # fmt: skip
-    """:func:`xcp.traffic.ring_traffic` with v of another head dim and shards as they travel
-    (:func:`travelling_tokens`): a K/V shard is K of ``head_dim`` and V of ``value_head_dim``, n·Hkv·(D + Dv)
-    elements (a dK/dV message alike). The formula is linear in the head dim and counts K and V alike, so it
-    is the mean of the formula at D and at Dv (exact: each is even)."""
-    padded = world * travelling_tokens(seq, world, balance)
-    at_d = ring_traffic(padded, world, steps, kv_heads, head_dim, dtype, batch)
-    if value_head_dim == head_dim:
-        return at_d
-    at_dv = ring_traffic(padded, world, steps, kv_heads, value_head_dim, dtype, batch)
-    return RingTraffic(world, steps, (at_d.kv_shard + at_dv.kv_shard) // 2, (at_d.dkv_message + at_dv.dkv_message) // 2)
-
-
 def formula_lines(t: RingTraffic, local: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                   value_head_dim: int | None = None, padded: bool = False) -> list[str]:  # fmt: skip
     """How the bytes are counted, with the problem's numbers in (``local``: S/P, or with ``padded`` the
@@ -149,18 +130,21 @@ def formula_lines(t: RingTraffic, local: int, kv_heads: int, head_dim: int, dtyp
     ]
 
 
-def balance_lines(cu: tuple[int, ...], world: int, causal: bool, window: tuple | None, current: str) -> list[str]:
+def balance_lines(cu: tuple[int, ...], world: int, causal: bool, window: tuple | None, current: str,
+                  ulysses: int = 1) -> list[str]:  # fmt: skip
     """Which balance xcp.choose_balance recommends, and how it weighs each (xcp.documents.balance_costs; with
-    documents, the balances that place each document too)."""
+    documents, the balances that place each document too; with ``ulysses``, over the rings of P/U ranks)."""
     documents = None if cu == (0, cu[-1]) else cu
-    chosen = choose_balance(world, causal=causal, window=window, cu_seqlens=documents, seq_len=cu[-1])
+    chosen = choose_balance(world, causal=causal, window=window, cu_seqlens=documents, seq_len=cu[-1], ulysses=ulysses)
+    world //= ulysses  # the ranks of the ring the balances are weighed over
     balances = schedule.BALANCES if documents is None else schedule.ALL_BALANCES
     costs = {c.balance: c for c in balance_costs(cu, world, causal, window, balances)}
     order = ", ".join(("zigzag", "contiguous", *(schedule.DOCUMENT_BALANCES if documents else ()), "stripe"))
     how = (f"(it weighs the busiest rank's pairs plus a per-call cost of 2^24 pairs, in 10% steps of the even share; "
            f"then the fewest ring steps; then {order} in that order):")  # fmt: skip
     lines = [
-        f"balance: xcp.choose_balance recommends {chosen}",
+        f"balance: xcp.choose_balance recommends {chosen}"
+        + (f" (ulysses={ulysses}: weighed over rings of {world} ranks)" if ulysses > 1 else ""),
         *textwrap.wrap(how, 100, initial_indent="  ", subsequent_indent="  "),
     ]
     width = max(map(len, balances))
@@ -176,12 +160,13 @@ def balance_lines(cu: tuple[int, ...], world: int, causal: bool, window: tuple |
 
 
 def resolve_balance(balance: str, world: int, causal: bool, window: tuple | None, cu: tuple[int, ...] | None,
-                    seq: int | None = None) -> str:  # fmt: skip
+                    seq: int | None = None, ulysses: int = 1) -> str:  # fmt: skip
     """``balance`` itself, or for ``auto`` what :func:`xcp.choose_balance` recommends (``cu``: documents;
-    ``seq``: S when there are none)."""
+    ``seq``: S when there are none; ``ulysses``: U of the hybrid over ``world`` ranks)."""
     if balance != AUTO:
         return balance
-    return choose_balance(world, causal=causal, window=window, cu_seqlens=cu, seq_len=None if cu else seq)
+    return choose_balance(world, causal=causal, window=window, cu_seqlens=cu, seq_len=None if cu else seq,
+                          ulysses=ulysses)  # fmt: skip
 
 
 def check_balance(balance: str) -> str:

@@ -37,7 +37,7 @@ from ..hybrid import (
 )
 from ..lifetime import check_handoff, check_slots, track_buffers
 from ..ring import RingConfig, ring_backward, ring_forward
-from ..traffic import ring_traffic
+from ..traffic import ring_bytes
 from .reference import sdpa_reference
 from .sim_backend import SimBackend, SimPlugin
 from .sim_device import DeviceModel, Finding
@@ -282,6 +282,9 @@ def sanitize_ring(
     """Run the ring on ``world`` virtual ranks of the sim device and check every lifetime rule.
 
     :param world: number of ranks P.
+    :param balance: a whole-sequence balance, or ``document_zigzag`` with ``documents`` (each document
+        zigzagged over the ranks; ``seq`` then need not be a multiple of P without ulysses: the shards differ by
+        a token and travel as long as the longest, which the byte bound counts).
     :param handoff: hand-off policy (``record_stream``, ``clone``, ``event``, ``none``); None: the sim
         backend's default, ``record_stream``.
     :param backward: also run the backward pass (then the bound is 4 shards instead of 2).
@@ -321,7 +324,10 @@ def sanitize_ring(
         raise TypeError("causal and backward: expected bools")
     if dtype not in TOLERANCE:
         raise ValueError(f"dtype: expected one of {', '.join(map(str, TOLERANCE))}; got {dtype}")
-    schedule.check_balance(balance)
+    schedule.check_balance(balance, documents=True)
+    if balance in schedule.DOCUMENT_BALANCES and documents is None:
+        raise ValueError(f"documents: expected a number of documents with balance {balance!r} (it places each "
+                         "document over the ranks); got None")  # fmt: skip
     check_slots(slots)
     if handoff is not None:
         check_handoff(handoff)
@@ -340,7 +346,7 @@ def sanitize_ring(
     else:
         _check_int("seq", seq, 1)
     schedule.check_seq_len(seq, ring, balance, what="seq")
-    if seq % world:
+    if ulysses > 1 and seq % world:  # (without ulysses the balance's own check covers it)
         raise ValueError(
             f"seq: expected a multiple of world={world} with ulysses={ulysses} (each of the {ring} ring shards is cut "
             f"into {ulysses} pieces); got {seq}"
@@ -377,9 +383,9 @@ def sanitize_ring(
     bound = BACKWARD_BOUND if backward else FORWARD_BOUND
     # a ring shard: S/R tokens with H_kv'/U K/V heads (S/P and H_kv without ulysses)
     ring_kv_heads = kv_heads * kv_replicas(heads, kv_heads, ulysses) // ulysses
-    # two shards (K in head_dim, V in value_dim): the formula at each dim counts one K/V shard's worth of each
-    sent = [ring_traffic(seq, ring, ring, ring_kv_heads, d, dtype, batch) for d in (head_dim, value_dim)]
-    bound_bytes = sum(t.kv_shard + (t.dkv_message if backward else 0) for t in sent)
+    # two K/V shards (and two dK/dV messages), as long as the longest shard: those the ring's slots hold
+    sent = ring_bytes(seq, ring, ring, ring_kv_heads, head_dim, value_dim, dtype, balance, batch)
+    bound_bytes = 2 * (sent.kv_shard + (sent.dkv_message if backward else 0))
     config = {
         "world": world, "causal": causal, "balance": balance, "handoff": handoff or SimBackend.handoff_policy,
         "backward": backward, "dtype": str(dtype).replace("torch.", ""), "heads": heads, "kv_heads": kv_heads,
@@ -396,9 +402,11 @@ def sanitize_ring(
     with Sanitizer() as san:
         lw = LocalWorld(world, timeout=60.0)
 
+        placed = cu if balance in schedule.DOCUMENT_BALANCES else None  # what shard and unshard place by
+
         def rank(group: Any) -> tuple:
             with san.thread(f"rank{group.rank()}"), track_buffers() as ledger:
-                ql, kl, vl, dl = (shard(x, world, group.rank(), balance=balance, ulysses=ulysses)
+                ql, kl, vl, dl = (shard(x, world, group.rank(), balance=balance, ulysses=ulysses, cu_seqlens=placed)
                                   for x in (q, k, v, dout))  # fmt: skip
                 if ulysses > 1:
                     for _ in range(calls):
@@ -419,7 +427,7 @@ def sanitize_ring(
         ledgers = [r[0] for r in results]
         errors = {}
         for i, name in enumerate(refs):
-            got = unshard([r[1][i] for r in results], balance=balance, ulysses=ulysses).double()
+            got = unshard([r[1][i] for r in results], balance=balance, ulysses=ulysses, cu_seqlens=placed).double()
             errors[name] = (got - refs[name]).abs().max().item() / max(1.0, refs[name].abs().max().item())
         del results
         lw.release_buffers()

@@ -50,8 +50,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     add_problem_flags(p, d, [n for n in MEASUREMENT_FLAGS if n not in (*SIZE_FLAGS, "value_head_dim")])
     p.add_argument("--balance", choices=windows.DOCUMENT_BALANCE_CHOICES, default=d.balance,
-                   help=windows.BALANCE_HELP + "; document_zigzag (each packed document zigzagged over the ranks) "
-                   "with --documents")  # fmt: skip
+                   help=f"{windows.BALANCE_HELP}; {packing.DOCUMENT_BALANCE_HELP}")  # fmt: skip
     for name in ("heads", "kv_heads", "head_dim", "dtype"):
         p.add_argument("--" + name.replace("_", "-"), default=None, **_size_flag(name))
         if name == "head_dim":

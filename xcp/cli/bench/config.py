@@ -175,7 +175,7 @@ class BenchConfig(Measurement):
         for s in self.seqs:
             for p in self.worlds:
                 for u in values:
-                    balance = windows.resolve_balance(self.balance, p // u, True, None, None)
+                    balance = windows.resolve_balance(self.balance, p, True, None, None, ulysses=u)
                     ulysses.check_seq(s, p, u, balance, "--seqs")
 
     def _validate_decode(self) -> None:

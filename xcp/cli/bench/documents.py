@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ...documents import document_plan
+from ...traffic import ring_bytes
 from .. import packing, windows
 from ..common import (
     Clock,
@@ -105,7 +106,7 @@ def _time_documents(cfg: BenchConfig, backend, clock: Clock, device: torch.devic
     }
     dtype = full[0].dtype
     for name, m in (("ring", steps), ("dense", world)):  # what each rank sends, by the formula
-        t = windows.ring_bytes(seq, world, m, cfg.kv_heads, cfg.head_dim, cfg.value_dim, dtype, balance, cfg.batch)
+        t = ring_bytes(seq, world, m, cfg.kv_heads, cfg.head_dim, cfg.value_dim, dtype, balance, cfg.batch)
         row[f"{name}_sent_formula"] = {"steps": m, "fwd": t.forward, "fwd_bwd": t.total, "kv_shard": t.kv_shard,
                                        "dkv_message": t.dkv_message}  # fmt: skip
     flops = {b: pair_flops(total, cfg.heads, cfg.head_dim, b, cfg.value_dim) for b in (False, True)}

@@ -78,7 +78,7 @@ def _time_ulysses(cfg: BenchConfig, backend, clock: Clock, device: torch.device,
     """One row of ``--ulysses``: the hybrid with head groups of ``ulysses`` ranks over ``world``."""
     full = random_inputs(cfg, seq, device)
     rings = world // ulysses
-    balance = windows.resolve_balance(cfg.balance, rings, causal, None, None)  # dense: auto is zigzag
+    balance = windows.resolve_balance(cfg.balance, world, causal, None, None, ulysses=ulysses)  # dense: zigzag
     ring = VirtualRing(backend, world, full, causal, balance, ulysses=ulysses)
     t, tv = (hybrid_traffic(cfg.batch, seq, cfg.heads, cfg.kv_heads, d, DTYPES[cfg.dtype], world, ulysses)
              for d in (cfg.head_dim, cfg.value_dim))  # fmt: skip
