@@ -24,6 +24,8 @@
 #                               # square as two causal calls, the 64K rings' device time by kernel (stripe, zigzag)
 #   benchmarks/h200.sh mla-ring # 192/128: cuda tests, the add kernel against torch's, the 64K/128K rings (zigzag,
 #                               # stripe) and the hybrid (U = 4, 8) over 8 ranks, the 32/8 x 128 ring, a profile (~6 min)
+#   benchmarks/h200.sh fillers  # varlen calls with filler segments: cuda tests, conformance varlen cases, the 128K
+#                               # longtail documents over 8 ranks, document_zigzag (one call a step) beside zigzag
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -296,6 +298,18 @@ mla-ring)
   timeout 60 python3 benchmarks/ring_profile.py --seq 65536 --world 8 --mask causal --balance stripe "${mla[@]:0:8}" \
     --top 14 2>&1 | tee "$out/mla_profile_stripe.txt"
   ;;
-*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench|decode|chunk|mla|mla-profile|mla-ring" >&2; exit 2 ;;
+fillers)
+  section "cuda tests: varlen calls with filler segments (no keys / no queries), conformance varlen cases on cuda"
+  timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_cuda_backend.py -k "varlen or filler" 2>&1 \
+    | tail -3 | tee "$out/fillers_tests.txt"
+  timeout 90 python3 -m xcp.testing --xcp-backend cuda -q -p no:cacheprovider -k varlen 2>&1 | tail -3 \
+    | tee -a "$out/fillers_tests.txt"
+  for balance in document_zigzag zigzag; do
+    section "xcp bench --documents (S = 128K, P = 8, causal), balance $balance"
+    timeout 100 xcp bench --documents longtail:512:32768 --seqs 131072 --worlds 8 --mask causal --balance $balance \
+      --reps 3 --quiet 2>&1 | tee "$out/fillers_$balance.txt"
+  done
+  ;;
+*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench|decode|chunk|mla|mla-profile|mla-ring|fillers" >&2; exit 2 ;;
 esac
 section done

@@ -739,16 +739,28 @@ def test_varlen_falls_back_to_one_call_per_segment(monkeypatch, dtype, head_dim,
         assert len(fake.calls) == 4 * (len(cu_q) - 1)
 
 
-def test_varlen_needs_keys_and_queries_in_every_segment(monkeypatch):
-    """A segment without keys would come back from flash with lse +inf: the per-segment loop serves it."""
-    assert kernels.varlen_served((0, 2, 5), (0, 1, 4))
-    assert not kernels.varlen_served((0, 2, 5), (0, 0, 4)) and not kernels.varlen_served((0, 0, 5), (0, 1, 4))
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_serves_filler_segments_in_one_flash_call(monkeypatch, causal):
+    """Filler segments (no keys: rows out 0, lse -inf, dq 0; no queries: keys dK = dV = 0) go to one flash
+    varlen call, flash's +inf lse of rows without keys turned into -inf; against the per-segment loop. A
+    segment with neither is not served."""
+    assert kernels.varlen_served((0, 2, 5), (0, 1, 4)) and kernels.varlen_served((0, 2, 5), (0, 0, 4))
+    assert kernels.varlen_served((0, 0, 5), (0, 1, 4)) and not kernels.varlen_served((0, 0, 5), (0, 0, 4))
     backend, fake = _cpu_backend(monkeypatch)
-    q, k, v = _varlen_block((0, 2, 5), (0, 0, 4), 2, 2, 16, torch.float16, seed=1)
-    assert not backend.varlen_kernel(q, (0, 2, 5), (0, 0, 4))
-    out, lse = backend.forward_varlen(q, k, v, (0, 2, 5), (0, 0, 4), False, 0.25)
-    assert (out[:, :2] == 0).all() and torch.isneginf(lse[:, :, :2]).all()
-    assert not any(c[0].startswith("flash_varlen") for c in fake.calls)
+    cu_q, cu_k = ((0, 3, 3, 5, 7), (0, 0, 2, 4, 6)) if causal else ((0, 2, 2, 5, 6), (0, 0, 3, 5, 9))
+    q, k, v = _varlen_block(cu_q, cu_k, 2, 2, 16, torch.float16, seed=1)
+    assert backend.varlen_fillers and backend.varlen_kernel(q, cu_q, cu_k)
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, causal, 0.25)
+    dout = _rand(*out.shape, dtype=torch.float16, seed=2)
+    grads = backend.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, 0.25)
+    assert [c[0] for c in fake.calls] == ["flash_varlen_fwd", "flash_varlen_bwd"]
+    rows = slice(cu_q[0], cu_q[1])  # the first segment has no keys
+    assert (out[:, rows] == 0).all() and torch.isneginf(lse[:, :, rows]).all() and (grads[0][:, rows] == 0).all()
+    base = xcp.Backend
+    want_fwd = base.forward_varlen(backend, q, k, v, cu_q, cu_k, causal, 0.25)
+    want_bwd = base.backward_varlen(backend, dout, q, k, v, out, lse, cu_q, cu_k, causal, 0.25)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (*want_fwd, *want_bwd)):
+        _close(name, got, want, 4e-3)
 
 
 @pytest.mark.parametrize(("layout", "window"), [("causal", None), ("full", None), ("full", (2, 1))])

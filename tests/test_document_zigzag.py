@@ -17,13 +17,22 @@ import re
 
 import pytest
 import torch
-from helpers import NAMES, allowed_pairs, independent_masked_reference, pairs_of_runs, rank_errors, ring_with_documents
+from helpers import (
+    NAMES,
+    allowed_pairs,
+    independent_masked_reference,
+    installed,
+    pairs_of_runs,
+    rank_errors,
+    ring_with_documents,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import assert_close_to
 
 import xcp
 from xcp import documents, schedule
+from xcp.backends.cpu import CPUBackend
 
 DZ = "document_zigzag"
 
@@ -122,6 +131,14 @@ def test_the_plan_computes_exactly_the_allowed_pairs(layout, causal, window):
             assert len(got) == len(set(got)) and set(got) == want, (rank, i)
             for run in plan.steps[i] if i < len(plan.steps) else ():
                 assert 0 <= run.q0 < run.q1 <= lengths[rank] and 0 <= run.k0 < run.k1 <= lengths[src]
+            joined = documents.join_runs(plan.steps[i]) if i < len(plan.steps) else ()
+            assert sorted(pairs_of_runs(joined)) == sorted(got), (rank, i)  # the fillers add no pair
+            for run in joined:
+                assert run.cu_q[-1] == run.q1 - run.q0 and run.cu_k[-1] == run.k1 - run.k0
+                sides = list(zip(run.cu_q, run.cu_q[1:], run.cu_k, run.cu_k[1:]))
+                assert all(b >= a and d >= c and (b > a or d > c) for a, b, c, d in sides)
+            if window is None:  # a document's chunks lie together: one call a step
+                assert len(joined) <= 1, (rank, i, joined)
 
 
 def causal_work(cu: tuple[int, ...], world: int, balance: str) -> list[int]:
@@ -190,6 +207,42 @@ def test_float64_ring_matches_the_masked_reference(world, lengths, causal):
     want = independent_masked_reference(q, k, v, dout, cu, causal, sinks)
     for name, g, w in zip(NAMES, got, want):
         assert_close_to(name, g, w, 1e-10)
+
+
+class FillerCPU(CPUBackend):
+    """CPU kernels (the base class's loop over segments, which skips fillers) declaring that its varlen calls
+    serve filler segments, so the ring joins each step's runs; every varlen call's segments recorded."""
+
+    varlen_fillers = True
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.varlen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def forward_varlen(self, q, k, v, cu_q, cu_k, causal, scale, window=None):
+        self.varlen.append((tuple(cu_q), tuple(cu_k)))
+        return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale, window)
+
+
+@pytest.mark.parametrize(("world", "lengths", "causal"), [c for c in CASES if c[0] > 1])
+def test_float64_ring_with_filler_segments_matches_the_masked_reference(world, lengths, causal):
+    """A backend that serves filler segments gets one call a step (the rows and keys between documents as
+    segments without keys or queries); out, dq, dk, dv to 1e-10 against one softmax over the sequence."""
+    cu = boundaries(lengths)
+    gen = torch.Generator().manual_seed(world * 11 + len(lengths))
+    q, k, v, dout = (torch.randn(1, cu[-1], 2, 4, generator=gen, dtype=torch.float64) for _ in range(4))
+    with installed(FillerCPU(f"filler-cpu-{world}-{causal}")) as backend:
+        got = ring_with_documents(q, k, v, dout, world, DZ, causal, cu, device=backend.name)
+    want = independent_masked_reference(q, k, v, dout, cu, causal, None)
+    for name, g, w in zip(NAMES, got, want):
+        assert_close_to(name, g, w, 1e-10)
+    fillers = [
+        (a, b, c, d) for cu_q, cu_k in backend.varlen for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])
+        if a == b or c == d
+    ]  # fmt: skip
+    assert all((a == b) != (c == d) for a, b, c, d in fillers)  # empty on one side, never both
+    assert fillers or not causal  # causal: a document's rows of one chunk see the keys of one chunk
 
 
 @pytest.mark.parametrize(("causal", "window"), [(True, (6, 0)), (False, (3, 9))])

@@ -60,7 +60,8 @@ class Run:
     """One kernel call: segments that tile query rows [q0, q1) and key rows [k0, k1) without gaps.
 
     ``cu_q``/``cu_k`` are the cumulative lengths relative to q0/k0 (``(0, ..., q1 - q0)``); one segment is
-    a dense call with mask ``causal`` or ``none``.
+    a dense call with mask ``causal`` or ``none``. A run made by :func:`join_runs` may hold filler segments,
+    without queries or without keys, over the rows between its documents.
     """
 
     q0: int
@@ -251,6 +252,39 @@ def runs(segs: Sequence[Segment]) -> tuple[Run, ...]:
         group.append(s)
     flush()
     return tuple(out)
+
+
+def join_runs(calls: Sequence[Run]) -> tuple[Run, ...]:
+    """Consecutive runs of full segments (no mask, no band) as one run: the query rows between two runs become
+    a segment without keys (its rows see nothing: out 0, lse -inf), the key rows between them a segment
+    without queries (no row sees them: dK/dV 0). A block whose documents are not contiguous in the shards
+    (``document_zigzag``: each document's two chunks lie together, its keys of one chunk are followed by
+    those of the other) then takes one varlen call a step instead of one per document, on a backend whose
+    varlen kernel serves such filler segments (``Backend.varlen_fillers``)."""
+    out: list[Run] = []
+    for r in calls:
+        last = out[-1] if out else None
+        if last is None or not (_full(r) and _full(last)) or r.q0 < last.q1 or r.k0 < last.k1:
+            out.append(r)
+            continue
+        cu_q, cu_k = list(last.cu_q), list(last.cu_k)
+        if r.q0 > last.q1:  # rows between: a segment without keys
+            cu_q.append(r.q0 - last.q0)
+            cu_k.append(cu_k[-1])
+        if r.k0 > last.k1:  # keys between: a segment without queries
+            cu_q.append(cu_q[-1])
+            cu_k.append(r.k0 - last.k0)
+        cu_q += [r.q0 - last.q0 + c for c in r.cu_q[1:]]
+        cu_k += [r.k0 - last.k0 + c for c in r.cu_k[1:]]
+        out[-1] = Run(last.q0, r.q1, last.k0, r.k1, False, tuple(cu_q), tuple(cu_k))
+    return tuple(out)
+
+
+def _full(run: Run) -> bool:
+    """Whether every query of each segment of ``run`` sees every key of it: no band, and no mask or only
+    1 x 1 segments (which :func:`segments` calls causal so that they join causal neighbours)."""
+    ones = all(b - a == 1 for a, b in zip(run.cu_q, run.cu_q[1:])) and run.cu_q == run.cu_k
+    return run.band is None and (not run.causal or ones)
 
 
 # ---------------------------------------------------------------------------------------------- windows

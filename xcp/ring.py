@@ -22,7 +22,7 @@ from . import schedule
 from .agreement import check_agreement
 from .backends.base import Backend, add_into
 from .comm import Communicator
-from .documents import Run, document_plan
+from .documents import Run, document_plan, join_runs
 from .kernels.merge import accumulator_dtype, apply_sinks_, merge_, new_accumulators, sinks_grad
 from .lifetime import RingCall, ShardSlots
 from .spec import CallSpec, spec_values
@@ -67,7 +67,7 @@ class RingConfig(CallSpec):
         if self.documents is None:
             return _dense_calls(self.comm.size(), self.comm.rank(), self.causal, self.balance, n)
         return _document_calls(self.documents, self.comm.size(), self.comm.rank(), self.causal, self.balance,
-                               self.window)  # fmt: skip
+                               self.window, bool(self.backend.varlen_fillers))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -126,9 +126,11 @@ def _step_calls(step: schedule.Step, n: int) -> tuple[BlockCall, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _document_calls(documents, world: int, rank: int, causal: bool, balance: str, window):
+def _document_calls(documents, world: int, rank: int, causal: bool, balance: str, window, fillers: bool = False):
+    """A step's calls: its runs, joined across the rows between them (:func:`join_runs`) where the backend's
+    varlen kernel serves filler segments."""
     steps = document_plan(documents, world, rank, causal, balance, window).steps
-    return tuple(tuple(BlockCall.of(r) for r in step) for step in steps)
+    return tuple(tuple(BlockCall.of(r) for r in (join_runs(step) if fillers else step)) for step in steps)
 
 
 def _views(step: schedule.Step, n: int) -> tuple[slice, slice]:

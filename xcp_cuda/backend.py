@@ -109,6 +109,7 @@ class CUDABackend(FusedKernelBackend):
     )
     dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
     value_head_dims = True  # cuDNN and efficient take them; flash calls run padded (kernels.with_common_head_dim)
+    varlen_fillers = True  # the flash varlen op serves segments without queries or keys (kernels.varlen_served)
     gqa_setting = cuda_settings.GQA
     settings = cuda_settings.ALL
 
@@ -352,7 +353,7 @@ class CUDABackend(FusedKernelBackend):
     ) -> bool:
         """Whether packed segments like these take one aten flash varlen call: the flash op serves q at the
         head dim q/k and v run at (:func:`kernels.common_head_dim`: values of another head dim are padded,
-        as no varlen kernel takes two) and every segment has queries and keys. A batch of B > 1 rows goes
+        as no varlen kernel takes two) and every segment has queries or keys. A batch of B > 1 rows goes
         as one packed block of B times the segments (:func:`kernels.batch_cuts`), so its segments must tile
         q's rows from 0 to the end."""
         width = q.shape[-1] if v is None else kernels.common_head_dim(q, v)

@@ -348,9 +348,16 @@ def max_seqlen(cu: tuple[int, ...]) -> int:
 
 
 def varlen_served(cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> bool:
-    """Whether the flash varlen op serves these segments: every one has queries and keys (what
-    :mod:`xcp.documents` plans). A segment without keys would come back with lse +inf, not -inf."""
-    return all(b > a for a, b in zip(cu_q, cu_q[1:])) and all(b > a for a, b in zip(cu_k, cu_k[1:]))
+    """Whether the flash varlen op serves these segments: every one has queries or keys. Filler segments
+    (:func:`xcp.documents.join_runs`) are served: on the H200 a segment without queries gives its keys dK = dV
+    = 0 (``benchmarks/flash_empty_segments.py``), and the rows of a segment without keys come back out 0 and
+    lse +inf, which :func:`flash_varlen_forward` turns into -inf."""
+    return all(b > a or d > c for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]))
+
+
+def keyless_rows(cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> bool:
+    """Whether some segment has queries and no keys (a filler's rows, which flash leaves with lse +inf)."""
+    return any(b > a and d == c for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]))
 
 
 def batch_cuts(cu: tuple[int, ...], length: int, batch: int) -> tuple[int, ...]:
@@ -424,7 +431,7 @@ def flash_varlen_forward(
         **_window_sizes(window),
     )
     out, lse = res[0], _packed_lse(res[1], q.shape[2], q.shape[1])
-    if banded:  # a row the band leaves without keys comes back +inf (flash's empty row)
+    if banded or keyless_rows(cu_q, cu_k):  # a row without keys comes back +inf (flash's empty row)
         lse = torch.where(lse == float("inf"), float("-inf"), lse)
     return out.unsqueeze(0), lse.unsqueeze(0)
 

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.math import math_backward, math_forward, math_forward_range
+from ..kernels.merge import NEG_INF, accumulator_dtype
 from ..lifetime import HANDOFF_POLICIES
 from ..schedule import MASKS
 from ..settings import Setting
@@ -83,6 +84,7 @@ def _per_segment(
     kernel: Callable[..., tuple[torch.Tensor, ...]],
     banded: Callable[..., tuple[torch.Tensor, ...]],
     args: Callable[[slice, slice], tuple[torch.Tensor, ...]],
+    empty: Callable[[slice, slice], tuple[torch.Tensor, ...]],
     cu_q: Sequence[int],
     cu_k: Sequence[int],
     causal: bool,
@@ -90,10 +92,16 @@ def _per_segment(
     window: tuple[int, int] | None,
 ) -> list[tuple[torch.Tensor, ...]]:
     """The results of one call per packed segment: ``kernel(*args(rows, keys), mask, scale)``, or the math
-    kernel ``banded(*args(...), "none", scale, window)`` under a window (no block mask serves a band)."""
+    kernel ``banded(*args(...), "none", scale, window)`` under a window (no block mask serves a band). A
+    filler segment (no queries, or no keys: :func:`xcp.documents.join_runs`) calls nothing: ``empty(rows,
+    keys)`` gives its results."""
     mask = "causal" if causal else "none"
     return [
-        banded(*args(qs, ks), "none", scale, window) if window is not None else kernel(*args(qs, ks), mask, scale)
+        empty(qs, ks)
+        if qs.start == qs.stop or ks.start == ks.stop
+        else banded(*args(qs, ks), "none", scale, window)
+        if window is not None
+        else kernel(*args(qs, ks), mask, scale)
         for qs, ks in _segments(cu_q, cu_k)
     ]
 
@@ -238,6 +246,12 @@ class Backend:
 
     # ================================================================== optional fast paths
     folds_pairs: bool = False
+    varlen_fillers: bool = False
+    """Whether :meth:`forward_varlen` / :meth:`backward_varlen` serve filler segments, without queries or
+    without keys (a row of no key gets out 0 and lse -inf, and dq 0; a key of no row dk = dv = 0): then the
+    ring joins a step's runs of full segments across the rows between them into one call
+    (:func:`xcp.documents.join_runs`). The default loop serves them; a backend that overrides the two with
+    a kernel says True only where that kernel does."""
 
     def whole_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
@@ -262,7 +276,8 @@ class Backend:
     ) -> tuple[Tensor, Tensor]:
         """Attention of packed segments (documents): segment i is queries ``[cu_q[i], cu_q[i + 1])``
         against keys ``[cu_k[i], cu_k[i + 1])``, no mask, or square causal when ``causal`` (then
-        ``cu_q == cu_k``). The segments tile q and k (batch 1) without gaps.
+        ``cu_q == cu_k``). The segments tile q and k (batch 1) without gaps. Where :attr:`varlen_fillers` is
+        True, unmasked calls may hold filler segments, without queries or without keys.
 
         :param window: a sliding window ``(left, right)`` (ints >= 0, only with ``causal=False``) aligned,
             as flash kernels align theirs, to each segment's bottom-right corner: query m of a segment of
@@ -277,9 +292,15 @@ class Backend:
             o, lse = math_forward(*args)
             return (o.to(q.dtype) if q.dtype != torch.float64 else o), lse
 
+        def unseen(qs: slice, ks: slice) -> tuple[torch.Tensor, torch.Tensor]:  # rows of no key: out 0, lse -inf
+            n = qs.stop - qs.start
+            lse = torch.full((q.shape[0], q.shape[2], n), NEG_INF, dtype=accumulator_dtype(q.dtype), device=q.device)
+            return q.new_zeros((q.shape[0], n, q.shape[2], v.shape[3])), lse
+
         parts = _per_segment(
-            self.forward, banded, lambda qs, ks: (q[:, qs], k[:, ks], v[:, ks]), cu_q, cu_k, causal, scale, window
-        )
+            self.forward, banded, lambda qs, ks: (q[:, qs], k[:, ks], v[:, ks]), unseen, cu_q, cu_k, causal, scale,
+            window,
+        )  # fmt: skip
         return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=2)
 
     def backward_varlen(
@@ -295,7 +316,12 @@ class Backend:
         def args(qs: slice, ks: slice) -> tuple[torch.Tensor, ...]:
             return dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs]
 
-        parts = _per_segment(self.backward, math_backward, args, cu_q, cu_k, causal, scale, window)
+        def nothing(qs: slice, ks: slice) -> tuple[torch.Tensor, ...]:  # a filler's rows and keys: gradient 0
+            return tuple(
+                x.new_zeros((x.shape[0], s.stop - s.start, *x.shape[2:])) for x, s in zip((q, k, v), (qs, ks, ks))
+            )
+
+        parts = _per_segment(self.backward, math_backward, args, nothing, cu_q, cu_k, causal, scale, window)
         dq, dk, dv = (torch.cat([p[i] for p in parts], dim=1) for i in range(3))
         return dq, dk, dv
 

@@ -49,6 +49,10 @@ VARLEN_LAYOUTS = {  # name: (cu_q, cu_k, causal) of packed segments; segments of
     "causal": ((0, 1, 8, 9, SEQ), (0, 1, 8, 9, SEQ), True),
     "full": ((0, 1, 8, 9, SEQ), (0, 5, 6, 14, 17), False),
 }
+FILLER_LAYOUTS = {  # filler segments (no keys, or no queries), checked where a backend has varlen_fillers
+    "fillers": ((0, 3, 3, 8, 9, SEQ), (0, 0, 4, 9, 9, 14), False),
+    "causal-fillers": ((0, 2, 2, 7, SEQ), (0, 0, 3, 8, 8 + SEQ - 7), True),
+}
 VARLEN_SPLIT = ((0, 1, 8, 9, SEQ), (0, 4, 6, 14, 17))
 """Segments whose keys (each at least 2) the ``varlen-split-keys`` check cuts into two varlen calls."""
 VALUE_DIMS = (8, 24)
@@ -499,7 +503,7 @@ def check_forward_varlen(
 ) -> None:
     """``forward_varlen`` of packed segments against the reference on each segment alone: out, and lse
     float32 [1, H, Tq] (float64 for float64)."""
-    cu_q, cu_k, causal = VARLEN_LAYOUTS[layout]
+    cu_q, cu_k, causal = {**VARLEN_LAYOUTS, **FILLER_LAYOUTS}[layout]
     q, k, v, dout = _packed_inputs(backend, dtype, heads, cu_q[-1], cu_k[-1], 51, value_dim)
     inputs = [x.clone() for x in (q, k, v)]
     ref_out, ref_lse, *_ = _varlen_reference(dout, q, k, v, cu_q, cu_k, causal)
@@ -514,7 +518,7 @@ def check_backward_varlen(
 ) -> None:
     """``backward_varlen`` against the reference given the reference out (input dtype) and lse, the lse
     a strided slice as the ring passes it."""
-    cu_q, cu_k, causal = VARLEN_LAYOUTS[layout]
+    cu_q, cu_k, causal = {**VARLEN_LAYOUTS, **FILLER_LAYOUTS}[layout]
     q, k, v, dout = _packed_inputs(backend, dtype, heads, cu_q[-1], cu_k[-1], 61, value_dim)
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = _varlen_reference(dout, q, k, v, cu_q, cu_k, causal)
     out = ref_out.to(q.device, dtype)
@@ -660,7 +664,8 @@ def cases(backend: Backend) -> list[Case]:
         out.append(_case(f"split-keys-{d}", check_split_keys, dtype=dtype))
         # Packed documents: forward_varlen / backward_varlen (the base class's per-segment loop, or a
         # backend's varlen kernel).
-        for layout, (_, _, causal) in VARLEN_LAYOUTS.items():
+        fillers = FILLER_LAYOUTS if getattr(backend, "varlen_fillers", False) else {}
+        for layout, (_, _, causal) in {**VARLEN_LAYOUTS, **fillers}.items():
             if causal and "causal" not in backend.masks:
                 continue
             for heads in HEADS:
