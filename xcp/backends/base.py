@@ -7,7 +7,7 @@ required device primitives  identity (``name``, ``device_type``, ``dist_backend`
                             the rest default to torch's device module.
 optional fast paths         ``whole_attention``, ``forward_varlen`` / ``backward_varlen``, ``forward_range``,
                             ``fused_merge_``, ``fused_merge_pair_``, ``fused_add_``, ``fused_add_pair_``,
-                            ``fused_merge_partials_``, ``folds_pairs``: the
+                            ``fused_merge_partials_``, ``folds_pairs``, ``varlen_fillers``: the
                             defaults are correct (not served, or one block call per segment), only slower.
 tool hooks                  ``new_graph``, ``capture_graph``, ``memory_stats``, ``reset_peak_memory``,
                             ``settings``: used by the CLI, the bench and the tests, never by the ring.
@@ -46,7 +46,7 @@ REQUIRED_PRIMITIVES = (
 
 FAST_PATHS = (
     "whole_attention", "forward_varlen", "backward_varlen", "forward_range", "fused_merge_", "fused_merge_pair_",
-    "fused_add_", "fused_add_pair_", "fused_merge_partials_", "folds_pairs",
+    "fused_add_", "fused_add_pair_", "fused_merge_partials_", "folds_pairs", "varlen_fillers",
 )  # fmt: skip
 """What a backend may override to run faster; the defaults are correct."""
 
