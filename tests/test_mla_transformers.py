@@ -113,7 +113,8 @@ def test_training_matches_one_device(registered, faithful):
 def test_generate_equals_one_device_over_the_latents(registered, faithful):
     """Greedy tokens equal transformers' generate on one device and each step's float64 logits to 1e-9, a
     prompt of 21 = 16 through the ring (zigzag, 4 ranks) + a chunk of 5; each rank's cache holds its share
-    of the latents (one head, [kv_nope, k_rot] and kv_nope), not the heads' expanded keys and values."""
+    of the latents (one head, [kv_nope, k_rot], its first channels read as the value kv_nope), not the heads'
+    expanded keys and values."""
     new = 6
     model = faithful(make_model()).eval()
     ids = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(2))
@@ -142,3 +143,6 @@ def test_generate_equals_one_device_over_the_latents(registered, faithful):
         kvs = [out.cache.sharded[layer].kv for out, _ in results]
         assert sum(kv.local_len for kv in kvs) == 21 + new - 1
         assert kvs[0].keys().shape[2:] == (1, RANK + ROPE) and kvs[0].values().shape[2:] == (1, RANK)
+        keys = kvs[0].keys()  # the values are the keys' first RANK channels, stored once
+        assert kvs[0].values().data_ptr() == keys.data_ptr() and torch.equal(kvs[0].values(), keys[..., :RANK])
+        assert kvs[0].nbytes == keys.untyped_storage().nbytes()  # the key storage alone

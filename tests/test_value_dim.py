@@ -137,14 +137,68 @@ def test_kv_cache(dims, capacity):
         return outs
 
     with xcp.LocalWorld(world) as w:
-        per_rank = w.run(rank)
+        assert_steps(w.run(rank), q, k, v, prompt, steps)
+
+
+def assert_steps(per_rank, q, k, v, prompt: int, steps) -> None:
+    """Each rank's out of each step (``steps[i]`` new tokens after the prompt and the steps before) equals the
+    causal reference over every token so far, to 1e-10."""
     at = prompt
     for i, t in enumerate(steps):
         at += t
-        want = independent_masked_reference(q[:, :at], k[:, :at], v[:, :at], torch.zeros(1, at, 2, dims[1],
-                                            dtype=torch.float64), (0, at), True)[0][:, at - t :]  # fmt: skip
+        dout = torch.zeros(1, at, q.shape[2], v.shape[3], dtype=torch.float64)
+        want = independent_masked_reference(q[:, :at], k[:, :at], v[:, :at], dout, (0, at), True)[0][:, at - t :]
         for outs in per_rank:
             assert outs[i].shape == want.shape and (outs[i] - want).abs().max().item() < 1e-10
+
+
+@pytest.mark.parametrize("capacity", [None, 64])
+def test_kv_cache_with_values_in_keys(capacity):
+    """KVCache(values_in_keys=Dv) stores the keys alone and reads the values as their first Dv channels (an
+    absorbed MLA cache, 24/16 here as 576/512): every step's out equals the reference with v = k[..., :Dv],
+    and the storage is that of the keys alone."""
+    world, prompt, steps, dv = 3, 6, [1, 1, 5, 1], 16
+    total = prompt + sum(steps)
+    q, k, _, _ = tensors(total, 2, 1, 24, 24, seed=7)
+    v = k[..., :dv]
+
+    def rank(group):
+        cache = xcp.KVCache(group=group, capacity=capacity, values_in_keys=dv)
+        shared = xcp.KVCache(group=group, capacity=capacity)  # the same values stored apart
+        for c, value in ((cache, None), (shared, v)):
+            c.prefill(xcp.shard(k[:, :prompt], world, group.rank()), None if value is None else
+                      xcp.shard(value[:, :prompt], world, group.rank()))  # fmt: skip
+        outs, at = [], prompt
+        for t in steps:
+            cache.append(k[:, at : at + t], None)
+            shared.append(k[:, at : at + t], v[:, at : at + t])
+            at += t
+            outs.append(cache.attention(q[:, at - t : at]))
+        assert torch.equal(cache.values(), cache.keys()[..., :dv])
+        assert cache.values().data_ptr() == cache.keys().data_ptr()  # a view, not a copy
+        assert cache.nbytes * (24 + dv) == shared.nbytes * 24
+        return outs
+
+    with xcp.LocalWorld(world) as w:
+        assert_steps(w.run(rank), q, k, v, prompt, steps)
+
+
+def test_values_in_keys_errors():
+    _, k, v, _ = tensors(8, 4, 2, 12, 8, seed=8)
+    with pytest.raises(ValueError, match=r"values_in_keys: expected None or a positive integer .*; got 0"):
+        xcp.KVCache(values_in_keys=0)
+    cache = xcp.KVCache(values_in_keys=8)
+    with pytest.raises(ValueError, match=r"v_l: expected None \(KVCache\(values_in_keys=8\) reads the values"):
+        cache.prefill(k, v)
+    with pytest.raises(ValueError, match="k_l: expected a head dim of at least values_in_keys=8 .*; got 6"):
+        cache.prefill(k[..., :6], None)
+    cache.prefill(k, None)
+    with pytest.raises(ValueError, match=r"v: expected None"):
+        cache.append(k[:, :1], v[:, :1])
+    with pytest.raises(ValueError, match="k: expected head_dim 12 .*; got 16"):
+        cache.append(torch.zeros(1, 1, 2, 16, dtype=k.dtype), None)
+    with pytest.raises(TypeError, match="v_l: expected a torch.Tensor; got NoneType"):  # values of their own
+        xcp.KVCache().prefill(k, None)
 
 
 def test_value_shape_errors():

@@ -45,6 +45,7 @@ from .checks import (
     check_scale,
     check_sinks,
     check_ulysses,
+    check_values_in_keys,
 )
 from .comm import resolve_group
 from .documents import check_window
@@ -76,6 +77,10 @@ class KVCache:
     :param ulysses: only 1: the cache is sharded over the ranks of ``group`` alone.
     :param combine: how a long chunk's partials are combined (:data:`xcp.cache_plan.COMBINES`): ``auto``
         (over heads between processes, one all-gather between virtual ranks), ``gather`` or ``heads``.
+    :param values_in_keys: Dv where the values are the first Dv channels of the keys, as in multi-head latent
+        attention's absorbed cache (DeepSeek-V3's latent ``kv_nope`` is the key's first 512 of 576 channels
+        and the value): only the keys are stored, the values read as a view of them, and :meth:`prefill` /
+        :meth:`append` take ``v=None``. None (the default): values of their own.
     """
 
     def __init__(
@@ -89,6 +94,7 @@ class KVCache:
         timeout: float | None = None,
         ulysses: int = 1,
         combine: str = "auto",
+        values_in_keys: int | None = None,
     ) -> None:
         if check_ulysses(ulysses) != 1:
             raise NotImplementedError(
@@ -102,6 +108,7 @@ class KVCache:
         self._handoff = None if handoff is None else check_handoff(handoff)
         self._world, self._rank = self._comm.size(), self._comm.rank()
         self.combine = cache_plan.check_combine(combine)
+        self.values_in_keys = check_values_in_keys(values_in_keys)
         self._layout: CacheLayout | None = None
         self._k: torch.Tensor | None = None  # storage [B, room, Hkv, D]; rows [0, local_len) hold tokens
         self._v: torch.Tensor | None = None
@@ -128,8 +135,9 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of this rank's key and value storage (room included)."""
-        return sum(t.numel() * t.element_size() for t in (self._k, self._v) if t is not None)
+        """Bytes of this rank's key and value storage (room included; values read from the keys count once)."""
+        held = (self._k,) if self.values_in_keys is not None else (self._k, self._v)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def positions(self) -> list[int]:
         """The global positions of this rank's tokens, in storage order (increasing)."""
@@ -172,7 +180,7 @@ class KVCache:
         )
 
     # ------------------------------------------------------------------ filling
-    def prefill(self, k_l: torch.Tensor, v_l: torch.Tensor) -> None:
+    def prefill(self, k_l: torch.Tensor, v_l: torch.Tensor | None) -> None:
         """Keep this rank's shard of a prompt, ``k_l`` [B, S / P, Hkv, D] and ``v_l`` [B, S / P, Hkv, Dv], as
         :func:`xcp.shard` made it with this cache's balance (what the rank passed to :func:`xcp.attention`). No
         communication; the tensors are copied, never kept."""
@@ -180,7 +188,7 @@ class KVCache:
         if self._seq:
             what = "append" if self._appended else "prefill"
             raise ValueError(f"prefill: expected an empty cache (prefill comes first, once); got one after {what}")
-        layout = check_cache_kv(k_l, v_l, None, ("k_l", "v_l"))
+        layout = check_cache_kv(k_l, v_l, None, ("k_l", "v_l"), self.values_in_keys)
         n = k_l.shape[1]
         seq = n * self._world
         schedule.check_seq_len(seq, self._world, self.balance, what=f"k_l.shape[1] x {self._world} ranks")
@@ -191,11 +199,11 @@ class KVCache:
         if self._counts is not None:
             self._counts.record(self._runs, self._seq, self._local)
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def append(self, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """Add the next T tokens, ``k`` [B, T, Hkv, D] and ``v`` [B, T, Hkv, Dv], the same on every rank, at
         global positions ``seq_len .. seq_len + T - 1``; this rank keeps its piece of them
         (:mod:`xcp.cache_plan`). No communication; the piece is copied."""
-        layout = check_cache_kv(k, v, self._layout)
+        layout = check_cache_kv(k, v, self._layout, values_in_keys=self.values_in_keys)
         t = k.shape[1]
         if t == 1 and self._counts is not None and self._k is not None and self._v is not None:
             self._append_on_device(k, v)
@@ -206,14 +214,14 @@ class KVCache:
         first, count = cache_plan.chunk_pieces(self._seq, t, self._world)[self._rank]
         lo = first - self._seq
         local0 = self._local
-        self._store(layout, k[:, lo : lo + count], v[:, lo : lo + count])
+        self._store(layout, k[:, lo : lo + count], None if v is None else v[:, lo : lo + count])
         self._runs = cache_plan.extend(self._runs, first, count)
         self._seq += t
         self._appended = True
         if self._counts is not None:
             self._counts.record((cache_plan.PositionRun(local0, first, 1, count),), self._seq, self._local)
 
-    def _append_on_device(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _append_on_device(self, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """A decode step's append on a capacity cache: written in place at the row the device's counters
         name (:meth:`xcp.cache_state.DeviceCounts.append_token`). Eagerly the host keeps its counters in
         step and checks the capacity first; while capturing it cannot (the step runs again at every
@@ -223,7 +231,8 @@ class KVCache:
         capturing = backend.is_capturing()
         if not capturing and not self._lagging:
             self._check_room(self._seq + 1)
-        self._counts.append_token(self._k, self._v, k, v)
+        values = None if v is None else (self._v, v)  # else the values are the keys' first channels, written
+        self._counts.append_token(self._k, k, values)
         if capturing or self._lagging:
             self._lagging = True
             return
@@ -247,25 +256,30 @@ class KVCache:
                 f"got {seq} (seq_len {self._seq} + {seq - self._seq} new)"
             )
 
-    def _store(self, layout: CacheLayout, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Copy k, v (this rank's new tokens) after the tokens held, growing storage where allowed."""
+    def _store(self, layout: CacheLayout, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Copy k, v (this rank's new tokens) after the tokens held, growing storage where allowed; with
+        ``values_in_keys`` (v None) the value storage is a view of the keys' first channels."""
         n = k.shape[1]
         need = self._local + n
         if self._k is None or self._v is None or need > self._k.shape[1]:
             b, h, d, dtype, device, dv = layout
+            dims = (d,) if v is None else (d, dv)
             if self.capacity is not None:  # once: the share at full capacity and a scratch row, zeroed (finite)
                 room = cache_plan.held(self.capacity, self._world, self._rank)
                 self._counts = DeviceCounts(room, self.capacity, self._world, self._rank, device)
-                grown = [torch.zeros((b, room + 1, h, dim), dtype=dtype, device=device) for dim in (d, dv)]
+                grown = [torch.zeros((b, room + 1, h, dim), dtype=dtype, device=device) for dim in dims]
             else:
                 room = max(need, math.ceil(GROWTH * (0 if self._k is None else self._k.shape[1])))
-                grown = [torch.empty((b, room, h, dim), dtype=dtype, device=device) for dim in (d, dv)]
-            if self._k is not None and self._v is not None:
-                grown[0][:, : self._local].copy_(self._k[:, : self._local])
-                grown[1][:, : self._local].copy_(self._v[:, : self._local])
-            self._k, self._v = grown
+                grown = [torch.empty((b, room, h, dim), dtype=dtype, device=device) for dim in dims]
+            held = (self._k,) if v is None else (self._k, self._v)
+            for new, old in zip(grown, held):
+                if old is not None:
+                    new[:, : self._local].copy_(old[:, : self._local])
+            self._k = grown[0]
+            self._v = grown[0][..., :dv] if v is None else grown[1]
         self._k[:, self._local : need].copy_(k)
-        self._v[:, self._local : need].copy_(v)
+        if v is not None:
+            self._v[:, self._local : need].copy_(v)
         self._local, self._layout = need, layout
 
     # ------------------------------------------------------------------ attention

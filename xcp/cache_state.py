@@ -71,13 +71,17 @@ class DeviceCounts:
         return seq, local, max(0, seq - self.capacity)
 
     # ------------------------------------------------------------------ device side (inside a step)
-    def append_token(self, k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write one token (``k``, ``v`` [B, 1, Hkv, D]) at the row after this rank's last and count it
-        where this rank owns its position; device ops only."""
+    def append_token(
+        self, k_store: torch.Tensor, k: torch.Tensor, values: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> None:
+        """Write one token (``k`` [B, 1, Hkv, D], and ``values`` = (v_store, v) where the values are stored
+        apart) at the row after this rank's last and count it where this rank owns its position; device ops
+        only."""
         seq, local = self.counts[SEQ : SEQ + 1], self.counts[LOCAL : LOCAL + 1]
         row = torch.clamp(local, max=self.room)  # a full share writes into the scratch row
         k_store.index_copy_(1, row, k)
-        v_store.index_copy_(1, row, v)
+        if values is not None:
+            values[0].index_copy_(1, row, values[1])
         self.positions.index_copy_(0, row, seq)
         if self.world_size == 1:
             self.counts.add_(self._steps[0])

@@ -395,10 +395,38 @@ def check_cache_capacity(capacity: Any) -> int | None:
     return int(capacity)
 
 
-def check_cache_kv(k: Any, v: Any, layout: CacheLayout | None, names: tuple[str, str] = ("k", "v")) -> CacheLayout:
+def check_values_in_keys(values_in_keys: Any) -> int | None:
+    """``values_in_keys`` (a value head dim Dv, or None) as an int, or None."""
+    if values_in_keys is None:
+        return None
+    if not schedule.is_integer(values_in_keys) or values_in_keys < 1:
+        raise ValueError(
+            f"values_in_keys: expected None or a positive integer (the value head dim Dv: values are the keys' "
+            f"first Dv channels); got {values_in_keys!r}"
+        )
+    return int(values_in_keys)
+
+
+def check_cache_kv(
+    k: Any, v: Any, layout: CacheLayout | None, names: tuple[str, str] = ("k", "v"), values_in_keys: int | None = None
+) -> CacheLayout:
     """k and v of T >= 1 new tokens [batch, T, kv_heads, head_dim] (v's head dim may differ), and like the
-    cache's ``layout`` (None for an empty cache); returns their layout."""
+    cache's ``layout`` (None for an empty cache); returns their layout. With ``values_in_keys`` = Dv the values
+    are the keys' first Dv channels: v must be None, and Dv at most k's head dim."""
     nk, nv = names
+    if values_in_keys is not None:
+        if v is not None:
+            raise ValueError(
+                f"{nv}: expected None (KVCache(values_in_keys={values_in_keys}) reads the values from the keys' first "
+                f"{values_in_keys} channels); got {type(v).__name__}"
+            )
+        _check_tensor(nk, k)
+        if k.dim() == 4 and k.shape[3] < values_in_keys:
+            raise ValueError(
+                f"{nk}: expected a head dim of at least values_in_keys={values_in_keys} (the values are its first "
+                f"channels); got {k.shape[3]}"
+            )
+        v = k[..., :values_in_keys]
     for name, x in ((nk, k), (nv, v)):
         _check_tensor(name, x)
     if v.dim() != 4 or v.shape[:3] != k.shape[:3]:

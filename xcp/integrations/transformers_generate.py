@@ -87,9 +87,10 @@ class Latent:
             and isinstance(getattr(m, "layer_idx", None), int)
         }
 
-    def keys_values(self, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_values(self, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, None]:
         """What ``cache.update`` receives (``[B, 1, T, kv_lora_rank]``, ``[B, 1, T, qk_rope_head_dim]``) as
-        xcp's one key head ``[kv_nope, k_rot]`` and value head ``kv_nope`` (``[B, T, 1, D]``)."""
+        xcp's one key head ``[kv_nope, k_rot]`` (``[B, T, 1, D]``); the value head ``kv_nope`` is its first
+        ``kv_lora_rank`` channels, which the layer's cache reads from the keys (:attr:`values_in_keys`)."""
         m = self.module
         want = (m.kv_lora_rank, m.qk_rope_head_dim)
         if (
@@ -103,8 +104,13 @@ class Latent:
                 f"{want[0]}] and [B, 1, T, {want[1]}] (multi-head latent attention, as transformers >= 5 caches "
                 f"it); got {tuple(kv_nope.shape)} and {tuple(k_rot.shape)}"
             )
-        kv_nope, k_rot = kv_nope.transpose(1, 2), k_rot.transpose(1, 2)
-        return torch.cat([kv_nope, k_rot], dim=-1), kv_nope
+        return torch.cat([kv_nope.transpose(1, 2), k_rot.transpose(1, 2)], dim=-1), None
+
+    @property
+    def values_in_keys(self) -> int:
+        """The value head dim, ``kv_lora_rank``: the latent ``kv_nope`` is the key's first channels and the
+        value, stored once (``KVCache(values_in_keys=)``)."""
+        return int(self.module.kv_lora_rank)
 
     def attention(
         self, kv: KVCache, q: torch.Tensor, causal: bool, scale: float | None, window: Any, sinks: Any
@@ -201,10 +207,11 @@ class ShardedCache(Cache):
             * text.num_hidden_layers
         )
         latents = Latent.of(model)
-        self.sharded = [
-            ShardedLayer(KVCache(group, balance, capacity), t == "sliding_attention", latents.get(i))
-            for i, t in enumerate(types)
-        ]
+        self.sharded = []
+        for i, t in enumerate(types):
+            latent = latents.get(i)
+            kv = KVCache(group, balance, capacity, values_in_keys=None if latent is None else latent.values_in_keys)
+            self.sharded.append(ShardedLayer(kv, t == "sliding_attention", latent))
         super().__init__(layers=list(self.sharded))
 
     def set_ring(self, on: bool) -> None:
