@@ -24,6 +24,8 @@
 #                               # square as two causal calls, the 64K rings' device time by kernel (stripe, zigzag)
 #   benchmarks/h200.sh mla-ring # 192/128: cuda tests, the add kernel against torch's, the 64K/128K rings (zigzag,
 #                               # stripe) and the hybrid (U = 4, 8) over 8 ranks, the 32/8 x 128 ring, a profile (~6 min)
+#   benchmarks/h200.sh mla-error  # 192/128 bf16 error against float64 beside SDPA's, with and without the causal
+#                               # backward of unmasked blocks (8K over 2 ranks: its squares of 2048 rows)
 #   benchmarks/h200.sh fillers  # varlen calls with filler segments: cuda tests, conformance varlen cases, the 128K
 #                               # longtail documents over 8 ranks, document_zigzag (one call a step) beside zigzag
 # Output goes to $OUT (the device tool's return folder) or ./out.
@@ -310,6 +312,13 @@ fillers)
       --reps 3 --quiet 2>&1 | tee "$out/fillers_$balance.txt"
   done
   ;;
-*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench|decode|chunk|mla|mla-profile|mla-ring|fillers" >&2; exit 2 ;;
+mla-error)
+  for low in 8192 1024; do
+    section "bf16 error at 192/128 against float64 beside SDPA's, 8K over 2 ranks, causal backward from $low rows"
+    timeout 120 python3 benchmarks/mla_error.py --seq 8192 --world 2 --heads 8 --causal-backward-min $low 2>&1 \
+      | tee "$out/mla_error_$low.txt"
+  done
+  ;;
+*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench|decode|chunk|mla|mla-profile|mla-ring|fillers|mla-error" >&2; exit 2 ;;
 esac
 section done

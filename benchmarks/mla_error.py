@@ -3,6 +3,10 @@ beside torch SDPA's own bf16 error against the same float64 reference: out, dq, 
 The issue's bar: the ring's error within 1.5x of SDPA's.
 
     python3 benchmarks/mla_error.py [--seq 8192] [--world 8] [--heads 8] [--balance zigzag]
+        [--causal-backward-min N]
+
+``--causal-backward-min`` sets the fewest rows of the squares an unmasked block's backward runs as causal
+calls (``xcp_cuda.backend.CAUSAL_BACKWARD_MIN``, 8192): lower, small sequences take that path too.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from xcp.cli.bench.virtual import VirtualRing, check_against_whole_kernel
 from xcp.cli.common import error
 from xcp.plugins import select_backend
+from xcp_cuda import backend as cuda_backend
 
 
 def reference(q, k, v, dout, causal: bool) -> list[torch.Tensor]:
@@ -30,7 +35,9 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--balance", default="zigzag")
+    ap.add_argument("--causal-backward-min", type=int, default=cuda_backend.CAUSAL_BACKWARD_MIN)
     args = ap.parse_args()
+    cuda_backend.CAUSAL_BACKWARD_MIN = args.causal_backward_min
     gen = torch.Generator(device="cuda").manual_seed(0)
     s, h = args.seq, args.heads
     full = [torch.randn(1, s, h, d, device="cuda", generator=gen, dtype=torch.float64).to(torch.bfloat16)
@@ -40,8 +47,8 @@ def main() -> None:
     ring = VirtualRing(select_backend(None, "cuda"), args.world, tuple(full), True, args.balance)
     results = ring.run(backward=True)
     got = check_against_whole_kernel(ring, results, exact[0], exact[1:])
-    print(f"S {s}, {h} heads (MHA), q/k 192, v 128, bf16, causal, {args.world} ranks, {args.balance}: relative "
-          "2-norm error against float64")  # fmt: skip
+    print(f"S {s}, {h} heads (MHA), q/k 192, v 128, bf16, causal, {args.world} ranks, {args.balance}, causal "
+          f"backward from {args.causal_backward_min} rows: relative 2-norm error against float64")  # fmt: skip
     print(f"{'':6}{'ring':>10}{'SDPA':>10}{'ratio':>8}")
     worst = 0.0
     for i, name in enumerate(("out", "dq", "dk", "dv")):
