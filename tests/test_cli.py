@@ -451,7 +451,33 @@ def test_sanitize_documents_runs_the_ring_over_packed_documents(capsys):
 
 def test_sanitize_too_many_documents_is_a_clear_error(capsys):
     assert main(["sanitize", "--world", "2", "--seq", "8", "--documents", "9"]) == 2
-    assert "documents: expected at most seq=8 documents (each at least 1 token); got 9" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err == (
+        "xcp sanitize: error: --documents: expected at most --seq 8 documents (each at least 1 token); got 9\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["sanitize", "--seq", "10", "--balance", "contiguous"],
+         "--seq: balance 'contiguous' over 4 ranks needs a positive multiple of 4; got 10"),
+        (["sanitize", "--seq", "3", "--balance", "document_zigzag", "--documents", "2"],
+         "--seq: balance 'document_zigzag' over 4 ranks needs at least 4 tokens (one per rank); got 3"),
+        (["sanitize", "--kv-heads", "3"], "--kv-heads: expected a divisor of --heads 4; got 3"),
+        (["sanitize", "--chunk", "3"],
+         "--chunk: expected together with --decode (only the decode path reads it); got --chunk 3 without --decode"),
+        (["sanitize", "--capacity"], "--capacity: expected together with --decode (only the decode path reads it); "
+         "got --capacity without --decode"),
+        (["run", "--chunk", "3"], "--chunk: expected together with --decode"),
+        (["plan", "--world", "4", "--chunk", "3"], "--chunk: expected together with --decode"),
+        (["run", "--kv-heads", "3"], "--kv-heads: expected a divisor of --heads 8; got 3"),
+    ],
+)  # fmt: skip
+def test_sanitize_errors_name_the_flags_as_typed(capsys, args, message):
+    """The sanitizer's own errors name its arguments (seq, kv_heads); xcp sanitize's name the flags; a flag of
+    the decode path alone is refused without --decode, in every tool that has it."""
+    _fails_with_usage_error(capsys, args, message)
 
 
 # --- sliding windows (issue 12): steps and bytes in xcp plan, the sanitizer, clear errors ---
@@ -1085,6 +1111,42 @@ def test_plan_decode_bad_flags_name_the_flag(capsys, args, message):
     assert err.startswith("xcp plan: error: ") and message in err
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backward"], "--decode: expected no --backward (a KV cache's attention is inference: no backward pass); "
+         "got --backward"),
+        (["--policy", "keep_all"], "--decode: expected no --policy (the ring's slot policy; a KV cache's attention "
+         "runs no ring); got --policy keep_all"),
+        (["--calls", "2"], "--decode: expected no --calls (the ring's calls per rank; a KV cache's attention runs no "
+         "ring: its calls are the steps --decode and --chunk give); got --calls 2"),
+        (["--no-causal"], "--decode: expected a causal mask (each token attends to the tokens before it); got "
+         "--no-causal"),
+        (["--window", "2,1"], "--window: with a causal mask R must be 0 or none"),
+        (["--seq", "6"], "--seq: balance 'zigzag' over 4 ranks needs a positive multiple of 8; got 6"),
+        (["--decode", "0", "--chunk", "0"], "--decode: expected a step to run"),
+    ],
+)  # fmt: skip
+def test_sanitize_decode_refuses_what_it_does_not_run(capsys, args, message):
+    _fails_with_usage_error(capsys, ["sanitize", "--world", "4", "--decode", "2", *args], message)
+
+
+def test_sanitize_decode_honours_the_window(capsys, monkeypatch):
+    """--window bands the cache's attention (decode steps on the device path of --capacity, the chunk on the
+    host's), checked against float64 attention under the banded mask: caches that drop it fail. The ring's
+    flags left at their defaults are accepted."""
+    args = ["sanitize", "--world", "3", "--decode", "2", "--chunk", "3", "--capacity", "--window", "2,0",
+            "--policy", "bounded", "--calls", "1"]  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "window=2,0" in text and "  window 2,0: query i sees keys i-2..i\n" in text
+    assert "largest error against float64 SDPA with the banded mask: out" in text and "no finding" in text
+    banded = xcp.KVCache.attention
+    monkeypatch.setattr(xcp.KVCache, "attention", lambda self, q, window=None: banded(self, q))
+    assert main(args) == 1
+    assert "[numerics] out: error" in capsys.readouterr().out
+
+
 # --- values of another head dim (--value-head-dim: multi-head latent attention, q/k 192 and v 128) ---
 
 
@@ -1237,6 +1299,13 @@ def test_run_documents_checks_the_ring_over_packed_documents(capsys, monkeypatch
          "expected a multiple of 4 ranks with --ulysses 2"),
         ("sanitize", ["--balance", "document_zigzag"], "--balance: document_zigzag places each packed document: "
          "expected --documents too"),
+        ("plan", ["--balance", "auto", "--documents", "8,9", "--ulysses", "2"], "--documents: expected a multiple "
+         "of 4 ranks with --ulysses 2 (each of the 2 ring shards is cut into 2 pieces; document_zigzag splits any "
+         "length only with --ulysses 1); got 17"),
+        ("plan", ["--balance", "auto", "--documents", "1,2"], "--documents: expected lengths summing to at least 4 "
+         "tokens (balance 'document_zigzag' over 4 ranks places one on each at least); got a sum of 3"),
+        ("run", ["--balance", "document_zigzag", "--documents", "1,2"], "--documents: expected lengths summing to at "
+         "least 4 tokens"),
         ("run", ["--documents", "8,8", "--decode", "2"], "--decode: expected no --documents"),
         ("run", ["--documents", "8,8", "--batch", "2"], "--batch: expected 1 with --documents (the packed layout); "
          "got 2"),
@@ -1267,6 +1336,19 @@ def test_plan_document_zigzag_prints_its_figures(capsys):
     assert re.search(r"^  document_zigzag busiest \S+ even, .*<- recommended, this plan$", text, re.M)
     assert re.search(r"^  zigzag +cannot split S = 19 \(needs a multiple of 6\)$", text, re.M)
     assert max(len(line) for line in lines) <= 100
+
+
+def test_plan_auto_with_documents_takes_any_length_document_zigzag_splits(capsys):
+    """--balance auto with --documents weighs document_zigzag too, which splits any length of at least P
+    tokens: S = 19 over 3 ranks (no multiple of 3) gets its plan rather than a demand for a multiple of P."""
+    import re
+
+    assert main(["plan", "--world", "3", "--causal", "--documents", "5,1,13", "--balance", "auto"]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[0] == "--balance auto: xcp.choose_balance recommends document_zigzag"
+    assert lines[1] == "ring plan: world 3, causal attention, balance document_zigzag, 3 packed documents"
+    assert re.search(r"^  document_zigzag busiest \S+ even, .*<- recommended, this plan$", text, re.M)
 
 
 def test_sanitize_value_head_dim_runs_the_ring_and_the_cache(capsys):

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from .. import __version__, schedule
 from . import bench, decode, packing, plan, run, ulysses, windows
-from .common import DTYPES, FLAGS, HelpFormatter, Problem, add_problem_flags, positive, quiet_rank
+from .common import DTYPES, FLAGS, HelpFormatter, Problem, add_problem_flags, check_heads, positive, quiet_rank
 
 __all__ = ["build_parser", "main"]
 
@@ -71,6 +71,8 @@ def _cmd_backends(args) -> int:
 
 # the sanitizer's defaults: a problem small enough to check every access of every rank
 SANITIZE_DEFAULTS = Problem(heads=4, kv_heads=2, head_dim=8, dtype="float64")
+SANITIZE_POLICY, SANITIZE_CALLS, SANITIZE_CHUNK = "bounded", 1, 5
+"""The defaults of ``--policy`` and ``--calls`` (the ring's alone) and of ``--chunk`` (the decode path's)."""
 
 
 def _add_sanitize(sub) -> None:
@@ -83,13 +85,14 @@ def _add_sanitize(sub) -> None:
                    help=f"{FLAGS['balance']['help']}; {packing.DOCUMENT_BALANCE_HELP}")  # fmt: skip
     p.add_argument("--handoff", choices=HANDOFF_POLICIES, default=None, help="default: the sim backend's own")
     p.add_argument("--backward", action="store_true", help="also run the backward ring (bound: 4 shards)")
-    p.add_argument("--policy", choices=SLOT_POLICIES, default="bounded", help="ring buffer slot policy")
+    p.add_argument("--policy", choices=SLOT_POLICIES, default=SANITIZE_POLICY, help="ring buffer slot policy")
     add_problem_flags(p, SANITIZE_DEFAULTS, ["dtype", "heads", "kv_heads", "head_dim", "value_head_dim"])
     p.add_argument("--seq", type=positive, default=None,
                    help="global length; default 4 tokens per rank (with --documents N, at least N); under "
                    "document_zigzag any length >= --world (shards differ by a token; a multiple of --world with "
                    "--ulysses)")  # fmt: skip
-    p.add_argument("--calls", type=positive, default=1, help="calls per rank (more exercise the workspace)")
+    p.add_argument("--calls", type=positive, default=SANITIZE_CALLS,
+                   help="calls per rank (more exercise the workspace)")  # fmt: skip
     p.add_argument("--documents", type=positive, default=None, metavar="N",
                    help="pack the sequence with N documents of random lengths (some of 1 token, drawn from --seed); "
                    "checked against float64 attention under the document mask, within the same bounds")  # fmt: skip
@@ -106,8 +109,10 @@ def _add_sanitize(sub) -> None:
     p.add_argument("--decode", type=int, default=None, metavar="N",
                    help="sanitize the decode path instead: an xcp.KVCache per rank, a prompt of --seq tokens "
                    "(default: the fewest the balance splits) prefilled, N decode steps and one chunk of --chunk "
-                   "tokens, each followed by the cache's attention and its all-gather combine")  # fmt: skip
-    p.add_argument("--chunk", type=int, default=5, help="with --decode: the chunk's tokens (0: none)")
+                   "tokens, each followed by the cache's attention and its all-gather combine (causal; with "
+                   "--window, banded; the ring's own flags --backward, --policy, --calls, --no-causal, --documents "
+                   "and --ulysses are refused)")  # fmt: skip
+    p.add_argument("--chunk", type=int, default=SANITIZE_CHUNK, help="with --decode: the chunk's tokens (0: none)")
     p.add_argument("--capacity", action="store_true",
                    help="with --decode: preallocated caches (KVCache(capacity=...)), whose decode steps keep their "
                    "lengths on the device")  # fmt: skip
@@ -116,26 +121,51 @@ def _add_sanitize(sub) -> None:
 def _cmd_sanitize_decode(args) -> int:
     from ..testing.decode_sanitizer import sanitize_decode
 
+    decode.check_flags(args.decode, args.chunk)
+    why_ring = "a KV cache's attention runs no ring"
+    decode.check_alone(((packing.FLAG, args.documents, None, None), (ulysses.FLAG, args.ulysses, 1, None),
+                        ("--backward", args.backward, False, "a KV cache's attention is inference: no backward pass"),
+                        ("--policy", args.policy, SANITIZE_POLICY, f"the ring's slot policy; {why_ring}"),
+                        ("--calls", args.calls, SANITIZE_CALLS, f"the ring's calls per rank; {why_ring}: its calls "
+                         f"are the steps {decode.FLAG} and {decode.CHUNK_FLAG} give")))  # fmt: skip
+    decode.check_causal(args.causal)
+    window = windows.check(args.window, True)
+    if args.seq is not None:
+        schedule.check_seq_len(args.seq, args.world, args.balance, what="--seq")
     report = sanitize_decode(world=args.world, balance=args.balance, handoff=args.handoff, decode=args.decode,
                              chunk=args.chunk, prompt=args.seq, dtype=DTYPES[args.dtype], heads=args.heads,
                              kv_heads=args.kv_heads, head_dim=args.head_dim, seed=args.seed,
-                             preallocated=args.capacity, value_head_dim=args.value_head_dim)  # fmt: skip
+                             preallocated=args.capacity, value_head_dim=args.value_head_dim,
+                             window=window)  # fmt: skip
     print(report.format())
     return 0 if report.ok else 1
+
+
+def _check_sanitize_seq(args) -> None:
+    """``--seq`` (and ``--documents`` against it) checked as the user typed them, before the sanitizer's own
+    checks, which name its arguments (``seq``)."""
+    if args.ulysses > 1:
+        ulysses.check_seq(args.seq, args.world, args.ulysses, args.balance)
+    else:
+        schedule.check_seq_len(args.seq, args.world, args.balance, what="--seq")
+    if args.documents is not None and args.documents > args.seq:
+        raise ValueError(f"{packing.FLAG}: expected at most --seq {args.seq} documents (each at least 1 token); got "
+                         f"{args.documents}")  # fmt: skip
 
 
 def _cmd_sanitize(args) -> int:
     from ..testing.sanitizer import sanitize_ring
 
+    check_heads(args.heads, args.kv_heads)
     packing.check_balance(args.balance, args.documents is not None)
     if args.decode is not None:
-        decode.check_alone(((packing.FLAG, args.documents is not None), (ulysses.FLAG, args.ulysses != 1)))
         return _cmd_sanitize_decode(args)
+    decode.check_needs_decode(((decode.CHUNK_FLAG, args.chunk, SANITIZE_CHUNK), ("--capacity", args.capacity, False)))
     window = windows.check(args.window, args.causal)
     if args.ulysses > 1:
         ulysses.check_flag(args.ulysses, args.world, args.heads)
-        if args.seq is not None:
-            ulysses.check_seq(args.seq, args.world, args.ulysses, args.balance)
+    if args.seq is not None:
+        _check_sanitize_seq(args)
     report = sanitize_ring(
         world=args.world,
         causal=args.causal,

@@ -248,6 +248,13 @@ def attention_bytes(problem: Problem, seq: int, world: int, quadratic: bool) -> 
     return io + scores
 
 
+def check_heads(heads: int, kv_heads: int) -> None:
+    """A ValueError naming ``--kv-heads`` unless it divides ``--heads`` (each K/V head serves a group of query
+    heads)."""
+    if heads % kv_heads:
+        raise ValueError(f"--kv-heads: expected a divisor of --heads {heads}; got {kv_heads}")
+
+
 def check_value_dim(backend, head_dim: int, value_dim: int) -> None:
     """A ValueError naming ``--value-head-dim`` when v's head dim differs from q/k's and the backend's kernels
     do not take that (``value_head_dims`` False)."""

@@ -217,22 +217,46 @@ def _run_distributed(cfg: DecodeConfig) -> DecodeResult:
     )
 
 
+ONE_SEQUENCE = "a KV cache is one sequence over the ranks of its group"
+"""Why a KV cache takes no ``--documents`` or ``--ulysses``."""
+
+
+def typed(flag: str, value) -> str:
+    """A flag as it was typed: ``--backward`` (a switch), ``--calls 3``, ``--documents 3,5`` (a parsed
+    ``--documents`` shows its text)."""
+    return flag if value is True else f"{flag} {getattr(value, 'text', value)}"
+
+
 def check_alone(given) -> None:
-    """A ValueError naming ``--decode`` and the first flag of ``given`` (pairs of a flag and whether it was
-    given) that a KV cache does not take."""
-    for flag, on in given:
-        if on:
-            raise ValueError(f"{FLAG}: expected no {flag} (a KV cache is one sequence over the ranks of its group); "
-                             f"got {flag}")  # fmt: skip
+    """A ValueError naming ``--decode`` and the first flag of ``given`` that the decode path does not take:
+    each entry the flag, its value, its default (a value equal to it was left out, or changes nothing) and why
+    a KV cache takes no such flag (None: :data:`ONE_SEQUENCE`)."""
+    for flag, value, default, why in given:
+        if value != default:
+            raise ValueError(f"{FLAG}: expected no {flag} ({why or ONE_SEQUENCE}); got {typed(flag, value)}")
+
+
+def check_needs_decode(given) -> None:
+    """Without ``--decode``: a ValueError naming the first flag of ``given`` (the flag, its value, its default)
+    whose value is not its default: only the decode path reads it."""
+    for flag, value, default in given:
+        if value != default:
+            raise ValueError(f"{flag}: expected together with {FLAG} (only the decode path reads it); got "
+                             f"{typed(flag, value)} without {FLAG}")  # fmt: skip
+
+
+def check_causal(causal: bool) -> None:
+    """A ValueError naming ``--decode`` and ``--no-causal``: the decode path attends causally."""
+    if not causal:
+        raise ValueError(f"{FLAG}: expected a causal mask (each token attends to the tokens before it); got "
+                         "--no-causal")  # fmt: skip
 
 
 def run_command(args: argparse.Namespace, problem: dict) -> int:
     """``xcp run --decode``: the flags checked, the run, its table; 0 when every step passes, else 1."""
     check_flags(args.decode, args.chunk)
-    check_alone((("--documents", args.documents is not None),))
-    if not args.causal:
-        raise ValueError(f"{FLAG}: expected a causal mask (each token attends to the tokens before it); got "
-                         "--no-causal")  # fmt: skip
+    check_alone((("--documents", args.documents, None, None),))
+    check_causal(args.causal)
     if args.ulysses != 1:
         raise ValueError(f"{FLAG}: expected --ulysses 1 (a KV cache is sharded over the ranks of its group, not "
                          f"over heads); got --ulysses {args.ulysses}")  # fmt: skip
@@ -338,8 +362,8 @@ def plan_lines(world: int, prompt: int, decode: int, chunk: int, balance: str, h
 def plan_command(args: argparse.Namespace) -> int:
     """``xcp plan --decode``: pure, nothing runs."""
     check_flags(args.decode, args.chunk)
-    check_alone((("--ulysses", args.ulysses != 1), ("--documents", args.documents is not None),
-                 ("--plot", args.plot is not None)))  # fmt: skip
+    check_alone((("--ulysses", args.ulysses, 1, None), ("--documents", args.documents, None, None),
+                 ("--plot", args.plot, None, "the plan of a KV cache is a table: nothing is drawn")))  # fmt: skip
     window = windows.check(args.window, True)
     prompt = args.seq or 0
     balance = windows.resolve_balance(args.balance, args.world, True, window, None, prompt) if prompt else (

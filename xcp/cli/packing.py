@@ -8,8 +8,8 @@ rank's share of the work.
 - a **distribution**, ``longtail:MIN:MAX[:SEED]``: lengths drawn (seeded, default seed 0) log-uniformly
   between MIN and MAX until they fill S, the last one trimmed so that they sum to S exactly.
 
-Either way S must be splittable by the balance (a multiple of 2P for zigzag, of P otherwise); the error
-names the multiple needed.
+Either way S must be splittable by the balance (a multiple of 2P for zigzag, of P for contiguous and stripe;
+at least P tokens for document_zigzag); the error names what is needed.
 """
 
 from __future__ import annotations
@@ -101,8 +101,12 @@ def longtail_lengths(seq: int, low: int, high: int, seed: int = 0) -> tuple[int,
 
 
 def check_total(total: int, world: int, balance: str) -> None:
-    """A ValueError naming ``--documents``, the multiple needed and ``total`` when ``total`` tokens of
-    documents cannot be split by ``balance`` over ``world`` ranks."""
+    """A ValueError naming ``--documents``, the multiple needed (or, for a balance that places each document,
+    the ``world`` tokens at least) and ``total`` when ``total`` tokens of documents cannot be split by
+    ``balance`` over ``world`` ranks."""
+    if balance in schedule.DOCUMENT_BALANCES and total < world:
+        raise ValueError(f"{FLAG}: expected lengths summing to at least {world} tokens (balance {balance!r} over "
+                         f"{world} ranks places one on each at least); got a sum of {total}")  # fmt: skip
     m = schedule.required_multiple(world, balance)
     if total % m:
         below = total - total % m

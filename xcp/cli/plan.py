@@ -17,6 +17,7 @@ from .common import (
     DTYPES,
     Problem,
     add_problem_flags,
+    check_heads,
     head_dims_text,
     human_bytes,
     positive,
@@ -548,25 +549,25 @@ def add_parser(sub) -> None:
 
 def command(args) -> int:
     world, causal, u = args.world, args.causal, args.ulysses
-    if args.heads % args.kv_heads:
-        raise ValueError(f"--kv-heads: expected a divisor of --heads {args.heads}; got {args.kv_heads}")
+    check_heads(args.heads, args.kv_heads)
     packing.check_balance(args.balance, args.documents is not None)
     if args.decode is not None:
         return decode.plan_command(args)
+    decode.check_needs_decode(((decode.CHUNK_FLAG, args.chunk, decode.DEFAULT_CHUNK),))
     ring = ulysses.check_flag(u, world, args.heads)  # the ring's ranks: P, or R = P/U with --ulysses
     window = windows.check(args.window, causal)
     cu = documents = None
+    split_by = windows.check_balance(args.balance, args.documents is not None)  # auto: the loosest rule it may pick
     if args.documents is not None:
-        lengths, _ = packing.resolve_lengths(args.documents, args.seq, ring, windows.check_balance(args.balance))
+        lengths, _ = packing.resolve_lengths(args.documents, args.seq, ring, split_by)
         cu = documents = packing.boundaries(lengths)
     elif args.seq is not None:
-        schedule.check_seq_len(args.seq, ring, windows.check_balance(args.balance), what="--seq")
+        schedule.check_seq_len(args.seq, ring, split_by, what="--seq")
         cu = (0, args.seq)
     elif window is not None:
         raise ValueError(f"{windows.FLAG}: expected --seq (or --documents) too: a window's plan depends on S")
     if cu is not None and u > 1:  # P divides S (before auto's choice, which needs it too)
-        ulysses.check_seq(cu[-1], world, u, windows.check_balance(args.balance), "--seq" if documents is None
-                          else packing.FLAG)  # fmt: skip
+        ulysses.check_seq(cu[-1], world, u, split_by, "--seq" if documents is None else packing.FLAG)
     balance = windows.resolve_balance(args.balance, world, causal, window, documents, None if cu is None else cu[-1],
                                       u)  # fmt: skip
     if args.balance == windows.AUTO:

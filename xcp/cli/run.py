@@ -32,6 +32,7 @@ from .common import (
     REL_TOLERANCE,
     Problem,
     add_problem_flags,
+    check_heads,
     check_value_dim,
     error,
     gather_whole,
@@ -279,9 +280,11 @@ def _documents(args: argparse.Namespace) -> tuple[int, tuple[int, ...] | None]:
 def command(args: argparse.Namespace) -> int:
     backend, _ = tool_backend(args.device)  # an unknown or unusable backend: xcp's error and the table, first
     check_value_dim(backend, args.head_dim, args.value_head_dim or args.head_dim)
+    check_heads(args.heads, args.kv_heads)
     packing.check_balance(args.balance, args.documents is not None)
     if args.decode is not None:
         return decode.run_command(args, problem_args(args))
+    decode.check_needs_decode(((decode.CHUNK_FLAG, args.chunk, decode.DEFAULT_CHUNK),))
     if args.ulysses > 1 and not under_torchrun():  # under torchrun, once the world size is known
         ulysses.check_flag(args.ulysses, args.world, args.heads)
     seq, documents = _documents(args)

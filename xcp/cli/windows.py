@@ -169,6 +169,10 @@ def resolve_balance(balance: str, world: int, causal: bool, window: tuple | None
                           ulysses=ulysses)  # fmt: skip
 
 
-def check_balance(balance: str) -> str:
-    """The balance whose split rule an ``auto`` configuration must meet at least (a multiple of P)."""
-    return "contiguous" if balance == AUTO else balance
+def check_balance(balance: str, documents: bool = False) -> str:
+    """The balance whose split rule an ``auto`` configuration must meet at least: with packed ``documents``
+    ``document_zigzag``'s (any length of at least P tokens, as :func:`xcp.choose_balance` weighs it there),
+    else a multiple of P (``contiguous``'s)."""
+    if balance != AUTO:
+        return balance
+    return schedule.DOCUMENT_BALANCES[0] if documents else "contiguous"

@@ -17,26 +17,32 @@ from .. import schedule
 from ..api import shard
 from ..cache import KVCache
 from ..comm import LocalWorld
+from ..documents import check_window
 from ..lifetime import check_handoff, track_buffers
 from .sanitizer import TOLERANCE, Finding, Sanitizer, SanitizerReport, peers_rows
 
 
-def _reference(q, k, v, s: int, t: int, scale: float) -> torch.Tensor:
-    """float64 causal attention of the queries at ``s - t .. s - 1`` over the first s tokens."""
+def _reference(q, k, v, s: int, t: int, scale: float, window: tuple | None = None) -> torch.Tensor:
+    """float64 causal attention of the queries at ``s - t .. s - 1`` over the first s tokens (under a sliding
+    ``window`` ``(left, 0)``: query i over keys ``i - left .. i``)."""
     groups = q.shape[2] // k.shape[2]
     qd = q[:, s - t : s].double().transpose(1, 2)
     kd, vd = (x[:, :s].double().transpose(1, 2).repeat_interleave(groups, 1) for x in (k, v))
-    allowed = torch.arange(s).view(1, s) <= torch.arange(s - t, s).view(t, 1)
+    keys, queries = torch.arange(s).view(1, s), torch.arange(s - t, s).view(t, 1)
+    allowed = keys <= queries
+    if window is not None and window[0] is not None:
+        allowed &= keys >= queries - window[0]
     out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=allowed, scale=scale)
     return out.transpose(1, 2)
 
 
-def _largest_error(outs: list[list[torch.Tensor]], q, k, v, prompt: int, steps: list[int], scale: float) -> float:
+def _largest_error(outs: list[list[torch.Tensor]], q, k, v, prompt: int, steps: list[int], scale: float,
+                   window: tuple | None = None) -> float:  # fmt: skip
     """The largest error of every rank's outputs against the float64 reference, relative to its magnitude."""
     error, s = 0.0, prompt
     for i, t in enumerate(steps):
         s += t
-        want = _reference(q, k, v, s, t, scale)
+        want = _reference(q, k, v, s, t, scale, window)
         for mine in outs:
             error = max(error, (mine[i].double() - want).abs().max().item() / max(1.0, want.abs().max().item()))
     return error
@@ -58,6 +64,7 @@ def sanitize_decode(
     preallocated: bool = False,
     combine: str = "auto",
     value_head_dim: int | None = None,
+    window: tuple[int | None, int | None] | None = None,
 ) -> SanitizerReport:
     """Prefill a KV cache on ``world`` virtual ranks of the sim device, then ``decode`` single tokens and one
     chunk of ``chunk`` tokens, each followed by the cache's attention; check every lifetime rule.
@@ -70,6 +77,8 @@ def sanitize_decode(
         :data:`xcp.cache_plan.HEADS_COMBINE_MIN_QUERIES` tokens combines over heads where P divides heads).
     :param value_head_dim: v's head dim (and the output's), None: ``head_dim`` (multi-head latent attention's
         values of another head dim otherwise: the caches keep K and V in their own dims).
+    :param window: a sliding window ``(left, right)`` of the cache's attention (causal: ``right`` 0 or None;
+        see :func:`xcp.documents.check_window`), checked against float64 attention under the banded mask.
     :returns: a :class:`xcp.testing.sanitizer.SanitizerReport`; findings of kind race, reuse, leak or numerics.
     """
     value_dim = head_dim if value_head_dim is None else value_head_dim
@@ -85,6 +94,7 @@ def sanitize_decode(
         raise ValueError(f"dtype: expected one of {', '.join(map(str, TOLERANCE))}; got {dtype}")
     if handoff is not None:
         check_handoff(handoff)
+    window = check_window(window, True)
     prompt = schedule.required_multiple(world, balance) if prompt is None else prompt
     schedule.check_seq_len(prompt, world, balance, what="prompt")
     steps = [1] * decode + ([chunk] if chunk else [])
@@ -99,6 +109,8 @@ def sanitize_decode(
               "kv_heads": kv_heads, "preallocated": preallocated}  # fmt: skip
     if value_dim != head_dim:
         config["head_dim"] = f"{head_dim}/{value_dim}"
+    if window is not None:
+        config["window"] = ",".join("none" if x is None else str(x) for x in window)
 
     findings: list[Finding] = []
     with Sanitizer() as san:
@@ -117,12 +129,12 @@ def sanitize_decode(
                 for t in steps:
                     cache.append(k[:, s : s + t], v[:, s : s + t])
                     s += t
-                    outs.append(cache.attention(q[:, s - t : s]))
+                    outs.append(cache.attention(q[:, s - t : s], window=window))
                 del cache
                 return ledger, outs
 
         results = lw.run(rank)
-        error = _largest_error([r[1] for r in results], q, k, v, prompt, steps, scale)
+        error = _largest_error([r[1] for r in results], q, k, v, prompt, steps, scale, window)
         ledgers = [r[0] for r in results]
         del results
         lw.release_buffers()
@@ -135,6 +147,8 @@ def sanitize_decode(
         findings.extend(san.leaks())
     if not error <= TOLERANCE[dtype]:
         tol = TOLERANCE[dtype]
-        findings.append(Finding("numerics", f"out: error {error:.3e} against float64 attention exceeds {tol:g}"))
+        against = f"float64 attention{' with the banded mask' if window is not None else ''}"
+        findings.append(Finding("numerics", f"out: error {error:.3e} against {against} exceeds {tol:g}"))
     return SanitizerReport(config, findings, peak_kv_shards={}, peak_bytes={}, peak_comm_bytes={}, bound_shards=0,
-                           bound_comm_bytes=0, max_error={"out": error}, set_aside=len(set_aside))  # fmt: skip
+                           bound_comm_bytes=0, max_error={"out": error}, set_aside=len(set_aside),
+                           window=window)  # fmt: skip

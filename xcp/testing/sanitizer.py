@@ -105,7 +105,8 @@ class SanitizerReport:
     document_lengths: tuple[int, ...] | None = None
     """The packed documents' lengths (None: one sequence)."""
     ring_steps: int | None = None
-    """Steps the ring ran (P, or fewer where documents or a window leave every later block empty)."""
+    """Steps the ring ran (P, or fewer where documents or a window leave every later block empty); None: no
+    ring ran (the decode path's report)."""
     window: tuple[int | None, int | None] | None = None
     """The sliding window ``(left, right)`` (None: none)."""
     peak_alltoall_bytes: dict[int, int] = field(default_factory=dict)
@@ -140,10 +141,8 @@ class SanitizerReport:
             left, right = self.window
             lo = "the start" if left is None else f"i-{left}" if left else "i"
             hi = "the end" if right is None else f"i+{right}" if right else "i"
-            lines.append(
-                f"  window {self.config['window']}: query i sees keys {lo}..{hi}; the ring ran {self.ring_steps} "
-                f"of {self._ring_ranks()} steps"
-            )
+            ran = "" if self.ring_steps is None else f"; the ring ran {self.ring_steps} of {self._ring_ranks()} steps"
+            lines.append(f"  window {self.config['window']}: query i sees keys {lo}..{hi}{ran}")
         for r in sorted(self.peak_kv_shards):
             lines.append(
                 f"  rank {r}: peak {self.peak_kv_shards[r]} received shards (bound {self.bound_shards}), "
