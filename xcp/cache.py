@@ -182,8 +182,8 @@ class KVCache:
     # ------------------------------------------------------------------ filling
     def prefill(self, k_l: torch.Tensor, v_l: torch.Tensor | None) -> None:
         """Keep this rank's shard of a prompt, ``k_l`` [B, S / P, Hkv, D] and ``v_l`` [B, S / P, Hkv, Dv], as
-        :func:`xcp.shard` made it with this cache's balance (what the rank passed to :func:`xcp.attention`). No
-        communication; the tensors are copied, never kept."""
+        :func:`xcp.shard` made it with this cache's balance (what the rank passed to :func:`xcp.attention`); ``v_l``
+        None with ``values_in_keys``. No communication; the tensors are copied, never kept."""
         self._catch_up()
         if self._seq:
             what = "append" if self._appended else "prefill"
@@ -201,8 +201,8 @@ class KVCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """Add the next T tokens, ``k`` [B, T, Hkv, D] and ``v`` [B, T, Hkv, Dv], the same on every rank, at
-        global positions ``seq_len .. seq_len + T - 1``; this rank keeps its piece of them
-        (:mod:`xcp.cache_plan`). No communication; the piece is copied."""
+        global positions ``seq_len .. seq_len + T - 1`` (``v`` None with ``values_in_keys``); this rank keeps its
+        piece of them (:mod:`xcp.cache_plan`). No communication; the piece is copied."""
         layout = check_cache_kv(k, v, self._layout, values_in_keys=self.values_in_keys)
         t = k.shape[1]
         if t == 1 and self._counts is not None and self._k is not None and self._v is not None:
