@@ -83,7 +83,7 @@ def on_ranks(model, ids, world=4, balance="zigzag", **kw):
     """xt.generate on ``world`` virtual ranks, a model copy each: (output, float64 logits per step) per rank."""
     copies = [recording(copy.deepcopy(model)) for _ in range(world)]
     for m, _ in copies:
-        m.set_attn_implementation("xcp")
+        xt.prepare(m).set_attn_implementation("xcp")
 
     def rank(group):
         m, steps = copies[group.rank()]
@@ -152,7 +152,7 @@ def test_a_ragged_batch_and_what_the_sharded_cache_cannot_do_are_named():
     ids = torch.randint(0, VOCAB, (2, 5))
     with pytest.raises(ValueError, match=r"model: expected attention by xcp .*got attn_implementation 'eager'"):
         xt.generate(model, ids)
-    model.set_attn_implementation("xcp")
+    xt.prepare(model).set_attn_implementation("xcp")
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # the second prompt is 2 tokens shorter, padded on the left
     with pytest.raises(ValueError, match=r"attention_mask: expected no padding .*got 2 padded token\(s\), a ragged"):
@@ -181,8 +181,8 @@ WORKER = gloo_worker(
     transformers.models.llama.modeling_llama.LlamaRMSNorm.forward = lambda self, x: self.weight * (
         x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
     xt.register()
-    model = transformers.AutoModelForCausalLM.from_pretrained(f"{workdir}/model", attn_implementation="xcp",
-                                                              dtype=torch.float64).eval()
+    model = xt.prepare(transformers.AutoModelForCausalLM.from_pretrained(
+        f"{workdir}/model", attn_implementation="xcp", dtype=torch.float64).eval())
     steps = []
     model.get_output_embeddings().register_forward_hook(lambda m, a, out: steps.append(out[:, -1].clone()))
     ids = torch.load(f"{workdir}/ids.pt")

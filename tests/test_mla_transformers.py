@@ -89,7 +89,7 @@ def test_training_matches_one_device(registered, faithful):
     ref_grads = {n: p.grad for n, p in model.named_parameters()}
     models = [copy.deepcopy(model) for _ in range(4)]
     for m in models:
-        m.set_attn_implementation("xcp-shapes")
+        xt.prepare(m).set_attn_implementation("xcp-shapes")
         m.zero_grad()
 
     def rank(group):
@@ -128,7 +128,7 @@ def test_generate_equals_one_device_over_the_latents(registered, faithful):
     ref = ref_model.generate(ids, max_new_tokens=new, do_sample=False)
     copies = [recording(copy.deepcopy(model)) for _ in range(4)]
     for m, _ in copies:
-        m.set_attn_implementation("xcp")
+        xt.prepare(m).set_attn_implementation("xcp")
 
     def rank(group):
         m, steps = copies[group.rank()]

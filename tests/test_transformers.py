@@ -21,6 +21,7 @@ from helpers import float64_transformers
 
 import xcp
 from xcp.context import Context, current
+from xcp.integrations.transformers import prepare
 
 try:
     import transformers  # noqa: F401 - importable, not merely installed
@@ -223,7 +224,7 @@ def context_parallel(model, ids, labels=None, world=P, balance="zigzag", shard_k
     """The model on ``world`` virtual ranks (a copy each): unsharded logits, summed loss, summed gradients."""
     models = [copy.deepcopy(model) for _ in range(world)]
     for m in models:
-        m.set_attn_implementation(name)
+        prepare(m).set_attn_implementation(name)
         m.zero_grad()
 
     def rank(group):
@@ -319,7 +320,7 @@ def test_packed_documents(registered, float64_faithful):
     assert rel(one[0], ref[0]) > 1e-3
     # Outside any context (one rank), restarting position_ids alone are the documents, as in transformers
     alone = copy.deepcopy(model)
-    alone.set_attn_implementation("xcp")
+    prepare(alone).set_attn_implementation("xcp")
     assert_same(single_device(alone, ids, labels, position_ids=positions), ref, 1e-10, "one rank")
 
 
@@ -521,7 +522,7 @@ def test_reduce_gradients():
 def _on_ranks(model, fn, world=2):
     models = [copy.deepcopy(model) for _ in range(world)]
     for m in models:
-        m.set_attn_implementation("xcp")
+        prepare(m).set_attn_implementation("xcp")
 
     def rank(group):
         with xcp.context(group):
@@ -556,7 +557,7 @@ def test_errors_name_the_model_and_the_option(registered):
         _on_ranks(dropout, call())
     _on_ranks(dropout.eval(), call())  # no dropout outside training: runs
     gen = make_model("llama").eval().to(torch.float32)
-    gen.set_attn_implementation("xcp")
+    prepare(gen).set_attn_implementation("xcp")
     with pytest.raises(ValueError, match="KV cache"):
         gen.generate(ids[:, :4], max_new_tokens=2, do_sample=False)
 
@@ -621,7 +622,7 @@ def test_compiled_model_has_the_frames_of_sdpa_and_equals_eager(registered):
     sdpa = make_model("llama", dtype=torch.float32)
     sdpa.set_attn_implementation("sdpa")
     model = copy.deepcopy(sdpa)
-    model.set_attn_implementation("xcp")
+    prepare(model).set_attn_implementation("xcp")
     want = _step(model, **kw)
 
     compiled_sdpa, sdpa_frames = _compiled(sdpa, backend="eager")  # frames are dynamo's, whatever the backend
@@ -645,7 +646,7 @@ def test_compiled_packed_documents_and_what_compile_checks(registered):
     kw = batch.model_kwargs(compiled=True)
     assert kw["cu_seq_lens_q"] == cu and kw["cu_seq_lens_k"] == cu
     model = make_model("llama", dtype=torch.float32).eval()
-    model.set_attn_implementation("xcp")
+    prepare(model).set_attn_implementation("xcp")
     compiled, frames = _compiled(model, fullgraph=True, backend="eager")
     with torch.no_grad():
         want = model(**batch.model_kwargs()).logits  # eager: the boundaries as a tensor
@@ -669,7 +670,7 @@ def test_compile_refuses_a_local_world_group_with_the_reason(registered):
 
     ids, _ = tokens(batch=1)
     model = make_model("llama", dtype=torch.float32).eval()
-    model.set_attn_implementation("xcp")
+    prepare(model).set_attn_implementation("xcp")
     compiled, _ = _compiled(model, fullgraph=True, backend="eager")
 
     def rank(group):

@@ -2,14 +2,18 @@
 
 ::
 
-    from xcp.integrations.transformers import reduce_gradients, register, shard_batch
+    from xcp.integrations.transformers import prepare, reduce_gradients, register, shard_batch
     register()                                        # once per process: the name "xcp"
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="xcp")
+    model = prepare(AutoModelForCausalLM.from_config(cfg, attn_implementation="xcp"))
     with xcp.context(group):                          # this rank's group and balance
         batch = shard_batch(input_ids, labels=input_ids)
         loss = model(**batch.model_kwargs()).loss     # this rank's share of the global mean loss
         loss.backward()
     reduce_gradients(model.parameters())              # SUM over the ranks of the sequence
+
+:func:`prepare` makes every layer context-parallel or refuses the model naming the layer xcp cannot make
+right (:mod:`xcp.integrations.transformers_prepare`, with the registry of adapters and refusals); xcp's
+attention and mask functions refuse a model that was not prepared.
 
 Every rank runs the whole model on its shard of the sequence; only attention talks to the other ranks
 (:func:`xcp.attention` with the current :func:`xcp.context`). What else must be done on the whole sequence
@@ -49,6 +53,30 @@ from ..context import Context, current
 from ..documents import check_cu_seqlens
 from ..padding import pad_to_balance, padded_length
 from . import decoding
+from .transformers_prepare import (
+    add_forward_check,
+    config_prepared,
+    is_prepared,
+    prepare,
+    refuse_layer,
+    register_layer,
+    unprepared,
+    unregister_layer,
+)
+
+__all__ = [
+    "attention_forward",
+    "generate",
+    "is_prepared",
+    "mask_forward",
+    "prepare",
+    "reduce_gradients",
+    "refuse_layer",
+    "register",
+    "register_layer",
+    "shard_batch",
+    "unregister_layer",
+]
 
 DEFAULT_NAME = "xcp"
 IGNORE_INDEX = -100
@@ -87,7 +115,41 @@ def register(name: str = DEFAULT_NAME) -> str:
 
     transformers.AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, mask_forward)
+    for model, (label, table) in _OWN_TABLES.items():
+        _refuse_in_table(model, label, table, name)
     return name
+
+
+_OWN_TABLES = {
+    "falcon": ("Falcon", "FALCON_ATTENTION_CLASSES"),
+    "gpt_neo": ("GPT-Neo", "GPT_NEO_ATTENTION_CLASSES"),
+}
+"""Models that pick their attention class from a table of their own keyed by ``attn_implementation``
+(none of those classes calls transformers' attention interface): without an entry for xcp's name they
+fail while being built with a bare ``KeyError``; :func:`register` gives them one that says why."""
+
+
+def _refuse_in_table(model: str, label: str, table: str, name: str) -> None:
+    import importlib
+
+    try:
+        classes = getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), table)
+    except (ImportError, AttributeError):  # another transformers version: nothing to do
+        return
+    if name in classes:
+        return
+
+    class RefusedAttention(torch.nn.Module):
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            raise ValueError(
+                f"attn_implementation={name!r}: {label} ({type(config).__name__}) takes its attention class from "
+                f"its own table ({table}), and none of them calls transformers' attention interface, so xcp's "
+                "attention would never run and each rank would attend over its own shard alone; context "
+                f"parallelism is not supported for {label} (build it with attn_implementation='eager' or 'sdpa')"
+            )
+
+    RefusedAttention.__qualname__ = RefusedAttention.__name__ = f"{label.replace('-', '')}RefusedByXcp"
+    classes[name] = RefusedAttention
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -126,6 +188,8 @@ def attention_forward(
     - attention sinks: ``module.sinks`` (GPT-OSS), else ``s_aux=``.
     """
     who = _who(module)
+    if not is_prepared(module):
+        raise ValueError(unprepared(who))
     if attention_mask is not None:
         shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
         raise ValueError(
@@ -186,6 +250,31 @@ def attention_forward(
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     out = ctx.attention(q, k, v, causal=is_causal, scale=scaling, window=window, sinks=sinks, cu_seqlens=cu_seqlens)
     return out, None
+
+
+_NOT_XCP = ("eager", "sdpa", "flash", "flex", "paged")
+"""How transformers' own attention implementations are named (``eager``, ``sdpa``, ``flash_attention_2``,
+``flex_attention``, ``paged|sdpa``, ...); a name registered by anyone else may wrap xcp's function."""
+
+
+@add_forward_check
+def _attention_is_xcp(model: torch.nn.Module) -> None:
+    """Before a prepared model's forward: under a context of more than one rank its attention must be xcp's
+    (a model switched or built over to another, e.g. by ``from_config(config, attn_implementation="eager")``
+    on the config object it shares, would attend over each rank's shard alone, silently)."""
+    if torch.compiler.is_compiling() or decoding.current() is not None:
+        return
+    ctx = current()
+    if ctx.world_size == 1:
+        return
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl is None or impl.startswith(_NOT_XCP) or "/" in impl:  # transformers' own, or a hub kernel's
+        raise ValueError(
+            f"{type(model).__name__}: attn_implementation {impl!r} under an xcp.context of {ctx.world_size} ranks: "
+            "each rank would attend over its own shard alone; set it back with model.set_attn_implementation('xcp') "
+            "(transformers' from_config changes the config object it is given: build a reference model from a copy, "
+            "from_config(copy.deepcopy(config), ...))"
+        )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -394,6 +483,8 @@ def mask_forward(
     who = f"xcp attention mask{f' of a {type(config).__name__} model' if config is not None else ''}"
     if torch.compiler.is_compiling():
         return _mask_traced(config, attention_mask, who)
+    if config is not None and not config_prepared(config):
+        raise ValueError(unprepared(who))
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(
             f"{who}: the attention_mask pads {int((~attention_mask.bool()).sum())} token(s); padding inside a "
@@ -733,6 +824,8 @@ def generate(
             f"model: expected attention by xcp (register(), then from_config(..., attn_implementation='xcp') or "
             f"model.set_attn_implementation('xcp')); got attn_implementation {impl!r}"
         )
+    if not is_prepared(model):
+        raise ValueError(unprepared("model"))
     from .transformers_generate import generate as run
 
     return run(model, input_ids, group, max_new_tokens, balance, generate_kwargs)

@@ -1,0 +1,283 @@
+"""Every causal-LM architecture of the installed transformers, tiny, through xcp: pass, refused (why) or FAIL.
+
+For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` that builds tiny from its default config
+(float64, random weights, no download):
+
+- **training**: the recipe of docs/integrations.md (``register()``, ``attn_implementation="xcp"``,
+  ``prepare``, ``shard_batch``, ``model_kwargs()``) on 4 virtual ranks (zigzag) against a model built anew
+  with eager attention and the same weights on one device: logits, loss and every parameter gradient,
+  each relative to its largest entry, within ``--tol``;
+- **generate**: ``xt.generate`` on 4 virtual ranks against the reference's own greedy ``generate``: the
+  same tokens.
+
+A refusal (``prepare``, the build, or a ValueError of xcp at run time) is printed with its reason; anything
+else that differs or raises is a FAIL. Not part of CI (minutes on 2 cores): run it in batches::
+
+    python benchmarks/architectures.py --only llama,qwen2,bloom
+    python benchmarks/architectures.py --start 0 --stop 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+import time
+import traceback
+import warnings
+from typing import Any
+
+import torch
+
+import xcp
+
+P = 4
+S = 32
+PROMPT, NEW = 13, 4
+
+SMALL = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "sliding_window": 8,
+    "state_size": 8,
+    "d_state": 8,
+    "mamba_d_state": 8,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 16,
+    "mamba_head_dim": 16,
+    "n_groups": 1,
+    "mamba_n_groups": 1,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
+"""Small values for the config attributes a model has (only those it has are set)."""
+
+
+def tiny_config(model_type: str) -> Any:
+    from transformers import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[model_type]()
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for cfg in {id(config): config, id(text): text}.values():
+        present = cfg.to_dict()
+        for key, value in SMALL.items():
+            if key in present or hasattr(type(cfg), key) and not callable(getattr(type(cfg), key)):
+                try:
+                    setattr(cfg, key, value)
+                except Exception:  # noqa: BLE001 - a read-only or validated attribute keeps its default
+                    pass
+        for key, value in list(cfg.to_dict().items()):
+            if "dropout" in key and isinstance(value, float):
+                setattr(cfg, key, 0.0)
+        kinds = getattr(cfg, "layer_types", None)
+        if isinstance(kinds, list) and kinds:
+            chosen = list(dict.fromkeys(kinds))  # one layer of each kind, in order
+            if len(chosen) == 1:
+                chosen = chosen * 2
+            try:
+                cfg.layer_types = chosen
+                cfg.num_hidden_layers = len(chosen)
+            except Exception:  # noqa: BLE001 - derived from other attributes: keep them
+                pass
+    return config
+
+
+def build(config: Any, impl: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    extra = {"experts_implementation": "eager"}
+    try:
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl, dtype=torch.float64,
+                                                 **extra)  # fmt: skip
+    except TypeError:
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl, dtype=torch.float64)
+    return model
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    return float((a - b).abs().max()) / max(scale, 1e-300) if b.numel() else 0.0
+
+
+def float64_loss(logits, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                 **kw):  # fmt: skip
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).double(), shift_labels.reshape(-1), ignore_index=ignore_index,
+        reduction="sum" if num_items_in_batch is not None else "mean",
+    )  # fmt: skip
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+
+def train_check(model: Any, reference: Any, ids: torch.Tensor) -> str | None:
+    """None when training over P ranks equals one device; else what differs."""
+    from xcp.integrations import transformers as xt
+
+    for m in (model, reference):
+        m.train()
+        m.zero_grad()
+        m.loss_function = float64_loss
+    out = reference(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+
+    def rank(group):
+        with xcp.context(group):
+            batch = xt.shard_batch(ids, labels=ids)
+            got = model(**batch.model_kwargs())
+            got.loss.backward()
+            return got.logits.detach(), got.loss.detach()
+
+    results = xcp.LocalWorld(P).run(rank)
+    logits = xcp.unshard([r[0] for r in results])
+    errors = {"logits": rel(logits, out.logits.detach()), "loss": rel(sum(r[1] for r in results), out.loss.detach())}
+    ref_params = dict(reference.named_parameters())
+    worst = (0.0, "")
+    for name, p in model.named_parameters():
+        r = ref_params.get(name)
+        if r is None or r.grad is None or p.grad is None:
+            if (r is not None and r.grad is not None) != (p.grad is not None):
+                return f"gradient of {name}: present on one side only"
+            continue
+        worst = max(worst, (rel(p.grad, r.grad), name))
+    errors[f"grad {worst[1]}"] = worst[0]
+    bad = {k: v for k, v in errors.items() if not v <= ARGS.tol}
+    return None if not bad else "train " + ", ".join(f"{k} {v:.2g}" for k, v in bad.items())
+
+
+def generate_check(model: Any, reference: Any, vocab: int) -> str | None:
+    from xcp.integrations import transformers as xt
+
+    torch.manual_seed(1)
+    ids = torch.randint(3, vocab, (1, PROMPT))
+    model.eval()
+    reference.eval()
+    kw = {"max_new_tokens": NEW, "do_sample": False, "min_new_tokens": NEW}
+    with torch.no_grad():
+        expected = reference.generate(ids, **kw)
+    got = xcp.LocalWorld(P).run(lambda group: xt.generate(model, ids, group=group, **kw))
+    if not torch.equal(got[0], expected):
+        return f"generate tokens differ: {got[0][0, PROMPT:].tolist()} vs {expected[0, PROMPT:].tolist()}"
+    return None
+
+
+def root(exc: BaseException) -> BaseException:
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
+
+
+def refused(exc: BaseException) -> str | None:
+    """The reason, when ``exc`` is one of xcp's refusals (a ValueError or NotImplementedError naming xcp)."""
+    exc = root(exc)
+    text = str(exc)
+    if isinstance(exc, (ValueError, NotImplementedError)) and ("xcp" in text or "prepare" in text):
+        return f"{type(exc).__name__}: {text}"
+    return None
+
+
+def survey(model_type: str) -> tuple[str, str]:
+    """("pass" | "refused" | "FAIL" | "unbuildable", detail)."""
+    from xcp.integrations import transformers as xt
+
+    try:
+        config = tiny_config(model_type)
+        reference = build(config, "eager")
+    except Exception as exc:  # noqa: BLE001 - not buildable tiny: outside the survey
+        return "unbuildable", f"{type(exc).__name__}: {str(exc)[:160]}"
+    stage = "build"
+    try:
+        model = build(config, "xcp")
+        stage = "prepare"
+        xt.prepare(model)
+        reference.load_state_dict(model.state_dict())
+        vocab = int(config.get_text_config(decoder=True).vocab_size)
+        torch.manual_seed(2)
+        ids = torch.randint(3, vocab, (1, S))
+        stage = "train"
+        problem = train_check(model, reference, ids)
+        if problem is not None:
+            return "FAIL", problem
+        stage = "generate"
+        problem = generate_check(model, reference, vocab)
+        if problem is not None:
+            return "FAIL", problem
+    except Exception as exc:  # noqa: BLE001 - classified and printed
+        why = refused(exc)
+        if why is not None:
+            return "refused", f"{stage}: {why}"
+        if ARGS.verbose:
+            traceback.print_exception(exc)
+        cause = root(exc)
+        return "FAIL", f"{stage}: {type(cause).__name__}: {str(cause)[:300]}"
+    return "pass", ""
+
+
+def main() -> int:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from xcp.integrations import transformers as xt
+
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    xt.register()
+    softmax = torch.nn.functional.softmax  # eager attention's float32 softmax, kept in float64 for both sides
+    torch.nn.functional.softmax = lambda x, dim=None, _stacklevel=3, dtype=None: softmax(
+        x, dim=dim, dtype=None if x.dtype == torch.float64 else dtype
+    )
+    types = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if ARGS.only:
+        types = [t for t in ARGS.only.split(",") if t]
+    else:
+        types = types[ARGS.start : ARGS.stop]
+    counts: dict[str, int] = {}
+    for model_type in types:
+        began = time.perf_counter()
+        verdict, detail = survey(model_type)
+        counts[verdict] = counts.get(verdict, 0) + 1
+        took = time.perf_counter() - began
+        print(f"{verdict:11s} {model_type:28s} {took:5.1f}s {detail[: ARGS.width]}", flush=True)
+    print("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    return 0
+
+
+def _args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="comma-separated model types")
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--stop", type=int, default=math.inf)  # type: ignore[arg-type]
+    parser.add_argument("--tol", type=float, default=1e-6, help="relative to the largest entry (float64)")
+    parser.add_argument("--width", type=int, default=400, help="characters of each detail printed")
+    parser.add_argument("--verbose", action="store_true", help="tracebacks of failures")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    ARGS = _args()
+    sys.exit(main())

@@ -1,0 +1,383 @@
+"""``prepare(model)``: make every layer of a transformers model context-parallel, or refuse it, before use.
+
+Under :func:`xcp.context` every rank runs the whole model on its shard of the sequence and only xcp's
+attention function talks to the other ranks. A layer that mixes tokens any other way (its own attention
+code, a recurrence, a convolution over the sequence, an indexer that ranks every key) would see its shard
+alone and be silently wrong. :func:`prepare` walks the model once and, for each module:
+
+1. the first registered **adapter** that matches it (:func:`register_layer`) makes it context-parallel:
+   its ``adapt(module)`` returns a replacement module (put where the module was) or None (adapted in place);
+2. else the first **refusal** that matches it (:func:`refuse_layer`) is collected; after the walk, a
+   ValueError lists every refused layer class with the reason (nothing is changed then);
+3. every module of the model is then marked prepared (:func:`is_prepared`).
+
+Adapters take precedence over refusals, so a module that makes a family context-parallel registers its
+adapter and the built-in refusal of that family no longer applies; it never edits this module::
+
+    from xcp.integrations.transformers_prepare import register_layer
+    register_layer("Qwen3NextGatedDeltaNet", make_context_parallel, name="gated delta net")
+
+xcp's attention and mask functions refuse a module that was not prepared (:func:`check_prepared`), so a
+model used with ``attn_implementation="xcp"`` without ``prepare`` fails at its first forward instead of
+running any layer over a shard alone. :func:`prepare` is idempotent (a prepared module is neither adapted
+nor checked again) and returns the model. Nothing here imports transformers.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Match = Callable[[torch.nn.Module], bool] | str | type
+"""What a rule applies to: a predicate over modules, a class (``isinstance``), or a class name (the
+class's ``__name__``, or with a dot its ``module.qualname``)."""
+
+MARK = "_xcp_prepared"
+"""The attribute :func:`prepare` sets on every module of a prepared model."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A registered way to make a layer context-parallel (:func:`register_layer`)."""
+
+    name: str
+    match: Match
+    adapt: Callable[[torch.nn.Module], torch.nn.Module | None]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A registered layer xcp cannot make right, with the reason (:func:`refuse_layer`)."""
+
+    name: str
+    match: Match
+    why: str | Callable[[torch.nn.Module], str]
+
+    def reason(self, module: torch.nn.Module) -> str:
+        return self.why(module) if callable(self.why) else self.why
+
+
+_lock = threading.Lock()
+_adapters: list[Adapter] = []
+_refusals: list[Refusal] = []
+
+
+def _add(rules: list[Any], rule: Adapter | Refusal) -> Any:
+    """Append ``rule`` to ``rules`` after checking its name and match; return it."""
+    name, match = rule.name, rule.match
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name: expected a non-empty string; got {name!r}")
+    if not (isinstance(match, (str, type)) or callable(match)):
+        raise TypeError(f"match: expected a class, a class name or a predicate over modules; got {match!r}")
+    with _lock:
+        if any(r.name == name for r in _adapters) or any(r.name == name for r in _refusals):
+            raise ValueError(f"name: expected a name not registered yet; got {name!r} (unregister_layer it first)")
+        rules.append(rule)
+    return rule
+
+
+def register_layer(match: Match, adapt: Callable[[torch.nn.Module], torch.nn.Module | None], *, name: str) -> Adapter:
+    """Register ``adapt`` for the modules that ``match``; return the :class:`Adapter`.
+
+    :param match: a class, a class name, or a predicate ``match(module) -> bool``.
+    :param adapt: called once per matching module by :func:`prepare`: returns the module that replaces it
+        (xcp marks it and everything under it prepared; its children are not walked again) or None
+        when it changed the module in place. It raises to refuse one instance (say why).
+    :param name: unique; :func:`unregister_layer` takes it. Adapters are tried in registration order and
+        before every refusal.
+    """
+    if not callable(adapt):
+        raise TypeError(f"adapt: expected a callable(module) -> module or None; got {adapt!r}")
+    return _add(_adapters, Adapter(name, match, adapt))
+
+
+def refuse_layer(match: Match, why: str | Callable[[torch.nn.Module], str], *, name: str) -> Refusal:
+    """Make :func:`prepare` refuse the modules that ``match`` (unless an adapter matches them first).
+
+    :param why: the reason, or ``why(module) -> str``; the error reads ``<class>: <why>``.
+    """
+    if not (isinstance(why, str) and why) and not callable(why):
+        raise ValueError(f"why: expected a non-empty string or a callable(module) -> str; got {why!r}")
+    return _add(_refusals, Refusal(name, match, why))
+
+
+def unregister_layer(name: str) -> None:
+    """Remove the adapter or refusal registered as ``name`` (a KeyError if there is none)."""
+    with _lock:
+        kinds: tuple[list[Any], ...] = (_adapters, _refusals)
+        for rules in kinds:
+            names = [rule.name for rule in rules]
+            if name in names:
+                del rules[names.index(name)]
+                return
+    raise KeyError(f"name: no adapter or refusal registered as {name!r}")
+
+
+def adapters() -> tuple[Adapter, ...]:
+    """The registered adapters, in the order :func:`prepare` tries them."""
+    with _lock:
+        return tuple(_adapters)
+
+
+def refusals() -> tuple[Refusal, ...]:
+    """The registered refusals, in the order :func:`prepare` tries them."""
+    with _lock:
+        return tuple(_refusals)
+
+
+def matches(match: Match, module: torch.nn.Module) -> bool:
+    """Whether ``module`` is one that ``match`` names (see :data:`Match`)."""
+    if isinstance(match, str):
+        cls = type(module)
+        return match == (f"{cls.__module__}.{cls.__qualname__}" if "." in match else cls.__name__)
+    if isinstance(match, type):
+        return isinstance(module, match)
+    return bool(match(module))
+
+
+# --------------------------------------------------------------------------------------------------------
+# prepare
+
+
+ForwardCheck = Callable[[torch.nn.Module], None]
+"""``check(model)`` before every forward of a prepared model; it raises to refuse the forward."""
+
+_forward_checks: list[ForwardCheck] = []
+
+
+def add_forward_check(check: ForwardCheck) -> ForwardCheck:
+    """Run ``check(model)`` before every forward of every model :func:`prepare` saw (where xcp sees what a
+    module's own code cannot: the model's attention implementation, its layers); return ``check``."""
+    if not callable(check):
+        raise TypeError(f"check: expected a callable(model) -> None; got {check!r}")
+    with _lock:
+        if check not in _forward_checks:
+            _forward_checks.append(check)
+    return check
+
+
+def _before_forward(model: torch.nn.Module, args: Any) -> None:
+    for check in tuple(_forward_checks):
+        check(model)
+
+
+_configs: dict[int, weakref.ref] = {}
+"""The configs of prepared models (by id, with a weak reference to tell a reused id): the mask function
+sees the config, not the modules."""
+
+
+def prepare(model: torch.nn.Module) -> torch.nn.Module:
+    """Make every supported layer of ``model`` context-parallel under :func:`xcp.context`; return ``model``.
+
+    Idempotent. Raises a ValueError listing every layer class that xcp cannot make right and why (the model
+    is left unchanged then). Call it once after building the model (and before ``torch.compile``).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module (a transformers model); got {type(model).__name__}")
+    with _lock:
+        rules, refused = list(_adapters), list(_refusals)
+    problems: dict[str, str] = {}
+    plan: list[tuple[torch.nn.Module, str, torch.nn.Module, Adapter]] = []
+    _walk(None, "", model, rules, refused, plan, problems)
+    if problems:
+        listed = "; ".join(f"{cls}: {why}" for cls, why in problems.items())
+        what = type(model).__name__
+        raise ValueError(f"model: xcp cannot make every layer of this {what} context-parallel: {listed}")
+    for parent, name, module, rule in plan:
+        new = rule.adapt(module)
+        if new is not None and new is not module:
+            if not isinstance(new, torch.nn.Module):
+                raise TypeError(f"adapter {rule.name!r}: expected a torch.nn.Module or None; got {type(new).__name__}")
+            if parent is None:
+                raise ValueError(f"adapter {rule.name!r}: cannot replace the model itself; adapt it in place")
+            setattr(parent, name, new)
+            _mark(new)
+    _mark(model)
+    if not getattr(model, "_xcp_forward_checked", False):
+        model.register_forward_pre_hook(_before_forward)
+        object.__setattr__(model, "_xcp_forward_checked", True)
+    return model
+
+
+def _walk(
+    parent: torch.nn.Module | None,
+    name: str,
+    module: torch.nn.Module,
+    rules: list[Adapter],
+    refused: list[Refusal],
+    plan: list[tuple[Any, str, torch.nn.Module, Adapter]],
+    problems: dict[str, str],
+) -> None:
+    """Find each unprepared module's adapter (into ``plan``) or refusal (into ``problems``), top down; the
+    children of an adapted module are its adapter's business."""
+    if getattr(module, MARK, False):
+        return
+    rule = next((r for r in rules if matches(r.match, module)), None)
+    if rule is not None:
+        plan.append((parent, name, module, rule))
+        return
+    refusal = next((r for r in refused if matches(r.match, module)), None)
+    if refusal is not None:
+        problems.setdefault(type(module).__name__, refusal.reason(module))
+    for child_name, child in module.named_children():
+        _walk(module, child_name, child, rules, refused, plan, problems)
+
+
+def _mark(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        object.__setattr__(module, MARK, True)
+        config = getattr(module, "config", None)
+        if config is not None:
+            try:
+                _configs[id(config)] = weakref.ref(config)
+            except TypeError:  # a config that takes no weak reference: its modules carry the mark
+                pass
+
+
+def is_prepared(module: Any) -> bool:
+    """Whether ``module`` (a model or any module of it) went through :func:`prepare`."""
+    return bool(getattr(module, MARK, False))
+
+
+def config_prepared(config: Any) -> bool:
+    """Whether ``config`` belongs to a model that went through :func:`prepare`."""
+    ref = _configs.get(id(config))
+    return ref is not None and ref() is config
+
+
+def unprepared(what: str) -> str:
+    """The message for a model used with xcp's attention without :func:`prepare`."""
+    return (
+        f"{what}: the model was not prepared for context parallelism: call "
+        "xcp.integrations.transformers.prepare(model) once after building it (it makes every layer "
+        "context-parallel, and refuses, naming the layer, what xcp cannot make right: layers that mix the "
+        "sequence outside attention, such as state-space, linear-attention and convolution layers, and "
+        "attention computed outside transformers' attention interface)"
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# What xcp refuses out of the box
+
+
+_OWN_ATTENTION = (
+    "computes attention itself, outside transformers' attention interface (attn_implementation), so xcp's "
+    "attention is never called and each rank would attend over its own shard alone"
+)
+
+_BYPASSING = {
+    "bloom.BloomAttention": " (ALiBi scores and its own softmax)",
+    "mpt.MptAttention": " (ALiBi position bias and its own softmax)",
+    "cpmant.CpmAntAttention": " (a relative position bias and its own softmax)",
+    "gpt_neox_japanese.GPTNeoXJapaneseAttention": " (its own matmul and softmax)",
+    "openai.Attention": " (OpenAI-GPT's own matmul and softmax)",
+    "reformer.LSHSelfAttention": " (locality-sensitive hashing buckets)",
+    "reformer.LocalSelfAttention": " (local chunks of its own)",
+    "xglm.XGLMAttention": " (its own matmul and softmax)",
+    "xlnet.XLNetRelativeAttention": " (two-stream relative attention)",
+    "falcon.FalconAttention": " (Falcon picks it from its own table, FALCON_ATTENTION_CLASSES)",
+    "falcon.FalconFlashAttention2": " (Falcon picks it from its own table, FALCON_ATTENTION_CLASSES)",
+    "gpt_neo.GPTNeoSelfAttention": " (GPT-Neo picks it from its own table, GPT_NEO_ATTENTION_CLASSES)",
+    "gpt_neo.GPTNeoFlashAttention2": " (GPT-Neo picks it from its own table, GPT_NEO_ATTENTION_CLASSES)",
+}
+"""Attention modules of transformers that never call the attention interface: ``model.Class`` (the
+module ``transformers.models.<model>.modeling_<model>``) and what they do instead."""
+
+
+def _bypassing(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    parts = cls.__module__.split(".")
+    return len(parts) >= 4 and parts[:2] == ["transformers", "models"] and f"{parts[2]}.{cls.__name__}" in _BYPASSING
+
+
+def _bypassing_why(module: torch.nn.Module) -> str:
+    cls = type(module)
+    return _OWN_ATTENTION + _BYPASSING[f"{cls.__module__.split('.')[2]}.{cls.__name__}"]
+
+
+RECURRENT = frozenset(
+    {
+        "BailingHybridDeltaAttention",
+        "BambaMixer",
+        "FalconH1Mixer",
+        "FalconMambaMixer",
+        "GraniteMoeHybridMambaLayer",
+        "JambaMambaMixer",
+        "KimiDeltaAttention",
+        "KimiLinearDeltaAttention",
+        "LaraMiniGatedDeltaNet",
+        "Lfm2ShortConv",
+        "Lfm2MoeShortConv",
+        "Lfm3ShortConv",
+        "MambaMixer",
+        "Mamba2Mixer",
+        "MiniMaxLightningAttention",
+        "NemotronHMamba2Mixer",
+        "OlmoHybridGatedDeltaNet",
+        "Qwen3_5GatedDeltaNet",
+        "Qwen3_5MoeGatedDeltaNet",
+        "Qwen3NextGatedDeltaNet",
+        "RecurrentGemmaRecurrentBlock",
+        "RwkvSelfAttention",
+        "RwkvFeedForward",
+        "xLSTMLayer",
+        "ZambaMambaMixer",
+        "Zamba2MambaMixer",
+        "ZayaCCAProjection",
+    }
+)
+"""transformers' layers (5.24) that mix the sequence outside attention: selective scans, the gated delta
+rule, lightning attention, RG-LRU, RWKV's time mixing and token shift, mLSTM, short causal convolutions."""
+
+
+def _recurrent(module: torch.nn.Module) -> bool:
+    if type(module).__name__ in RECURRENT:
+        return True
+    conv = isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1
+    return conv and type(module).__module__.startswith("transformers.")
+
+
+def _recurrent_why(module: torch.nn.Module) -> str:
+    what = "a convolution over the sequence" if isinstance(module, torch.nn.Conv1d) else "a recurrence or convolution"
+    return (
+        f"mixes the sequence outside attention ({what}); passing its state from rank to rank is not yet "
+        "supported, so each rank would run it over its own shard alone"
+    )
+
+
+_DOGE = (
+    "adds a learned dynamic mask to the attention scores (from the values: exp(A * softplus(dt_proj(v))) per "
+    "key and head, keeping each query's keep_window_size largest), a bias over every key that xcp's attention "
+    "does not take"
+)
+_INDEXER = (
+    "sparse attention: this indexer scores every key for each query over the whole sequence (it reads the "
+    "materialised mask) and keeps the top ones; context parallelism for the indexer is not supported"
+)
+_COMPRESSED = (
+    "compressed KV: this compressor appends pooled summaries of earlier tokens to the keys (DeepSeek-V4's "
+    "compressed and heavily compressed sparse attention); the summaries span the whole sequence, across the "
+    "ranks, which xcp's attention does not serve"
+)
+
+
+def _named(pattern: str) -> Callable[[torch.nn.Module], bool]:
+    rule = re.compile(pattern)
+    return lambda module: rule.search(type(module).__name__) is not None
+
+
+def _builtin() -> None:
+    refuse_layer(_bypassing, _bypassing_why, name="attention outside the interface")
+    refuse_layer("DogeAttention", _DOGE, name="Doge dynamic mask")
+    refuse_layer(_named(r"Indexer$"), _INDEXER, name="sparse attention indexer")
+    refuse_layer(_named(r"Compressor$"), _COMPRESSED, name="compressed KV")
+    refuse_layer(_recurrent, _recurrent_why, name="recurrent layers")
+
+
+_builtin()
