@@ -3,9 +3,11 @@ is reported by rank and never leaves the others hanging."""
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -63,6 +65,63 @@ def test_an_exception_in_one_rank_names_it_and_releases_the_others():
     assert time.monotonic() - start < 10
     assert isinstance(info.value.__cause__, KeyError)
     assert outcome == {0: RankAborted.__name__, 2: RankAborted.__name__}
+
+
+def test_a_failed_run_leaves_nothing_behind_and_its_world_is_collected():
+    """The tensors (and autograd graph) of a failed run are freed once the caller lets go of the error, by
+    reference counting alone; a world dropped after a failed run is collected like any (its mailboxes call
+    back into it: a cycle, for the collector) and its rank threads end."""
+    q, k, v, _ = random_inputs(1, 12, 2, 1, 4, seed=4)
+    alive: dict[int, weakref.ref] = {}
+
+    def rank_fn(group):
+        local = [xcp.shard(x, 3, group.rank()).requires_grad_() for x in (q, k, v)]
+        out = xcp.attention(*local, causal=True, group=group)
+        alive[group.rank()] = weakref.ref(out)  # holds the autograd graph and the shards
+        if group.rank() == 1:
+            raise ValueError("boom after the forward")
+        return out.sum()  # the other ranks return; rank 1's failure drops their results
+
+    world = xcp.LocalWorld(3)
+    threads = world.run(lambda g: threading.current_thread())
+    gc.disable()  # what is freed below is freed by reference counting, not by a collection
+    try:
+        with pytest.raises(RuntimeError, match="rank 1 of 3 failed: ValueError: boom after the forward"):
+            world.run(rank_fn)
+        assert sorted(alive) == [0, 1, 2]
+        assert [r for r, ref in alive.items() if ref() is not None] == []
+    finally:
+        gc.enable()
+    world_ref = weakref.ref(world)
+    del world
+    gc.collect()
+    assert world_ref() is None
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)  # the collected world ended its rank threads
+
+
+def test_a_group_used_outside_run_is_refused_at_once():
+    world = xcp.LocalWorld(2, timeout=60)  # far above the time allowed below: the refusal must be immediate
+    q, k, v, _ = random_inputs(1, 8, 2, 1, 4, seed=5)
+    local = [xcp.shard(x, 2, 0) for x in (q, k, v)]
+    start = time.monotonic()
+    with pytest.raises(
+        RuntimeError,
+        match=r"group <LocalGroup rank 0 of 2>: expected a call inside LocalWorld.run\(fn\) on this rank's own "
+        r"thread .*; got one from thread 'MainThread' outside any run",
+    ):
+        xcp.attention(*local, causal=True, group=world.group(0))
+    assert time.monotonic() - start < 5
+
+    def wrong_rank(group):  # rank 1's thread using rank 0's group
+        return xcp.attention(*local, causal=True, group=world.group(0)) if group.rank() == 1 else None
+
+    with pytest.raises(RuntimeError, match=r"got one from thread 'xcp-rank-1', which runs world rank 1"):
+        world.run(wrong_rank)
+    assert time.monotonic() - start < 5
+    out = xcp.LocalWorld(1).group(0)  # a world of one has no peer to wait for: fine anywhere
+    assert torch.equal(xcp.attention(q, k, v, causal=True, group=out), xcp.attention(q, k, v, causal=True))
 
 
 def test_a_rank_that_never_sends_makes_its_peer_time_out():

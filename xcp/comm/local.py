@@ -77,6 +77,7 @@ class LocalWorld:
         self._failure: tuple[int, BaseException] | None = None
         self._closed = False
         self._rank_stores: dict[int, dict] = {}
+        self._running: dict[int, int] = {}  # thread id -> the world rank whose job of :meth:`run` it runs now
         self._workers: list[RankThread | None] = [None] * world_size
         self.cooperative = self.device.type != "cpu" if cooperative is None else bool(cooperative)
         self._cpu = current_cpu() if (self.cooperative if pin is None else bool(pin)) else None
@@ -133,7 +134,11 @@ class LocalWorld:
         libraries cache per thread (cuDNN's execution plans, cuBLAS handles) is built once, not per run.
 
         An exception in any rank aborts the others (their waits raise :class:`RankAborted`) and is
-        re-raised here as a RuntimeError naming the rank. Once any rank has finished, the others have twice
+        re-raised here as a RuntimeError naming the rank, whose ``__cause__`` is the rank's own exception (a
+        ValueError for a bad argument, say). Nothing of a failed run stays behind in the world: once the caller
+        lets go of that error, the tensors and the autograd graph the run referenced are freed, and a world
+        dropped afterwards is collected (its threads end) like one whose runs returned. Once any rank has
+        finished, the others have twice
         the world's ``timeout`` to finish too (time for a wait on a peer to time out first, with its own
         message); a rank still running then (stuck in user code, where no xcp wait
         can time out) is named in a RuntimeError, aborted at its next xcp wait, and left behind as a daemon
@@ -148,6 +153,8 @@ class LocalWorld:
 
         def body(rank: int) -> None:
             group = self.group(rank)
+            me = threading.get_ident()
+            self._running[me] = rank
             try:
                 with self.mail.turn(rank):
                     results[rank] = fn(group, *args)
@@ -156,18 +163,32 @@ class LocalWorld:
                 with self._lock:
                     if self._failure is None and not isinstance(exc, RankAborted):
                         self._failure = (rank, exc)
+            finally:
+                self._running.pop(me, None)
 
         threads = [self._worker(r).submit(body, r) for r in range(self.world_size)]
-        self._join(threads)
-        failure = self._failure
-        if failure is None:
-            failure = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
-            self._failure = failure
-        if failure is not None:
-            rank, exc = failure
-            what = f"{type(exc).__name__}: {exc}"
-            raise RuntimeError(f"LocalWorld rank {rank} of {self.world_size} failed: {what}") from exc
-        return results
+        try:
+            self._join(threads)
+            failure = self._failure
+            if failure is None:
+                failure = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+            if failure is not None:
+                rank, exc = failure
+                what = f"{type(exc).__name__}: {exc}"
+                raise RuntimeError(f"LocalWorld rank {rank} of {self.world_size} failed: {what}") from exc
+            return results
+        finally:
+            self._forget_failure()
+            errors.clear()  # each rank's exception holds its frames, which hold ``errors``: no cycle left behind
+
+    def _forget_failure(self) -> None:
+        """Keep only which rank failed (a rank left stuck by the run is still aborted at its next xcp wait),
+        not its exception: that holds the traceback, the frames, and through them every tensor the run
+        referenced and the world itself, which would then live until :meth:`close`."""
+        with self._lock:
+            if self._failure is not None:
+                rank, exc = self._failure
+                self._failure = (rank, RankAborted(f"rank {rank} failed: {type(exc).__name__}"))
 
     def _worker(self, rank: int) -> RankThread:
         """Rank ``rank``'s thread; a new one where the last is still busy (left stuck by a failed run), which
@@ -295,6 +316,7 @@ class LocalGroup:
         recv_from = _by_peer(recvs, self._members)
         if not send_to and not recv_from:
             return _LocalWork(self, backend, (), tag, step)
+        self._check_in_run()
         device = (sends[0][0] if sends else recvs[0][0]).device
         stream = backend.current_stream(device)
         if recv_from:
@@ -322,6 +344,20 @@ class LocalGroup:
                 world.mail.put(("done", me, peer, tag), done)
         recvs_by_peer = tuple((bufs[0].device, peer, len(bufs)) for peer, bufs in recv_from.items())
         return _LocalWork(self, backend, recvs_by_peer, tag, step)
+
+    def _check_in_run(self) -> None:
+        """Refuse at once an exchange from a thread that is not running this rank's job of
+        :meth:`LocalWorld.run`: no peer would ever answer it, and it would wait the whole timeout."""
+        running = self.world._running.get(threading.get_ident())
+        if running == self._me:
+            return
+        where = f"thread {threading.current_thread().name!r}"
+        where += " outside any run" if running is None else f", which runs world rank {running}"
+        raise RuntimeError(
+            f"group {self!r}: expected a call inside LocalWorld.run(fn) on this rank's own thread (fn(group) is "
+            f"handed its group); got one from {where}. Its peers answer only inside world.run: used elsewhere it "
+            "would wait for them until the timeout"
+        )
 
     def all_to_all(
         self, send: torch.Tensor, recv: torch.Tensor, tag: str, backend: Any, step: int | None = None
