@@ -56,10 +56,17 @@ def independent_masked_reference(
     sinks: torch.Tensor | None = None,
     scale: float | None = None,
     window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> list[torch.Tensor]:
     """Attention of the whole sequence in float64: one softmax with the explicit document (``cu``), causal
     and window mask, layout [B, S, H, D], K/V heads repeated for GQA; the sink, when given, is one more
     logit per head with a zero value. Returns ``[out, dq, dk, dv]`` (and ``dsinks`` with sinks).
+
+    The variants, written from their definitions: ``softcap`` caps every score ``softcap * tanh(s /
+    softcap)``, ``alibi_slopes`` [H] adds ``-slope_h * |i - j|`` after it, ``chunk`` lets query i see key j
+    only when ``i // chunk == j // chunk`` (besides the documents); the sink is neither capped nor biased.
 
     Kept apart from the library's ``xcp.testing.reference`` on purpose: that one is part of what these tests
     check (backend authors and the tools rely on it), and a reference cannot check itself. This one uses no
@@ -75,6 +82,9 @@ def independent_masked_reference(
     groups = q.shape[2] // k.shape[2]
     doc = torch.tensor([bisect.bisect_right(cu, i) - 1 for i in range(s)])
     allowed = doc[:, None] == doc[None, :]
+    if chunk is not None:
+        blocks = torch.arange(s) // chunk
+        allowed &= blocks[:, None] == blocks[None, :]
     if causal:
         allowed &= torch.ones(s, s, dtype=torch.bool).tril()
     if window is not None:
@@ -87,7 +97,13 @@ def independent_masked_reference(
     qh = q64.transpose(1, 2)
     kh = k64.transpose(1, 2).repeat_interleave(groups, dim=1)
     vh = v64.transpose(1, 2).repeat_interleave(groups, dim=1)
-    scores = (qh @ kh.transpose(-1, -2) * scale).masked_fill(~allowed, -math.inf)
+    scores = qh @ kh.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        distance = (torch.arange(s)[:, None] - torch.arange(s)[None, :]).abs().to(torch.float64)
+        scores = scores - alibi_slopes.detach().to(torch.float64).view(-1, 1, 1) * distance
+    scores = scores.masked_fill(~allowed, -math.inf)
     if sinks is not None:
         sink = leaves[3].view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
         scores = torch.cat([scores, sink], dim=-1)
@@ -220,9 +236,11 @@ def allowed_pairs(
     balance: str,
     causal: bool,
     window: tuple[int | None, int | None] | None = None,
+    chunk: int | None = None,
 ) -> set[tuple[int, int]]:
     """Brute force: the (local query, local key) pairs of rank's block against src's shard, from the global
-    positions each holds (xcp.schedule.shard_indices): same document, causality and window applied."""
+    positions each holds (xcp.schedule.shard_indices): same document (and chunk of ``chunk`` positions),
+    causality and window applied."""
     seq, placed = cu[-1], (tuple(cu) if balance in schedule.DOCUMENT_BALANCES else None)
     qi = schedule.shard_indices(seq, world, rank, balance, placed)
     ki = schedule.shard_indices(seq, world, src, balance, placed)
@@ -231,6 +249,7 @@ def allowed_pairs(
     def ok(gi: int, gj: int) -> bool:
         return (
             bisect.bisect_right(cu, gi) == bisect.bisect_right(cu, gj)
+            and (chunk is None or gi // chunk == gj // chunk)
             and (not causal or gj <= gi)
             and (left is None or gj >= gi - left)
             and (right is None or gj <= gi + right)

@@ -138,6 +138,9 @@ def test_fingerprints_describe_themselves():
         "sinks": None,
         "window": None,
         "ulysses": 1,
+        "softcap": None,
+        "alibi_slopes": None,
+        "chunk": None,
     }
     assert agreement.disagreement([values, values]) is None
     docs = agreement.fingerprint(q, k, k, True, "stripe", 0.125, (0, 3, 8), torch.zeros(4), (None, 0))
@@ -148,6 +151,9 @@ def test_fingerprints_describe_themselves():
     assert "scale (rank 0: 0.125; rank 1: 0.25)" in agreement.disagreement([values, other])
     hybrid = agreement.fingerprint(q, k, k, True, "stripe", 0.125, ulysses=2)
     assert agreement.describe(hybrid)["ulysses"] == 2
+    variants = agreement.describe(agreement.fingerprint(q, k, k, True, "stripe", 0.125, None, None, None, 1, 30.0,
+                                                        torch.zeros(4, dtype=torch.float64), 8192))  # fmt: skip
+    assert (variants["softcap"], variants["alibi_slopes"], variants["chunk"]) == (30.0, "[4] torch.float64", 8192)
     assert "ulysses (rank 0: 1; rank 1: 2)" in agreement.disagreement([values, hybrid])
 
 

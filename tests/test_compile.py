@@ -19,11 +19,16 @@ def inputs(seed: int = 0):
     return q, k, v, sinks
 
 
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
 CALLS = {
     "causal": lambda q, k, v, s: xcp.attention(q, k, v, causal=True),
     "full, scale": lambda q, k, v, s: xcp.attention(q, k, v, scale=0.3),
     "documents, window, sinks": lambda q, k, v, s: xcp.attention(
         q, k, v, causal=True, sinks=s, window=(10, 0), cu_seqlens=[0, 5, 40, 64]
+    ),
+    "softcap, alibi, chunk": lambda q, k, v, s: xcp.attention(
+        q, k, v, causal=True, softcap=2.0, alibi_slopes=SLOPES, chunk=24, cu_seqlens=[0, 5, 40, 64]
     ),
 }
 
@@ -89,12 +94,12 @@ def test_bad_documents_under_compile_are_named_by_the_op():
 
 
 def test_the_ops_schema_is_made_from_the_call_spec():
-    """The custom ops carry every field of xcp.spec.CallSpec, in its order, after the group, the backend and
-    the timeout: one list of options, kept in one place."""
+    """The custom ops carry every field of xcp.spec.CallSpec, in its order, after the ALiBi slopes (a tensor,
+    beside the spec), the group, the backend and the timeout: one list of options, kept in one place."""
     from xcp import ops  # noqa: F401  (registers the ops)
     from xcp.spec import spec_fields
 
     names = [f.name for f in spec_fields()]
     for op, tensors in ((torch.ops.xcp.ring_forward, 4), (torch.ops.xcp.ring_backward, 7)):  # 7th: dlse
         args = [a.name for a in op.default._schema.arguments]
-        assert args[tensors:] == ["group", "backend", "timeout", *names]
+        assert args[tensors:] == ["alibi_slopes", "group", "backend", "timeout", *names]

@@ -1,8 +1,9 @@
 """Ranks agree on a call before its ring runs.
 
-Ranks called with different ``causal``, ``balance``, ``scale``, shapes, dtypes, documents, sinks, windows
-or ``ulysses`` would run rings whose shards do not fit together and return wrong results without an error
-(or, for ``ulysses``, wait for peers that never come). So the first call of each configuration passes a
+Ranks called with different ``causal``, ``balance``, ``scale``, shapes, dtypes, documents, sinks, windows,
+``ulysses``, soft-caps, ALiBi slopes (their shape and dtype) or chunks would run rings whose shards do not
+fit together and return wrong results without an error (or, for ``ulysses``, wait for peers that never
+come). So the first call of each configuration passes a
 fingerprint (a few int64; the document boundaries as a CRC) around the ring: every rank then holds every
 rank's values, and where they differ all ranks raise the same error, naming the fields and each rank's
 value.
@@ -40,6 +41,9 @@ FIELDS = (  # the agreed fields of xcp.spec.CallSpec (documents as cu_seqlens), 
     "sinks",
     "window",
     "ulysses",
+    "softcap",
+    "alibi_slopes",
+    "chunk",
 )
 MAX_AGREED = 4096
 """Agreed fingerprints a rank remembers per group; when full the set starts afresh (on every rank at the
@@ -76,10 +80,14 @@ def fingerprint(
     sinks: torch.Tensor | None = None,
     window: tuple | None = None,
     ulysses: int = 1,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> tuple:
     """The configuration of a call as int64 values, in the order of :data:`FIELDS` (documents as their
     count and a CRC of the boundaries; sinks as their length and dtype; -1 where absent; ``ulysses`` the
-    head-group size of the hybrid, 1 for the ring alone). Under a document balance the shards' lengths may
+    head-group size of the hybrid, 1 for the ring alone; softcap as its bits, alibi_slopes as their length and
+    dtype, chunk as it is). Under a document balance the shards' lengths may
     differ by a token, so their shapes carry the global length ``documents[-1]`` instead (each rank's own
     length is checked against it before: :func:`xcp.checks.check_documents`)."""
     (scale_bits,) = struct.unpack("<q", struct.pack("<d", float(scale)))
@@ -95,6 +103,9 @@ def fingerprint(
     values += [-1, -1] if sinks is None else [sinks.numel(), _dtype_code(sinks.dtype)]
     values += [-2, -2] if window is None else [-1 if w is None else w for w in window]
     values.append(int(ulysses))
+    values.append(-1 if softcap is None else struct.unpack("<q", struct.pack("<d", float(softcap)))[0])
+    values += [-1, -1] if alibi_slopes is None else [alibi_slopes.numel(), _dtype_code(alibi_slopes.dtype)]
+    values.append(-1 if chunk is None else int(chunk))
     return tuple(values)
 
 
@@ -105,7 +116,9 @@ def describe(values: Sequence[int]) -> dict[str, Any]:
     shapes = [tuple(d for d in values[3 + i * _DIMS : 3 + (i + 1) * _DIMS] if d >= 0) for i in range(3)]
     tail = 3 + 3 * _DIMS
     dtypes = [names.get(c, f"dtype#{c}") for c in values[tail : tail + 3]]
-    docs, crc, sinks, sinks_dtype, left, right, ulysses = values[tail + 3 : tail + 10]
+    docs, crc, sinks, sinks_dtype, left, right, ulysses, softcap_bits, slopes, slopes_dtype, chunk = values[
+        tail + 3 : tail + 14
+    ]
     (scale,) = struct.unpack("<d", struct.pack("<q", scale_bits))
     balances = schedule.ALL_BALANCES
     return dict(
@@ -121,6 +134,9 @@ def describe(values: Sequence[int]) -> dict[str, Any]:
                 None if sinks < 0 else f"[{sinks}] {names.get(sinks_dtype, sinks_dtype)}",
                 None if left == -2 else tuple(None if w == -1 else w for w in (left, right)),
                 ulysses,
+                None if softcap_bits == -1 else struct.unpack("<d", struct.pack("<q", softcap_bits))[0],
+                None if slopes < 0 else f"[{slopes}] {names.get(slopes_dtype, slopes_dtype)}",
+                None if chunk < 0 else chunk,
             ],
         )
     )
@@ -180,16 +196,19 @@ def check_agreement(
     v: torch.Tensor,
     spec: CallSpec,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> None:
     """Raise a ValueError on every rank when the ranks' shards or the agreed fields of their ``spec``
     differ; a no-op for a configuration the group has agreed on before, for a world of one, and while a
     graph is being captured (the check reads its result on the host; the eager warm-up call before a
-    capture makes it)."""
+    capture makes it). ``alibi_slopes``: the call's, where ``spec`` does not carry them (a RingConfig does)."""
     if comm.size() == 1 or backend.is_capturing():
         return
     s = spec
-    agree(comm, backend, fingerprint(q, k, v, s.causal, s.balance, s.scale, s.documents, sinks, s.window, s.ulysses),
-          q.device)  # fmt: skip
+    slopes = alibi_slopes if alibi_slopes is not None else getattr(spec, "alibi_slopes", None)
+    values = fingerprint(q, k, v, s.causal, s.balance, s.scale, s.documents, sinks, s.window, s.ulysses, s.softcap,
+                         slopes, s.chunk)  # fmt: skip
+    agree(comm, backend, values, q.device)
 
 
 def agree(comm: Any, backend: Any, values: Any, device: torch.device, key: tuple | None = None) -> None:

@@ -18,6 +18,7 @@ from . import schedule
 from .checks import (
     LAYOUT,
     check_backend_serves,
+    check_backend_variants,
     check_call,
     check_dim,
     check_document_balance,
@@ -29,6 +30,7 @@ from .checks import (
     check_shards,
     check_ulysses,
     check_ulysses_divides,
+    check_variants,
 )
 from .comm import check_timeout, resolve_group
 from .hybrid import hybrid_attention, hybrid_config
@@ -56,6 +58,9 @@ class _Options(TypedDict, total=False):
     timeout: float | None
     policy: str | None
     ulysses: int
+    softcap: float | None
+    alibi_slopes: torch.Tensor | None
+    chunk: int | None
 
 
 @overload
@@ -88,6 +93,9 @@ def attention(
     timeout: float | None = None,
     policy: str | None = None,
     ulysses: int = 1,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    chunk: int | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Ring attention over the ranks of ``group``; differentiable in q, k and v.
@@ -131,6 +139,19 @@ def attention(
         gives every rank H / U heads of its ring shard, the ring runs over R ranks, and a second all-to-all
         returns the output. U divides P and the heads; the shards come from :func:`shard` with the same
         ``ulysses``. 1 (default) is the ring alone, U = P all-to-all alone (Ulysses).
+    :param softcap: logit soft-capping (Gemma-2): every score ``s = scale * q.k`` becomes
+        ``softcap * tanh(s / softcap)`` before the mask and the softmax (a float > 0; None: none). Exact in
+        every block, so on every balance; the backward goes through the tanh. Sinks are not capped.
+    :param alibi_slopes: ALiBi (BLOOM, MPT, Falcon): a float tensor [heads], one slope per query head, on q's
+        device; every score gets ``-slope_h * |i - j|``, i and j the GLOBAL positions of the query and the key
+        (each block knows its rows' positions from the balance). Added after the soft-cap, where both are
+        given. The slopes are constants: no gradient is computed for them (a tensor that requires grad is
+        refused). Sinks get no bias.
+    :param chunk: chunked attention (Llama-4's ``attention_chunk_size``): query i sees key j only when both
+        lie in the same chunk of ``chunk`` tokens, chunks aligned at global position 0 (``i // chunk == j //
+        chunk``), and, with ``cu_seqlens``, in the same document: the documents cut at every multiple of
+        ``chunk`` (their intersection; the placement of ``document_zigzag`` stays by ``cu_seqlens``). Combines
+        with ``causal`` (as Llama-4 uses it) and ``window``. The ring runs only the steps a chunk reaches.
     :param return_lse: also return the log-sum-exp of every row's scores (natural log), for callers that
         merge attention themselves: ``(out, lse)``, lse [batch, heads, seq] (seq: this rank's rows, in q's
         order; with ``ulysses``, this rank's own rows and all heads again), float32, or float64 for float64
@@ -145,6 +166,7 @@ def attention(
         slots = policy
     causal, scale, sinks, window, ulysses = check_call(q, k, v, causal, scale, balance, slots, handoff, sinks,
                                                        window, ulysses)  # fmt: skip
+    softcap, alibi_slopes, chunk = check_variants(q, softcap, alibi_slopes, chunk)
     return_lse = check_return_lse(return_lse)
     check_document_balance(balance, cu_seqlens)
     if torch.compiler.is_compiling():
@@ -155,24 +177,29 @@ def attention(
             )
         out, lse = compiled_attention(q, k, v, sinks, group, device, check_timeout(timeout), causal=causal,
                                       scale=scale, balance=balance, slots=slots, handoff=handoff, documents=cu_seqlens,
-                                      window=window, ulysses=ulysses)  # fmt: skip
+                                      window=window, ulysses=ulysses, softcap=softcap, chunk=chunk,
+                                      alibi_slopes=alibi_slopes)  # fmt: skip
         return (out, lse) if return_lse else out
     comm = resolve_group(group, timeout)
     device_type = q.device.type
     backend = select_backend(None if device is None else str(device), device_type)
+    check_backend_variants(backend, softcap, alibi_slopes)
     if ulysses != 1:
         hybrid = hybrid_config(q, k, comm, backend, ulysses, causal=causal, scale=scale, balance=balance, slots=slots,
-                               handoff=handoff, cu_seqlens=cu_seqlens, window=window, sinks=sinks, v=v)  # fmt: skip
+                               handoff=handoff, cu_seqlens=cu_seqlens, window=window, sinks=sinks, v=v,
+                               softcap=softcap, alibi_slopes=alibi_slopes, chunk=chunk)  # fmt: skip
         out, hybrid_lse = hybrid_attention(q, k, v, hybrid, sinks, return_lse)
         return out if hybrid_lse is None else (out, hybrid_lse)
     world = comm.size()
     check_backend_serves(backend, q, world, causal, balance, device_type, v.shape[3])
-    documents = check_documents(cu_seqlens, q, world, balance, window, comm.rank())
-    if world == 1 and documents is None and sinks is None and not return_lse:  # the vendor's attention, if any
+    documents = check_documents(cu_seqlens, q, world, balance, window, comm.rank(), chunk=chunk)
+    plain = documents is None and sinks is None and softcap is None and alibi_slopes is None
+    if world == 1 and plain and not return_lse:  # the vendor's attention, if any
         whole = backend.whole_attention(q, k, v, causal, scale)
         if whole is not None:
             return whole
-    cfg = RingConfig(comm, backend, causal, scale, balance, slots, handoff, documents, window)
+    cfg = RingConfig(comm, backend, causal, scale, balance, slots, handoff, documents, window, softcap=softcap,
+                     chunk=chunk, alibi_slopes=alibi_slopes)  # fmt: skip
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks)):
         out, lse = RingAttention.apply(q, k, v, sinks, cfg)
     else:

@@ -34,10 +34,12 @@ import torch
 
 from . import cache_plan, schedule
 from .agreement import agree, fingerprint
+from .backends.base import range_forward, score_mods
 from .cache_state import DeviceCounts
 from .checks import (
     CacheLayout,
     check_backend_serves,
+    check_backend_variants,
     check_cache_capacity,
     check_cache_kv,
     check_cache_query,
@@ -46,9 +48,11 @@ from .checks import (
     check_sinks,
     check_ulysses,
     check_values_in_keys,
+    check_variants,
 )
 from .comm import resolve_group
 from .documents import check_window
+from .kernels.math import Alibi
 from .kernels.merge import NEG_INF, accumulator_dtype, apply_sinks_, packed_layout, packed_lse
 from .lifetime import RingCall, check_handoff
 from .plugins import select_backend
@@ -290,6 +294,10 @@ class KVCache:
         scale: float | None = None,
         window: tuple[int | None, int | None] | None = None,
         sinks: torch.Tensor | None = None,
+        *,
+        softcap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:
         """Exact attention of the last T tokens' queries over every cached token, the same on every rank.
 
@@ -300,6 +308,12 @@ class KVCache:
         :param scale: factor on q·k; default 1/sqrt(head_dim).
         :param window: ``(left, right)`` over global positions, as for :func:`xcp.attention`.
         :param sinks: [H], one value-less logit per head, as for :func:`xcp.attention`.
+        :param softcap: logit soft-capping, as for :func:`xcp.attention`.
+        :param alibi_slopes: ALiBi's slopes [H], as for :func:`xcp.attention`: the bias from the queries'
+            positions and the global positions the cache keeps of its tokens (on the device, for a decode step
+            of a capacity cache).
+        :param chunk: chunked attention, as for :func:`xcp.attention`: a query sees the cached tokens of its
+            own chunk of ``chunk`` positions (chunks aligned at position 0).
         :returns: [B, T, H, Dv] (the values' head dim) in q's dtype, equal on every rank.
         """
         decode = self._counts is not None and isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] == 1
@@ -310,26 +324,34 @@ class KVCache:
         scale = check_scale(scale, q.shape[3])
         window = check_window(window, causal)
         sinks = check_sinks(sinks, q)
+        softcap, alibi_slopes, chunk = check_variants(q, softcap, alibi_slopes, chunk)
         backend = select_backend(self._device, q.device.type)
         assert self._layout is not None  # check_cache_query refused an empty cache
         check_backend_serves(backend, q, 1, causal, self.balance, value_dim=self._layout[5])
+        check_backend_variants(backend, softcap, alibi_slopes)
+        variants = (softcap, alibi_slopes, chunk)
         if not decode:
             self._refuse_capture("attention", t, q.device)
         comm = self._comm
         if self._world > 1 and not backend.is_capturing():
-            key = self._fingerprint(q, causal, scale, window, sinks, 0)
-            compared = lambda: self._fingerprint(q, causal, scale, window, sinks, self.seq_len)  # noqa: E731
+            key = self._fingerprint(q, causal, scale, window, sinks, 0, variants)
+            compared = lambda: self._fingerprint(q, causal, scale, window, sinks, self.seq_len, variants)  # noqa: E731
             agree(comm, backend, compared, q.device, key)
         acc = accumulator_dtype(q.dtype)
         if decode:
-            local = functools.partial(self._decode_partial, backend, q, scale, window)
+            local = functools.partial(self._decode_partial, backend, q, scale, window, softcap, alibi_slopes, chunk)
             packed = lambda: _pack(*local(), q.dtype)  # noqa: E731
         else:
-            calls = cache_plan.partial_calls(self._runs, self._seq, t, causal, window)
+            calls = cache_plan.chunked_calls(self._runs, self._seq, t, causal, window, chunk)
             k, v = self.keys(), self.values()
             assert k is not None and v is not None  # a cache with tokens has storage
-            local = functools.partial(_local_partial, backend, calls, q, k, v, scale, acc)
-            packed = functools.partial(_packed_partial, backend, calls, q, k, v, scale, q.dtype)
+            alibi = None
+            if alibi_slopes is not None:
+                q_pos = torch.arange(self._seq - t, self._seq, device=q.device)
+                alibi = Alibi(alibi_slopes, q_pos, torch.tensor(self.positions(), dtype=torch.int64, device=q.device))
+            mods = (softcap, alibi)
+            local = functools.partial(_local_partial, backend, calls, q, k, v, scale, acc, mods)
+            packed = functools.partial(_packed_partial, backend, calls, q, k, v, scale, q.dtype, mods)
         if self._world > 1 and not decode and self._combines_over_heads(t, q.shape[2]):
             return self._combine_over_heads(backend, packed, q, acc, sinks)
         out, lse = local() if self._world == 1 else self._combine(backend, packed, q, acc)
@@ -338,23 +360,28 @@ class KVCache:
             apply_sinks_(out, lse, sinks)
         return out.to(q.dtype)
 
-    def _decode_partial(self, backend: Any, q, scale: float, window) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_partial(
+        self, backend: Any, q, scale: float, window, softcap, alibi_slopes, chunk
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A capacity cache's local partial (out, lse) of the newest token's query, as the kernel gives them
         (a world of one without sinks returns that out as it is; the combine packs it, :func:`_pack`): one
         ``backend.forward_range`` call over the storage range the device's counters give (every token held;
-        with a window, those it reaches), so the host reads no length."""
-        assert self._counts is not None and self._k is not None and self._v is not None
-        lo, hi = self._counts.visible(None if window is None else window[0])
-        return backend.forward_range(q, self._k, self._v, lo, hi, scale)
+        with a window or a chunk, those it reaches), so the host reads no length; ALiBi's positions come from
+        the device's counters too."""
+        counts = self._counts
+        assert counts is not None and self._k is not None and self._v is not None
+        lo, hi = counts.visible(None if window is None else window[0], chunk)
+        alibi = None if alibi_slopes is None else Alibi(alibi_slopes, counts.newest(), counts.positions)
+        return range_forward(backend, q, self._k, self._v, lo, hi, scale, **score_mods(softcap, alibi))
 
-    def _fingerprint(self, q, causal: bool, scale: float, window, sinks, seq_len: int) -> tuple:
+    def _fingerprint(self, q, causal: bool, scale: float, window, sinks, seq_len: int, variants=(None,) * 3) -> tuple:
         """A call as :func:`xcp.agreement.fingerprint` has it, the cache's keys and values as shape
         [B, seq_len, Hkv, D]: the first call of a configuration compares the global length too (ranks that
         prefilled or appended differently), the agreed set keeps it as 0 (each decode step's length differs)."""
         assert self._layout is not None
         b, h, d, dtype, _, dv = self._layout
         like_k, like_v = (torch.empty((b, seq_len, h, dim), dtype=dtype, device="meta") for dim in (d, dv))
-        return fingerprint(q, like_k, like_v, causal, self.balance, scale, None, sinks, window)
+        return fingerprint(q, like_k, like_v, causal, self.balance, scale, None, sinks, window, 1, *variants)
 
     def _exchange(self, backend: Any, op: str, send: Callable[[], torch.Tensor], recv: torch.Tensor, tag: str,
                   meanwhile: Callable[[], Any] = lambda: None) -> Any:  # fmt: skip
@@ -440,19 +467,21 @@ class KVCache:
         return slices.permute(1, 2, 0, 3, 4).reshape(b, t, h, d)
 
 
-def _run_calls(backend, calls, q, k, v, scale: float):
+def _run_calls(backend, calls, q, k, v, scale: float, mods: tuple[float | None, Alibi | None] = (None, None)):
     """Each call's (query rows, out, lse) on this rank's storage.
 
     Every call goes in varlen form, one segment included: a cache's calls change shape at every step (the
     keys grow), and a varlen kernel takes the lengths at run time, where a dense one may plan per shape (on
     the H200, cuDNN built a plan for each new shape: a chunk over 8 virtual ranks took 14.3x one whole-cache
     call with dense calls, 1.26x in varlen form). Backends without a varlen kernel make the same dense call
-    per segment."""
+    per segment. ``mods``: the soft-cap and the ALiBi of every query row and storage row."""
+    softcap, alibi = mods
     for call in calls:
         block = BlockCall.of(call)
         if block.cu is None:
             block = dataclasses.replace(block, cu=(call.cu_q, call.cu_k))
-        yield block.qs, *block.forward(backend, q[:, block.qs], k[:, block.ks], v[:, block.ks], scale)
+        kwargs = score_mods(softcap, None if alibi is None else alibi.rows(block.qs, block.ks))
+        yield block.qs, *block.forward(backend, q[:, block.qs], k[:, block.ks], v[:, block.ks], scale, **kwargs)
 
 
 def _pack(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -466,17 +495,19 @@ def _pack(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return packed
 
 
-def _local_partial(backend, calls, q, k, v, scale: float, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _local_partial(
+    backend, calls, q, k, v, scale: float, acc: torch.dtype, mods=(None, None)
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rank's (out [B, T, H, Dv], lse [B, H, T]) in ``acc``: zeros and -inf on rows no call covers."""
     t, d = q.shape[1], v.shape[3]
     if len(calls) == 1 and calls[0].q0 == 0 and calls[0].q1 == t:  # one call covers every row (decode)
-        _, out, lse = next(_run_calls(backend, calls, q, k, v, scale))
+        _, out, lse = next(_run_calls(backend, calls, q, k, v, scale, mods))
         return out.to(acc, copy=True), lse.to(acc, copy=True)
-    packed = _packed_partial(backend, calls, q, k, v, scale, acc)  # in acc: a world of one keeps its precision
+    packed = _packed_partial(backend, calls, q, k, v, scale, acc, mods)  # in acc: a world of one keeps its precision
     return packed[..., :d].contiguous(), packed[..., d].transpose(1, 2)  # out as the caller gets it: dense
 
 
-def _packed_partial(backend, calls, q, k, v, scale: float, dtype: torch.dtype) -> torch.Tensor:
+def _packed_partial(backend, calls, q, k, v, scale: float, dtype: torch.dtype, mods=(None, None)) -> torch.Tensor:
     """The rank's partial packed as one buffer, laid out for inputs of ``dtype`` as :func:`_pack` lays it
     out: zeros and -inf on rows no call covers."""
     (b, t, h, _), d = q.shape, v.shape[3]
@@ -484,7 +515,7 @@ def _packed_partial(backend, calls, q, k, v, scale: float, dtype: torch.dtype) -
     packed = torch.zeros((b, t, h, channels), dtype=packed_dtype, device=q.device)
     lse = packed_lse(packed, d)
     lse.fill_(NEG_INF)
-    for rows, o, lse_rows in _run_calls(backend, calls, q, k, v, scale):
+    for rows, o, lse_rows in _run_calls(backend, calls, q, k, v, scale, mods):
         packed[:, rows, :, :d] = o
         lse[:, rows] = lse_rows.transpose(1, 2)
     return packed

@@ -20,10 +20,15 @@ flat then rising, the second rising then flat) form one :class:`xcp.documents.Se
 causal or a bottom-right band: :func:`xcp.documents.diagonal_segment`); a row that sees nothing ends one
 and gets nothing (lse -inf, out 0). Decode (T = 1) is one call over a storage range: all of it without a
 window. The segments' rows never overlap, so nothing merges inside the rank.
+
+**Chunked attention** (``chunk``: a query sees only keys of its own chunk of positions, chunks aligned at
+0): the queries of each chunk are planned on their own, against the storage rows of that chunk alone
+(:func:`chunked_calls`), so within a chunk the plan above holds unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -244,3 +249,41 @@ def partial_calls(
     if r0 is not None:
         segs.append(_segment(first, (lo, hi), r0, queries))
     return runs(segs)
+
+
+def _within(stored: Sequence[PositionRun], lo: int, hi: int) -> tuple[tuple[PositionRun, ...], int]:
+    """The runs of the positions of ``stored`` in ``[lo, hi)``, their storage rows counted from the first of
+    them, and that first row (the rows before it hold positions below ``lo``)."""
+    skip, out = rows_at_most(stored, lo - 1), []
+    for p in stored:
+        t0 = max(0, -(-(lo - p.global0) // p.stride))
+        t1 = min(p.count, -(-(hi - p.global0) // p.stride))
+        if t1 > t0:
+            out.append(PositionRun(p.local0 + t0 - skip, p.global0 + p.stride * t0, p.stride, t1 - t0))
+    return tuple(out), skip
+
+
+@functools.lru_cache(maxsize=256)
+def chunked_calls(
+    stored: tuple[PositionRun, ...],
+    seq_len: int,
+    queries: int,
+    causal: bool,
+    window: tuple[int | None, int | None] | None,
+    chunk: int | None,
+) -> tuple[Call, ...]:
+    """:func:`partial_calls` where a query sees only the keys of its own chunk of ``chunk`` positions (none:
+    :func:`partial_calls` itself): the queries of each chunk against the storage rows of that chunk, each
+    call's rows moved back to the whole call's query rows and storage rows."""
+    if chunk is None:
+        return partial_calls(stored, seq_len, queries, causal, window)
+    first, out = seq_len - queries, []
+    for c in range(first // chunk * chunk, seq_len, chunk):
+        a, b = max(first, c), min(seq_len, c + chunk)  # the queries' positions in this chunk
+        runs_in, skip = _within(stored, c, c + chunk)
+        for call in partial_calls(runs_in, b, b - a, causal, window):
+            dq = a - first
+            out.append(
+                dataclasses.replace(call, q0=call.q0 + dq, q1=call.q1 + dq, k0=call.k0 + skip, k1=call.k1 + skip)
+            )
+    return tuple(out)

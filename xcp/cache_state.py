@@ -88,16 +88,26 @@ class DeviceCounts:
         else:
             self.counts.add_(torch.index_select(self._steps, 0, self.counts[PHASE : PHASE + 1]).view(3))
 
-    def visible(self, left: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def visible(self, left: int | None, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The storage range ``[lo, hi)`` the newest token's query sees, as device tensors of one element:
-        every token held, or with a window of ``left`` tokens those at positions ``>= newest - left``
-        (positions increase along the storage, so they form a suffix of it)."""
+        every token held, or with a window of ``left`` tokens those at positions ``>= newest - left``, and
+        with chunked attention those of the newest token's chunk of ``chunk`` positions (positions increase
+        along the storage, so they form a suffix of it)."""
         seq, local = self.counts[SEQ : SEQ + 1], self.counts[LOCAL : LOCAL + 1]
         hi = torch.clamp(local, max=self.room)
-        if left is None:
+        if left is None and chunk is None:
             return self._zero, hi
-        early = (self.positions < seq - 1 - left) & (self._rows < hi)
+        newest = seq - 1
+        starts = [] if left is None else [newest - left]
+        if chunk is not None:
+            starts.append(torch.div(newest, chunk, rounding_mode="floor") * chunk)
+        first = starts[0] if len(starts) == 1 else torch.maximum(*starts)
+        early = (self.positions < first) & (self._rows < hi)
         return early.sum(0, keepdim=True), hi
+
+    def newest(self) -> torch.Tensor:
+        """The newest token's global position, a device tensor of one element (ALiBi's query position)."""
+        return self.counts[SEQ : SEQ + 1] - 1
 
 
 __all__ = ["FAR", "DeviceCounts"]

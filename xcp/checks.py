@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import schedule
-from .documents import check_cu_seqlens, check_window
+from .documents import check_chunk, check_cu_seqlens, check_window
 from .lifetime import check_handoff, check_slots
 
 # with the plans' own checks, since xcp.choose_balance takes ulysses too; the entry points import them from here
@@ -119,8 +119,61 @@ def check_sinks(sinks: Any, q: torch.Tensor) -> torch.Tensor | None:
     return sinks
 
 
+def check_alibi_slopes(alibi_slopes: Any, q: torch.Tensor) -> torch.Tensor | None:
+    """``alibi_slopes`` as given: None, or a float tensor [heads] on q's device that needs no gradient (the
+    slopes are constants of the model: xcp computes no gradient for them, and refuses one that asks)."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes: expected a float tensor [heads] or None; got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dim() != 1 or alibi_slopes.shape[0] != q.shape[2]:
+        raise ValueError(
+            f"alibi_slopes: expected shape ({q.shape[2]},) (one slope per query head); got {tuple(alibi_slopes.shape)}"
+        )
+    if not alibi_slopes.is_floating_point():
+        raise TypeError(f"alibi_slopes: expected a floating-point dtype; got {alibi_slopes.dtype}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes: expected device {q.device} (the device of q); got {alibi_slopes.device}")
+    if alibi_slopes.requires_grad:
+        raise ValueError(
+            "alibi_slopes: expected a tensor that does not require grad (the slopes are constants: xcp computes no "
+            "gradient for them); got one that requires grad (pass alibi_slopes.detach())"
+        )
+    return alibi_slopes
+
+
 # ----------------------------------------------------------------------------------------------------
 # Options
+
+
+def check_softcap(softcap: Any) -> float | None:
+    """``softcap`` (logit soft-capping, ``softcap * tanh(s / softcap)``) as a float > 0, or None."""
+    if softcap is None:
+        return None
+    if schedule.is_bool(softcap) or not isinstance(softcap, numbers.Real) or not 0 < float(softcap) < math.inf:
+        raise ValueError(f"softcap: expected a positive finite float or None; got {softcap!r}")
+    return float(softcap)
+
+
+def check_variants(
+    q: torch.Tensor, softcap: Any, alibi_slopes: Any, chunk: Any
+) -> tuple[float | None, torch.Tensor | None, int | None]:
+    """The attention variants of a call, checked: ``(softcap, alibi_slopes, chunk)``."""
+    return check_softcap(softcap), check_alibi_slopes(alibi_slopes, q), check_chunk(chunk)
+
+
+def check_backend_variants(backend: Any, softcap: float | None, alibi_slopes: torch.Tensor | None) -> None:
+    """Raise a NotImplementedError naming the score modification a call needs and ``backend`` does not serve
+    (``Backend.score_mods``): never a kernel that silently leaves it out."""
+    served = getattr(backend, "score_mods", ())
+    for name, value in (("softcap", softcap), ("alibi", alibi_slopes)):
+        if value is not None and name not in served:
+            arg = "alibi_slopes" if name == "alibi" else name
+            raise NotImplementedError(
+                f"{arg}: not supported by backend {backend.name!r} (its kernels do not serve {name}; it declares "
+                f"score_mods={tuple(served)!r}); got {arg}={value if name == 'softcap' else 'a tensor'} (run on a "
+                "backend that serves it, e.g. device='cpu', or leave it out)"
+            )
 
 
 def check_causal(causal: Any) -> bool:
@@ -298,13 +351,14 @@ def check_documents(
     window: Any,
     rank: int | None = None,
     ulysses: int = 1,
+    chunk: int | None = None,
 ) -> tuple[int, ...] | None:
-    """The documents a RingConfig takes: the checked boundaries, (0, S) with a window and no documents,
-    None for one sequence without a window (the dense path). ``rank``: this rank, whose shard length a
+    """The documents a RingConfig takes: the checked boundaries, (0, S) with a window or a chunk and no
+    documents, None for one sequence without either (the dense path). ``rank``: this rank, whose shard length a
     document balance fixes (without it, any rank's length passes). ``ulysses`` > 1: q is a ring shard of the
     hybrid (U pieces of equal length), over ``world`` = R ring ranks."""
     documents = _check_documents(cu_seqlens, q, world, balance, rank, ulysses)
-    if window is not None and documents is None:  # the window's plan works on (0, S): one document
+    if (window is not None or chunk is not None) and documents is None:  # their plans work on (0, S)
         schedule.check_seq_len(q.shape[1] * world, world, balance, what="the global sequence length")
         documents = (0, q.shape[1] * world)
     return documents

@@ -17,12 +17,20 @@ the keys of ``src``) holds at most one segment per document, and:
   one segment is a dense call on sub-slices.
 
 The rows a block does not cover get nothing from it (the merge leaves them alone; their dK/dV stay 0).
+
+**Chunked attention** (Llama-4's ``attention_chunk_size``): a query sees only keys of its own chunk of
+``chunk`` tokens, chunks aligned at global position 0. That is documents again: the mask's documents are the
+boundaries ``cu`` together with every multiple of ``chunk`` (:func:`chunk_bounds`, the intersection of the
+two partitions), while the placement stays that of ``cu`` (under ``document_zigzag`` the shards are cut by
+the caller's documents, not by the chunks). Each chunk-document is a range of positions inside one placed
+document, so it is a contiguous range of local rows on every rank, and everything above holds for it.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
+import numbers
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -81,6 +89,29 @@ class Run:
     def mask(self) -> str:
         """The block mask of a one-segment run (``causal`` or ``none``)."""
         return "causal" if self.causal else "none"
+
+
+def check_chunk(chunk: object) -> int | None:
+    """``chunk`` (chunked attention: tokens per chunk) as an int >= 1, or None. Raises a TypeError or
+    ValueError naming ``chunk``, the expected and the actual."""
+    if chunk is None:
+        return None
+    if not isinstance(chunk, numbers.Integral) or schedule.is_bool(chunk):
+        raise TypeError(
+            f"chunk: expected a positive int (tokens per chunk) or None; got {chunk!r} ({type(chunk).__name__})"
+        )
+    if int(chunk) < 1:
+        raise ValueError(f"chunk: expected a positive int (tokens per chunk) or None; got {chunk}")
+    return int(chunk)
+
+
+@functools.lru_cache(maxsize=256)
+def chunk_bounds(cu: tuple[int, ...], chunk: int | None) -> tuple[int, ...]:
+    """The boundaries of the mask's documents: ``cu`` with every multiple of ``chunk`` below ``cu[-1]`` (the
+    documents cut into chunks of ``chunk`` global positions, aligned at 0); ``cu`` itself without a chunk."""
+    if chunk is None or chunk >= cu[-1]:
+        return cu
+    return tuple(sorted(set(cu).union(range(chunk, cu[-1], chunk))))
 
 
 def check_cu_seqlens(cu: object, seq_len: int | None = None, name: str = "cu_seqlens") -> tuple[int, ...]:
@@ -154,10 +185,13 @@ def placed_runs(cu: tuple[int, ...], world: int, rank: int, balance: str) -> tup
 
 
 @functools.lru_cache(maxsize=256)
-def _document_rows(cu: tuple[int, ...], world: int, rank: int, balance: str) -> tuple[int, ...]:
-    """The local rows of ``rank`` before each boundary: document d is local rows ``[t[d], t[d + 1])``."""
+def _document_rows(
+    bounds: tuple[int, ...], world: int, rank: int, balance: str, cu: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The local rows of ``rank`` before each boundary of ``bounds`` (the mask's documents; the shards placed
+    by the documents ``cu``): document d is local rows ``[t[d], t[d + 1])``."""
     runs = placed_runs(cu, world, rank, balance)
-    return tuple(rows_at_most(runs, b - 1) for b in cu)
+    return tuple(rows_at_most(runs, b - 1) for b in bounds)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -198,11 +232,16 @@ def _doc_span(cu: tuple[int, ...], pieces: Sequence[PositionRun]) -> tuple[int, 
 
 
 # ---------------------------------------------------------------------------------------------- segments
-def segments(cu: tuple[int, ...], world: int, rank: int, src: int, balance: str, causal: bool) -> tuple[Segment, ...]:
-    """The segments of the block of ``rank``'s queries against ``src``'s keys, in query order."""
+def segments(
+    cu: tuple[int, ...], world: int, rank: int, src: int, balance: str, causal: bool, chunk: int | None = None
+) -> tuple[Segment, ...]:
+    """The segments of the block of ``rank``'s queries against ``src``'s keys, in query order (the
+    documents cut into chunks of ``chunk`` positions, where given)."""
+    bounds = chunk_bounds(cu, chunk)
     qp, kp = placed_runs(cu, world, rank, balance), placed_runs(cu, world, src, balance)
-    qd, kd = _doc_span(cu, qp), _doc_span(cu, kp)
-    q_rows, k_rows = _document_rows(cu, world, rank, balance), _document_rows(cu, world, src, balance)
+    qd, kd = _doc_span(bounds, qp), _doc_span(bounds, kp)
+    q_rows = _document_rows(bounds, world, rank, balance, cu)
+    k_rows = _document_rows(bounds, world, src, balance, cu)
     out = []
     for d in range(max(qd[0], kd[0]), min(qd[1], kd[1])):
         q0, q1, k0, k1 = q_rows[d], q_rows[d + 1], k_rows[d], k_rows[d + 1]
@@ -336,16 +375,19 @@ def _arith(a: int, b: int, c: int) -> int:
 
 
 def _window_segments(
-    cu: tuple[int, ...], world: int, rank: int, src: int, balance: str, causal: bool, window: tuple
-) -> tuple[Segment, ...]:
+    placed: tuple[int, ...], world: int, rank: int, src: int, balance: str, causal: bool, window: tuple,
+    chunk: int | None = None,
+) -> tuple[Segment, ...]:  # fmt: skip
     """The segments of a block under a window: one per (query chunk, key chunk, document), since the
-    window depends on distances, which are linear only inside a chunk (stride 1, or P under stripe)."""
+    window depends on distances, which are linear only inside a chunk (stride 1, or P under stripe). The
+    shards are placed by the documents ``placed``; the mask's documents are those cut into ``chunk``s."""
     left, right = window
     far_left = _FAR if left is None else left
     far_right = _FAR if right is None else right
     out = []
-    key_runs = placed_runs(cu, world, src, balance)
-    for a in placed_runs(cu, world, rank, balance):
+    cu = chunk_bounds(placed, chunk)
+    key_runs = placed_runs(placed, world, src, balance)
+    for a in placed_runs(placed, world, rank, balance):
         for b in _runs_in_documents_of(cu, a, key_runs):
             t = a.stride
             first = bisect.bisect_right(cu, max(a.global0, b.global0)) - 1
@@ -409,8 +451,11 @@ class _Blocks:
     """The segments of the blocks of one configuration, made as they are first asked for (a rank needs its
     own blocks and the ring's length, not every rank's blocks)."""
 
-    def __init__(self, cu: tuple[int, ...], world: int, causal: bool, balance: str, window: tuple | None) -> None:
+    def __init__(
+        self, cu: tuple[int, ...], world: int, causal: bool, balance: str, window: tuple | None, chunk: int | None
+    ) -> None:
         self.cu, self.world, self.causal, self.balance, self.window = cu, world, causal, balance, window
+        self.chunk = chunk
         self._made: dict[tuple[int, int], tuple[Segment, ...]] = {}
         self._steps: int | None = None
 
@@ -420,9 +465,11 @@ class _Blocks:
         if segs is None:
             src = (rank - step) % self.world
             if self.window is None:
-                segs = segments(self.cu, self.world, rank, src, self.balance, self.causal)
+                segs = segments(self.cu, self.world, rank, src, self.balance, self.causal, self.chunk)
             else:
-                segs = _window_segments(self.cu, self.world, rank, src, self.balance, self.causal, self.window)
+                segs = _window_segments(
+                    self.cu, self.world, rank, src, self.balance, self.causal, self.window, self.chunk
+                )
             self._made[rank, step] = segs
         return segs
 
@@ -436,13 +483,16 @@ class _Blocks:
 
 
 @functools.lru_cache(maxsize=64)
-def _blocks(cu: tuple[int, ...], world: int, causal: bool, balance: str, window: tuple | None) -> _Blocks:
-    return _Blocks(cu, world, causal, balance, window)
+def _blocks(
+    cu: tuple[int, ...], world: int, causal: bool, balance: str, window: tuple | None, chunk: int | None = None
+) -> _Blocks:
+    return _Blocks(cu, world, causal, balance, window, chunk)
 
 
 def ring_segments(
-    cu: tuple[int, ...], world_size: int, causal: bool, balance: str, window: tuple | None = None
-) -> tuple[int, tuple[tuple[tuple[Segment, ...], ...], ...]]:
+    cu: tuple[int, ...], world_size: int, causal: bool, balance: str, window: tuple | None = None,
+    chunk: int | None = None,
+) -> tuple[int, tuple[tuple[tuple[Segment, ...], ...], ...]]:  # fmt: skip
     """Every rank's segments, step by step, and the ring length they need: ``(m, per_rank[rank][step])``.
 
     ``m`` is one more than the largest step at which any rank sees a key of the shard it holds: no needed
@@ -450,7 +500,7 @@ def ring_segments(
     rank, which each rank computes alike from the global layout). Documents short enough, or a window,
     end the ring early.
     """
-    blocks = _blocks(cu, world_size, bool(causal), balance, window)
+    blocks = _blocks(cu, world_size, bool(causal), balance, window, chunk)
     m = blocks.steps
     return m, tuple(tuple(blocks.block(r, i) for i in range(m)) for r in range(world_size))
 
@@ -467,6 +517,7 @@ class DocumentPlan:
     pairs: tuple[int, ...]
     """(query, key) pairs each step computes."""
     window: tuple | None = None
+    chunk: int | None = None
 
     def work(self, local_len: int) -> tuple[float, ...]:
         """Each step's pairs as a share of a full shard-by-shard block."""
@@ -475,19 +526,21 @@ class DocumentPlan:
 
 @functools.lru_cache(maxsize=64)
 def document_plan(
-    cu: tuple[int, ...], world_size: int, rank: int, causal: bool, balance: str, window: tuple | None = None
-) -> DocumentPlan:
+    cu: tuple[int, ...], world_size: int, rank: int, causal: bool, balance: str, window: tuple | None = None,
+    chunk: int | None = None,
+) -> DocumentPlan:  # fmt: skip
     """The :class:`DocumentPlan` of ``rank`` for documents ``cu`` (checked, a tuple: it is the cache key;
-    ``(0, S)`` for one sequence) under an optional ``window`` (checked by :func:`check_window`). The plan
-    may have fewer than P steps (:func:`ring_segments`)."""
+    ``(0, S)`` for one sequence) under an optional ``window`` (checked by :func:`check_window`) and an
+    optional ``chunk`` (chunked attention, checked by :func:`check_chunk`: the documents cut into chunks of
+    that many positions). The plan may have fewer than P steps (:func:`ring_segments`)."""
     schedule.check_world(world_size, rank)
     schedule.check_balance(balance, documents=True)
     schedule.check_seq_len(cu[-1], world_size, balance, what="cu_seqlens[-1]")
-    made = _blocks(cu, world_size, bool(causal), balance, None if window is None else tuple(window))
+    made = _blocks(cu, world_size, bool(causal), balance, None if window is None else tuple(window), chunk)
     blocks = [made.block(rank, i) for i in range(made.steps)]
     steps = tuple(runs(segs) for segs in blocks)
     pairs = tuple(sum(s.pairs for s in segs) for segs in blocks)
-    return DocumentPlan(world_size, rank, causal, balance, steps, pairs, window)
+    return DocumentPlan(world_size, rank, causal, balance, steps, pairs, window, chunk)
 
 
 CALL_COST_PAIRS = 1 << 24

@@ -247,17 +247,20 @@ class HybridConfig:
 
     def own_sinks(self, sinks: torch.Tensor | None) -> torch.Tensor | None:
         """The sinks of this rank's H / U query heads (a slice), or None."""
-        if sinks is None:
-            return None
-        h = sinks.shape[0] // self.ulysses
-        g = self.head.rank()
-        return sinks[g * h : (g + 1) * h]
+        return None if sinks is None else _own_heads(sinks, self.ulysses, self.head.rank())
 
     def replicate(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k and v with each K/V head repeated ``replicas`` times (as they are when 1)."""
         if self.replicas == 1:
             return k, v
         return k.repeat_interleave(self.replicas, dim=2), v.repeat_interleave(self.replicas, dim=2)
+
+
+def _own_heads(per_head: torch.Tensor, ulysses: int, group_rank: int) -> torch.Tensor:
+    """The slice of a per-query-head tensor [H] (sinks, ALiBi slopes) of the H / U heads of head-group rank
+    ``group_rank``."""
+    h = per_head.shape[0] // ulysses
+    return per_head[group_rank * h : (group_rank + 1) * h]
 
 
 def hybrid_config(
@@ -276,6 +279,9 @@ def hybrid_config(
     window: tuple[int | None, int | None] | None = None,
     sinks: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> HybridConfig:
     """Check what depends on U (U divides P and the heads; the ring's balance and documents), check on the
     whole group that every rank passed the same configuration (first call of a configuration), and make
@@ -290,13 +296,14 @@ def hybrid_config(
     h, hkv = heads // u, kv_heads * t // u
     qv, kv = _shaped(q, u * n, h), _shaped(k, u * n, hkv)  # the shapes the ring will see, for the checks
     vv = kv if v is None else _shaped(v, u * n, hkv)
-    documents = check_documents(cu_seqlens, qv, r, balance, window, ulysses=u)
-    spec = CallSpec(causal, scale, balance, slots, handoff, documents, window, u)
+    documents = check_documents(cu_seqlens, qv, r, balance, window, ulysses=u, chunk=chunk)
+    spec = CallSpec(causal, scale, balance, slots, handoff, documents, window, u, softcap=softcap, chunk=chunk)
     # the ranks agree on the call, ulysses included, before any group is made or any head group exchanges
-    check_agreement(comm, backend, qv, kv, vv, spec, sinks)
+    check_agreement(comm, backend, qv, kv, vv, spec, sinks, alibi_slopes)
     head, ring = hybrid_groups(comm, u)
     check_backend_serves(backend, qv, ring.size(), causal, balance, value_dim=vv.shape[3])
-    return HybridConfig(head, RingConfig.of(ring, backend, spec), u, t)
+    own_slopes = None if alibi_slopes is None else _own_heads(alibi_slopes, u, head.rank())
+    return HybridConfig(head, RingConfig.of(ring, backend, spec, own_slopes), u, t)
 
 
 class HybridState(NamedTuple):

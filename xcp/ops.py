@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .checks import check_backend_serves, check_documents
+from .checks import check_backend_serves, check_backend_variants, check_documents
 from .comm import Communicator, DistCommunicator, process_group_of_mesh, resolve_group
 from .kernels.merge import accumulator_dtype, sinks_grad
 from .plugins import select_backend
@@ -57,6 +57,8 @@ _TRAVEL: dict[str, tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] = {
     "int": ("int", int, _same),
     "str": ("str", _same, _same),
     "str | None": ("str?", _same, _same),
+    "float | None": ("float?", _same, _same),
+    "int | None": ("int?", _same, _same),
     "tuple[int, ...] | None": ("int[]?", _documents_to_op, _same),
     "tuple[int | None, int | None] | None": ("int[]", _window_to_op, _window_from_op),
 }
@@ -98,7 +100,9 @@ def group_name(group: Any) -> str:
     )
 
 
-def _config(q: torch.Tensor, v: torch.Tensor, group: str, backend: str, timeout: float, spec: tuple) -> RingConfig:
+def _config(
+    q: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor | None, group: str, backend: str, timeout: float, spec: tuple
+) -> RingConfig:
     """The RingConfig the op's arguments stand for (``spec``: the spec's fields as the op carries them), with
     the checks :func:`xcp.attention` makes on the group, the backend and the documents (which a trace could
     not make)."""
@@ -112,37 +116,41 @@ def _config(q: torch.Tensor, v: torch.Tensor, group: str, backend: str, timeout:
     fields = {name: back(value) for (name, _, _, back), value in zip(_SPEC, spec)}
     be = select_backend(backend or None, q.device.type)
     check_backend_serves(be, q, comm.size(), fields["causal"], fields["balance"], value_dim=v.shape[3])
+    check_backend_variants(be, fields["softcap"], slopes)
     fields["documents"] = check_documents(
-        fields["documents"], q, comm.size(), fields["balance"], fields["window"], rank=comm.rank()
-    )
-    return RingConfig(comm, be, **fields)
+        fields["documents"], q, comm.size(), fields["balance"], fields["window"], rank=comm.rank(),
+        chunk=fields["chunk"],
+    )  # fmt: skip
+    return RingConfig(comm, be, alibi_slopes=slopes, **fields)
 
 
-def _ring_forward(q, k, v, sinks, group, backend, timeout, *spec):
+def _ring_forward(q, k, v, sinks, alibi_slopes, group, backend, timeout, *spec):
     """``(out, lse)`` of this rank: :func:`xcp.ring.ring_forward` on the named group and backend."""
-    return ring_forward(q, k, v, _config(q, v, group, backend, timeout, spec), sinks)
+    return ring_forward(q, k, v, _config(q, v, alibi_slopes, group, backend, timeout, spec), sinks)
 
 
-def _ring_backward(dout, q, k, v, out, lse, dlse, group, backend, timeout, *spec):
+def _ring_backward(dout, q, k, v, out, lse, dlse, alibi_slopes, group, backend, timeout, *spec):
     """``(dq, dk, dv)`` of this rank: :func:`xcp.ring.ring_backward` on the named group and backend, after
     :func:`xcp.ring.check_lse_grad` of ``dlse``, the gradient of lse or None (here, at run time: a trace
     cannot read values)."""
     check_lse_grad(dlse)
-    return ring_backward(dout.contiguous(), q, k, v, out, lse, _config(q, v, group, backend, timeout, spec))
+    cfg = _config(q, v, alibi_slopes, group, backend, timeout, spec)
+    return ring_backward(dout.contiguous(), q, k, v, out, lse, cfg)
 
 
 ring_forward_op = torch.library.custom_op(
     "xcp::ring_forward",
     _ring_forward,
     mutates_args=(),
-    schema=f"(Tensor q, Tensor k, Tensor v, Tensor? sinks, {_WHERE}, {_SPEC_SCHEMA}) -> (Tensor, Tensor)",
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? alibi_slopes, {_WHERE}, {_SPEC_SCHEMA}) -> "
+    "(Tensor, Tensor)",
 )
 ring_backward_op = torch.library.custom_op(
     "xcp::ring_backward",
     _ring_backward,
     mutates_args=(),
-    schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, {_WHERE}, "
-    f"{_SPEC_SCHEMA}) -> (Tensor, Tensor, Tensor)",
+    schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, Tensor? alibi_slopes, "
+    f"{_WHERE}, {_SPEC_SCHEMA}) -> (Tensor, Tensor, Tensor)",
 )
 
 
@@ -158,7 +166,7 @@ def _(dout, q, k, v, *options):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, *options = inputs
+    q, k, v, sinks, *options = inputs  # options: the slopes, the group and backend, the spec
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, sinks)
     ctx.options = options
@@ -184,11 +192,11 @@ ring_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 def compiled_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, group: Any, device: Any,
-    timeout: float | None, **spec: Any,
+    timeout: float | None, alibi_slopes: torch.Tensor | None = None, **spec: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """What :func:`xcp.attention` calls inside a compiled region: ``spec``, the fields of a
     :class:`~xcp.spec.CallSpec` by name (``documents`` the caller's ``cu_seqlens``), checked as far as a
     trace can; the rest, such as the documents' boundaries, inside the op. Returns ``(out, lse)``."""
     values = [to_op(spec[name]) for name, _, to_op, _ in _SPEC]
     where = (group_name(group), "" if device is None else str(device), -1.0 if timeout is None else float(timeout))
-    return ring_forward_op(q, k, v, sinks, *where, *values)
+    return ring_forward_op(q, k, v, sinks, alibi_slopes, *where, *values)

@@ -20,9 +20,10 @@ import torch
 
 from . import schedule
 from .agreement import check_agreement
-from .backends.base import Backend, add_into
+from .backends.base import Backend, add_into, score_mods, varlen_backward, varlen_forward
 from .comm import Communicator
-from .documents import Run, document_plan, join_runs
+from .documents import Run, document_plan, join_runs, position_runs
+from .kernels.math import Alibi
 from .kernels.merge import accumulator_dtype, apply_sinks_, merge_, new_accumulators, sinks_grad
 from .lifetime import RingCall, ShardSlots
 from .spec import CallSpec, spec_values
@@ -38,23 +39,34 @@ class RingConfig(CallSpec):
         :func:`xcp.documents.check_cu_seqlens`), or None for one sequence.
     :param window: ``(left, right)`` sliding window over global positions (checked by
         :func:`xcp.documents.check_window`); needs ``documents`` (``(0, S)`` for one sequence).
+    :param alibi_slopes: ALiBi's slopes [H] of the heads the ring computes (keyword only; checked by
+        :func:`xcp.checks.check_alibi_slopes`), or None. A tensor, so not a field of the spec; the ranks agree
+        on its shape and dtype (:mod:`xcp.agreement`).
     """
 
     comm: Communicator = field(kw_only=True)
     backend: Backend = field(kw_only=True)
+    alibi_slopes: torch.Tensor | None = field(kw_only=True, default=None, compare=False)
 
-    def __init__(self, comm: Communicator, backend: Backend, *spec: Any, **fields: Any) -> None:
+    def __init__(
+        self, comm: Communicator, backend: Backend, *spec: Any, alibi_slopes: torch.Tensor | None = None, **fields: Any
+    ) -> None:
         object.__setattr__(self, "comm", comm)
         object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "alibi_slopes", alibi_slopes)
         super().__init__(*spec, **fields)
 
     @classmethod
-    def of(cls, comm: Communicator, backend: Backend, spec: CallSpec) -> RingConfig:
+    def of(
+        cls, comm: Communicator, backend: Backend, spec: CallSpec, alibi_slopes: torch.Tensor | None = None
+    ) -> RingConfig:
         """The configuration of ``spec`` on ``comm`` and ``backend``."""
-        return cls(comm, backend, **spec_values(spec))
+        return cls(comm, backend, alibi_slopes=alibi_slopes, **spec_values(spec))
 
     def _document_plan(self):
-        return document_plan(self.documents, self.comm.size(), self.comm.rank(), self.causal, self.balance, self.window)
+        return document_plan(
+            self.documents, self.comm.size(), self.comm.rank(), self.causal, self.balance, self.window, self.chunk
+        )
 
     @property
     def plan(self) -> schedule.Plan:
@@ -67,7 +79,7 @@ class RingConfig(CallSpec):
         if self.documents is None:
             return _dense_calls(self.comm.size(), self.comm.rank(), self.causal, self.balance, n)
         return _document_calls(self.documents, self.comm.size(), self.comm.rank(), self.causal, self.balance,
-                               self.window, bool(self.backend.varlen_fillers))  # fmt: skip
+                               self.window, bool(self.backend.varlen_fillers), self.chunk)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -89,21 +101,18 @@ class BlockCall:
             slice(run.q0, run.q1), slice(run.k0, run.k1), run.mask, (run.cu_q, run.cu_k) if varlen else None, run.band
         )
 
-    def forward(self, backend: Backend, q, k, v, scale: float):
+    def forward(self, backend: Backend, q, k, v, scale: float, **mods: Any):
+        """``(out, lse)`` of the call; ``mods``, the score modifications of its rows (:class:`Scores`)."""
         if self.cu is None:
-            return backend.forward(q, k, v, self.mask, scale)
-        causal = self.mask == "causal"
-        if self.window is None:
-            return backend.forward_varlen(q, k, v, *self.cu, causal, scale)
-        return backend.forward_varlen(q, k, v, *self.cu, causal, scale, window=self.window)
+            return backend.forward(q, k, v, self.mask, scale, **mods)
+        return varlen_forward(backend, q, k, v, *self.cu, self.mask == "causal", scale, self.window, **mods)
 
-    def backward(self, backend: Backend, dout, q, k, v, out, lse, scale: float):
+    def backward(self, backend: Backend, dout, q, k, v, out, lse, scale: float, **mods: Any):
+        """``(dq, dk, dv)`` of the call, from the rows' merged out and lse."""
         if self.cu is None:
-            return backend.backward(dout, q, k, v, out, lse, self.mask, scale)
+            return backend.backward(dout, q, k, v, out, lse, self.mask, scale, **mods)
         causal = self.mask == "causal"
-        if self.window is None:
-            return backend.backward_varlen(dout, q, k, v, out, lse, *self.cu, causal, scale)
-        return backend.backward_varlen(dout, q, k, v, out, lse, *self.cu, causal, scale, window=self.window)
+        return varlen_backward(backend, dout, q, k, v, out, lse, *self.cu, causal, scale, self.window, **mods)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -126,10 +135,11 @@ def _step_calls(step: schedule.Step, n: int) -> tuple[BlockCall, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _document_calls(documents, world: int, rank: int, causal: bool, balance: str, window, fillers: bool = False):
+def _document_calls(documents, world: int, rank: int, causal: bool, balance: str, window, fillers: bool = False,
+                    chunk: int | None = None):  # fmt: skip
     """A step's calls: its runs, joined across the rows between them (:func:`join_runs`) where the backend's
     varlen kernel serves filler segments."""
-    steps = document_plan(documents, world, rank, causal, balance, window).steps
+    steps = document_plan(documents, world, rank, causal, balance, window, chunk).steps
     return tuple(tuple(BlockCall.of(r) for r in (join_runs(step) if fillers else step)) for step in steps)
 
 
@@ -138,6 +148,53 @@ def _views(step: schedule.Step, n: int) -> tuple[slice, slice]:
     q0, q1 = step.q_range(n)
     k0, k1 = step.k_range(n)
     return slice(q0, q1), slice(k0, k1)
+
+
+@functools.lru_cache(maxsize=256)
+def shard_positions(seq_len: int, world: int, rank: int, balance: str, cu: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The global position of each local row of ``rank``'s shard (:func:`xcp.shard`'s placement; ``cu`` the
+    documents, which only a document balance places by)."""
+    placed = cu if balance in schedule.DOCUMENT_BALANCES else None
+    return tuple(
+        p
+        for r in position_runs(seq_len, world, rank, balance, placed)
+        for p in range(r.global0, r.global0 + r.stride * r.count, r.stride)
+    )
+
+
+class Scores:
+    """The score modifications of one ring call (soft-capping, ALiBi), as each block call's keyword
+    arguments (:func:`xcp.backends.base.score_mods`): none where the call has none.
+
+    ALiBi's bias needs the global positions of the block's rows: the queries' are this rank's shard's, the
+    keys' those of the shard held at the step, whose owner ``src`` the plan names; both from the placement
+    (:func:`shard_positions`), so a strided (stripe) or cut (zigzag, document_zigzag) shard gives the bias of
+    the whole sequence. Rows appended to a shorter shard as it travels (:func:`_travelling`) get position 0;
+    no call reads them."""
+
+    def __init__(self, cfg: RingConfig, q: torch.Tensor, n_keys: int) -> None:
+        self.softcap = cfg.softcap
+        self.slopes = cfg.alibi_slopes
+        self.device, self.n_keys = q.device, n_keys
+        world = cfg.comm.size()
+        self.placement = (cfg.documents[-1] if cfg.documents is not None else q.shape[1] * world, world, cfg.balance,
+                          cfg.documents)  # fmt: skip
+        self._keys: dict[int, torch.Tensor] = {}
+        self.q_pos = None if self.slopes is None else self._positions(cfg.comm.rank(), q.shape[1])
+
+    def _positions(self, rank: int, n: int) -> torch.Tensor:
+        seq_len, world, balance, cu = self.placement
+        got = shard_positions(seq_len, world, rank, balance, cu)
+        return torch.tensor(got + (0,) * (n - len(got)), dtype=torch.int64, device=self.device)
+
+    def block(self, src: int, qs: slice, ks: slice) -> dict[str, Any]:
+        """The keyword arguments of the call of query rows ``qs`` against key rows ``ks`` of ``src``'s shard."""
+        if self.slopes is None or self.q_pos is None:
+            return score_mods(self.softcap, None)
+        k_pos = self._keys.get(src)
+        if k_pos is None:
+            k_pos = self._keys[src] = self._positions(src, self.n_keys)
+        return score_mods(self.softcap, Alibi(self.slopes, self.q_pos[qs], k_pos[ks]))
 
 
 def merge_block(backend: Backend, out, lse, block_out, block_lse, rows: slice = slice(None)) -> None:
@@ -354,7 +411,9 @@ def ring_forward(
     plan = cfg.plan
     moves = len(plan.steps) > 1
     call = RingCall(comm, backend, q.device, cfg.slots, cfg.handoff) if moves else None
-    kv = _KVRing(call, comm, *_travelling(cfg, k, v), len(plan.steps))
+    k, v = _travelling(cfg, k, v)
+    scores = Scores(cfg, q, k.shape[1])
+    kv = _KVRing(call, comm, k, v, len(plan.steps))
     q_views: dict[tuple[int, int], torch.Tensor] = {}
     with call or contextlib.nullcontext():
         for step, blocks in zip(plan.steps, cfg.block_calls(n)):
@@ -363,7 +422,8 @@ def ring_forward(
                 q_rows = q_views.get((b.qs.start, b.qs.stop))
                 if q_rows is None:  # made once per call: a ring has two or three kinds of rows
                     q_rows = q_views[b.qs.start, b.qs.stop] = q[:, b.qs]
-                running.add(b.qs, *b.forward(backend, q_rows, *kv.views(b.ks), cfg.scale))
+                mods = scores.block(step.src, b.qs, b.ks)
+                running.add(b.qs, *b.forward(backend, q_rows, *kv.views(b.ks), cfg.scale, **mods))
             kv.end()
         out, lse = running.result()  # inside the call: a held block folds on the caller's stream before the join
     if sinks is not None:
@@ -390,6 +450,7 @@ def ring_backward(
         return _local_backward(dout, q, k, v, out, lse, cfg, calls[0])
     n_k = k.shape[1]  # this rank's keys; k and v below as they travel (_travelling)
     k, v = _travelling(cfg, k, v)
+    scores = Scores(cfg, q, k.shape[1])
     acc = accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     call = RingCall(comm, backend, q.device, cfg.slots, cfg.handoff)
@@ -409,7 +470,8 @@ def ring_backward(
                 if rows is None:  # the rows' views, made once per call (a ring has two or three kinds)
                     rows = views[qs.start, qs.stop] = (dout[:, qs], q[:, qs], out[:, qs], lse[:, :, qs], dq[:, qs])
                 g_out, g_q, g_o, g_lse, g_dq = rows
-                g = b.backward(backend, g_out, g_q, *kv.views(b.ks), g_o, g_lse, cfg.scale)
+                mods = scores.block(step.src, qs, b.ks)
+                g = b.backward(backend, g_out, g_q, *kv.views(b.ks), g_o, g_lse, cfg.scale, **mods)
                 dq_adds.add((qs.start, qs.stop), g[0], g_dq)
                 grads.append((b.ks, g[1], g[2]))
                 del g
@@ -443,7 +505,8 @@ def ring_backward(
 def _local_forward(q, k, v, cfg: RingConfig, sinks: torch.Tensor | None):
     """The forward of a world of one without documents: one kernel call on the whole shard, its output
     cast to q's dtype (the kernel accumulates in float32 itself), and the sinks folded in, if any."""
-    out, lse = cfg.backend.forward(q, k, v, "causal" if cfg.causal else "none", cfg.scale)
+    mods = Scores(cfg, q, k.shape[1]).block(0, slice(None), slice(None))
+    out, lse = cfg.backend.forward(q, k, v, "causal" if cfg.causal else "none", cfg.scale, **mods)
     acc = accumulator_dtype(q.dtype)
     if sinks is not None:
         out, lse = out.to(acc), lse.to(acc)  # fresh or the kernel's own: ours to change in place
@@ -457,14 +520,18 @@ def _local_backward(dout, q, k, v, out, lse, cfg: RingConfig, blocks: Sequence[B
     """The backward of a ring of one step: one call as it is, or the varlen calls of the documents."""
     backend = cfg.backend
     n = q.shape[1]
+    scores, me = Scores(cfg, q, k.shape[1]), cfg.comm.rank()  # a ring of one step: the rank's own keys
     if len(blocks) == 1 and blocks[0].qs == slice(0, n) and blocks[0].ks == slice(0, n):
-        g = blocks[0].backward(backend, dout, q, k, v, out, lse, cfg.scale)
+        g = blocks[0].backward(
+            backend, dout, q, k, v, out, lse, cfg.scale, **scores.block(me, slice(None), slice(None))
+        )
         return tuple(x.to(like.dtype).contiguous() for x, like in zip(g, (q, k, v)))
     acc = accumulator_dtype(q.dtype)
     grads = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v)]
     for b in blocks:
         qs, ks = b.qs, b.ks
-        g = b.backward(backend, dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], cfg.scale)
+        g = b.backward(backend, dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], cfg.scale,
+                       **scores.block(me, qs, ks))  # fmt: skip
         for total, x, where in zip(grads, g, (qs, ks, ks)):
             add_into(backend, total[:, where], x)
     return tuple(x.to(like.dtype) for x, like in zip(grads, (q, k, v)))

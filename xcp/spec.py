@@ -32,6 +32,9 @@ class CallSpec:
     :param window: ``(left, right)`` sliding window over global positions; needs ``documents`` (``(0, S)``
         for one sequence) (agreed).
     :param ulysses: U, the ranks of a head group of the hybrid; 1 for the ring alone (agreed).
+    :param softcap: logit soft-capping, ``softcap * tanh(s / softcap)`` on every score, or None (agreed).
+    :param chunk: chunked attention: documents of ``chunk`` tokens aligned at global position 0, within the
+        ``documents`` (their intersection); needs ``documents`` (``(0, S)`` for one sequence) (agreed).
     """
 
     causal: bool = field(metadata=_AGREED)
@@ -42,10 +45,15 @@ class CallSpec:
     documents: tuple[int, ...] | None = field(default=None, metadata=_AGREED)
     window: tuple[int | None, int | None] | None = field(default=None, metadata=_AGREED)
     ulysses: int = field(default=1, metadata=_AGREED)
+    softcap: float | None = field(default=None, metadata=_AGREED)
+    chunk: int | None = field(default=None, metadata=_AGREED)
 
     def __post_init__(self) -> None:
-        if self.window is not None and self.documents is None:
-            raise ValueError(f"{type(self).__name__}: a window needs documents, (0, S) for one sequence of S tokens")
+        for name in ("window", "chunk"):
+            if getattr(self, name) is not None and self.documents is None:
+                raise ValueError(
+                    f"{type(self).__name__}: a {name} needs documents, (0, S) for one sequence of S tokens"
+                )
 
 
 def spec_fields() -> tuple[dataclasses.Field, ...]:

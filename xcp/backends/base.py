@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..kernels.math import math_backward, math_forward, math_forward_range
+from ..kernels.math import SCORE_MODS, Alibi, math_backward, math_forward, math_forward_range
 from ..kernels.merge import NEG_INF, accumulator_dtype
 from ..lifetime import HANDOFF_POLICIES
 from ..schedule import MASKS
@@ -37,7 +37,7 @@ from ..settings import Setting
 
 REQUIRED_PRIMITIVES = (
     "name", "device_type", "dist_backend", "handoff_policy", "kernel", "dtypes", "masks", "value_head_dims",
-    "available",
+    "score_mods", "available",
     "current_stream", "new_stream", "stream_context", "new_event", "record_event", "wait_event", "wait_stream",
     "synchronize_event", "synchronize", "set_device", "is_capturing", "record_stream", "label",
     "forward", "backward",
@@ -80,6 +80,17 @@ def _segments(cu_q: Sequence[int], cu_k: Sequence[int]) -> Iterator[tuple[slice,
         yield slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
 
 
+def score_mods(softcap: float | None, alibi: Alibi | None) -> dict[str, Any]:
+    """The keyword arguments of a block kernel call for these score modifications: none where there are
+    none, so a backend that serves none (``Backend.score_mods`` empty) is called as it always was."""
+    mods: dict[str, Any] = {}
+    if softcap is not None:
+        mods["softcap"] = softcap
+    if alibi is not None:
+        mods["alibi"] = alibi
+    return mods
+
+
 def _per_segment(
     kernel: Callable[..., tuple[torch.Tensor, ...]],
     banded: Callable[..., tuple[torch.Tensor, ...]],
@@ -90,20 +101,106 @@ def _per_segment(
     causal: bool,
     scale: float,
     window: tuple[int, int] | None,
+    softcap: float | None = None,
+    alibi: Alibi | None = None,
 ) -> list[tuple[torch.Tensor, ...]]:
     """The results of one call per packed segment: ``kernel(*args(rows, keys), mask, scale)``, or the math
     kernel ``banded(*args(...), "none", scale, window)`` under a window (no block mask serves a band). A
     filler segment (no queries, or no keys: :func:`xcp.documents.join_runs`) calls nothing: ``empty(rows,
-    keys)`` gives its results."""
+    keys)`` gives its results. ``softcap`` and ``alibi`` (the whole call's rows) go to each segment's call."""
     mask = "causal" if causal else "none"
-    return [
-        empty(qs, ks)
-        if qs.start == qs.stop or ks.start == ks.stop
-        else banded(*args(qs, ks), "none", scale, window)
-        if window is not None
-        else kernel(*args(qs, ks), mask, scale)
-        for qs, ks in _segments(cu_q, cu_k)
-    ]
+    parts = []
+    for qs, ks in _segments(cu_q, cu_k):
+        if qs.start == qs.stop or ks.start == ks.stop:
+            parts.append(empty(qs, ks))
+            continue
+        mods = score_mods(softcap, None if alibi is None else alibi.rows(qs, ks))
+        if window is not None:
+            parts.append(banded(*args(qs, ks), "none", scale, window, **mods))
+        else:
+            parts.append(kernel(*args(qs, ks), mask, scale, **mods))
+    return parts
+
+
+def segments_forward(
+    backend: Backend, q: Tensor, k: Tensor, v: Tensor, cu_q: Cuts, cu_k: Cuts, causal: bool, scale: float,
+    window: Band = None, **mods: Any,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """:meth:`Backend.forward_varlen` by one ``backend.forward`` call per segment (the math kernel under a
+    window), the score modifications ``mods`` passed to each for its rows."""
+
+    def banded(*args: Any, **mods: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = math_forward(*args, **mods)
+        return (o.to(q.dtype) if q.dtype != torch.float64 else o), lse
+
+    def unseen(qs: slice, ks: slice) -> tuple[torch.Tensor, torch.Tensor]:  # rows of no key: out 0, lse -inf
+        n = qs.stop - qs.start
+        lse = torch.full((q.shape[0], q.shape[2], n), NEG_INF, dtype=accumulator_dtype(q.dtype), device=q.device)
+        return q.new_zeros((q.shape[0], n, q.shape[2], v.shape[3])), lse
+
+    parts = _per_segment(
+        backend.forward, banded, lambda qs, ks: (q[:, qs], k[:, ks], v[:, ks]), unseen, cu_q, cu_k, causal, scale,
+        window, **mods,
+    )  # fmt: skip
+    return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=2)
+
+
+def segments_backward(
+    backend: Backend, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Cuts,
+    cu_k: Cuts, causal: bool, scale: float, window: Band = None, **mods: Any,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """:meth:`Backend.backward_varlen` by one ``backend.backward`` call per segment, as
+    :func:`segments_forward`."""
+
+    def args(qs: slice, ks: slice) -> tuple[torch.Tensor, ...]:
+        return dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs]
+
+    def nothing(qs: slice, ks: slice) -> tuple[torch.Tensor, ...]:  # a filler's rows and keys: gradient 0
+        return tuple(x.new_zeros((x.shape[0], s.stop - s.start, *x.shape[2:])) for x, s in zip((q, k, v), (qs, ks, ks)))
+
+    parts = _per_segment(backend.backward, math_backward, args, nothing, cu_q, cu_k, causal, scale, window, **mods)
+    dq, dk, dv = (torch.cat([p[i] for p in parts], dim=1) for i in range(3))
+    return dq, dk, dv
+
+
+def varlen_forward(
+    backend: Backend, q: Tensor, k: Tensor, v: Tensor, cu_q: Cuts, cu_k: Cuts, causal: bool, scale: float,
+    window: Band = None, **mods: Any,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The ring's packed call: the backend's :meth:`Backend.forward_varlen` (``window`` passed only where
+    given, as a backend written before windows expects), or with score modifications :func:`segments_forward`."""
+    if mods:
+        return segments_forward(backend, q, k, v, cu_q, cu_k, causal, scale, window, **mods)
+    if window is None:
+        return backend.forward_varlen(q, k, v, cu_q, cu_k, causal, scale)
+    return backend.forward_varlen(q, k, v, cu_q, cu_k, causal, scale, window=window)
+
+
+def varlen_backward(
+    backend: Backend, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Cuts,
+    cu_k: Cuts, causal: bool, scale: float, window: Band = None, **mods: Any,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The backward of :func:`varlen_forward`."""
+    if mods:
+        return segments_backward(backend, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window, **mods)
+    if window is None:
+        return backend.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+    return backend.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window=window)
+
+
+def _math_range(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float, **mods: Any):
+    out, lse = math_forward_range(q, k, v, lo, hi, scale, **mods)
+    return (out.to(q.dtype) if q.dtype != torch.float64 else out), lse
+
+
+def range_forward(
+    backend: Backend, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float, **mods: Any
+) -> tuple[Tensor, Tensor]:
+    """A decode step's range call: the backend's :meth:`Backend.forward_range`, or with score modifications
+    the math kernel's (on the device, the host reading neither end)."""
+    if mods:
+        return _math_range(q, k, v, lo, hi, scale, **mods)
+    return backend.forward_range(q, k, v, lo, hi, scale)
 
 
 class Backend:
@@ -118,7 +215,8 @@ class Backend:
         blocks as causal calls on shifted views, so ``strict`` serves direct callers), ``value_head_dims``
         (whether its kernels take values of another head dim than q and k, as multi-head latent attention
         has: out and dv then in v's dim; False, the default, makes such a call a ValueError before any
-        kernel runs), :meth:`available`. Then streams and events, and the
+        kernel runs), ``score_mods`` (the score modifications its kernels serve: soft-capping, ALiBi; none by
+        default), :meth:`available`. Then streams and events, and the
         block :meth:`forward` / :meth:`backward`, which every subclass defines.
     Optional fast paths
         ``folds_pairs``: whether :meth:`fused_merge_pair_` and :meth:`fused_add_pair_` may fold two blocks
@@ -143,6 +241,14 @@ class Backend:
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)
     masks: tuple[str, ...] = MASKS
     value_head_dims: bool = False
+    score_mods: tuple[str, ...] = ()
+    """The score modifications its kernels serve, of :data:`xcp.kernels.math.SCORE_MODS`: ``softcap``
+    (logit soft-capping) and ``alibi``. A backend that names one takes it as a keyword argument of its
+    block :meth:`forward` and :meth:`backward` (``softcap=`` a float > 0, ``alibi=`` an
+    :class:`xcp.kernels.math.Alibi`, the global positions of the block's rows), passed only where the call
+    has it; a call that needs one the backend does not name is refused before any kernel runs. Packed calls
+    with a modification go segment by segment through those two (:func:`varlen_forward`), a storage range
+    through the math kernel (:func:`range_forward`): the fast paths keep their signatures."""
 
     # ------------------------------------------------------------------ identity
     def available(self) -> tuple[bool, str]:
@@ -287,21 +393,7 @@ class Backend:
             :meth:`forward` call per segment (the math kernel for a window); a backend with a varlen
             kernel overrides it.
         """
-
-        def banded(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            o, lse = math_forward(*args)
-            return (o.to(q.dtype) if q.dtype != torch.float64 else o), lse
-
-        def unseen(qs: slice, ks: slice) -> tuple[torch.Tensor, torch.Tensor]:  # rows of no key: out 0, lse -inf
-            n = qs.stop - qs.start
-            lse = torch.full((q.shape[0], q.shape[2], n), NEG_INF, dtype=accumulator_dtype(q.dtype), device=q.device)
-            return q.new_zeros((q.shape[0], n, q.shape[2], v.shape[3])), lse
-
-        parts = _per_segment(
-            self.forward, banded, lambda qs, ks: (q[:, qs], k[:, ks], v[:, ks]), unseen, cu_q, cu_k, causal, scale,
-            window,
-        )  # fmt: skip
-        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=2)
+        return segments_forward(self, q, k, v, cu_q, cu_k, causal, scale, window)
 
     def backward_varlen(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Cuts, cu_k: Cuts,
@@ -312,18 +404,7 @@ class Backend:
         :returns: ``(dq, dk, dv)`` shaped like q, k, v. The default makes one :meth:`backward` call per
             segment (the math kernel for a window); a backend with a varlen kernel overrides it.
         """
-
-        def args(qs: slice, ks: slice) -> tuple[torch.Tensor, ...]:
-            return dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs]
-
-        def nothing(qs: slice, ks: slice) -> tuple[torch.Tensor, ...]:  # a filler's rows and keys: gradient 0
-            return tuple(
-                x.new_zeros((x.shape[0], s.stop - s.start, *x.shape[2:])) for x, s in zip((q, k, v), (qs, ks, ks))
-            )
-
-        parts = _per_segment(self.backward, math_backward, args, nothing, cu_q, cu_k, causal, scale, window)
-        dq, dk, dv = (torch.cat([p[i] for p in parts], dim=1) for i in range(3))
-        return dq, dk, dv
+        return segments_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
 
     def forward_range(
         self, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float
@@ -344,8 +425,7 @@ class Backend:
             the whole storage under a mask built on the device (correct, reads every row of the room); a
             backend with a kernel that takes lengths on the device (flash's ``seqused_k``) overrides it.
         """
-        out, lse = math_forward_range(q, k, v, lo, hi, scale)
-        return (out.to(q.dtype) if q.dtype != torch.float64 else out), lse
+        return _math_range(q, k, v, lo, hi, scale)
 
     def fused_merge_(
         self, out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor, rows: slice
@@ -554,6 +634,9 @@ def check_backend(backend: Any) -> Backend:
         raise ValueError(f"backend.masks: expected a tuple of {', '.join(MASKS)} that includes 'none'; got {masks!r}")
     if not isinstance(backend.value_head_dims, bool):
         raise TypeError(f"backend.value_head_dims: expected a bool; got {backend.value_head_dims!r}")
+    mods = backend.score_mods
+    if not isinstance(mods, Sequence) or isinstance(mods, str) or any(m not in SCORE_MODS for m in mods):
+        raise ValueError(f"backend.score_mods: expected a tuple of some of {', '.join(SCORE_MODS)}; got {mods!r}")
     return backend
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..hookspecs import hookimpl
-from ..kernels.math import math_backward, math_forward
+from ..kernels.math import SCORE_MODS, math_backward, math_forward
 from .base import SynchronousBackend
 
 
@@ -18,12 +18,13 @@ class CPUBackend(SynchronousBackend):
     dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
     kernel = "math (matmul-softmax, fp32 accumulation)"
     value_head_dims = True
+    score_mods = SCORE_MODS
 
-    def forward(self, q, k, v, mask, scale):
-        return math_forward(q, k, v, mask, scale)
+    def forward(self, q, k, v, mask, scale, **mods):
+        return math_forward(q, k, v, mask, scale, **mods)
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
-        return math_backward(dout, q, k, v, out, lse, mask, scale)
+    def backward(self, dout, q, k, v, out, lse, mask, scale, **mods):
+        return math_backward(dout, q, k, v, out, lse, mask, scale, **mods)
 
     def forward_range(self, q, k, v, lo, hi, scale):
         """The math kernel on the range's rows alone: the CPU has no graphs to replay, so reading the ends on

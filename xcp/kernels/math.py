@@ -3,9 +3,18 @@
 It is the CPU backend's kernel and the fallback of device backends for what their fused kernels do not
 serve (float64, odd head dims). It favours clarity: scores are computed in float32 (float64 for float64
 inputs) and grouped-query K/V are expanded only inside the block.
+
+Two score modifications (:data:`SCORE_MODS`, docs/design.md "Score modifications") change the scores before
+the mask and the softmax, in this order: logit soft-capping, ``s = softcap * tanh(scale * q.k / softcap)``
+(Gemma-2), whose backward goes through the tanh, ``ds_raw = ds * (1 - (s / softcap)^2)``; then ALiBi,
+``s -= slope_h * |i - j|`` over the GLOBAL positions ``i`` of the query row and ``j`` of the key row
+(:class:`Alibi`: the block's rows carry their positions, so any placement, strided or cut in pieces, gives
+the bias of the whole sequence). The bias depends on no input, so it adds nothing to the gradients.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -35,16 +44,47 @@ def allowed_keys(
     return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal)
 
 
+SCORE_MODS = ("softcap", "alibi")
+"""The score modifications a backend may serve (``Backend.score_mods``): keyword arguments ``softcap=`` (a
+float > 0) and ``alibi=`` (an :class:`Alibi`) of its block kernels."""
+
+
+class Alibi(NamedTuple):
+    """ALiBi of one block: ``slopes`` [H] (float, one per query head) and the global positions of its query
+    rows, ``q_pos`` [Sq], and of its key rows, ``k_pos`` [Sk] (int64, on the block's device)."""
+
+    slopes: torch.Tensor
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+
+    def rows(self, qs: slice, ks: slice) -> Alibi:
+        """The ALiBi of the sub-block of query rows ``qs`` and key rows ``ks``."""
+        return Alibi(self.slopes, self.q_pos[qs], self.k_pos[ks])
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """``-slope_h * |i - j|`` as [H, Sq, Sk] in ``dtype``."""
+        distance = (self.q_pos.unsqueeze(1) - self.k_pos.unsqueeze(0)).abs().to(dtype)
+        return -self.slopes.to(dtype).view(-1, 1, 1) * distance
+
+
 def _heads_first(x: torch.Tensor, dtype: torch.dtype, groups: int = 1) -> torch.Tensor:
     """[B, S, H, D] -> [B, H * groups, S, D] in ``dtype``, each head repeated ``groups`` times."""
     x = x.to(dtype).transpose(1, 2)
     return x.repeat_interleave(groups, dim=1) if groups > 1 else x
 
 
-def _probabilities(q, k, mask: str, scale: float, lse=None, window=None, allowed=None):
-    """Scores' softmax probabilities [B, H, Sq, Sk] and lse [B, H, Sq] (given or computed); ``allowed``, a
-    boolean matrix broadcasting to [Sq, Sk], replaces the one ``mask`` and ``window`` give."""
+def _probabilities(q, k, mask: str, scale: float, lse=None, window=None, allowed=None, softcap=None, alibi=None):
+    """Scores' softmax probabilities [B, H, Sq, Sk], lse [B, H, Sq] (given or computed) and the soft-cap's
+    derivative ``1 - tanh^2`` (None without ``softcap``); ``allowed``, a boolean matrix broadcasting to
+    [Sq, Sk], replaces the one ``mask`` and ``window`` give."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    slope = None
+    if softcap is not None:
+        capped = torch.tanh(scores / softcap)
+        slope = 1.0 - capped * capped
+        scores = capped * softcap
+    if alibi is not None:
+        scores = scores + alibi.bias(scores.dtype)
     if allowed is None:
         allowed = allowed_keys(q.shape[-2], k.shape[-2], mask, q.device, window)
     if allowed is not None:
@@ -52,37 +92,47 @@ def _probabilities(q, k, mask: str, scale: float, lse=None, window=None, allowed
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
     safe = torch.where(lse == NEG_INF, 0.0, lse)  # rows with no key: exp(-inf - 0) = 0, never NaN
-    return torch.exp(scores - safe.unsqueeze(-1)), lse
+    return torch.exp(scores - safe.unsqueeze(-1)), lse, slope
 
 
-def math_forward(q, k, v, mask: str, scale: float, window=None, allowed=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block attention in the accumulator dtype: out [B, Sq, H, Dv] (v's head dim) and lse [B, H, Sq]."""
+def math_forward(
+    q, k, v, mask: str, scale: float, window=None, allowed=None, *, softcap=None, alibi=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block attention in the accumulator dtype: out [B, Sq, H, Dv] (v's head dim) and lse [B, H, Sq];
+    ``softcap`` and ``alibi`` modify the scores (module docstring)."""
     acc = accumulator_dtype(q.dtype)
     groups = q.shape[2] // k.shape[2]
     qh = _heads_first(q, acc)
-    p, lse = _probabilities(qh, _heads_first(k, acc, groups), mask, scale, window=window, allowed=allowed)
+    p, lse, _ = _probabilities(
+        qh, _heads_first(k, acc, groups), mask, scale, window=window, allowed=allowed, softcap=softcap, alibi=alibi
+    )
     out = torch.matmul(p, _heads_first(v, acc, groups))
     return out.transpose(1, 2), lse
 
 
-def math_forward_range(q, k, v, lo: torch.Tensor, hi: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def math_forward_range(
+    q, k, v, lo: torch.Tensor, hi: torch.Tensor, scale: float, *, softcap=None, alibi=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`math_forward` of every query row against keys ``lo .. hi - 1`` alone, ``lo`` and ``hi`` int
     tensors of one element on k's device: the mask is built there, so the host never reads them."""
     cols = torch.arange(k.shape[1], device=k.device)
-    return math_forward(q, k, v, "none", scale, allowed=((cols >= lo) & (cols < hi)).unsqueeze(0))
+    allowed = ((cols >= lo) & (cols < hi)).unsqueeze(0)
+    return math_forward(q, k, v, "none", scale, allowed=allowed, softcap=softcap, alibi=alibi)
 
 
-def math_backward(dout, q, k, v, out, lse, mask: str, scale: float, window=None):
+def math_backward(dout, q, k, v, out, lse, mask: str, scale: float, window=None, *, softcap=None, alibi=None):
     """Block gradients (dq, dk, dv) in the accumulator dtype, from the merged out and lse of the rows."""
     acc = accumulator_dtype(q.dtype)
     b, sk, hkv, d = k.shape
     groups = q.shape[2] // hkv
     qh, do = _heads_first(q, acc), _heads_first(dout, acc)
     kh, vh = _heads_first(k, acc, groups), _heads_first(v, acc, groups)
-    p, _ = _probabilities(qh, kh, mask, scale, lse.to(acc), window)
+    p, _, slope = _probabilities(qh, kh, mask, scale, lse.to(acc), window, softcap=softcap, alibi=alibi)
     delta = (do * _heads_first(out, acc)).sum(-1, keepdim=True)
     dv = torch.matmul(p.transpose(-1, -2), do)
     ds = p * (torch.matmul(do, vh.transpose(-1, -2)) - delta)
+    if slope is not None:  # through the cap: d(softcap * tanh(x / softcap))/dx = 1 - tanh^2
+        ds = ds * slope
     dq = torch.matmul(ds, kh) * scale
     dk = torch.matmul(ds.transpose(-1, -2), qh) * scale
     if groups > 1:

@@ -22,6 +22,7 @@ import torch
 from ..api import shard, unshard
 from ..backends.base import Backend, check_backend
 from ..comm import LocalWorld
+from ..kernels.math import Alibi
 from ..kernels.merge import accumulator_dtype, new_accumulators
 from ..lifetime import HANDOFF_POLICIES, hand_off
 from ..ring import RingConfig, merge_block, ring_backward, ring_forward
@@ -580,6 +581,47 @@ def check_forward_range(backend: Backend, dtype: torch.dtype, ends: str, heads: 
     _assert_unchanged("range forward", inputs, [q, k, v, lo_t, hi_t])
 
 
+# ---------------------------------------------------------------------------------------------- score mods
+
+SOFTCAP = 0.9
+"""A cap below the test scores' spread (so tanh bends them), and not 1: catches a cap ignored or misplaced."""
+
+
+def _score_mod(backend: Backend, mod: str, sq: int, sk: int) -> dict[str, Any]:
+    """The keyword argument of ``mod`` for a block of ``sq`` queries and ``sk`` keys: the cap, or ALiBi with
+    strided, offset global positions (keys before and after the queries, as a ring's blocks have them)."""
+    if mod == "softcap":
+        return {"softcap": SOFTCAP}
+    dev = _device(backend)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float32, device=dev)
+    q_pos = torch.arange(sq, device=dev) * 3 + 7
+    k_pos = torch.arange(sk, device=dev) * 3 + 5
+    return {"alibi": Alibi(slopes, q_pos, k_pos)}
+
+
+def _reference_mod(mods: dict[str, Any]) -> dict[str, Any]:
+    """The reference's arguments for a kernel's ``mods``."""
+    alibi = mods.get("alibi")
+    return {"softcap": mods.get("softcap"), "alibi": None if alibi is None else tuple(alibi)}
+
+
+def check_score_mod(backend: Backend, dtype: torch.dtype, mod: str) -> None:
+    """A score modification the backend declares (``score_mods``) in its block forward and backward, against
+    the reference with the same modification: ``causal`` (else ``none``) blocks in GQA."""
+    mask = "causal" if "causal" in backend.masks else "none"
+    q, k, v, dout = _block_inputs(backend, dtype, "gqa", SEQ, SEQ, 91, HEAD_DIM)
+    q = q * 3  # scores spread beyond the cap
+    mods = _score_mod(backend, mod, SEQ, SEQ)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference_gradients(dout, q, k, v, mask, SCALE, **_reference_mod(mods))
+    out, lse = backend.forward(q, k, v, mask, SCALE, **mods)
+    assert_close(f"forward out ({mod})", out, ref_out, dtype)
+    assert_close(f"forward lse ({mod})", lse, ref_lse, dtype)
+    grads = backend.backward(
+        dout, q, k, v, ref_out.to(q.device, dtype), ref_lse.to(q.device, accumulator_dtype(dtype)), mask, SCALE, **mods
+    )
+    _check_gradients(("backward", "backward", f" ({mod})"), grads, (q, k, v), (ref_dq, ref_dk, ref_dv), dtype)
+
+
 # ---------------------------------------------------------------------------------------------- ring
 
 
@@ -685,6 +727,9 @@ def cases(backend: Backend) -> list[Case]:
                 ("range", check_forward_range, {"ends": "inner"}),
             ):
                 out.append(_case(f"{name}-{d}-gqa-dv{dv}", check, dtype=dtype, heads="gqa", value_dim=dv, **where))
+        # Score modifications (soft-capping, ALiBi), where the backend declares them.
+        for mod in getattr(backend, "score_mods", ()):
+            out.append(_case(f"{mod}-{d}", check_score_mod, dtype=dtype, mod=mod))
         # A KV cache's decode step: forward_range over a storage range given on the device.
         for ends in RANGE_CASES:
             for heads in HEADS if ends == "inner" else ("gqa",):

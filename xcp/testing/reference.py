@@ -7,6 +7,8 @@ Rows that see no key give out = 0 and lse = -inf, and their gradients are 0 (nev
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 MASKS = ("none", "causal", "strict")
@@ -31,12 +33,16 @@ def to_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scale: float, softcap: float | None = None,
+    alibi: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Attention in float64 on the CPU, differentiable.
 
     :param q: [B, Sq, H, D]; k, v: [B, Sk, Hkv, D] with H % Hkv == 0 (query head h uses KV head
         h // (H // Hkv)).
+    :param softcap: scores become ``softcap * tanh(scores / softcap)``.
+    :param alibi: ``(slopes [H], query positions [Sq], key positions [Sk])``: scores get ``-slope_h * |i - j|``
+        after the cap.
     :returns: ``(out, lse)``: out [B, Sq, H, D] and lse [B, H, Sq], both float64.
     """
     q64, k64, v64 = (x.to("cpu", torch.float64) for x in (q, k, v))
@@ -45,6 +51,11 @@ def reference_attention(
     kh = k64.permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)
     vh = v64.permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)
     scores = torch.einsum("bhqd,bhkd->bhqk", qh, kh) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi is not None:
+        slopes, qi, kj = (x.detach().to("cpu", torch.float64) for x in alibi)
+        scores = scores - slopes.view(-1, 1, 1) * (qi.view(-1, 1) - kj.view(1, -1)).abs()
     allowed = allowed_pairs(q64.shape[1], k64.shape[1], mask)
     seen = allowed.any(dim=1)  # [Sq]: rows with at least one key
     # Rows without keys get harmless scores of 0 and are zeroed afterwards, so autograd never meets -inf - -inf.
@@ -58,12 +69,13 @@ def reference_attention(
 
 
 def reference_gradients(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scale: float
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scale: float, **mods: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, lse, dq, dk, dv)`` in float64 on the CPU, for the given output gradient ``dout``."""
+    """``(out, lse, dq, dk, dv)`` in float64 on the CPU, for the given output gradient ``dout`` (``mods``:
+    :func:`reference_attention`'s ``softcap`` and ``alibi``)."""
     q64, k64, v64 = to_reference(q), to_reference(k), to_reference(v)
     with torch.enable_grad():
-        out, lse = reference_attention(q64, k64, v64, mask, scale)
+        out, lse = reference_attention(q64, k64, v64, mask, scale, **mods)
         dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), dout.detach().to("cpu", torch.float64))
     return out.detach(), lse.detach(), dq, dk, dv
 
