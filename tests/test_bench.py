@@ -181,6 +181,37 @@ def test_size_defaults_follow_the_device_type():
     assert apply_size_defaults(given, Host(), SIZE_FLAGS) is None
 
 
+def test_bench_without_device_runs_on_a_usable_backend(capsys, monkeypatch):
+    """No --device: XCP_DEVICE where set, else the first usable backend on a device, else the CPU, never an
+    exit 2 on a machine without CUDA; the header says which was taken and why."""
+    import argparse
+
+    from xcp.cli import common
+    from xcp.plugins import BackendRow
+
+    def row(name, device_type, available):
+        return BackendRow(name, device_type, "gloo", "none", "math", available, "" if available else "no", name)
+
+    monkeypatch.delenv("XCP_DEVICE", raising=False)
+    table = [row("cpu", "cpu", True), row("cuda", "cuda", False), row("acc", "acc", True), row("acc2", "acc", True)]
+    monkeypatch.setattr(common, "backend_table", lambda: table)
+    args = argparse.Namespace(device=None)
+    assert common.default_device(args) == "device acc (the first usable backend on a device; --device picks another)"
+    assert args.device == "acc"
+    monkeypatch.setenv("XCP_DEVICE", "cpu")
+    args.device = None
+    assert common.default_device(args) == "device cpu (XCP_DEVICE)" and args.device == "cpu"
+    args.device = "cuda:1"
+    assert common.default_device(args) is None and args.device == "cuda:1"  # given: kept
+    monkeypatch.delenv("XCP_DEVICE")
+    no_device = [r for r in table if r.device_type == "cpu" or not r.available]
+    monkeypatch.setattr(common, "backend_table", lambda: no_device)
+    flags = "--seqs 16 --worlds 2 --heads 2 --kv-heads 1 --head-dim 4 --reps 1 --warmup 0 --memory-seq 16"
+    assert main(["bench", *flags.split(), "--memory-worlds", "2", "--quiet", "--mask", "full", "--no-graph"]) == 0
+    out = capsys.readouterr().out
+    assert "sizes: device cpu (no backend on a device is usable here; --device picks another), small CPU" in out
+
+
 def test_cli_bench_header_says_which_defaults(tmp_path, capsys):
     path = tmp_path / "b.json"
     code = main(

@@ -17,9 +17,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import schedule
+from .. import schedule, settings
 from ..api import unshard
-from ..plugins import select_backend
+from ..plugins import backend_table, select_backend
 from ..testing.reference import sdpa_reference
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -188,6 +188,25 @@ MEASUREMENT_FLAGS = tuple(n for n in PROBLEM_FLAGS if n != "balance")
 def measurement_args(args: argparse.Namespace) -> dict[str, Any]:
     """The flags ``bench`` and ``bench --distributed`` share, as keyword arguments of a :class:`Measurement`."""
     return problem_args(args, (*MEASUREMENT_FLAGS, "seqs", "memory_seq", "warmup", "reps"))
+
+
+DEVICE_DEFAULT = "XCP_DEVICE where set, else the first usable backend on a device in `xcp backends` order, else cpu"
+
+
+def default_device(args: argparse.Namespace) -> str | None:
+    """Fill in ``--device`` where it was not given: ``XCP_DEVICE`` where set, else the first usable backend on
+    a device (not the CPU) in ``xcp backends`` order, else ``cpu`` (so a machine without an accelerator runs
+    on its CPU rather than failing). Returns a note for the header saying which and why; None when given."""
+    if args.device is not None:
+        return None
+    chosen = settings.DEVICE.read()
+    if chosen:
+        args.device = chosen
+        return f"device {chosen} ({settings.DEVICE.name})"
+    on_device = [row.name for row in backend_table() if row.available and row.device_type not in ("cpu", "-")]
+    args.device = on_device[0] if on_device else "cpu"
+    why = "the first usable backend on a device" if on_device else "no backend on a device is usable here"
+    return f"device {args.device} ({why}; --device picks another)"
 
 
 def tool_device(backend, name: str, default_index: int | None = None) -> torch.device:

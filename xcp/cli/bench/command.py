@@ -9,10 +9,12 @@ from typing import Any
 from .. import decode as decode_flags
 from .. import packing, ulysses, windows
 from ..common import (
+    DEVICE_DEFAULT,
     FLAGS,
     MEASUREMENT_FLAGS,
     add_problem_flags,
     apply_size_defaults,
+    default_device,
     measurement_args,
     positive,
     size_help,
@@ -48,7 +50,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default=None,
         help="which masks to time (default: both; with --window, causal when R is 0 or none, else full)",
     )
-    add_problem_flags(p, d, [n for n in MEASUREMENT_FLAGS if n not in (*SIZE_FLAGS, "value_head_dim")])
+    add_problem_flags(p, d, [n for n in MEASUREMENT_FLAGS if n not in (*SIZE_FLAGS, "value_head_dim", "device")])
+    p.add_argument("--device", default=None, help=f"{FLAGS['device']['help']} (default: {DEVICE_DEFAULT})")
     p.add_argument("--balance", choices=windows.DOCUMENT_BALANCE_CHOICES, default=d.balance,
                    help=f"{windows.BALANCE_HELP}; {packing.DOCUMENT_BALANCE_HELP}")  # fmt: skip
     for name in ("heads", "kv_heads", "head_dim", "dtype"):
@@ -273,14 +276,14 @@ def command(args: argparse.Namespace) -> int:
     if args.distributed:
         _distributed_args(args)
         return distributed.command(args)
+    device_note = default_device(args)
     backend, _ = tool_backend(args.device, 0)  # an unknown or unusable backend: the error and the table, first
     _decode_args(args)
     host_note = _host_args(args)
     _ulysses_args(args)
     _document_sizes(args)
-    note = apply_size_defaults(args, backend, SIZE_FLAGS)
-    if host_note:
-        note = host_note if note is None else f"{note}, {host_note}"
+    notes = (device_note, apply_size_defaults(args, backend, SIZE_FLAGS), host_note)
+    note = ", ".join(n for n in notes if n) or None
     cfg = BenchConfig(
         sizes_note=note,
         worlds=args.worlds,

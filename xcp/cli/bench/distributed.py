@@ -32,6 +32,7 @@ from ..common import (
     attention_flops,
     check_memory,
     check_value_dim,
+    default_device,
     device_peak,
     error,
     gather_whole,
@@ -212,8 +213,10 @@ def command(args: argparse.Namespace) -> int:
     """``xcp bench --distributed``: rank 0 prints the tables; the exit status is 1 when the check failed."""
     if not under_torchrun():
         raise RuntimeError("--distributed: expected to run under torchrun (RANK and WORLD_SIZE set); they are not")
+    device_note = default_device(args)
     backend, _ = tool_backend(args.device)  # an unknown or unusable backend: the error and the table, first
-    note = apply_size_defaults(args, backend, (*SIZE_FLAGS, "check_seq", "reference_seq"))
+    notes = (device_note, apply_size_defaults(args, backend, (*SIZE_FLAGS, "check_seq", "reference_seq")))
+    note = ", ".join(n for n in notes if n) or None
     cfg = DistBenchConfig(
         check_seq=args.check_seq, reference_seq=args.reference_seq, sizes_note=note, **measurement_args(args)
     )
