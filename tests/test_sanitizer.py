@@ -182,6 +182,27 @@ def test_report_format_lists_config_and_peaks():
     assert "no finding" in text
 
 
+def test_a_world_left_open_keeps_its_workspace_which_leaks_counts_until_released():
+    """docs/lifetime.md's example: a world left open holds two receive slots per rank (its workspace, kept
+    on purpose), which leaks() reports; released (or the world closed), nothing is left."""
+    q, k, v = (torch.randn(1, 32, 2, 8, dtype=torch.float64) for _ in range(3))
+    with Sanitizer() as san:
+
+        def rank(g):
+            with san.thread(f"rank{g.rank()}"):
+                local = (xcp.shard(x, g.size(), g.rank()) for x in (q, k, v))
+                xcp.attention(*local, group=g, device="sim")
+
+        world = xcp.LocalWorld(4)
+        world.run(rank)
+        kept = san.leaks()
+        assert len(kept) == 8 and all("xcp/lifetime.py" in f.message for f in kept)
+        assert sorted(f.message.split(":")[0] for f in kept) == [f"rank{r}" for r in range(4) for _ in range(2)]
+        world.release_buffers()
+        assert san.leaks() == [] and san.findings == []
+        world.close()
+
+
 def test_attention_api_with_autograd_runs_clean_on_sim():
     world = 3
     gen = torch.Generator().manual_seed(1)

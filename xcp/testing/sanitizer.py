@@ -85,7 +85,9 @@ class Sanitizer:
         return list(self.model.findings)
 
     def leaks(self) -> list[Finding]:
-        """A ``leak`` finding per buffer the model allocated that is still alive (drop references first)."""
+        """A ``leak`` finding per buffer the model allocated that is still alive. Drop references first, and
+        release the workspace of every world used (``LocalWorld.close`` or ``release_buffers``): it keeps each
+        rank's receive slots between calls on purpose, and they would be counted here."""
         gc.collect()
         return [Finding("leak", f"{st.owner}: a buffer of {st.info} was never released") for st in self.model.live()]
 
