@@ -400,12 +400,27 @@ def float64_transformers(monkeypatch: Any) -> Any:
     def rmsnorm64(self, x):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
+    def norm(x, eps):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    norms = {  # by how the class keeps its epsilon and weight (Gemma: 1 + weight; Llama-4's qk norm: none)
+        "variance_epsilon": rmsnorm64,
+        "gemma": lambda self, x: norm(x, self.eps) * (1.0 + self.weight),
+        "eps": lambda self, x: norm(x, self.eps) * self.weight,
+        "l2": lambda self, x: norm(x, self.eps),
+    }
+
     monkeypatch.setattr(torch.nn.functional, "softmax", softmax64)
 
     def apply(model: Any) -> Any:
         for m in model.modules():
-            if type(m).__name__.endswith("RMSNorm"):
-                monkeypatch.setattr(type(m), "forward", rmsnorm64)
+            name = type(m).__name__
+            if name.endswith("RMSNorm"):
+                gemma = "gemma" if name.startswith("Gemma") else "eps"
+                kind = "variance_epsilon" if hasattr(m, "variance_epsilon") else gemma
+                monkeypatch.setattr(type(m), "forward", norms[kind])
+            elif name.endswith("L2Norm"):
+                monkeypatch.setattr(type(m), "forward", norms["l2"])
         return model
 
     return apply

@@ -33,6 +33,13 @@ def _config(kind: str, **over):
         cfg = transformers.Qwen2Config(**common)
     elif kind == "mistral":
         cfg = transformers.MistralConfig(**common, sliding_window=4)
+    elif kind == "gemma2":  # logit soft-capping (q/k scaled in make_model so that the cap bends the scores)
+        cfg = transformers.Gemma2Config(**common, head_dim=8, sliding_window=4, attn_logit_softcapping=0.5,
+                                        pad_token_id=None)  # random prompts hold token 0: no padding mask
+    elif kind == "llama4":  # layer 0 chunked (chunks of 4 positions), layer 1 full
+        common.update(head_dim=8, intermediate_size_mlp=64, num_local_experts=2, num_experts_per_tok=1)
+        cfg = transformers.Llama4TextConfig(**common, attention_chunk_size=4, no_rope_layers=[1, 0],
+                                            attn_temperature_tuning=False)  # fmt: skip
     else:
         del common["max_position_embeddings"]
         common.update(intermediate_size=32, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=4)
@@ -44,7 +51,7 @@ def _config(kind: str, **over):
 
 def make_model(kind: str, **over):
     torch.manual_seed(0)
-    extra = {"experts_implementation": "eager"} if kind == "gpt_oss" else {}
+    extra = {"experts_implementation": "eager"} if kind in ("gpt_oss", "llama4") else {}
     model = transformers.AutoModelForCausalLM.from_config(
         _config(kind, **over), attn_implementation="eager", dtype=torch.float64, **extra
     )
@@ -52,6 +59,9 @@ def make_model(kind: str, **over):
         for m in model.modules():
             if hasattr(m, "sinks"):
                 m.sinks.normal_()  # nonzero sinks, so that they matter
+            if kind == "gemma2" and hasattr(m, "q_proj"):
+                m.q_proj.weight.mul_(10)
+                m.k_proj.weight.mul_(10)
     return model.eval()
 
 
@@ -102,7 +112,8 @@ def worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 @pytest.mark.parametrize(
     ("kind", "prompt", "balance", "world"),
     [("llama", 1, "zigzag", 4), ("llama", 9, "zigzag", 1), ("qwen2", 7, "stripe", 4),
-     ("mistral", 11, "contiguous", 4), ("gpt_oss", 21, "zigzag", 4)],
+     ("mistral", 11, "contiguous", 4), ("gpt_oss", 21, "zigzag", 4), ("gemma2", 11, "contiguous", 4),
+     ("llama4", 21, "zigzag", 4), ("llama4", 7, "stripe", 2)],
 )  # fmt: skip
 def test_greedy_equals_one_device(faithful, kind, prompt, balance, world):
     """Tokens equal, logits of every step to 1e-9, on 4 virtual ranks (and on one): a ring prefix and a chunk
@@ -127,6 +138,10 @@ def test_greedy_equals_one_device(faithful, kind, prompt, balance, world):
     if kind in ("mistral", "gpt_oss"):  # the window (4) changes the result: the test sees it
         _, wide = one_device(faithful(make_model(kind, sliding_window=64)), ids, do_sample=False)
         assert worst(wide, ref_steps) > 1e-3
+    variant = {"gemma2": {"attn_logit_softcapping": None}, "llama4": {"attention_chunk_size": 64}}.get(kind)
+    if variant is not None:  # soft-capping, the chunks: the test sees them
+        _, without = one_device(faithful(make_model(kind, **variant)), ids, do_sample=False)
+        assert worst(without, ref_steps) > 1e-3
 
 
 def test_sampling_is_the_same_on_every_rank_and_seeded_as_on_one_device(faithful):

@@ -154,6 +154,12 @@ def _config(kind: str, **over):
         del common["max_position_embeddings"]  # its YaRN defaults fit the default
         common.update(intermediate_size=32, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=8)
         cfg = transformers.GptOssConfig(**common, layer_types=["sliding_attention", "full_attention"])
+    elif kind == "gemma2":  # logit soft-capping (a cap the tiny model's scores reach), a window on layer 0
+        cfg = transformers.Gemma2Config(**common, head_dim=8, sliding_window=8, attn_logit_softcapping=0.5)
+    elif kind == "llama4":  # layer 0 chunked (chunks of 8 positions), layer 1 full (no RoPE, no temperature)
+        common.update(head_dim=8, intermediate_size_mlp=64, num_local_experts=2, num_experts_per_tok=1)
+        cfg = transformers.Llama4TextConfig(**common, attention_chunk_size=8, no_rope_layers=[1, 0],
+                                            attn_temperature_tuning=False)  # fmt: skip
     else:
         raise AssertionError(kind)
     for key, value in over.items():
@@ -168,12 +174,15 @@ def make_model(kind: str, dtype=torch.float64, seed: int = 0, **over):
     import transformers
 
     five = int(transformers.__version__.split(".")[0]) >= 5  # grouped_mm experts: no float64 on the CPU
-    extra = {"experts_implementation": "eager"} if kind == "gpt_oss" and five else {}
+    extra = {"experts_implementation": "eager"} if kind in ("gpt_oss", "llama4") and five else {}
     model = AutoModelForCausalLM.from_config(_config(kind, **over), attn_implementation="eager", dtype=dtype, **extra)
     with torch.no_grad():
         for m in model.modules():
             if hasattr(m, "sinks"):
                 m.sinks.normal_()  # nonzero sinks, so that they matter
+            if kind == "gemma2" and hasattr(m, "q_proj"):  # scores of a few units, which the cap of 0.5 bends
+                m.q_proj.weight.mul_(10)
+                m.k_proj.weight.mul_(10)
     return model.train()
 
 
@@ -586,8 +595,14 @@ def test_mask_functions_xcp_does_not_serve_are_refused(registered):
 
     assert mask_forward(1, 8, 8, mask_function=causal_mask_function) is None
     chunked = and_masks(chunked_overlay(4, torch.zeros(1, dtype=torch.long)), causal_mask_function)
-    with pytest.raises(ValueError, match="chunked_overlay"):
-        mask_forward(1, 8, 8, mask_function=chunked)
+    with pytest.raises(ValueError, match="chunk_size=4; xcp serves attention chunks from config.attention_chunk_size"):
+        mask_forward(1, 8, 8, mask_function=chunked)  # no config, or another chunk: not what the attention reads
+    config = prepare(make_model("llama4")).config  # a prepared model's: the mask function serves its chunks of 8
+    chunked = and_masks(chunked_overlay(8, torch.zeros(1, dtype=torch.long)), causal_mask_function)
+    assert mask_forward(1, 8, 8, mask_function=chunked, config=config) is None
+    padded = and_masks(chunked_overlay(8, torch.tensor([1])), causal_mask_function)
+    with pytest.raises(ValueError, match=r"chunked mask shifted by left padding \(\[1\]\)"):
+        mask_forward(1, 8, 8, mask_function=padded, config=config)
     with pytest.raises(ValueError, match="or_mask"):
         mask_forward(1, 8, 8, mask_function=or_masks(causal_mask_function, lambda b, h, q, k: q == 0))
 
@@ -679,3 +694,36 @@ def test_compile_refuses_a_local_world_group_with_the_reason(registered):
 
     with pytest.raises(RuntimeError, match="LocalWorld ranks are threads of one process"):
         xcp.LocalWorld(1).run(rank)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Attention variants: Gemma-2's logit soft-capping, Llama-4's chunked layers
+
+
+@needs_transformers
+@pytest.mark.parametrize(
+    ("kind", "balance", "world", "off"),
+    [("gemma2", "zigzag", 4, {"attn_logit_softcapping": None}),
+     ("gemma2", "stripe", 2, {"attn_logit_softcapping": None}),
+     ("llama4", "zigzag", 4, {"attention_chunk_size": S}),
+     ("llama4", "contiguous", 2, {"attention_chunk_size": S})],
+)  # fmt: skip
+def test_softcapped_and_chunked_layers_match_one_device(registered, float64_faithful, kind, balance, world, off):
+    """Gemma-2 passes softcap= to the attention; Llama-4's chunked layer is told by its config
+    (xcp.integrations.transformers_variants): logits, loss and every gradient equal one device's eager model,
+    which the variant changes (the same model without it differs)."""
+    model = float64_faithful(make_model(kind))
+    ids, labels = tokens()
+    ref = single_device(model, ids, labels)
+    assert_same(context_parallel(model, ids, labels, balance=balance, world=world), ref, 1e-10, kind)
+    without = single_device(float64_faithful(make_model(kind, **off)), ids, labels)
+    assert rel(without[0], ref[0]) > 1e-3, "the variant changes the model: the comparison sees it"
+
+
+@needs_transformers
+def test_llama4_temperature_tuning_on_a_layer_without_rope_is_refused():
+    """It scales queries by positions counted over the layer's own tokens (a shard's, under xcp): refused by
+    name, where the layers with RoPE (no tuning) pass."""
+    with pytest.raises(ValueError, match=r"Llama4TextAttention: attention temperature tuning.*not the global"):
+        prepare(make_model("llama4", attn_temperature_tuning=True))
+    prepare(make_model("llama4"))

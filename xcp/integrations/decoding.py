@@ -17,9 +17,10 @@ from contextlib import contextmanager
 import torch
 
 Window = tuple[int, int] | None
-Decoder = Callable[[int, torch.Tensor, bool, float | None, Window, torch.Tensor | None], torch.Tensor | None]
-"""``decoder(layer_idx, q, causal, scale, window, sinks)``: layer ``layer_idx``'s attention of ``q``
-``[B, T, H, D]`` (the same on every rank) over the sharded cache, ``[B, T, H, D]``; None: run the ring."""
+Decoder = Callable[..., torch.Tensor | None]
+"""``decoder(layer_idx, q, causal, scale, window, sinks, **variants)``: layer ``layer_idx``'s attention of
+``q`` ``[B, T, H, D]`` (the same on every rank) over the sharded cache, ``[B, T, H, D]``; None: run the
+ring. ``variants``: ``softcap=`` and ``chunk=``, passed only where the layer has them."""
 
 
 _local = threading.local()

@@ -22,8 +22,10 @@ count of the tokens in the loss. The ranks' gradients are partial sums: add them
 or the note there for DDP).
 
 What xcp cannot do raises an error naming the model's attention class and the option: padding masks and
-other 4-D masks, attention dropout in training, logit soft-capping, output_attentions, attention chunks
-and custom mask functions, a transformers KV cache that makes keys longer than queries.
+other 4-D masks, attention dropout in training, output_attentions, custom mask functions, a transformers
+KV cache that makes keys longer than queries. Logit soft-capping (Gemma-2's ``softcap=``) and attention
+chunks (Llama-4's chunked layers) go to :func:`xcp.attention` as ``softcap=`` and ``chunk=``
+(:mod:`xcp.integrations.transformers_variants`).
 
 Generation: :func:`generate` (``generate(model, input_ids, group=g, max_new_tokens=16)``) runs
 ``model.generate`` over a KV cache sharded across the ranks (:mod:`xcp.integrations.transformers_generate`;
@@ -63,6 +65,7 @@ from .transformers_prepare import (
     unprepared,
     unregister_layer,
 )
+from .transformers_variants import CHUNK_PART, check_chunk_part, variants
 
 __all__ = [
     "attention_forward",
@@ -185,7 +188,9 @@ def attention_forward(
     - packed documents: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (the GLOBAL boundaries, as
       :func:`shard_batch` gives them) are xcp's ``cu_seqlens``; on one rank, position_ids that restart
       (transformers' own rule: a step other than +1 starts a document) are turned into them too;
-    - attention sinks: ``module.sinks`` (GPT-OSS), else ``s_aux=``.
+    - attention sinks: ``module.sinks`` (GPT-OSS), else ``s_aux=``;
+    - ``softcap=`` (Gemma-2) and the chunks of Llama-4's chunked layers (from the config): xcp's ``softcap`` and
+      ``chunk`` (:func:`xcp.integrations.transformers_variants.variants`).
     """
     who = _who(module)
     if not is_prepared(module):
@@ -202,9 +207,8 @@ def attention_forward(
         raise ValueError(
             f"{who}: attention dropout {dropout} in training is not supported; set config.attention_dropout = 0.0"
         )
-    for option in ("softcap", "position_bias"):
-        if kwargs.get(option) is not None:
-            raise ValueError(f"{who}: {option} is not supported by xcp (the config or caller sets {option}=)")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(f"{who}: position_bias is not supported by xcp (the config or caller sets position_bias=)")
     if kwargs.get("output_attentions"):
         raise ValueError(f"{who}: output_attentions=True is not supported (xcp never forms the attention weights)")
     if key.shape[2] != query.shape[2]:
@@ -238,17 +242,20 @@ def attention_forward(
     sinks = getattr(module, "sinks", None)
     if sinks is None:
         sinks = kwargs.get("s_aux")
+    variant = variants(module, kwargs)  # softcap=, chunk=: only where the layer has them
     decoder = decoding.current()
     if decoder is not None and compiling:
         raise ValueError(f"{who}: generate() over xcp's sharded KV cache runs the model eagerly; got a compiled model")
     if decoder is not None:  # xt.generate: a step over the sharded KV cache (None: the prompt's ring)
         layer = cast(int, module.layer_idx)  # transformers numbers every attention module's layer
-        out = decoder(layer, query.transpose(1, 2), is_causal, scaling, window, sinks)
+        out = decoder(layer, query.transpose(1, 2), is_causal, scaling, window, sinks, **variant)
         if out is not None:
             return out, None
     cu_seqlens = _documents_traced(ctx, query, kwargs, who) if compiling else _documents(ctx, query, kwargs, who)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-    out = ctx.attention(q, k, v, causal=is_causal, scale=scaling, window=window, sinks=sinks, cu_seqlens=cu_seqlens)
+    out = ctx.attention(
+        q, k, v, causal=is_causal, scale=scaling, window=window, sinks=sinks, cu_seqlens=cu_seqlens, **variant
+    )
     return out, None
 
 
@@ -449,7 +456,8 @@ _MASK_PARTS = frozenset(
 )
 """The pieces of transformers' mask functions that the attention function serves by itself: causal or
 not (module.is_causal), the sliding window (sliding_window=) and packed documents (the documents of the
-position_ids, which transformers also sees in the sharded positions)."""
+position_ids, which transformers also sees in the sharded positions); attention chunks too, checked by
+:func:`xcp.integrations.transformers_variants.check_chunk_part`."""
 
 
 def _mask_parts(fn: Any, seen: set[int] | None = None) -> list[Any]:
@@ -494,11 +502,15 @@ def mask_forward(
     if mask_function is not None:
         for part in _mask_parts(mask_function):
             name = getattr(part, "__qualname__", repr(part))
-            if getattr(part, "__module__", None) != "transformers.masking_utils" or name not in _MASK_PARTS:
+            ours = getattr(part, "__module__", None) == "transformers.masking_utils"
+            if ours and name == CHUNK_PART:
+                check_chunk_part(part, config, who)
+                continue
+            if not ours or name not in _MASK_PARTS:
                 raise ValueError(
                     f"{who}: the mask function has a part xcp does not serve: {getattr(part, '__module__', '?')}."
-                    f"{name} (xcp serves causal or full attention, sliding windows and packed documents; not "
-                    "attention chunks, bidirectional token blocks or custom or_mask/and_mask functions)"
+                    f"{name} (xcp serves causal or full attention, sliding windows, attention chunks and packed "
+                    "documents; not bidirectional token blocks or custom or_mask/and_mask functions)"
                 )
     return None
 
@@ -509,15 +521,10 @@ def _mask_traced(config: Any, attention_mask: torch.Tensor | None, who: str) -> 
     - a padding ``attention_mask`` fails a device-side check (``torch._assert_async``: a RuntimeError on
       the CPU, a device-side assert on an accelerator) instead of the ValueError of eager;
     - the mask function is NOT taken apart: dynamo cannot read the cells of a closure made inside the
-      graph. Attention chunks are refused from the config (``attention_chunk_size``, as eager refuses the
-      chunked mask of those models); a caller's ``or_mask_function``/``and_mask_function`` (bidirectional
-      blocks of image tokens) goes unnoticed under compile: run such a model eagerly once to have it refused.
+      graph. Attention chunks come from the config (``attention_chunk_size``), which the attention function
+      reads; a caller's ``or_mask_function``/``and_mask_function`` (bidirectional blocks of image tokens) goes
+      unnoticed under compile: run such a model eagerly once to have it refused.
     """
-    if getattr(config, "attention_chunk_size", None) is not None:
-        raise ValueError(
-            f"{who}: attention chunks (config.attention_chunk_size={config.attention_chunk_size}) are not served "
-            "by xcp (it serves causal or full attention, sliding windows and packed documents)"
-        )
     if attention_mask is not None:
         torch._assert_async(
             attention_mask.all(),

@@ -113,7 +113,7 @@ class Latent:
         return int(self.module.kv_lora_rank)
 
     def attention(
-        self, kv: KVCache, q: torch.Tensor, causal: bool, scale: float | None, window: Any, sinks: Any
+        self, kv: KVCache, q: torch.Tensor, causal: bool, scale: float | None, window: Any, sinks: Any, **variants: Any
     ) -> torch.Tensor:
         """The heads' attention of ``q`` ``[B, T, H, qk_nope + qk_rope]`` over the latents in ``kv``, ``[B, T, H,
         v_head_dim]``: the queries ``[q_nope W_uk, q_rot]`` over the latents, their output times ``W_uv``."""
@@ -124,7 +124,7 @@ class Latent:
             raise ValueError(f"{type(m).__name__}: {q.shape[2]} query heads, but kv_b_proj expands {w.shape[0]}")
         scale = q.shape[-1] ** -0.5 if scale is None else scale  # q's own dim, not that of the latents
         absorbed = torch.cat([torch.einsum("bthn,hnr->bthr", q[..., :nope], w[:, :nope]), q[..., nope:]], dim=-1)
-        out = kv.attention(absorbed, causal=causal, scale=scale, window=window, sinks=sinks)
+        out = kv.attention(absorbed, causal=causal, scale=scale, window=window, sinks=sinks, **variants)
         return torch.einsum("bthr,hvr->bthv", out, w[:, nope:])
 
 
@@ -220,16 +220,18 @@ class ShardedCache(Cache):
             layer.ring = on
 
     def attention(
-        self, layer_idx: int, q: torch.Tensor, causal: bool, scale: float | None, window: Any, sinks: Any
-    ) -> torch.Tensor | None:
+        self, layer_idx: int, q: torch.Tensor, causal: bool, scale: float | None, window: Any, sinks: Any,
+        **variants: Any,
+    ) -> torch.Tensor | None:  # fmt: skip
         """The :data:`xcp.integrations.decoding.Decoder` of this cache: layer ``layer_idx``'s attention over
-        the sharded cache, or None during the ring prefill (the attention function runs the ring then)."""
+        the sharded cache, or None during the ring prefill (the attention function runs the ring then);
+        ``variants``: ``softcap=`` and ``chunk=`` of :meth:`xcp.KVCache.attention`, where the layer has them."""
         layer = self.sharded[layer_idx]
         if layer.ring:
             return None
         if layer.latent is not None:
-            return layer.latent.attention(layer.kv, q, causal, scale, window, sinks)
-        return layer.kv.attention(q, causal=causal, scale=scale, window=window, sinks=sinks)
+            return layer.latent.attention(layer.kv, q, causal, scale, window, sinks, **variants)
+        return layer.kv.attention(q, causal=causal, scale=scale, window=window, sinks=sinks, **variants)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -332,6 +334,15 @@ def _cache_name(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def _decoder_of(model: Any) -> Any:
+    """The model without its LM head, which the ring prefix runs (its logits are never read): the base model, or
+    where ``base_model_prefix`` names no attribute (Llama-4's ``language_model``: ``base_model`` is the model
+    itself) its ``model``."""
+    base = model.base_model
+    inner = getattr(model, "model", None)
+    return inner if base is model and isinstance(inner, torch.nn.Module) else base
+
+
 def generate(model: Any, input_ids: torch.Tensor, group: Any, max_new_tokens: int, balance: str, options: dict) -> Any:
     """:func:`xcp.integrations.transformers.generate`, ``options`` its ``**generate_kwargs`` (not mutated)."""
     generate_kwargs = dict(options)
@@ -354,7 +365,7 @@ def generate(model: Any, input_ids: torch.Tensor, group: Any, max_new_tokens: in
             cache.set_ring(True)
             try:
                 with torch.no_grad():
-                    model.base_model(
+                    _decoder_of(model)(
                         input_ids=ctx.shard(input_ids[:, :ring]),
                         position_ids=ctx.shard(positions),
                         use_cache=True,
