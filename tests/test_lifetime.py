@@ -16,6 +16,7 @@ import xcp
 from xcp import lifetime
 from xcp.backends.cpu import CPUBackend
 from xcp.comm import LocalWorld
+from xcp.comm.protocol import SingleRank
 from xcp.lifetime import RingCall, Workspace, track_buffers, workspace_disabled
 from xcp.ring import RingConfig, ring_backward, ring_forward
 from xcp.testing.reference import sdpa_reference
@@ -111,6 +112,69 @@ def test_without_workspace_every_call_allocates():
         return counts
 
     assert LocalWorld(world).run(rank) == [[2, 2]] * world
+
+
+def test_workspace_is_used_again_after_workspace_disabled_and_cleared():
+    world = 3
+    q, k, v, _ = inputs(world)
+
+    def rank(g):
+        ql, kl, vl = (xcp.shard(x, world, g.rank()) for x in (q, k, v))
+        cfg = RingConfig(g, CPUBackend(), True, 0.5)
+
+        def allocations():
+            with track_buffers() as led:
+                ring_forward(ql, kl, vl, cfg)
+            return led.allocations
+
+        counts = []
+        with workspace_disabled():
+            with workspace_disabled():  # nested: leaving the inner block keeps the outer one's setting
+                counts.append(allocations())
+            counts.append(allocations())
+        counts += [allocations(), allocations()]  # the workspace again: the first call fills it
+        held = lifetime.workspace(g).nbytes()
+        lifetime.clear_workspace(g)
+        emptied = lifetime.workspace(g).nbytes()
+        counts += [allocations(), allocations()]  # cleared: made once more, then reused
+        return counts, held, emptied
+
+    for counts, held, emptied in LocalWorld(world).run(rank):
+        assert counts == [2, 2, 2, 0, 2, 0]
+        assert held == 2 * 2 * 4 * 2 * 6 * 8 and emptied == 0  # 2 slots of K and V: 4 tokens, 2 heads, dim 6
+
+
+def test_clear_workspace_without_a_communicator_clears_this_threads():
+    comm = SingleRank()
+    ws = lifetime.workspace(comm)  # a world of one keeps its workspace per thread
+    ws.buffers(("kv", 1))[0] = [torch.zeros(3)]
+    ws.ready = object()
+    lifetime.clear_workspace()
+    assert ws.nbytes() == 0 and ws.ready is None and lifetime.workspace(comm) is ws
+
+
+def test_calls_of_two_dtypes_keep_their_own_slots():
+    """Equal shapes, float32 then float64 then float32 on each rank: each dtype has its own workspace slots
+    (a float64 call receiving into float32 slots would lose its precision)."""
+    world = 3
+    q, k, v, _ = inputs(world)
+    want = sdpa_reference(q, k, v, True)
+
+    def rank(g):
+        cfg = RingConfig(g, CPUBackend(), True, 1 / math.sqrt(q.shape[-1]))
+        outs = []
+        for dtype in (torch.float32, torch.float64, torch.float32):
+            ql, kl, vl = (xcp.shard(x.to(dtype), world, g.rank()) for x in (q, k, v))
+            outs.append(ring_forward(ql, kl, vl, cfg)[0])
+        return outs, len(lifetime.workspace(g)._sets)
+
+    results = LocalWorld(world).run(rank)
+    assert [r[1] for r in results] == [2] * world  # one set of KV slots per dtype
+    for i, dtype in enumerate((torch.float32, torch.float64, torch.float32)):
+        got = xcp.unshard([r[0][i] for r in results])
+        assert got.dtype == dtype
+        # float64: summation order only; float32: a few roundings of values of size ~1
+        assert (got.double() - want).abs().max().item() < (1e-10 if dtype == torch.float64 else 1e-5)
 
 
 def test_results_never_alias_the_workspace():

@@ -15,7 +15,7 @@ from strategies import sanitizer_configs, sanitizer_document_configs
 
 import xcp
 from xcp import plugins
-from xcp.lifetime import track_buffers
+from xcp.lifetime import HANDOFF_POLICIES, track_buffers
 from xcp.ring import RingConfig, ring_forward
 from xcp.testing.sanitizer import TOLERANCE, Sanitizer, sanitize_ring
 
@@ -226,7 +226,10 @@ def test_attention_api_with_autograd_runs_clean_on_sim():
     assert (xcp.unshard([r[3] for r in results]) - want.dq).abs().max() < 1e-10
 
 
-def test_graph_capture_after_warm_up_allocates_nothing_and_never_marks_streams():
+@pytest.mark.parametrize("handoff", HANDOFF_POLICIES)
+def test_graph_capture_after_warm_up_allocates_nothing_and_never_marks_streams(handoff):
+    """Rule 4 under every hand-off policy: ``record_stream`` and ``clone`` become ``event`` while capturing
+    (a clone per send would allocate in the captured loop)."""
     world = 3
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(1, 4 * world, 2, 4, generator=gen, dtype=torch.float64)
@@ -235,7 +238,7 @@ def test_graph_capture_after_warm_up_allocates_nothing_and_never_marks_streams()
         def rank(g):
             with san.thread(f"rank{g.rank()}"):
                 ql = xcp.shard(q, world, g.rank())
-                cfg = RingConfig(g, san.backend, True, 0.5, handoff="record_stream")
+                cfg = RingConfig(g, san.backend, True, 0.5, handoff=handoff)
                 ring_forward(ql, ql, ql, cfg)  # warm-up fills the workspace
                 marks = san.model.record_stream_calls
                 with san.capture(), track_buffers() as led:
@@ -246,6 +249,8 @@ def test_graph_capture_after_warm_up_allocates_nothing_and_never_marks_streams()
         assert san.findings == []
         assert san.model.record_stream_calls == max(r[3] for r in results)  # none during capture
     assert [r[:2] for r in results] == [(0, 2)] * world
+    want = independent_reference(q, q, q, torch.ones_like(q), True).out  # scale 0.5 = 1/sqrt(head_dim)
+    assert (xcp.unshard([r[2] for r in results]) - want).abs().max() < 1e-10  # float64: summation order only
 
 
 def test_sanitize_ring_rejects_bad_arguments():

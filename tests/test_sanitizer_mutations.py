@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from helpers import independent_reference
 
 import xcp
 from xcp import lifetime
@@ -298,3 +299,66 @@ def test_sanitize_decode_command(capsys):
     assert main(["sanitize", "--decode", "2", "--world", "3", "--chunk", "0", "--capacity"]) == 0
     assert "no finding" in capsys.readouterr().out
     assert main(["sanitize", "--decode", "1", "--world", "2", "--handoff", "none"]) == 1
+
+
+# ------------------------------------------------------------------------- two callers of one workspace
+
+
+def two_callers(world=3):
+    """Per rank: a call on the caller's stream C, then one from a second caller stream with its own inputs
+    (made there before the first call, as another thread of the caller would); the findings, and both
+    outputs against a float64 reference."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4 * world, 2, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    with Sanitizer() as san:
+
+        def rank(g):
+            with san.thread(f"rank{g.rank()}"):
+                be = san.backend
+                mine = [xcp.shard(x, world, g.rank()) for x in (q, k, v)]
+                second = be.new_stream(name="C2")
+                be.wait_stream(second, be.current_stream())  # the second caller sees the inputs made...
+                with be.stream_context(second):
+                    theirs = [x.clone() for x in mine]  # ...and makes its own; nothing else orders the streams
+                cfg = RingConfig(g, be, True, 0.5)
+                first = ring_forward(*mine, cfg)[0]
+                with be.stream_context(second):
+                    later = ring_forward(*theirs, cfg)[0]
+                be.wait_stream(be.current_stream(), second)
+                return first, later
+
+        results = xcp.LocalWorld(world).run(rank)
+        findings = san.findings
+    want = independent_reference(q, k, v, torch.ones_like(q), True).out
+    errors = [(xcp.unshard([r[i] for r in results]) - want).abs().max().item() for i in range(2)]
+    return findings, errors
+
+
+def test_a_second_caller_stream_waits_for_the_workspace():
+    findings, errors = two_callers()
+    assert findings == [] and max(errors) < 1e-10  # float64: summation order only
+
+
+@pytest.mark.parametrize("mutation", ["no wait", "no record"])
+def test_a_second_caller_stream_that_does_not_wait_races_on_the_slots(monkeypatch, mutation):
+    """Rule 1 across calls: the workspace's slots are ordered only by its ``ready`` event, recorded on the
+    first caller's stream at the join and waited on by the next call."""
+    if mutation == "no wait":
+        never_ready = property(lambda self: None, lambda self, value: None)  # nothing to wait on
+        monkeypatch.setattr(lifetime.Workspace, "ready", never_ready, raising=False)
+    else:
+        original = RingCall.__exit__
+
+        def exit_without_record(self, *exc):
+            ws, self.workspace = self.workspace, None  # the join, without recording ``ready``
+            original(self, *exc)
+            self.workspace = ws
+
+        monkeypatch.setattr(RingCall, "__exit__", exit_without_record)
+    findings, _ = two_callers()
+    races = [f for f in findings if f.kind == "race"]
+    assert races, findings
+    # the first call's compute reading a slot (on C) against the second call's receive into it (a peer's copy)
+    assert all(
+        f.accesses[0].stream.endswith(":C") and not f.accesses[0].write and "p2p kv" in f.accesses[1].op for f in races
+    ), findings
