@@ -8,6 +8,8 @@ from strategies import random_inputs
 
 import xcp
 from xcp import agreement
+from xcp.backends.cpu import CPUBackend
+from xcp.spec import CallSpec
 
 
 def _base(rank: int) -> dict:
@@ -177,3 +179,34 @@ def test_the_fingerprint_covers_the_agreed_fields_of_the_call_spec():
     assert {named.get(f, f) for f in agreed_fields()} <= set(agreement.FIELDS)
     assert {f.name for f in spec_fields()} - set(agreed_fields()) == {"slots", "handoff"}
     assert not {"slots", "handoff"} & set(agreement.FIELDS)
+
+
+def test_the_check_is_never_issued_while_capturing(monkeypatch):
+    """Capture cannot read a result on the host: the check waits for the eager call (the warm-up)."""
+    gathers = []
+    real = agreement.ring_gather
+
+    def counting(comm, backend, mine):
+        gathers.append((comm.rank(), backend.capturing))
+        return real(comm, backend, mine)
+
+    class Capturing(CPUBackend):
+        capturing = False
+
+        def is_capturing(self) -> bool:
+            return self.capturing
+
+    monkeypatch.setattr(agreement, "ring_gather", counting)
+    q, k, v, _ = random_inputs(1, 12, 4, 2, 8, seed=5)
+    spec = CallSpec(causal=True, scale=0.5)
+
+    def fn(group):
+        be = Capturing()
+        be.capturing = True
+        agreement.check_agreement(group, be, q, k, v, spec)  # skipped: not agreed, and nothing exchanged
+        be.capturing = False
+        agreement.check_agreement(group, be, q, k, v, spec)  # checked now
+        agreement.check_agreement(group, be, q, k, v, spec)  # agreed: skipped
+
+    _run(2, fn)
+    assert sorted(gathers) == [(0, False), (1, False)]

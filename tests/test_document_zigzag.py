@@ -26,7 +26,7 @@ from helpers import (
     rank_errors,
     ring_with_documents,
 )
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from strategies import assert_close_to
 
@@ -113,8 +113,11 @@ def test_shard_unshard_round_trip(layout, dim, as_tensor):
 @given(
     packed(max_len=24),
     st.booleans(),
-    st.one_of(st.none(), st.tuples(st.integers(0, 30), st.one_of(st.none(), st.integers(0, 30)))),
+    st.one_of(st.none(), st.tuples(*[st.one_of(st.none(), st.integers(0, 30))] * 2)),
 )
+@example((2, (0, 5, 17)), False, (None, 3))  # windows open on one side, either side
+@example((3, (0, 9, 10, 24)), False, (4, None))
+@example((2, (0, 6, 14, 24)), True, (5, None))
 def test_the_plan_computes_exactly_the_allowed_pairs(layout, causal, window):
     world, cu = layout
     cu = documents.check_cu_seqlens(cu)  # what the ring sees: empty documents dropped

@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 from helpers import NAMES, allowed_pairs, independent_masked_reference, pairs_of_runs, rank_errors, ring_with_documents
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from strategies import assert_close_to, layouts
 
@@ -32,6 +32,7 @@ from xcp.ring import RingConfig, ring_backward, ring_forward
 
 @settings(max_examples=300, deadline=None)
 @given(layouts())
+@example((2, "stripe", True, (0, 6, 14, 24)))  # stripe's causal runs must never join an unmasked call
 def test_the_plan_computes_exactly_the_allowed_pairs(layout):
     world, balance, causal, cu = layout
     n = cu[-1] // world
@@ -43,6 +44,8 @@ def test_the_plan_computes_exactly_the_allowed_pairs(layout):
             assert len(got) == len(set(got)), "no pair is computed twice"
             assert set(got) == want
             assert plan.pairs[i] == len(want)
+            joined = documents.join_runs(runs)  # the varlen fillers' calls: the same pairs, none twice
+            assert sorted(pairs_of_runs(joined)) == sorted(got)
             for run in runs:  # a run's segments tile its rows without gaps
                 assert run.cu_q[0] == 0 and run.cu_q[-1] == run.q1 - run.q0
                 assert run.cu_k[0] == 0 and run.cu_k[-1] == run.k1 - run.k0

@@ -3,6 +3,7 @@ causal or not. Everything here is plain Python: no tensors, so the checks are ex
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import pytest
@@ -205,6 +206,31 @@ def test_required_multiple(p, balance, multiple):
 def test_plan_rejects_bad_arguments(args, match):
     with pytest.raises(ValueError, match=match):
         plan(*args)
+
+
+@pytest.mark.parametrize("steps", [0, -1, 5, 2.5, 4.0, True, "2"])
+def test_plan_rejects_steps_outside_one_to_p(steps):
+    with pytest.raises(ValueError, match=rf"steps: expected an integer in \[1, 4\]; got {re.escape(repr(steps))}$"):
+        plan(4, 0, steps=steps)
+
+
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous", "stripe"])
+def test_a_short_ring_is_the_first_steps_of_the_full_one_and_sends_dkv_home_in_one_hop(balance):
+    p = 5
+    for m in range(1, p + 1):
+        for r in range(p):
+            full, short = plan(p, r, True, balance), plan(p, r, True, balance, steps=m)
+            assert [s.src for s in short.steps] == [(r - i) % p for i in range(m)]
+            assert [s.kind for s in short.steps] == [s.kind for s in full.steps[:m]]
+            assert [(s.send_to, s.recv_from) for s in short.steps] == [((r + 1) % p, (r - 1) % p)] * (m - 1) + [
+                (None, None)
+            ]
+            assert short.steps[-1].dkv_send_to == (r - m + 1) % p  # home: the shard's owner, m - 1 ranks back
+            assert short.dkv_home_from == (r + m - 1) % p
+            assert short.dkv_recv_after(m - 1) == short.dkv_home_from
+            if m > 1:
+                assert short.dkv_recv_after(0) == (r - 1) % p
+                assert plan(p, short.steps[-1].dkv_send_to, True, balance, steps=m).dkv_home_from == r
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import NAMES, allowed_pairs, independent_masked_reference, pairs_of_runs, ring_with_documents
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from strategies import assert_close_to, windowed
 
@@ -22,6 +22,9 @@ from xcp.comm import LocalGroup
 
 @settings(max_examples=300, deadline=None)
 @given(windowed())
+@example((2, "zigzag", False, (0, 3, 8), (None, 3)))  # one side unbounded, either side
+@example((3, "contiguous", False, (0, 12), (2, None)))
+@example((2, "stripe", True, (0, 6, 14, 24), (3, 0)))
 def test_the_plan_computes_each_allowed_pair_once_and_runs_the_fewest_steps(case):
     world, balance, causal, cu, window = case
     window = documents.check_window(window, causal)
@@ -38,8 +41,32 @@ def test_the_plan_computes_each_allowed_pair_once_and_runs_the_fewest_steps(case
             got = pairs_of_runs(plan.steps[i])
             assert len(got) == len(set(got)), "no pair is computed twice"
             assert set(got) == want
+            assert sorted(pairs_of_runs(documents.join_runs(plan.steps[i]))) == sorted(got)
             assert plan.pairs[i] == len(want)
     assert {len(p.steps) for p in plans} == {max(needed, 1)}, "every rank runs the fewest steps that serve all"
+
+
+@given(st.integers(1, 7), st.integers(1, 7), st.integers(-9, 7), st.integers(-7, 9), st.booleans())
+@example(3, 2, -2, 0, False)  # not square, the band ends on the diagonal: a band, never "causal"
+@example(3, 3, -2, 0, False)  # the lower triangle of a square: causal
+@example(2, 2, 0, 0, False)  # the diagonal alone: a band
+@example(1, 1, 0, 0, True)  # 1 x 1 on the diagonal under causal: causal, to join its causal neighbours' call
+@example(1, 1, -1, 2, True)  # 1 x 1 off the diagonal: full
+def test_a_diagonal_segment_takes_the_plainest_form_of_exactly_its_pairs(sq, sk, lo, hi, causal):
+    """Query i sees key j iff lo <= j - i <= hi, on rows where every query sees a key and every key is
+    seen: the segment is full, square causal or a band, each only where it holds exactly those pairs."""
+    want = {(i, j) for i in range(sq) for j in range(sk) if lo <= j - i <= hi}
+    assume({i for i, _ in want} == set(range(sq)) and {j for _, j in want} == set(range(sk)))
+    seg = documents.diagonal_segment((2, 2 + sq), (5, 5 + sk), lo, hi, causal)
+    got = pairs_of_runs(documents.runs([seg]))
+    assert sorted(got) == sorted((2 + i, 5 + j) for i, j in want)
+    triangle = sq == sk and hi == 0 and want == {(i, j) for i in range(sq) for j in range(i + 1)}
+    if triangle and (sq > 1 or causal):
+        assert (seg.causal, seg.band) == (True, None)
+    elif len(want) == sq * sk:
+        assert (seg.causal, seg.band) == (False, None)
+    else:
+        assert seg.band is not None and not seg.causal
 
 
 def test_contiguous_serves_a_causal_window_in_two_steps_zigzag_in_all():
@@ -167,3 +194,9 @@ def test_the_dense_window_is_the_dense_path():
     assert documents.check_window((None, 0), True) is None
     assert documents.check_window((None, None), True) is None
     assert documents.check_window((3, None), True) == (3, 0)
+
+
+def test_choose_balance_when_the_sequence_is_one_token_a_rank():
+    # S == P: contiguous and stripe split it (zigzag needs 2P), cost the same in 2 steps; contiguous first
+    assert [c.balance for c in documents.balance_costs((0, 4), 4, True, (1, 0))] == ["contiguous", "stripe"]
+    assert xcp.choose_balance(4, causal=True, window=(1, 0), seq_len=4) == "contiguous"
