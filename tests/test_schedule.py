@@ -184,9 +184,11 @@ def test_zigzag_places_chunks_head_and_tail():
 
 
 @pytest.mark.parametrize(
-    ("p", "balance", "multiple"), [(1, "zigzag", 2), (4, "zigzag", 8), (4, "contiguous", 4), (3, "stripe", 3)]
+    ("p", "balance", "multiple"),
+    [(1, "zigzag", 1), (1, "stripe", 1), (4, "zigzag", 8), (4, "contiguous", 4), (3, "stripe", 3)],
 )
 def test_required_multiple(p, balance, multiple):
+    """A world of one holds the whole sequence under every balance: any length."""
     assert schedule.required_multiple(p, balance) == multiple
 
 

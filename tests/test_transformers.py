@@ -488,12 +488,13 @@ def test_shard_batch_pads_with_a_document_of_its_own():
     assert xcp.unshard([b.position_ids for b in rows]).tolist() == [list(range(8))] * 2  # continuing
     assert rows[0].padded == 1 and rows[0].cu_seqlens is None
     assert torch.equal(xcp.unshard([b.input_ids for b in rows]), torch.cat([ids, torch.tensor([[0]])], 1).expand(2, 8))
-    assert shard_batch(ids[:, :6], pad=True).padded == 0  # a world of one splits 6 tokens
+    assert shard_batch(ids, pad=True).padded == 0  # a world of one splits any length (its shard: the whole)
+    assert torch.equal(shard_batch(ids).input_ids, ids)
     with pytest.raises(ValueError, match=r"^x.shape\[1\]: expected the whole padded sequence"):
         one[0].unpad(whole[:, :1])
-    with pytest.raises(ValueError, match=r"^input_ids: expected a length that balance 'zigzag' splits over 1 ranks "
-                       r"\(the next is 8\); got 7: pass pad=True"):  # fmt: skip
-        shard_batch(ids)
+    with pytest.raises(RuntimeError, match=r"ValueError: input_ids: expected a length that balance 'zigzag' splits "
+                       r"over 2 ranks \(the next is 8\); got 7: pass pad=True"):  # fmt: skip
+        xcp.LocalWorld(2).run(lambda group: shard_batch(ids, ctx=xcp.context(group)))
     with pytest.raises(TypeError, match=r"^pad: expected True or False; got 'yes'"):
         shard_batch(ids, pad="yes")
     with pytest.raises(ValueError, match=r"^pad_token_id: expected a token id \(an integer >= 0\); got -1"):

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from helpers import independent_reference
 
 import xcp
 from xcp.backends.cpu import CPUBackend
@@ -164,3 +165,35 @@ def test_every_world_of_one_leaves_by_the_same_exit(recording):
     q, k, v = (x.detach() for x in (q, k, v))
     xcp.LocalWorld(1).run(lambda g: xcp.attention(q, k, v, group=g, device="whole-recording"))
     assert recording.calls == [((1, 12, 4, 16), True, 0.25)] * 2 + [((1, 12, 4, 16), False, 0.25)]
+
+
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous", "stripe"])
+def test_a_world_of_one_splits_any_length_everywhere(balance):
+    """S = 63 (odd: zigzag over P ranks needs a multiple of 2P, but one shard is the whole sequence):
+    xcp.shard, unshard, xcp.attention, KVCache.prefill and shard_batch all take it, and compute as on one
+    device (float64 against the independent reference: summation order only)."""
+    from xcp.integrations.transformers import shard_batch
+
+    s = 63
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(1, s + 1, 2, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    for x in (q, k, v):
+        assert torch.equal(xcp.shard(x[:, :s], 1, 0, balance=balance), x[:, :s])
+        assert torch.equal(xcp.unshard([x[:, :s]], balance=balance), x[:, :s])
+    ql, kl, vl = (x[:, :s].clone().requires_grad_() for x in (q, k, v))
+    out = xcp.attention(ql, kl, vl, causal=True, balance=balance)
+    out.backward(dout[:, :s])
+    want = independent_reference(q[:, :s], k[:, :s], v[:, :s], dout[:, :s], True)
+    for got, ref in zip((out, ql.grad, kl.grad, vl.grad), (want.out, want.dq, want.dk, want.dv)):
+        assert (got - ref).abs().max() < 1e-12
+    whole = independent_reference(q, k, v, dout, True).out[:, s:]  # token s attends to tokens 0..s
+    for capacity in (None, s + 4):
+        cache = xcp.KVCache(group=xcp.LocalWorld(1).group(0), balance=balance, capacity=capacity)
+        cache.prefill(k[:, :s], v[:, :s])
+        cache.append(k[:, s:], v[:, s:])
+        assert (cache.attention(q[:, s:], causal=True) - whole).abs().max() < 1e-12
+    ids = torch.arange(s).unsqueeze(0)
+    with xcp.context(balance=balance) as ctx:
+        batch = shard_batch(ids, labels=ids, ctx=ctx)
+    assert torch.equal(batch.input_ids, ids) and torch.equal(batch.position_ids, ids)
+    assert batch.shift_labels.tolist() == [list(range(1, s)) + [-100]] and batch.num_items_in_batch == s - 1

@@ -266,10 +266,11 @@ def _plan(world_size: int, rank: int, causal: bool, balance: str, m: int) -> Pla
 
 def required_multiple(world_size: int, balance: str = DEFAULT_BALANCE) -> int:
     """The number the sequence length must be a multiple of for ``balance`` over ``world_size`` ranks (1 for
-    :data:`DOCUMENT_BALANCES`, which split any length of at least ``world_size`` tokens)."""
+    :data:`DOCUMENT_BALANCES`, which split any length of at least ``world_size`` tokens, and for a world of
+    one, whose one shard is the whole sequence under every balance)."""
     check_world(world_size)
     check_balance(balance, documents=True)
-    if balance in DOCUMENT_BALANCES:
+    if balance in DOCUMENT_BALANCES or world_size == 1:
         return 1
     return 2 * world_size if balance == "zigzag" else world_size
 
@@ -343,7 +344,7 @@ def chunk_slices(
             f"cu_seqlens: expected None with balance {balance!r}, which places the whole sequence (only "
             f"{', '.join(DOCUMENT_BALANCES)} place by documents); got {list(cu_seqlens)}"
         )
-    if balance == "contiguous":
+    if balance == "contiguous" or world_size == 1:  # a world of one holds the whole sequence, in order
         n = seq_len // world_size
         return [(rank * n, (rank + 1) * n, 1)]
     if balance == "stripe":
