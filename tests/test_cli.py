@@ -59,9 +59,11 @@ def test_run_float64_non_causal_stripe(capsys):
 
 
 def test_run_bad_sequence_is_a_clear_error(capsys):
-    assert main(["run", "--world", "4", "--seq", "60"]) == 2
+    """Refused up front, naming the flag (not the x.shape[1] of the rank that would have raised)."""
+    assert main(["run", "--world", "4", "--seq", "100"]) == 2
     err = capsys.readouterr().err
-    assert "needs a positive multiple of 8" in err and "got 60" in err
+    assert err.endswith("error: --seq: balance 'zigzag' over 4 ranks needs a positive multiple of 8; got 100\n")
+    assert "x.shape" not in err and "LocalWorld" not in err
 
 
 def test_run_rejects_non_positive(capsys):

@@ -217,8 +217,7 @@ def _run_distributed(cfg: RunConfig, clock: Callable[[], float]) -> RunResult:
     backend, device, rank, world = join_process_group(cfg.device)
     cfg.world = world
     ulysses.check_flag(cfg.ulysses, world, cfg.heads, "the torchrun world size")
-    if cfg.ulysses > 1:
-        ulysses.check_seq(cfg.seq, world, cfg.ulysses, cfg.balance, "--seq" if cfg.documents is None else packing.FLAG)
+    ulysses.check_seq(cfg.seq, world, cfg.ulysses, cfg.balance, "--seq" if cfg.documents is None else packing.FLAG)
     full = random_inputs(cfg, cfg.seq, device, cfg.seed)
     out, dq, dk, dv, first, warm, ledger = rank_step(resolve_group(None), cfg, backend, full, False, clock)
     gathered = gather_whole((out, dq, dk, dv), world, cfg.balance, cfg.ulysses, cfg.documents)
@@ -288,7 +287,7 @@ def command(args: argparse.Namespace) -> int:
     if args.ulysses > 1 and not under_torchrun():  # under torchrun, once the world size is known
         ulysses.check_flag(args.ulysses, args.world, args.heads)
     seq, documents = _documents(args)
-    if args.ulysses > 1 and not under_torchrun():
+    if not under_torchrun():  # under torchrun, once the world size is known
         ulysses.check_seq(seq, args.world, args.ulysses, args.balance, "--seq" if documents is None else packing.FLAG)
     cfg = RunConfig(world=args.world, seq=seq, causal=args.causal, seed=args.seed, ulysses=args.ulysses,
                     documents=documents, **problem_args(args))  # fmt: skip

@@ -32,10 +32,11 @@ def check_flag(ulysses: int, world: int, heads: int, world_flag: str = "--world"
 
 def check_seq(seq: int, world: int, ulysses: int, balance: str, seq_flag: str = "--seq") -> None:
     """A ValueError naming ``seq_flag`` unless ``seq`` tokens can be placed by ``xcp.shard(..., ulysses=U)``:
-    split by ``balance`` over the R = P/U ring positions, and each ring shard into U pieces (P divides S)."""
+    split by ``balance`` over the R = P/U ring positions, and each ring shard into U pieces (P divides S;
+    with U = 1, the ring alone, only what ``balance`` needs)."""
     rings = world // ulysses
     schedule.check_seq_len(seq, rings, balance, what=seq_flag)
-    if seq % world:
+    if ulysses > 1 and seq % world:
         also = f"; {balance} splits any length only with {FLAG} 1" if balance in schedule.DOCUMENT_BALANCES else ""
         raise ValueError(
             f"{seq_flag}: expected a multiple of {world} ranks with {FLAG} {ulysses} (each of the {rings} "
