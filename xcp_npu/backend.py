@@ -5,30 +5,51 @@ failed import is remembered and reported, never raised during discovery. Install
 Ascend's CANN makes the import fail with e.g. "libhccl.so: cannot open shared object file", which then is
 the reason ``xcp backends`` shows.
 
-Hand-off is ``clone``: a tensor given to another stream is copied in that stream's context, so that
-stream owns the copy. That is the fix Ascend users rely on, because torch_npu's allocator (with
-MULTI_STREAM_MEMORY_REUSE, its default) erases record_stream marks when an HCCL work is waited on, so
-a zero-copy record_stream hand-off is not a guarantee there.
+What the op takes, from its docs (sources in :mod:`xcp_npu.convert`, "limits of the op"), and what this backend does
+with the rest: float16 / bfloat16 / float32 (float64 goes to the base class's math); 1..256 query heads a call (more are
+split into calls of whole GQA groups, :mod:`xcp_npu.heads`); head dims Dq = Dk >= Dv up to 768 (values of another head
+dim below), the TND grad only up to 512 (wider packed segments take their gradients per segment in BSND); no graph
+capture (aclgraph): every op call refuses to run while the current stream is captured, and the tool hooks offer no
+graph (:meth:`NPUBackend.new_graph`).
+
+Hand-off is ``clone``: a tensor given to the comm stream is copied with that stream current, so the copy belongs to it
+and no cross-stream allocator mark is involved. It is not forced by the allocator: torch_npu's NPUCachingAllocator
+honours ``record_stream`` marks as CUDA's does, and ProcessGroupHCCL's ``WorkHCCL::synchronizeInternal`` (called by
+``work.wait()``) erases only the mark the process group itself put on its inputs for its own HCCL stream, and only for
+blocks allocated on the stream current at the wait (``eraseStream(ptr, hcclStream)`` in NPUCachingAllocator.cpp checks
+``block->stream`` against the current stream and erases that one stream from ``stream_uses``); a batched P2P
+(``batch_isend_irecv``, coalesced) records no inputs on its work, so its wait erases nothing. So ``record_stream`` on
+the comm stream, which xcp's hand-off would add, survives every wait: ``handoff="record_stream"`` is safe too and saves
+the copy. ``clone`` stays the default because it is what Ascend deployments run (vllm-ascend's fix for a tensor made on
+the main stream and read on a comm stream) and its cost, an on-device copy of each sent tensor, is small next to the
+transfer; neither policy has run on Ascend hardware here. Sources: Ascend/pytorch
+``torch_npu/csrc/distributed/ProcessGroupHCCL.cpp`` (``synchronizeInternal``, ``pointToPoint``, ``endCoalescing``) and
+``torch_npu/csrc/core/npu/NPUCachingAllocator.cpp`` (``eraseStream``).
+
+Waits: ``WorkHCCL::wait(timeout)`` uses its timeout only with ``TORCH_HCCL_BLOCKING_WAIT=1`` and then logs and breaks
+instead of raising (``synchronizeInternal``), so ``poll_comm_waits`` is True: a wait bounded by ``timeout=`` /
+``XCP_TIMEOUT`` polls ``work.is_completed()`` against the deadline on the host and raises ``xcp.CommTimeout``
+(:mod:`xcp.comm.dist`).
 
 Packed segments (``forward_varlen`` / ``backward_varlen``) go to one npu_fusion_attention(_grad) call in the TND
-layout with the cumulative ``actual_seq_qlen`` / ``actual_seq_kvlen``; how that kernel lays out its softmax
-statistics is not settled by the docs (see :mod:`xcp_npu.convert`), hence ``tnd_stats``. A sliding window
-``(left, right)`` on packed segments is the band sparse_mode 4 (pre_tockens = left, next_tockens = right, aligned to
-each segment's bottom-right corner, as the docs state; sources in :mod:`xcp_npu.convert`).
+layout with the cumulative ``actual_seq_qlen`` / ``actual_seq_kvlen``; its softmax statistics are laid out per segment
+(``tnd_stats``: ``segment``, or ``tnd`` for softmax_layout="TND"). A sliding window ``(left, right)`` on packed segments
+is the band sparse_mode 4 (pre_tockens = left, next_tockens = right, aligned to each segment's bottom-right corner, as
+the docs state; sources in :mod:`xcp_npu.convert`).
 
 A KV cache's range (``forward_range``, the decode step of ``xcp.KVCache(capacity=...)``) is one TND call too, but the
 op takes its lengths only as host lists: the call reads ``lo`` / ``hi`` to the host once, so on Ascend it is not
-capturable into a graph (under capture it leaves the step to the base class's masked math; sources in
-:mod:`xcp_npu.convert`).
+capturable into a graph (under capture it leaves the step to the base class's masked math).
 
-Values of another head dim than the queries' and keys' (MLA, Dv != Dqk): the op takes Dq = Dk >= Dv up to 768, so
-Dv < Dqk goes to it as is; Dv > Dqk goes with q and k padded with zero channels to Dv (dq, dk sliced back); dims
-above 768 go to the base class's math (sources in :mod:`xcp_npu.convert`).
+Values of another head dim than the queries' and keys' (MLA, Dv != Dqk; ``value_head_dims``): the op takes Dq = Dk >= Dv
+up to 768, so Dv < Dqk goes to it as is; Dv > Dqk goes with q and k padded with zero channels to Dv (dq, dk sliced
+back); dims above 768 go to the base class's math (sources in :mod:`xcp_npu.convert`).
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,8 +57,15 @@ import torch
 from xcp.backends.fused import FusedKernelBackend, repeat_kv, sum_kv_groups, widen_head_dim
 from xcp.kernels.math import math_backward, math_forward
 
-from . import convert
+from . import convert, heads
 from . import settings as npu_settings
+
+CAPTURE_REFUSED = (
+    "npu: torch_npu.npu_fusion_attention(_grad) cannot be captured into an NPU graph (its docs: no graph mode, no "
+    "aclgraph); run xcp's attention eagerly, outside torch.npu.graph (under capture only a KV cache's decode step "
+    "runs, through the masked math of forward_range)"
+)
+"""The RuntimeError of an op call while the current stream is captured, and of :meth:`NPUBackend.capture_graph`."""
 
 
 class NPUBackend(FusedKernelBackend):
@@ -46,9 +74,10 @@ class NPUBackend(FusedKernelBackend):
     Each argument left at None takes its ``XCP_NPU_*`` setting (:mod:`xcp_npu.settings`), read here.
 
     :param gqa: ``native`` (default): K/V with fewer heads go to npu_fusion_attention as they are (it allows
-        N_kv dividing N in BSND); or ``repeat``.
-    :param tnd_stats: how the TND (varlen) kernel lays out softmax_max / softmax_sum: ``segment`` (default),
-        ``global`` or ``tnd`` (see :data:`xcp_npu.convert.TND_STATS_LAYOUTS`).
+        N_kv dividing N); or ``repeat``.
+    :param tnd_stats: how the TND (varlen) kernel lays out softmax_max / softmax_sum: ``segment`` (default, what the
+        kernels write) or ``tnd`` (softmax_layout="TND", newer torch_npu and CANN; see
+        :data:`xcp_npu.convert.TND_STATS_LAYOUTS`).
     """
 
     name = "npu"
@@ -58,9 +87,12 @@ class NPUBackend(FusedKernelBackend):
     kernel = (
         "torch_npu.npu_fusion_attention (+ _grad), BSND; packed segments TND; causal as sparse_mode 3, "
         "windows as sparse_mode 4; KV-cache ranges TND (host lengths); v's head dim below q's as is, above it with "
-        "q/k zero-padded"
+        "q/k zero-padded; over 256 query heads split per GQA group; TND grads past head dim 512 per segment in BSND; "
+        "float64 and graph capture not taken by the op"
     )
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    value_head_dims = True
+    poll_comm_waits = True  # WorkHCCL::wait(timeout) does not raise when the timeout passes: xcp polls is_completed()
     gqa_setting = npu_settings.GQA
     settings = npu_settings.ALL
 
@@ -84,6 +116,13 @@ class NPUBackend(FusedKernelBackend):
         if self._vendor is None:
             raise RuntimeError(f"xcp_npu needs torch_npu, which is not importable: {self._vendor_error}")
         return self._vendor
+
+    def _op(self, name: str) -> Callable[..., Any]:
+        """torch_npu's ``name`` (npu_fusion_attention or its grad), refused with :data:`CAPTURE_REFUSED` while the
+        current stream is captured: the op does not support aclgraph, and a captured call would replay wrongly."""
+        if self.is_capturing():
+            raise RuntimeError(CAPTURE_REFUSED)
+        return getattr(self.vendor(), name)
 
     # ------------------------------------------------------------------ identity
     def available(self) -> tuple[bool, str]:
@@ -110,14 +149,16 @@ class NPUBackend(FusedKernelBackend):
         capturing = getattr(self._module(), "is_current_stream_capturing", None)
         return bool(capturing()) if capturing is not None else False
 
-    def new_graph(self) -> Any:
-        """An NPU graph (``torch.npu.NPUGraph``), or None where this torch_npu has none."""
-        make = getattr(self._module(), "NPUGraph", None)
-        return make() if make is not None else None
+    def new_graph(self) -> None:
+        """None: xcp's tools capture rings and whole-sequence calls, and on Ascend both run npu_fusion_attention, which
+        does not support aclgraph (``xcp bench --replay`` is refused, ``--decode`` runs eagerly). Users may still
+        capture a KV cache's decode step with torch.npu.graph themselves (its forward_range runs the masked math
+        then)."""
+        return None
 
     def capture_graph(self, graph: Any) -> Any:
-        """``torch.npu.graph(graph)``."""
-        return self._module().graph(graph)
+        """Refused (RuntimeError :data:`CAPTURE_REFUSED`): see :meth:`new_graph`."""
+        raise RuntimeError(CAPTURE_REFUSED)
 
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int] | None:
         """Bytes held by tensors now (``allocated``) and at most since the last reset (``peak``)."""
@@ -144,20 +185,22 @@ class NPUBackend(FusedKernelBackend):
 
     @staticmethod
     def _varlen_fallback(q, k, v, cu_q, cu_k, window) -> str | None:
-        """Why the fused TND call cannot take these packed segments (None when it can): a shape it does not take, or
-        a window under which some query sees no key (TND forbids fully masked rows; the ring never asks for one)."""
+        """Why the fused TND call cannot take these packed segments (None when it can): a dtype or shape it does not
+        take, or a window under which some query sees no key (TND forbids fully masked rows; the ring never asks for
+        one)."""
         why = convert.varlen_unsupported(q, k, v)
         if why is None and window is not None:
             why = convert.band_has_empty_rows(cu_q, cu_k, window)
         return why
 
     def forward(self, q, k, v, mask, scale):
-        """(out, lse) of the block under ``mask`` (see :meth:`FusedKernelBackend.forward`); out in v's head dim. Values
-        of a larger head dim than q/k's go with q and k zero-padded to it; dims the op refuses even so, to the math."""
+        """(out, lse) of the block under ``mask`` (see :meth:`FusedKernelBackend.forward`); out in v's head dim. More
+        than 256 query heads: one block per chunk of heads. Dtypes or head dims the op refuses: the math. Values of a
+        larger head dim than q/k's go with q and k zero-padded to it."""
+        if heads.too_many(q):
+            return heads.split_forward(lambda *x: self.forward(*x, mask, scale), q, k, v)
         dqk, dv = q.shape[3], v.shape[3]
-        if dqk == dv:
-            return super().forward(q, k, v, mask, scale)
-        if convert.value_dims_unsupported(dqk, dv):
+        if convert.dtype_unsupported(q, k, v) or convert.value_dims_unsupported(dqk, dv):
             out, lse = math_forward(q, k, v, mask, scale)
             return (out.to(q.dtype) if q.dtype != torch.float64 else out), lse
         width = convert.call_head_dim(dqk, dv)
@@ -165,11 +208,11 @@ class NPUBackend(FusedKernelBackend):
 
     def backward(self, dout, q, k, v, out, lse, mask, scale):
         """(dq, dk, dv) of the block from the merged out and lse, shaped like q, k, v (dv in v's head dim), the way
-        :meth:`forward` went: as is, with q and k padded (dq, dk sliced back), or the math."""
+        :meth:`forward` went: per chunk of heads, as is, with q and k padded (dq, dk sliced back), or the math."""
+        if heads.too_many(q):
+            return heads.split_backward(lambda *x: self.backward(*x, mask, scale), dout, q, k, v, out, lse)
         dqk, dv = q.shape[3], v.shape[3]
-        if dqk == dv:
-            return super().backward(dout, q, k, v, out, lse, mask, scale)
-        if convert.value_dims_unsupported(dqk, dv):
+        if convert.dtype_unsupported(q, k, v) or convert.value_dims_unsupported(dqk, dv):
             return math_backward(dout, q, k, v, out, lse, mask, scale)
         width = convert.call_head_dim(dqk, dv)
         wide_q, wide_k = widen_head_dim(q, width), widen_head_dim(k, width)
@@ -180,7 +223,7 @@ class NPUBackend(FusedKernelBackend):
         convert.check_square(q, k, causal)
         groups = self.kv_groups(q, k)
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-        outputs = self.vendor().npu_fusion_attention(
+        outputs = self._op("npu_fusion_attention")(
             q.contiguous(),
             k.contiguous(),
             v.contiguous(),
@@ -195,11 +238,19 @@ class NPUBackend(FusedKernelBackend):
 
     def square_backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
         convert.check_square(q, k, causal)
+        return self._dense_grad(dout, q, k, v, out, lse, self._sparse(causal, q.device), scale)
+
+    def _dense_grad(self, dout, q, k, v, out, lse, sparse: dict[str, Any], scale: float):
+        """(dq, dk, dv) of one BSND npu_fusion_attention_grad call under the mask arguments ``sparse``, from the merged
+        out and lse; q and k padded to v's head dim where it is larger (dq, dk sliced back)."""
+        dqk = q.shape[3]
+        width = convert.call_head_dim(dqk, v.shape[3])
         groups = self.kv_groups(q, k)
-        kr, vr = repeat_kv(k, groups), repeat_kv(v, groups)
+        qw = widen_head_dim(q, width)
+        kr, vr = widen_head_dim(repeat_kv(k, groups), width), repeat_kv(v, groups)
         softmax_max, softmax_sum = convert.softmax_stats_from_lse(lse)
-        grads = self.vendor().npu_fusion_attention_grad(
-            q.contiguous(),
+        grads = self._op("npu_fusion_attention_grad")(
+            qw.contiguous(),
             kr.contiguous(),
             vr.contiguous(),
             dout.to(q.dtype).contiguous(),
@@ -211,17 +262,20 @@ class NPUBackend(FusedKernelBackend):
             attention_in=out.to(q.dtype).contiguous(),  # the merged out: the kernel's rowsum(dO * O)
             scale_value=scale,  # named scale_value here, scale in the forward
             keep_prob=1.0,
-            **self._sparse(causal, q.device),
+            **sparse,
         )
-        dq, dk, dv = grads[0], grads[1], grads[2]
+        dq, dk, dv = grads[0][..., :dqk], grads[1][..., :dqk], grads[2]
         return dq, sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)
 
     # ------------------------------------------------------------------ packed segments
     def forward_varlen(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=None):
         """All segments in one TND npu_fusion_attention call (per-segment sparse_mode 3 when causal, sparse_mode 4
-        with pre_tockens/next_tockens = ``window``); a block the fused op cannot take (head dims, batch, a window
-        with a query that sees no key) goes to the per-segment default. Values of a larger head dim than q/k's go
-        with q and k zero-padded to it."""
+        with pre_tockens/next_tockens = ``window``); a block the fused op cannot take (dtype, head dims, batch, a
+        window with a query that sees no key) goes to the per-segment default, more than 256 query heads to one call
+        per chunk of heads. Values of a larger head dim than q/k's go with q and k zero-padded to it."""
+        if heads.too_many(q):
+            call = lambda q_, k_, v_: self.forward_varlen(q_, k_, v_, cu_q, cu_k, causal, scale, window)  # noqa: E731
+            return heads.split_forward(call, q, k, v)
         if self._varlen_fallback(q, k, v, cu_q, cu_k, window):
             return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale, window)
         groups = self.kv_groups(q, k)
@@ -229,7 +283,7 @@ class NPUBackend(FusedKernelBackend):
         qt = widen_head_dim(q[0], width).contiguous()  # [T, N, D]: batch 1 dropped
         kt = widen_head_dim(repeat_kv(k, groups)[0], width).contiguous()
         vt = repeat_kv(v, groups)[0].contiguous()
-        outputs = self.vendor().npu_fusion_attention(
+        outputs = self._op("npu_fusion_attention")(
             qt,
             kt,
             vt,
@@ -244,9 +298,18 @@ class NPUBackend(FusedKernelBackend):
 
     def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, window=None):
         """Gradients of all segments in one TND npu_fusion_attention_grad call, from the merged out and lse (the same
-        sparse_mode, mask, pre_tockens/next_tockens and q/k padding as the forward; dq, dk sliced back)."""
+        sparse_mode, mask, pre_tockens/next_tockens and q/k padding as the forward; dq, dk sliced back). Where the
+        call's head dim is above the TND grad's 512, one BSND grad call per segment with the same mask arguments."""
+        if heads.too_many(q):
+
+            def chunk(do, q_, k_, v_, o, x):  # noqa: ANN001, ANN202 - one chunk of heads, same arguments
+                return self.backward_varlen(do, q_, k_, v_, o, x, cu_q, cu_k, causal, scale, window)
+
+            return heads.split_backward(chunk, dout, q, k, v, out, lse)
         if self._varlen_fallback(q, k, v, cu_q, cu_k, window):
             return super().backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
+        if convert.tnd_grad_unsupported(q.shape[3], v.shape[3]):
+            return self._segment_grads(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
         groups = self.kv_groups(q, k)
         dqk = q.shape[3]
         width = convert.call_head_dim(dqk, v.shape[3])
@@ -254,7 +317,7 @@ class NPUBackend(FusedKernelBackend):
         kt = widen_head_dim(repeat_kv(k, groups)[0], width).contiguous()
         vt = repeat_kv(v, groups)[0].contiguous()
         softmax_max, softmax_sum = convert.tnd_stats_from_lse(lse, cu_q, self.tnd_stats)
-        grads = self.vendor().npu_fusion_attention_grad(
+        grads = self._op("npu_fusion_attention_grad")(
             qt,
             kt,
             vt,
@@ -272,6 +335,22 @@ class NPUBackend(FusedKernelBackend):
         dq, dk, dv = grads[0][..., :dqk].unsqueeze(0), grads[1][..., :dqk].unsqueeze(0), grads[2].unsqueeze(0)
         return dq, sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)
 
+    def _segment_grads(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, window):
+        """(dq, dk, dv) of packed segments from one BSND grad call per segment (batch 1), under the mask arguments the
+        TND call would have had: square causal sparse_mode 3, the band sparse_mode 4 (counted from the segment's
+        bottom-right corner in BSND as in TND), else none. Rows of a segment without keys get dq 0, keys of one without
+        queries dk = dv = 0."""
+        mask = self._causal_mask(q.device)
+        sparse = convert.band_args(window, mask) if window is not None else self._sparse(causal, q.device)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
+            if a == b or c == d:
+                continue
+            rows, keys = slice(a, b), slice(c, d)
+            args = (dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, :, rows])
+            dq[:, rows], dk[:, keys], dv[:, keys] = self._dense_grad(*args, sparse, scale)
+        return dq, dk, dv
+
     # ------------------------------------------------------------------ KV-cache ranges
     def forward_range(self, q, k, v, lo, hi, scale: float):
         """Every query row against key rows ``lo .. hi - 1`` of the cache's storage, in one TND npu_fusion_attention
@@ -281,11 +360,14 @@ class NPUBackend(FusedKernelBackend):
         lists, so ``lo`` and ``hi`` are read to the host once per call (which waits for the device work queued before
         it). While the current stream is being captured into a graph the call goes to the base class's masked math
         instead (lengths on the device, capturable, reads the whole room). An empty range (``lo == hi``) gives out 0
-        and lse -inf without calling the op; dtypes, head dims or batches the op does not take go to the base class.
-        Values of a larger head dim than q/k's go with q and k zero-padded to it; out is in v's head dim.
+        and lse -inf without calling the op; dtypes, head dims or batches the op does not take go to the base class,
+        more than 256 query heads to one call per chunk of heads. Values of a larger head dim than q/k's go with q and
+        k zero-padded to it; out is in v's head dim.
         """
         if convert.range_unsupported(q, k, v) or self.is_capturing():
             return super().forward_range(q, k, v, lo, hi, scale)
+        if heads.too_many(q):
+            return heads.split_forward(lambda q_, k_, v_: self.forward_range(q_, k_, v_, lo, hi, scale), q, k, v)
         start, stop = convert.range_bounds(lo, hi, k.shape[1])  # the one host read
         length = stop - start
         if length == 0:
@@ -299,7 +381,7 @@ class NPUBackend(FusedKernelBackend):
             for x, w in ((k, width), (v, v.shape[3]))
         )
         cu_q, cu_k = convert.range_cuts(b, t), convert.range_cuts(b, length)
-        outputs = self.vendor().npu_fusion_attention(
+        outputs = self._op("npu_fusion_attention")(
             qt,
             kt,
             vt,

@@ -37,6 +37,61 @@ MAX_TOKENS = 2147483647
 LAYOUT = "BSND"
 """xcp's [batch, seq, heads, head_dim] under Ascend's name: no transpose on the way in or out."""
 
+# ---------------------------------------------------------------------------------------------- limits of the op
+# What the sources state for every call (quotes abridged, translations ours):
+#
+# - Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_fusion_attention.md (the text of hiascend.com's
+#   "torch_npu.npu_fusion_attention"), 约束说明: query/key/value dtypes float16, bfloat16, float32 (no float64);
+#   "Nq取值范围1~256" (N_q 1..256, N_kv dividing it); "D：Head Dim必须满足Dq=Dk和Dk≥Dv，取值范围1~768";
+#   "该接口暂不支持图模式，不支持aclgraph" (no graph mode, no aclgraph capture);
+#   "支持actual_seq_qlen中某个Batch上的S长度为0" (a segment may have no queries; nothing is said of one without keys,
+#   and TND allows no fully masked row).
+# - CANN's grad pages (hicann/ops-transformer attention/flash_attention_score_grad/docs/):
+#   aclnnFlashAttentionScoreGrad.md (the BSND grad) "N：取值范围为1~256", "D：取值范围为1~768";
+#   aclnnFlashAttentionUnpaddingScoreGrad.md (the TND grad, V2..V4 alike) "N：取值范围为1~256", "D：取值范围为1~512".
+#   The forward pages (aclnnFlashAttentionScore.md, aclnnFlashAttentionVarLenScore.md) say N 1..256, D 1..768.
+#
+# So: float64 goes to the base class's math; more than 256 query heads are split into calls of at most 256 with whole
+# GQA groups (:func:`head_chunks`); packed segments whose call head dim is above 512 keep their TND forward and take
+# their gradients per segment in BSND (:func:`tnd_grad_unsupported`); nothing calls the op while a graph is captured.
+
+OP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""The dtypes npu_fusion_attention(_grad) take; float64 goes to the base class's math."""
+MAX_QUERY_HEADS = 256
+"""The most query heads (head_num) of one call, forward and grad, BSND and TND."""
+TND_GRAD_MAX_HEAD_DIM = 512
+"""The largest head dim of the TND grad (aclnnFlashAttentionUnpaddingScoreGrad); the forward and the BSND grad take 768
+(:data:`DOCUMENTED_MAX_HEAD_DIM`)."""
+
+
+def dtype_unsupported(*tensors: torch.Tensor) -> str | None:
+    """Why the op cannot take these tensors' dtypes (one dtype among :data:`OP_DTYPES`); None when it can."""
+    dtypes = {x.dtype for x in tensors}
+    if len(dtypes) != 1 or tensors[0].dtype not in OP_DTYPES:
+        names = "/".join(str(x.dtype) for x in tensors)
+        return f"dtypes {names} (the op takes one of float16, bfloat16, float32)"
+    return None
+
+
+def head_chunks(heads: int, kv_heads: int, limit: int = MAX_QUERY_HEADS) -> list[tuple[slice, slice]]:
+    """The (query heads, K/V heads) of calls of at most ``limit`` query heads that together cover ``heads`` query heads
+    reading ``kv_heads`` K/V heads (query head h reads K/V head h // (heads // kv_heads)); one chunk when ``heads <=
+    limit``. Whole GQA groups stay together, in chunks of near-equal size; a group larger than ``limit`` is cut into
+    equal parts of its largest divisor not above ``limit``, each part reading that group's one K/V head (whose
+    gradients the caller then sums). E.g. (512, 8) -> 2 chunks of 256 query heads and 4 K/V heads each."""
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise ValueError(f"kv_heads: expected a divisor of heads = {heads}; got {kv_heads}")
+    if heads <= limit:
+        return [(slice(0, heads), slice(0, kv_heads))]
+    group = heads // kv_heads
+    if group > limit:
+        part = max(d for d in range(1, limit + 1) if group % d == 0)
+        return [(slice(h, h + part), slice(h // group, h // group + 1)) for h in range(0, heads, part)]
+    per_call = limit // group  # K/V heads a call can take with their whole groups
+    calls = -(-kv_heads // per_call)
+    cuts = [kv_heads * i // calls for i in range(calls + 1)]
+    return [(slice(a * group, b * group), slice(a, b)) for a, b in zip(cuts, cuts[1:])]
+
 
 def lse_from_softmax_stats(softmax_max: torch.Tensor, softmax_sum: torch.Tensor) -> torch.Tensor:
     """lse [B, N, Sq] float32 = softmax_max[..., 0] + log(softmax_sum[..., 0]); -inf where the sum is 0.
@@ -148,22 +203,21 @@ def check_forward_outputs(q: torch.Tensor, v: torch.Tensor, outputs: Any) -> tup
 #   reads its softmax inputs the same way (softmaxInLayout "" = NTD data, "same_as_input" = TND). torch_npu exposes
 #   this as softmax_layout="TND" (newer op-plugin only; it raises "The param softmax_layout is not supported"
 #   where the CANN kernels lack V4).
-# - UNCLEAR in the docs: whether "NTD" is global ([N, T] over all segments) or per segment. Ascend/MindSpeed
-#   mindspeed/core/context_parallel/utils.py (flatten_softmax / unflatten_softmax, used by its TND ring attention)
-#   reads the default layout PER SEGMENT: segment i occupies rows [N * cu[i], N * cu[i+1]) of the [T * N, 8] view,
-#   as [N, s_i] (head-major within the segment, the varlen analogue of BNSD's [B, N, S, 8]). That is our default,
-#   "segment"; "global" is the literal [N, T] reading; "tnd" passes softmax_layout="TND". Only Ascend hardware can
-#   settle which default is right: tests/test_npu_pure.py has a device test that says which layouts match.
-#   With one segment "segment" and "global" coincide.
+# - What "NTD" means is settled by the kernels: PER SEGMENT. CANN's forward kernel (hicann/ops-transformer
+#   attention/flash_attention_score/op_kernel/flash_attention_score_s1s2_bn2gs1.h) writes row r of head h of the segment
+#   starting at token s1SizeAcc, of s1Size queries, at softmaxMaxOffset = (s1SizeAcc * N + h * s1Size + r) * 8 without
+#   tndSoftmaxOut, and (s1SizeAcc * N + r * N + h) * 8 with it; the grad kernel
+#   (attention/flash_attention_score_grad/op_kernel/flash_attention_score_grad_s1s2_bn2gs1s2.h) reads them back the same
+#   way, and Ascend/MindSpeed's flatten_softmax / unflatten_softmax (mindspeed/core/context_parallel/utils.py, its TND
+#   ring attention) agree. So segment i occupies rows [N * cu[i], N * cu[i+1]) of the [T * N, 8] view, as [N, s_i]
+#   (head-major within the segment): the default "segment"; "tnd" passes softmax_layout="TND" (token-major). A global
+#   [N, T] order is not what any kernel writes, so it is not offered.
 
 VARLEN_LAYOUT = "TND"
 """Packed segments as [T, N, D] (batch 1 dropped), boundaries in actual_seq_qlen / actual_seq_kvlen."""
-TND_STATS_LAYOUTS = ("segment", "global", "tnd")
-"""How the TND kernel lays out softmax_max / softmax_sum rows (see the notes above): ``segment`` (default) per
-segment [N, s_i]; ``global`` [N, T]; ``tnd`` [T, N] (passes softmax_layout="TND")."""
-TND_HEAD_DIM_MULTIPLE, TND_MAX_HEAD_DIM = 16, 512
-"""npu_fusion_attention's head-dim constraint assumed for the varlen call of equal dims: a multiple of 16, at most 512
-(values of another head dim: :func:`tnd_head_dims_unsupported`)."""
+TND_STATS_LAYOUTS = ("segment", "tnd")
+"""How the TND kernel lays out softmax_max / softmax_sum rows (see the notes above): ``segment`` (default, what the
+kernels write without softmax_layout) per segment [N, s_i]; ``tnd`` [T, N] (passes softmax_layout="TND")."""
 
 
 def check_tnd_stats(layout: str) -> str:
@@ -174,12 +228,13 @@ def check_tnd_stats(layout: str) -> str:
 
 
 def varlen_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> str | None:
-    """Why the fused TND call cannot take q [1, T, N, D] / k [1, T, N_kv, D] / v [1, T, N_kv, Dv] (v: k when
-    None); None when it can. Values of another head dim: :func:`tnd_head_dims_unsupported`."""
+    """Why the fused TND forward cannot take q [1, T, N, D] / k [1, T, N_kv, D] / v [1, T, N_kv, Dv] (v: k when
+    None); None when it can. Its backward has a tighter head-dim limit: :func:`tnd_grad_unsupported`."""
+    v = k if v is None else v
     n, n_kv = q.shape[2], k.shape[2]
     if q.shape[0] != 1 or k.shape[0] != 1:
         return f"batch {q.shape[0]} (TND packs batch 1)"
-    why = tnd_head_dims_unsupported(q.shape[3], (k if v is None else v).shape[3])
+    why = dtype_unsupported(q, k, v) or value_dims_unsupported(q.shape[3], v.shape[3])
     if why is not None:
         return why
     if n_kv == 0 or n % n_kv:
@@ -250,8 +305,6 @@ def _stat_rows(lse_nt: torch.Tensor, cu: tuple[int, ...], layout: str) -> torch.
     """[N, T] -> the T * N values in the order of the kernel's stat rows under ``layout``."""
     if layout == "tnd":
         return lse_nt.t().reshape(-1)
-    if layout == "global":
-        return lse_nt.reshape(-1)
     return torch.cat([lse_nt[:, a:b].reshape(-1) for a, b in zip(cu, cu[1:])])
 
 
@@ -260,8 +313,6 @@ def _rows_to_nt(rows: torch.Tensor, cu: tuple[int, ...], layout: str, n: int) ->
     t = rows.numel() // n
     if layout == "tnd":
         return rows.reshape(t, n).t()
-    if layout == "global":
-        return rows.reshape(n, t)
     sizes = [n * (b - a) for a, b in zip(cu, cu[1:])]
     return torch.cat([part.reshape(n, -1) for part in rows.split(sizes)], dim=1)
 
@@ -419,11 +470,9 @@ def band_has_empty_rows(cu_q: tuple[int, ...], cu_k: tuple[int, ...], window: tu
 #   (sparse_mode 0). The op's docs bound S to 1..1M, allow a batch with query length 0 but say nothing of a batch
 #   whose query has no key (and TND forbids fully masked rows), so an empty range (lo == hi) never reaches the op:
 #   its out is 0 and its lse -inf, made here. The varlen batch count is at most 1K ("varlen场景下长度最大支持1K"):
-#   B above :data:`TND_MAX_SEGMENTS` goes to the base class, as do dtypes the op lacks and head dims outside
-#   :data:`TND_HEAD_DIM_MULTIPLE` .. :data:`TND_MAX_HEAD_DIM`.
+#   B above :data:`TND_MAX_SEGMENTS` goes to the base class, as do dtypes the op lacks (:data:`OP_DTYPES`) and head
+#   dims it refuses (:func:`value_dims_unsupported`).
 
-RANGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-"""The dtypes npu_fusion_attention takes (float64 goes to the base class's math)."""
 TND_MAX_SEGMENTS = 1024
 """The most segments (batch entries) of one TND call the docs allow."""
 
@@ -433,11 +482,12 @@ def range_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str 
     N_kv, Dv]; None when it can."""
     b, t, n, d = q.shape
     n_kv = k.shape[2]
-    if q.dtype not in RANGE_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (the op takes one of float16, bfloat16, float32)"
+    why = dtype_unsupported(q, k, v)
+    if why is not None:
+        return why
     if k.shape[3] != d:
         return f"k: head dim {k.shape[3]} differs from q's {d}"
-    why = tnd_head_dims_unsupported(d, v.shape[3])
+    why = value_dims_unsupported(d, v.shape[3])
     if why is not None:
         return why
     if n_kv == 0 or n % n_kv or v.shape[2] != n_kv:
@@ -512,17 +562,17 @@ def range_lse(lse: torch.Tensor, batch: int) -> torch.Tensor:
 #   explicitly, as always) and slices dq / dk back to Dqk: an equal-dims call, which every torch_npu serves, at the cost
 #   of copying q and k at width Dv; chosen over the math fallback, which would leave the fused kernel altogether;
 # - max(Dqk, Dv) > 768: the base class's math (no call the docs refuse is made).
-# The TND calls keep xcp's older assumption for equal dims (a multiple of 16 up to 512, padded calls included); a TND
-# call with Dv < Dqk takes multiples of 16 up to the 768 documented with Dk >= Dv (absorbed MLA decode's 576/512).
+# The same dims go to TND calls (forward 1..768); the TND grad takes D up to 512 only (see the limits at the top), so
+# packed segments whose call is wider (absorbed MLA's 576/512) take their gradients per segment in BSND.
 
 DOCUMENTED_MAX_HEAD_DIM = 768
 """The largest head dim npu_fusion_attention(_grad) documents, stated together with Dq = Dk >= Dv."""
 
 
 def value_dims_unsupported(dqk: int, dv: int) -> str | None:
-    """Why no npu_fusion_attention call serves q/k head dim ``dqk`` with v head dim ``dv`` (even padded); None when one
-    does. Equal dims are never refused here (they keep the rules they had)."""
-    if dqk == dv or max(dqk, dv) <= DOCUMENTED_MAX_HEAD_DIM:
+    """Why no npu_fusion_attention call serves q/k head dim ``dqk`` with v head dim ``dv`` (even padded, as
+    :func:`call_head_dim` pads); None when one does: every dim of the call in 1..768."""
+    if max(dqk, dv) <= DOCUMENTED_MAX_HEAD_DIM:
         return None
     return (
         f"head dims q/k {dqk}, v {dv}: npu_fusion_attention takes Dq = Dk >= Dv up to {DOCUMENTED_MAX_HEAD_DIM} "
@@ -536,18 +586,13 @@ def call_head_dim(dqk: int, dv: int) -> int:
     return max(dqk, dv)
 
 
-def tnd_head_dims_unsupported(dqk: int, dv: int) -> str | None:
-    """Why a TND call (packed segments, KV-cache ranges) cannot take q/k head dim ``dqk`` with v head dim ``dv``; None
-    when it can. Every dim of the call a multiple of 16; equal dims (padded calls too) up to 512, xcp's assumption;
-    Dv < Dqk up to the documented 768."""
-    why = value_dims_unsupported(dqk, dv)
-    if why is not None:
-        return why
+def tnd_grad_unsupported(dqk: int, dv: int) -> str | None:
+    """Why the TND grad (aclnnFlashAttentionUnpaddingScoreGrad, D 1..512) cannot take q/k head dim ``dqk`` with v
+    head dim ``dv`` once padded as :func:`call_head_dim` pads; None when it can. The forward and the dense (BSND) grad
+    take up to 768, so such packed segments keep their TND forward and take their gradients per segment in BSND."""
     width = call_head_dim(dqk, dv)
-    limit = TND_MAX_HEAD_DIM if width == dv else DOCUMENTED_MAX_HEAD_DIM
-    for d in (width, dv):
-        if d % TND_HEAD_DIM_MULTIPLE or not 0 < d <= limit:
-            return f"head dim {d} is not a multiple of {TND_HEAD_DIM_MULTIPLE} in 16..{limit}"
+    if width > TND_GRAD_MAX_HEAD_DIM:
+        return f"head dim {width}: the TND grad takes D up to {TND_GRAD_MAX_HEAD_DIM} (the forward and BSND grad 768)"
     return None
 
 

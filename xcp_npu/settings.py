@@ -13,8 +13,9 @@ TND_STATS = Setting(
     "XCP_NPU_TND_STATS",
     "choice",
     "segment",
-    "how the TND (packed segments) kernel lays out softmax_max / softmax_sum: per segment [N, s_i], global "
-    "[N, T] or tnd [T, N], which the docs leave open; constructor argument tnd_stats=",
+    "how the TND (packed segments) calls lay out softmax_max / softmax_sum: segment (per segment [N, s_i], what the "
+    'kernels write by default) or tnd ([T, N], softmax_layout="TND": newer torch_npu and CANN); constructor '
+    "argument tnd_stats=",
     READ_AT_CONSTRUCTION,
     TND_STATS_LAYOUTS,
 )

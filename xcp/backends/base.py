@@ -37,7 +37,7 @@ from ..settings import Setting
 
 REQUIRED_PRIMITIVES = (
     "name", "device_type", "dist_backend", "handoff_policy", "kernel", "dtypes", "masks", "value_head_dims",
-    "score_mods", "available",
+    "score_mods", "poll_comm_waits", "available",
     "current_stream", "new_stream", "stream_context", "new_event", "record_event", "wait_event", "wait_stream",
     "synchronize_event", "synchronize", "set_device", "is_capturing", "record_stream", "label",
     "forward", "backward",
@@ -216,7 +216,10 @@ class Backend:
         (whether its kernels take values of another head dim than q and k, as multi-head latent attention
         has: out and dv then in v's dim; False, the default, makes such a call a ValueError before any
         kernel runs), ``score_mods`` (the score modifications its kernels serve: soft-capping, ALiBi; none by
-        default), :meth:`available`. Then streams and events, and the
+        default), ``poll_comm_waits`` (whether a wait on its process group's work that ``timeout=`` /
+        ``XCP_TIMEOUT`` bounds polls ``work.is_completed()`` against the deadline, for process groups whose
+        ``work.wait(timeout)`` does not raise when the timeout passes; False, the default, passes the timeout
+        to ``wait``), :meth:`available`. Then streams and events, and the
         block :meth:`forward` / :meth:`backward`, which every subclass defines.
     Optional fast paths
         ``folds_pairs``: whether :meth:`fused_merge_pair_` and :meth:`fused_add_pair_` may fold two blocks
@@ -249,6 +252,7 @@ class Backend:
     has it; a call that needs one the backend does not name is refused before any kernel runs. Packed calls
     with a modification go segment by segment through those two (:func:`varlen_forward`), a storage range
     through the math kernel (:func:`range_forward`): the fast paths keep their signatures."""
+    poll_comm_waits: bool = False
 
     # ------------------------------------------------------------------ identity
     def available(self) -> tuple[bool, str]:
@@ -632,8 +636,9 @@ def check_backend(backend: Any) -> Backend:
     masks = backend.masks
     if not isinstance(masks, Sequence) or "none" not in masks or any(m not in MASKS for m in masks):
         raise ValueError(f"backend.masks: expected a tuple of {', '.join(MASKS)} that includes 'none'; got {masks!r}")
-    if not isinstance(backend.value_head_dims, bool):
-        raise TypeError(f"backend.value_head_dims: expected a bool; got {backend.value_head_dims!r}")
+    for flag in ("value_head_dims", "poll_comm_waits"):
+        if not isinstance(getattr(backend, flag), bool):
+            raise TypeError(f"backend.{flag}: expected a bool; got {getattr(backend, flag)!r}")
     mods = backend.score_mods
     if not isinstance(mods, Sequence) or isinstance(mods, str) or any(m not in SCORE_MODS for m in mods):
         raise ValueError(f"backend.score_mods: expected a tuple of some of {', '.join(SCORE_MODS)}; got {mods!r}")

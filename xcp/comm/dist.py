@@ -4,7 +4,9 @@ the hybrid's sub-groups made with ``new_group``, and what a ``group=`` argument 
 A wait that blocks the host (CPU tensors, gloo) is bounded by ``timeout=``, else ``XCP_TIMEOUT``, else the
 shorter of :data:`DEFAULT_TIMEOUT` and the process group's own timeout, so a stuck peer fails every rank
 waiting for it with :class:`CommTimeout` within the bound the user asked for; a device wait (NCCL, HCCL)
-only orders streams and is left to the process group unless a bound is given.
+only orders streams and is left to the process group unless a bound is given. A bound on a process group whose
+``work.wait(timeout)`` ignores the timeout (``Backend.poll_comm_waits``: HCCL) is kept by polling
+``work.is_completed()`` on the host.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ class DistCommunicator:
         what: list[tuple[str, int | None]] = [(f"sending {tag}{i} to rank {p}", p) for i, (_, p) in enumerate(sends)]
         what += [(f"receiving {tag}{i} from rank {p}", p) for i, (_, p) in enumerate(recvs)]
         device = (sends[0][0] if sends else recvs[0][0]).device
-        return _DistWork(dist.batch_isend_irecv(ops), what, self._who(), step, self._bound(device))
+        return _DistWork(dist.batch_isend_irecv(ops), what, self._who(), step, self._bound(device), _polls(backend))
 
     def all_to_all(
         self, send: torch.Tensor, recv: torch.Tensor, tag: str, backend: Any, step: int | None = None
@@ -138,7 +140,8 @@ class DistCommunicator:
             recv.copy_(send)
             return DoneWork()
         work = self._dist.all_to_all_single(recv, send, group=self.group, async_op=True)
-        return _DistWork([work], [(f"in all-to-all {tag}", None)], self._who(), step, self._bound(send.device))
+        what: list[tuple[str, int | None]] = [(f"in all-to-all {tag}", None)]
+        return _DistWork([work], what, self._who(), step, self._bound(send.device), _polls(backend))
 
     def all_gather(
         self, send: torch.Tensor, recv: torch.Tensor, tag: str, backend: Any, step: int | None = None
@@ -155,7 +158,8 @@ class DistCommunicator:
             return DoneWork()
         gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
         work = gather(recv.view(-1), send.view(-1), group=self.group, async_op=True)
-        return _DistWork([work], [(f"in all-gather {tag}", None)], self._who(), step, self._bound(send.device))
+        what: list[tuple[str, int | None]] = [(f"in all-gather {tag}", None)]
+        return _DistWork([work], what, self._who(), step, self._bound(send.device), _polls(backend))
 
     def hybrid_groups(self, ulysses: int) -> tuple[Communicator, Communicator]:
         """The head group and ring of this rank (see :func:`xcp.comm.hybrid_groups`), over ProcessGroups
@@ -174,8 +178,20 @@ class DistCommunicator:
         return f"rank {self._rank}" + ("" if me == self._rank else f" (global rank {me})")
 
 
+POLL_INTERVAL = 0.001
+"""Seconds between two ``work.is_completed()`` queries of a polled bounded wait (``Backend.poll_comm_waits``)."""
+
+
+def _polls(backend: Any) -> bool:
+    """Whether bounded waits on ``backend``'s process group poll (see ``Backend.poll_comm_waits``)."""
+    return bool(getattr(backend, "poll_comm_waits", False))
+
+
 class _DistWork:
-    """Requests in flight; ``wait`` bounds them together by one deadline when a bound is set."""
+    """Requests in flight; ``wait`` bounds them together by one deadline when a bound is set: by passing what is left
+    to ``req.wait(timeout)``, or, with ``poll`` (a process group whose wait ignores its timeout, e.g. HCCL without
+    TORCH_HCCL_BLOCKING_WAIT), by polling ``req.is_completed()`` on the host until the deadline and then calling
+    ``req.wait()`` on a request that has completed (which orders the current stream after it)."""
 
     def __init__(
         self,
@@ -184,9 +200,11 @@ class _DistWork:
         who: str,
         step: int | None,
         bound: tuple[float | None, str],
+        poll: bool = False,
     ) -> None:
         self._requests, self._what, self._who, self._step = requests, what, who, step
         self._bound, self._why = bound
+        self._poll = poll
 
     def wait(self) -> None:
         bound = self._bound
@@ -196,16 +214,25 @@ class _DistWork:
             return
         deadline = time.monotonic() + bound
         for req, (what, peer) in zip(self._requests, self._what):
-            left = max(deadline - time.monotonic(), 0.001)
+            where = f"xcp: {self._who} {what}{at_step(self._step)}"
+            timeout = CommTimeout(
+                f"{where}: no progress within {bound:g} s; is "
+                f"{'a rank of the group' if peer is None else f'rank {peer}'} stuck or gone? ({self._why})"
+            )
             try:
-                req.wait(datetime.timedelta(seconds=left))
+                if self._poll:
+                    while not req.is_completed():
+                        if time.monotonic() >= deadline:
+                            raise timeout
+                        time.sleep(POLL_INTERVAL)
+                    req.wait()
+                else:
+                    req.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except CommTimeout:
+                raise
             except RuntimeError as exc:
-                where = f"xcp: {self._who} {what}{at_step(self._step)}"
                 if time.monotonic() >= deadline - 0.05 * bound or "timed out" in str(exc).lower():
-                    whom = "a rank of the group" if peer is None else f"rank {peer}"
-                    raise CommTimeout(
-                        f"{where}: no progress within {bound:g} s; is {whom} stuck or gone? ({self._why})"
-                    ) from exc
+                    raise timeout from exc
                 raise RuntimeError(f"{where} failed: {exc}") from exc
 
 
