@@ -1,7 +1,7 @@
 """A CPU stand-in for torch_npu's npu_fusion_attention(_grad), as strict as its sources, and NPUBackend glue on CPU.
 
-What the stand-in takes and refuses (each refusal a RuntimeError, as torch_npu raises the aclnn call's parameter errors);
-the sources are cited in xcp_npu/convert.py ("limits of the op") and docs/backends.md:
+What the stand-in takes and refuses (each refusal a RuntimeError, as torch_npu raises the aclnn call's parameter
+errors); the sources are cited in xcp_npu/convert.py ("limits of the op") and docs/backends.md:
 
 - dtypes float16, bfloat16, float32 (one dtype for q, k, v); float64 refused. It computes in float32, as the device does
   (statistics float32 [B, N, Sq, 8] / [T, N, 8], eight equal copies);
@@ -21,6 +21,7 @@ the top-left corner, to show that the tests would catch a backend relying on tha
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import types
 
 import torch
@@ -51,6 +52,7 @@ class FakeTorchNPU(types.ModuleType):
 
     def __init__(self, tnd_stats: str = "segment", band_origin: str = "bottom_right") -> None:
         super().__init__("torch_npu")
+        self.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)  # find_spec (transformers) reads it
         self.calls: list[tuple] = []  # BSND: (op, Sq, Sk, N_kv, sparse_mode)
         self.varlen_calls: list[tuple] = []  # TND: (op, qlen, kvlen, N_kv, sparse_mode, softmax_layout, pre, next)
         self.head_dims: list[tuple[int, int, int]] = []  # (Dq, Dk, Dv) of every call

@@ -1,35 +1,24 @@
-"""xcp_npu on a CPU: the pure conversions, and the backend end to end against a stand-in torch_npu.
+"""xcp_npu on a CPU: the pure conversions, and the backend's methods against a stand-in torch_npu.
 
-The stand-in follows torch_npu's documented contract for npu_fusion_attention(_grad) (BSND layout,
-head_num = query heads, K/V heads dividing them, softmax_max/softmax_sum float32 [B, N, Sq, 8], sparse_mode
-0 and the right-down causal sparse_mode 3 with the compressed 2048×2048 mask, ``scale`` in the forward and
-``scale_value`` in the grad). References are float64 math (xcp.backends.cpu) on the whole block.
+The stand-in (tests/npu_standin.py) follows what torch_npu's and CANN's sources state for npu_fusion_attention(_grad)
+and refuses the rest as the op would: float16 / bfloat16 / float32 only, computed in float32; 1..256 query heads;
+Dq = Dk >= Dv up to 768, the TND grad up to 512; BSND and TND (cumulative host lists without a leading 0, statistics
+[T, N, 8] laid out per segment as the kernels write them, or token-major with softmax_layout="TND"); sparse_mode 0,
+3 (the compressed 2048x2048 mask) and 4 (a band counted from each segment's bottom-right corner); no segment without
+keys, no row without a key in TND; no call while capturing. References are float64 math on the whole block or segment.
 
-Packed segments: the stand-in also implements the TND layout independently (float64 per segment, cumulative
-``actual_seq_qlen`` / ``actual_seq_kvlen`` without a leading 0, statistics [T, N, 8] whose rows follow a layout
-chosen per stand-in: ``segment``, ``global``, or ``tnd`` when called with softmax_layout="TND"). The layout of real
-hardware is not settled by the docs (see xcp_npu.convert); the device test at the end says which one matches.
-
-Windows: the stand-in models the band sparse_mode 4 as the docs state it (the compressed 2048×2048 mask,
-pre_tockens / next_tockens counted from each segment's bottom-right corner, no fully masked row in TND); a stand-in
-built with band_origin="top_left" shows the tests would catch a backend relying on the other alignment.
-
-KV-cache ranges (forward_range): a stricter stand-in (_StrictTND: the documented dtypes, no segment without queries or
-keys) checks the one TND call against the base class's masked math; empty ranges, refused head dims, float64 and graph
-capture go to that default without calling the op.
-
-Values of another head dim (MLA: 192/128, 128/64, 64/128, 576/512): the stand-in takes what the docs take, Dq = Dk >=
-Dv up to 768 in every layout and direction, and refuses the rest with a RuntimeError as the aclnn call does; dense
-blocks, packed segments, ranges and a ring are checked against float64 math, and dims above 768 against the math
-fallback.
+Windows: a stand-in built with band_origin="top_left" shows the tests would catch a backend relying on the other
+alignment. KV-cache ranges (forward_range): the one TND call against the base class's masked math; empty ranges, refused
+head dims, float64 and graph capture go to that default without calling the op. Values of another head dim (MLA:
+192/128, 128/64, 64/128, 576/512): dense blocks, packed segments and ranges against float64 math, dims above 768 against
+the math fallback. The public entry points (xcp.attention, KVCache, the transformers drop-in) are tested in
+tests/test_npu_public.py.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
-import types
 
 import pytest
 import torch
@@ -37,11 +26,11 @@ from npu_standin import FakeTorchNPU, NPUGlueOnCPU, NPUOnCPU
 from strategies import assert_close_to
 
 import xcp
-from xcp.backends.base import Backend, SynchronousBackend
+from xcp.backends.base import Backend
 from xcp.backends.fused import widen_head_dim
 from xcp.kernels.math import allowed_keys, math_backward, math_forward
 from xcp.ring import RingConfig, ring_backward, ring_forward
-from xcp_npu import NPUBackend, convert, heads
+from xcp_npu import NPUBackend, convert
 
 MASKS = ("none", "causal", "strict")
 NEG_INF = float("-inf")
@@ -778,6 +767,19 @@ def test_forward_range_falls_back_to_the_math_default(strict_npu, case):
     assert_close_to("out", out, ref_out, 1e-5)
     assert_close_to("lse", lse, ref_lse, 1e-5)
     assert strict_npu.varlen_calls == [] and strict_npu.calls == []
+
+
+def test_forward_range_with_more_than_256_query_heads(strict_npu):
+    """A KV cache's range with 300 query heads over 3 K/V heads: calls of at most 256 heads (whole GQA groups of
+    100), the same result as the masked math."""
+    backend = _npu_on_cpu()
+    q, k, v = _cache(2, 1, 9, h=300, hkv=3)
+    lo, hi = torch.tensor(2), torch.tensor(7)
+    out, lse = backend.forward_range(q, k, v, lo, hi, 0.25)
+    ref_out, ref_lse = _range_reference(q, k, v, lo, hi, 0.25)
+    assert_close_to("out", out, ref_out, 1e-5)
+    assert_close_to("lse", lse, ref_lse, 1e-5)
+    assert strict_npu.head_nums == [100, 200] and len(strict_npu.varlen_calls) == 2
 
 
 def test_range_arguments():
