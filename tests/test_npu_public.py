@@ -145,7 +145,7 @@ def test_transformers_drop_in_with_mla(npu, monkeypatch):
     ref_grads = {n: p.grad for n, p in model.named_parameters()}
     xt.register()
     for m in models:
-        m.set_attn_implementation("xcp")
+        xt.prepare(m).set_attn_implementation("xcp")
 
     def rank(group):
         with xcp.context(group):
