@@ -898,6 +898,31 @@ def test_value_dims_varlen_against_float64_segments(strict_npu, dims, causal):
     assert set(strict_npu.head_dims) == {_called_dims(dqk, dv)}
 
 
+@pytest.mark.parametrize("dims", [(576, 512), (576, 576), (64, 528)], ids=str)
+def test_tnd_grad_past_512_under_a_window(strict_npu, dims):
+    """A window on packed segments whose call head dim is above the TND grad's 512 (576/512, equal 576, 64/528 padded
+    to 528): one TND forward (sparse_mode 4), then one BSND grad call per segment with the same band, counted from
+    each segment's bottom-right corner (segments with sq < sk and sq > sk); against the math band in float64."""
+    backend = _npu_on_cpu()
+    dqk, dv = dims
+    cu_q, cu_k, window = (0, 2, 7, 10), (0, 5, 9, 12), (2, 1)
+    q, k, v = _packed_mla(cu_q[-1], cu_k[-1], dqk, dv)
+    scale = 0.05
+    out, lse = backend.forward_varlen(q, k, v, cu_q, cu_k, False, scale, window)
+    ref_out, ref_lse = _math_band(backend, q, k, v, cu_q, cu_k, scale, window)
+    assert_close_to("out", out, ref_out, 1e-5)
+    assert_close_to("lse", lse, ref_lse, 1e-5)
+    dout = _rand(*out.shape, dtype=torch.float32, seed=4)
+    grads = backend.backward_varlen(dout, q, k, v, ref_out.float(), ref_lse.float(), cu_q, cu_k, False, scale, window)
+    ref = _math_band(backend, q, k, v, cu_q, cu_k, scale, window, dout, ref_out, ref_lse)
+    for name, got, want, x in zip(("dq", "dk", "dv"), grads, ref, (q, k, v)):
+        assert got.shape == x.shape, name
+        assert_close_to(name, got, want, 1e-5)
+    assert [c[0] for c in strict_npu.varlen_calls] == ["fwd"] and strict_npu.varlen_calls[0][4] == 4
+    segments = list(zip(cu_q, cu_q[1:], cu_k, cu_k[1:]))
+    assert strict_npu.calls == [("bwd", b - a, d - c, q.shape[2] // 2, 4) for a, b, c, d in segments]
+
+
 @pytest.mark.parametrize("dims", VALUE_DIMS, ids=str)
 def test_value_dims_forward_range(strict_npu, dims):
     """A KV cache's range: one TND call (q/k padded where Dv > Dqk), out [B, T, H, Dv], against the masked math."""
@@ -995,8 +1020,8 @@ def test_value_dims_arguments():
 # ---------------------------------------------------------------------------------------------- on Ascend hardware
 def test_device_varlen_stats_layout():
     """On an NPU: forward_varlen/backward_varlen of each stats layout against the per-segment dense calls (the
-    base default). The configured default must match; the message lists every layout's error, which is how
-    hardware settles what the docs leave open (see xcp_npu.convert)."""
+    base default). The default (per segment, as CANN's kernels write the statistics) must match; the message lists
+    every layout's error (``tnd`` needs a torch_npu and CANN with softmax_layout; see xcp_npu.convert)."""
     probe = NPUBackend()
     ok, reason = probe.available()
     if not ok:
