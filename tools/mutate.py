@@ -400,17 +400,18 @@ def _graft_module(name: str, text: str) -> None:
     """Run the mutated source ``text`` of the imported module ``name`` in place; keep the identity of its
     functions and classes (other modules and tests hold them), giving them the mutant's code."""
     module = sys.modules[name]
-    before = dict(vars(module))
-    exec(compile(text, module.__file__ or name, "exec"), vars(module))
-    for key, old in before.items():
-        new = vars(module).get(key, _MISSING)
-        if getattr(old, "__module__", None) != name or new is _MISSING:
+    fresh = {k: v for k, v in vars(module).items() if k.startswith("__") and k.endswith("__")}
+    exec(compile(text, module.__file__ or name, "exec"), fresh)
+    for key in [k for k in vars(module) if k not in fresh]:  # names the mutant no longer defines
+        delattr(module, key)
+    for key, new in fresh.items():
+        old = vars(module).get(key, _MISSING)
+        if key.startswith("__") and key.endswith("__"):
             continue
-        if isinstance(old, type) and isinstance(new, type):
+        if getattr(old, "__module__", None) == name and isinstance(old, type) and isinstance(new, type):
             _graft_class(old, new)
-            setattr(module, key, old)
-        elif _graft_function(old, new):
-            setattr(module, key, old)
+        elif not (getattr(old, "__module__", None) == name and _graft_function(old, new)):
+            setattr(module, key, new)
     for other in list(sys.modules.values()):  # results cached with the unmutated code
         if getattr(other, "__name__", "").startswith("xcp"):
             for value in list(vars(other).values()):
