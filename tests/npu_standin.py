@@ -26,6 +26,7 @@ import types
 
 import torch
 
+import xcp
 from xcp.backends.base import SynchronousBackend
 from xcp_npu import NPUBackend
 
@@ -268,3 +269,18 @@ class NPUGlueOnCPU(SynchronousBackend, NPUOnCPU):
 
     def is_capturing(self) -> bool:
         return NPUOnCPU.is_capturing(self)
+
+
+def public_attention(world, q, k, v, dout, balance="zigzag", **kwargs):
+    """xcp.attention over ``world`` virtual ranks on the registered ``npu-glue`` backend (the public entry point),
+    backward through autograd: the unsharded out, dq, dk, dv."""
+
+    def rank(group):
+        r = group.rank()
+        leaves = [xcp.shard(x, world, r, balance=balance).detach().requires_grad_() for x in (q, k, v)]
+        out = xcp.attention(*leaves, group=group, device="npu-glue", balance=balance, **kwargs)
+        out.backward(xcp.shard(dout, world, r, balance=balance))
+        return out.detach(), *(x.grad for x in leaves)
+
+    results = xcp.LocalWorld(world).run(rank)
+    return [xcp.unshard([r[i] for r in results], balance=balance) for i in range(4)]

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 from helpers import independent_masked_reference, installed
-from npu_standin import FakeTorchNPU, NPUGlueOnCPU
+from npu_standin import FakeTorchNPU, NPUGlueOnCPU, public_attention
 from strategies import assert_close_to
 
 import xcp
@@ -47,21 +47,6 @@ def _inputs(s, h, hkv, dqk, dv, seed=0):
     return [torch.randn(1, s, n, d, generator=g) for n, d in ((h, dqk), (hkv, dqk), (hkv, dv), (h, dv))]
 
 
-def _attention(world, q, k, v, dout, **kwargs):
-    """xcp.attention over ``world`` virtual ranks on ``npu-glue``, backward through autograd: the unsharded out, dq,
-    dk, dv."""
-
-    def rank(group):
-        r = group.rank()
-        leaves = [xcp.shard(x, world, r).detach().requires_grad_() for x in (q, k, v)]
-        out = xcp.attention(*leaves, group=group, device="npu-glue", **kwargs)
-        out.backward(xcp.shard(dout, world, r))
-        return out.detach(), *(x.grad for x in leaves)
-
-    results = xcp.LocalWorld(world).run(rank)
-    return [xcp.unshard([r[i] for r in results]) for i in range(4)]
-
-
 def _called(dqk, dv):
     """(Dq, Dk, Dv) of the op's calls: as given when Dv <= Dqk, q and k zero-padded to Dv otherwise."""
     return max(dqk, dv), max(dqk, dv), dv
@@ -83,7 +68,7 @@ def test_attention_with_values_of_another_head_dim(npu, dqk, dv, h, hkv, cu, win
     fake, _ = npu
     q, k, v, dout = _inputs(16, h, hkv, dqk, dv, seed=dqk + dv)
     documents = None if cu is None else torch.tensor(cu)
-    got = _attention(2, q, k, v, dout, causal=True, cu_seqlens=documents, window=window)
+    got = public_attention(2, q, k, v, dout, causal=True, cu_seqlens=documents, window=window)
     want = independent_masked_reference(q, k, v, dout, cu or (0, 16), True, window=window)
     for name, a, b in zip(NAMES, got, want):
         assert a.shape == b.shape and a.dtype == torch.float32, name
@@ -169,7 +154,7 @@ def test_more_than_256_query_heads(npu, h, hkv, cu):
     fake, _ = npu
     q, k, v, dout = _inputs(8, h, hkv, 8, 8, seed=h)
     documents = None if cu is None else torch.tensor(cu)
-    got = _attention(2, q, k, v, dout, causal=True, cu_seqlens=documents)
+    got = public_attention(2, q, k, v, dout, causal=True, cu_seqlens=documents)
     want = independent_masked_reference(q, k, v, dout, cu or (0, 8), True)
     for name, a, b in zip(NAMES, got, want):
         assert_close_to(name, a, b, TOL)

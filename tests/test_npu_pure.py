@@ -11,8 +11,8 @@ Windows: a stand-in built with band_origin="top_left" shows the tests would catc
 alignment. KV-cache ranges (forward_range): the one TND call against the base class's masked math; empty ranges, refused
 head dims, float64 and graph capture go to that default without calling the op. Values of another head dim (MLA:
 192/128, 128/64, 64/128, 576/512): dense blocks, packed segments and ranges against float64 math, dims above 768 against
-the math fallback. The public entry points (xcp.attention, KVCache, the transformers drop-in) are tested in
-tests/test_npu_public.py.
+the math fallback. Rings (documents, windows) run through xcp.attention over virtual ranks; the other public entry
+points (KVCache, the transformers drop-in) and the op's limits are tested in tests/test_npu_public.py.
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ import sys
 
 import pytest
 import torch
-from npu_standin import FakeTorchNPU, NPUGlueOnCPU, NPUOnCPU
+from helpers import installed
+from npu_standin import FakeTorchNPU, NPUGlueOnCPU, NPUOnCPU, public_attention
 from strategies import assert_close_to
 
-import xcp
 from xcp.backends.base import Backend
 from xcp.backends.fused import widen_head_dim
 from xcp.kernels.math import allowed_keys, math_backward, math_forward
-from xcp.ring import RingConfig, ring_backward, ring_forward
 from xcp_npu import NPUBackend, convert
 
 MASKS = ("none", "causal", "strict")
@@ -504,23 +503,14 @@ def test_tnd_stats_flag(monkeypatch):
 @pytest.mark.parametrize("balance", ["zigzag", "stripe"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "none"])
 def test_ring_with_documents_uses_tnd_calls(fake_npu, balance, causal):
-    """P = 2 virtual ranks, packed documents: the ring's varlen runs go through one TND call each and the result
-    is per-document float64 attention, forward and backward."""
-    backend = NPUGlueOnCPU()
+    """xcp.attention over P = 2 virtual ranks, packed documents: the ring's varlen runs go through one TND call each
+    and the result is per-document float64 attention, forward and backward."""
     p, s, h, hkv, d = 2, 24, 4, 2, 16
     docs = (0, 3, 4, 13, 20, 24)
     scale = 1 / math.sqrt(d)
     q, k, v, dout = (_rand(1, s, n, d, dtype=torch.float32, seed=i) for i, n in enumerate((h, hkv, hkv, h)))
-    shards = [[xcp.shard(x, p, r, balance=balance) for x in (q, k, v, dout)] for r in range(p)]
-
-    def rank(group):
-        ql, kl, vl, dl = shards[group.rank()]
-        cfg = RingConfig(group, backend, causal, scale, balance, documents=docs)
-        out, lse = ring_forward(ql, kl, vl, cfg)
-        return (out, *ring_backward(dl, ql, kl, vl, out, lse, cfg))
-
-    results = xcp.LocalWorld(p).run(rank)
-    got = [xcp.unshard([r[i] for r in results], balance=balance) for i in range(4)]
+    with installed(NPUGlueOnCPU()):
+        got = public_attention(p, q, k, v, dout, balance, causal=causal, cu_seqlens=torch.tensor(docs))
     ref_out, ref_lse = _segment_reference(q, k, v, docs, docs, causal, scale)
     ref = _segment_reference(q, k, v, docs, docs, causal, scale, dout, ref_out, ref_lse)
     assert_close_to("out", got[0], ref_out, 1e-5)
@@ -638,30 +628,21 @@ def test_band_origin_mismatch_is_visible(monkeypatch):
 @pytest.mark.parametrize("balance", ["zigzag", "stripe"])
 @pytest.mark.parametrize("causal,window", [(False, (3, 2)), (True, (5, None)), (False, (0, 6))], ids=str)
 def test_ring_with_a_window_uses_band_calls(fake_npu, monkeypatch, balance, causal, window):
-    """P = 2 virtual ranks, packed documents and a sliding window: every banded run is one fused TND call per
-    direction (sparse_mode 4; the ring never asks for a band with an empty row) and the result is per-document
-    float64 attention under the window, forward and backward."""
+    """xcp.attention over P = 2 virtual ranks, packed documents and a sliding window: every banded run is one fused
+    TND call per direction (sparse_mode 4; the ring never asks for a band with an empty row) and the result is
+    per-document float64 attention under the window, forward and backward."""
     from xcp import documents
 
     empty = []
     check = convert.band_has_empty_rows
     monkeypatch.setattr(convert, "band_has_empty_rows", lambda *a: empty.append(check(*a)) or empty[-1])
-    backend = NPUGlueOnCPU()
     p, s, h, hkv, d = 2, 24, 4, 2, 16
     docs = (0, 3, 4, 13, 20, 24)
     scale = 1 / math.sqrt(d)
     win = documents.check_window(window, causal)
     q, k, v, dout = (_rand(1, s, n, d, dtype=torch.float32, seed=i) for i, n in enumerate((h, hkv, hkv, h)))
-    shards = [[xcp.shard(x, p, r, balance=balance) for x in (q, k, v, dout)] for r in range(p)]
-
-    def rank(group):
-        ql, kl, vl, dl = shards[group.rank()]
-        cfg = RingConfig(group, backend, causal, scale, balance, documents=docs, window=win)
-        out, lse = ring_forward(ql, kl, vl, cfg)
-        return (out, *ring_backward(dl, ql, kl, vl, out, lse, cfg))
-
-    results = xcp.LocalWorld(p).run(rank)
-    got = [xcp.unshard([r[i] for r in results], balance=balance) for i in range(4)]
+    with installed(NPUGlueOnCPU()):
+        got = public_attention(p, q, k, v, dout, balance, causal=causal, cu_seqlens=torch.tensor(docs), window=window)
     band = (win[0], s if win[1] is None else win[1])  # each document is square: both alignments agree
     parts = []
     for a, b in zip(docs, docs[1:]):
