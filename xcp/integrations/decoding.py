@@ -18,9 +18,13 @@ import torch
 
 Window = tuple[int, int] | None
 Decoder = Callable[..., torch.Tensor | None]
-"""``decoder(layer_idx, q, causal, scale, window, sinks, **variants)``: layer ``layer_idx``'s attention of
-``q`` ``[B, T, H, D]`` (the same on every rank) over the sharded cache, ``[B, T, H, D]``; None: run the
-ring. ``variants``: ``softcap=`` and ``chunk=``, passed only where the layer has them."""
+"""``decoder(module, q, key, value, causal, scale, window, sinks, who, **variants)``: the attention of
+``module`` (the attention module transformers hands the attention function) for ``q`` ``[B, T, H, D]`` (the
+same on every rank) over the sharded cache, ``[B, T, H, D]``; ``key`` and ``value`` are what the model
+handed to the attention function (transformers' ``[B, H_kv, T, D]``, the very objects: the cache finds the
+layer whose update returned them); None: run the ring (the prompt), after the cache kept its shard. ``who``
+names the module in errors; ``variants``: ``softcap=`` and ``chunk=``, passed only where the layer has
+them."""
 
 
 _local = threading.local()

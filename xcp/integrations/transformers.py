@@ -45,7 +45,7 @@ import threading
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -184,7 +184,8 @@ def attention_forward(
     - ``scaling`` is xcp's ``scale``;
     - ``sliding_window=W``: transformers lets query i see keys ``i - W < j <= i`` (its mask
       ``kv_idx > q_idx - sliding_window``, and flash's ``window_size=(W - 1, W - 1)``): W keys *counting
-      the query itself*, which is xcp's ``window=(W - 1, 0)``;
+      the query itself*, which is xcp's ``window=(W - 1, 0)``; a model that builds a window mask without
+      passing ``sliding_window=`` hands over :func:`mask_forward`'s :class:`WindowMask` as ``attention_mask``;
     - packed documents: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (the GLOBAL boundaries, as
       :func:`shard_batch` gives them) are xcp's ``cu_seqlens``; on one rank, position_ids that restart
       (transformers' own rule: a step other than +1 starts a document) are turned into them too;
@@ -195,6 +196,13 @@ def attention_forward(
     who = _who(module)
     if not is_prepared(module):
         raise ValueError(unprepared(who))
+    if isinstance(attention_mask, WindowMask):  # the window of the mask, which some models do not pass
+        if sliding_window is not None and int(sliding_window) != attention_mask.window:
+            raise ValueError(
+                f"{who}: sliding_window={sliding_window} disagrees with the window of the model's mask "
+                f"({attention_mask.window})"
+            )
+        sliding_window, attention_mask = attention_mask.window, None
     if attention_mask is not None:
         shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
         raise ValueError(
@@ -247,8 +255,7 @@ def attention_forward(
     if decoder is not None and compiling:
         raise ValueError(f"{who}: generate() over xcp's sharded KV cache runs the model eagerly; got a compiled model")
     if decoder is not None:  # xt.generate: a step over the sharded KV cache (None: the prompt's ring)
-        layer = cast(int, module.layer_idx)  # transformers numbers every attention module's layer
-        out = decoder(layer, query.transpose(1, 2), is_causal, scaling, window, sinks, **variant)
+        out = decoder(module, query.transpose(1, 2), key, value, is_causal, scaling, window, sinks, who, **variant)
         if out is not None:
             return out, None
     cu_seqlens = _documents_traced(ctx, query, kwargs, who) if compiling else _documents(ctx, query, kwargs, who)
@@ -478,11 +485,22 @@ def _mask_parts(fn: Any, seen: set[int] | None = None) -> list[Any]:
     return parts
 
 
+@dataclass(frozen=True)
+class WindowMask:
+    """What :func:`mask_forward` returns for a sliding-window mask: the window it accepted (transformers'
+    ``sliding_window`` W: query i sees keys ``i - W < j <= i``), carried to the attention function as its
+    ``attention_mask``. Some models build a window mask but never pass ``sliding_window=`` to the
+    attention call (PhiMoE; Qwen2-MoE with ``use_sliding_window``): the window reaches xcp this way."""
+
+    window: int
+
+
 def mask_forward(
     *args: Any, mask_function: Any = None, attention_mask: torch.Tensor | None = None, **kwargs: Any
-) -> None:
-    """transformers' mask interface for xcp: no mask tensor (the attention function knows the pattern),
-    and an error for what it cannot serve: a padding ``attention_mask`` or a mask function with other
+) -> WindowMask | None:
+    """transformers' mask interface for xcp: no mask tensor (the attention function knows the pattern;
+    a sliding window comes back as a :class:`WindowMask`, read from the mask function's sliding-window
+    piece), and an error for what it cannot serve: a padding ``attention_mask`` or a mask function with other
     pieces (attention chunks, bidirectional blocks of image tokens, a caller's or_mask/and_mask).
 
     The sizes and offsets (``batch_size``, ``q_length`` or ``cache_position``, ``kv_length``, ...; their
@@ -490,7 +508,7 @@ def mask_forward(
     config = kwargs.get("config")
     who = f"xcp attention mask{f' of a {type(config).__name__} model' if config is not None else ''}"
     if torch.compiler.is_compiling():
-        return _mask_traced(config, attention_mask, who)
+        return _mask_traced(config, attention_mask, who, kwargs.get("local_size"))
     if config is not None and not config_prepared(config):
         raise ValueError(unprepared(who))
     if attention_mask is not None and not bool(attention_mask.all()):
@@ -499,6 +517,7 @@ def mask_forward(
             "context-parallel sequence is not supported: pack the documents into one sequence instead "
             "(shard_batch(..., cu_seqlens=...) or position_ids that restart at 0) and leave attention_mask out"
         )
+    window = None
     if mask_function is not None:
         for part in _mask_parts(mask_function):
             name = getattr(part, "__qualname__", repr(part))
@@ -506,16 +525,28 @@ def mask_forward(
             if ours and name == CHUNK_PART:
                 check_chunk_part(part, config, who)
                 continue
+            if ours and name in _WINDOW_PARTS:
+                window = _closure_value(part, "sliding_window")
             if not ours or name not in _MASK_PARTS:
                 raise ValueError(
                     f"{who}: the mask function has a part xcp does not serve: {getattr(part, '__module__', '?')}."
                     f"{name} (xcp serves causal or full attention, sliding windows, attention chunks and packed "
                     "documents; not bidirectional token blocks or custom or_mask/and_mask functions)"
                 )
-    return None
+    return None if window is None else WindowMask(int(window))
 
 
-def _mask_traced(config: Any, attention_mask: torch.Tensor | None, who: str) -> None:
+_WINDOW_PARTS = frozenset(
+    {"sliding_window_overlay.<locals>.inner_mask", "sliding_window_bidirectional_overlay.<locals>.inner_mask"}
+)
+
+
+def _closure_value(fn: Any, name: str) -> Any:
+    """The value of the variable ``name`` that the closure ``fn`` holds."""
+    return fn.__closure__[fn.__code__.co_freevars.index(name)].cell_contents
+
+
+def _mask_traced(config: Any, attention_mask: torch.Tensor | None, who: str, local_size: Any) -> WindowMask | None:
     """:func:`mask_forward` under torch.compile, without a host read or a look into closures.
 
     - a padding ``attention_mask`` fails a device-side check (``torch._assert_async``: a RuntimeError on
@@ -523,7 +554,10 @@ def _mask_traced(config: Any, attention_mask: torch.Tensor | None, who: str) -> 
     - the mask function is NOT taken apart: dynamo cannot read the cells of a closure made inside the
       graph. Attention chunks come from the config (``attention_chunk_size``), which the attention function
       reads; a caller's ``or_mask_function``/``and_mask_function`` (bidirectional blocks of image tokens) goes
-      unnoticed under compile: run such a model eagerly once to have it refused.
+      unnoticed under compile: run such a model eagerly once to have it refused;
+    - the window of a sliding-window mask is transformers' ``local_size`` (the closure holds the same
+      number), except where it is the config's ``attention_chunk_size`` (a chunked mask passes its chunk as
+      ``local_size``): a model with a sliding window as long as its attention chunk must run eagerly.
     """
     if attention_mask is not None:
         torch._assert_async(
@@ -532,7 +566,9 @@ def _mask_traced(config: Any, attention_mask: torch.Tensor | None, who: str) -> 
             "pack the documents into one sequence instead (shard_batch(..., cu_seqlens=...) or position_ids that "
             "restart at 0) and leave attention_mask out",
         )
-    return None
+    if local_size is None or local_size == getattr(config, "attention_chunk_size", None):
+        return None
+    return WindowMask(int(local_size))
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -10,7 +10,11 @@ How a call runs, on every rank of the group:
    feeds the rest of the prompt as one chunk (``KVCache.append`` of T > 1 tokens, then
    ``KVCache.attention``), then one token per step, every rank running the whole model on the same tokens;
    only attention talks to the other ranks (one combine per layer and step);
-3. the token of each step is rank 0's choice, passed to every rank (:class:`RankZeroChooses`), so ranks
+3. what a layer's cache keeps is what the model hands attention after the layer's update (the attention
+   function asks :meth:`ShardedCache.attention`, which finds the layer by the tensors its update returned),
+   so models that transform keys and values after the cache, write another slot or read another layer's
+   keys attend over what they would with transformers' own cache;
+4. the token of each step is rank 0's choice, passed to every rank (:class:`RankZeroChooses`), so ranks
    never drift apart: neither by sampling each with its own random numbers, nor by a greedy tie that
    rounding breaks differently on two ranks.
 
@@ -23,7 +27,11 @@ This module imports transformers; :mod:`xcp.integrations.transformers` imports i
 
 from __future__ import annotations
 
+import functools
 import inspect
+import itertools
+import weakref
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -128,22 +136,55 @@ class Latent:
         return torch.einsum("bthr,hvr->bthv", out, w[:, nope:])
 
 
+_STEPS = itertools.count()
+
+
+class _Step:
+    """What one ``update`` of a layer returned (weakly: the cache never keeps the model's tensors alive) and
+    the attention calls that followed it: ``calls[i]`` the (key, value) pair the i-th distinct call had,
+    which sub-cache i of the layer keeps."""
+
+    def __init__(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.order = next(_STEPS)  # which update came last
+        self.tokens = key.shape[2]
+        self.returned = (weakref.ref(key), weakref.ref(value))
+        self.calls: list[tuple[weakref.ref, weakref.ref]] = []
+
+    def returned_any(self, key: torch.Tensor, value: torch.Tensor) -> bool:
+        return self.returned[0]() is key or self.returned[1]() is value
+
+    def call_of(self, key: torch.Tensor, value: torch.Tensor) -> int | None:
+        """The index of an earlier call with these very tensors (a layer reading another's keys), or None."""
+        return next((i for i, (k, v) in enumerate(self.calls) if k() is key and v() is value), None)
+
+
 class ShardedLayer(CacheLayerMixin):
-    """One layer's transformers cache over an :class:`xcp.KVCache`: ``update`` keeps the new keys and values
-    (the prompt's shard, or the tokens of a step; an MLA layer's latents, :class:`Latent`) and returns them
-    as they came, so that the attention function sees keys as long as its queries and takes the cache's
-    attention (:class:`ShardedCache`)."""
+    r"""One layer's transformers cache over :class:`xcp.KVCache`\ s: ``update`` returns the new keys and
+    values as they came (so that the attention function sees keys as long as its queries), and the
+    attention that follows keeps what it is handed (:meth:`ShardedCache.attention`): the keys and values
+    the model gives attention, which are what ``update`` returned or derived from it per token (DiffLlama
+    splits the values, JetMoE repeats both). Each distinct attention call after an update has a sub-cache
+    of its own (DiffLlama calls attention twice with two halves of the values); an MLA layer's sub-cache
+    keeps its latents (:class:`Latent`), as ``update`` received them."""
 
     is_compileable = False
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, kv: KVCache, sliding: bool, latent: Latent | None = None) -> None:
+    def __init__(self, make: Callable[[], KVCache], sliding: bool, latent: Latent | None = None) -> None:
         super().__init__()
-        self.kv = kv
+        self.make = make
+        self.kvs = [make()]
         self.is_sliding = sliding
         self.latent = latent  # an MLA layer: the cache holds its latents
         self.ring = False  # True while the prompt's shard goes through the ring
+        self.step: _Step | None = None
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # an MLA layer's latents, until attention
+
+    @property
+    def kv(self) -> KVCache:
+        """The first sub-cache (the only one but for models that attend more than once per update)."""
+        return self.kvs[0]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -154,15 +195,34 @@ class ShardedLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.step = _Step(key_states, value_states)
         if self.latent is not None:
-            k, v = self.latent.keys_values(key_states, value_states)
-        else:
-            k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)  # transformers' [B, H, T, D] -> xcp's
-        if self.ring:
-            self.kv.prefill(k, v)
-        else:
-            self.kv.append(k, v)
+            self.pending = self.latent.keys_values(key_states, value_states)  # type: ignore[assignment]
         return key_states, value_states
+
+    def keep(self, index: int, key: torch.Tensor, value: torch.Tensor, who: str) -> KVCache:
+        """Sub-cache ``index`` after keeping the tokens of this step in it: ``key``/``value`` ``[B, H_kv, T, D]``
+        as attention had them (an MLA layer: the latents ``update`` received); the prompt's shard with the
+        ring (``KVCache.prefill``), else the step's tokens (``KVCache.append``)."""
+        if index == len(self.kvs) and self.ring:
+            self.kvs.append(self.make())
+        if index >= len(self.kvs):
+            raise ValueError(
+                f"{who}: attention call {index + 1} after one cache update, where the prompt had {len(self.kvs)}: "
+                "the model attends differently while generating, which xcp's sharded cache cannot follow"
+            )
+        kv = self.kvs[index]
+        if self.latent is not None:
+            assert self.pending is not None
+            k, v = self.pending
+            self.pending = None
+        else:
+            k, v = key.transpose(1, 2), value.transpose(1, 2)  # transformers' [B, H, T, D] -> xcp's
+        if self.ring:
+            kv.prefill(k, v)
+        else:
+            kv.append(k, v)
+        return kv
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.kv.seq_len + query_length, 0
@@ -172,6 +232,15 @@ class ShardedLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+    def __deepcopy__(self, memo: dict) -> ShardedLayer:
+        """A new, empty layer like this one (Dory adds cache layers by copying empty ones); a layer that
+        holds tokens cannot be copied: its shards live on the ranks of its group."""
+        if self.step is not None or any(kv.seq_len for kv in self.kvs):
+            self._cannot("copying a layer that holds tokens")
+        copied = ShardedLayer(self.make, self.is_sliding, self.latent)
+        copied.ring = self.ring
+        return copied
 
     def _cannot(self, what: str) -> None:
         raise NotImplementedError(f"{what}: not supported by xcp's sharded KV cache (each rank holds only its share)")
@@ -193,8 +262,8 @@ class ShardedLayer(CacheLayerMixin):
 
 
 class ShardedCache(Cache):
-    """A transformers ``Cache`` holding one :class:`xcp.KVCache` per layer of ``config``; its
-    :meth:`attention` is what the attention function asks for a layer's attention.
+    r"""A transformers ``Cache`` holding :class:`ShardedLayer`\ s, one per layer of ``config``; its
+    :meth:`attention` is what the attention function asks for a module's attention.
 
     :param model: the model whose cache it is (optional): its multi-head latent attention modules
         (:meth:`Latent.of`) make their layers keep latents.
@@ -207,31 +276,83 @@ class ShardedCache(Cache):
             * text.num_hidden_layers
         )
         latents = Latent.of(model)
-        self.sharded = []
+        self.sharded: list[ShardedLayer] = []
         for i, t in enumerate(types):
             latent = latents.get(i)
-            kv = KVCache(group, balance, capacity, values_in_keys=None if latent is None else latent.values_in_keys)
-            self.sharded.append(ShardedLayer(kv, t == "sliding_attention", latent))
+            width = None if latent is None else latent.values_in_keys
+            make = functools.partial(KVCache, group, balance, capacity, values_in_keys=width)
+            self.sharded.append(ShardedLayer(make, t == "sliding_attention", latent))
         super().__init__(layers=list(self.sharded))
+        self.ring = False
+        # a slot past the config's layers (HRM writes layer_idx + an offset per cycle): transformers' Cache
+        # appends layers made by this until the slot exists
+        more = functools.partial(self._more, functools.partial(KVCache, group, balance, capacity))
+        self.layer_class_to_replicate = more  # type: ignore[assignment]  # called with no argument, as a class
+
+    def _more(self, make: Callable[[], KVCache]) -> ShardedLayer:
+        layer = ShardedLayer(make, False)
+        layer.ring = self.ring
+        return layer
 
     def set_ring(self, on: bool) -> None:
         """Whether the next forward is the prompt's ring prefill (True) or a step over the cache (False)."""
-        for layer in self.sharded:
-            layer.ring = on
+        self.ring = on
+        for layer in self.layers:
+            cast(ShardedLayer, layer).ring = on
+
+    def _layer_of(self, module: Any, key: torch.Tensor, value: torch.Tensor, who: str) -> ShardedLayer:
+        """The layer whose update returned ``key`` or ``value`` (a layer's own slot, another's that it
+        shares, or the slot the model chose, e.g. ``layer_idx + offset``); else the layer updated last when
+        attention got that update's tokens transformed (the same number of them)."""
+        layers = [cast(ShardedLayer, layer) for layer in self.layers]
+        for layer in layers:
+            if layer.latent is not None and layer.latent.module is module:  # its update had the latents
+                return layer
+        updated = [layer for layer in layers if layer.step is not None]
+        for layer in updated:
+            if layer.step is not None and layer.step.returned_any(key, value):
+                return layer
+        last = max(updated, key=lambda layer: cast(_Step, layer.step).order, default=None)
+        if last is not None and last.step is not None and last.latent is None:
+            if last.step.tokens == key.shape[2] == value.shape[2]:
+                return last
+        raise ValueError(
+            f"{who}: the keys and values handed to attention come from no update of xcp's sharded cache in this "
+            "step (the model attends over keys it did not give the cache), so generate() cannot serve this model"
+        )
 
     def attention(
-        self, layer_idx: int, q: torch.Tensor, causal: bool, scale: float | None, window: Any, sinks: Any,
+        self,
+        module: Any,
+        q: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        causal: bool,
+        scale: float | None,
+        window: Any,
+        sinks: Any,
+        who: str,
         **variants: Any,
-    ) -> torch.Tensor | None:  # fmt: skip
-        """The :data:`xcp.integrations.decoding.Decoder` of this cache: layer ``layer_idx``'s attention over
-        the sharded cache, or None during the ring prefill (the attention function runs the ring then);
-        ``variants``: ``softcap=`` and ``chunk=`` of :meth:`xcp.KVCache.attention`, where the layer has them."""
-        layer = self.sharded[layer_idx]
+    ) -> torch.Tensor | None:
+        """The :data:`xcp.integrations.decoding.Decoder` of this cache: ``module``'s attention over the sharded
+        cache, or None during the ring prefill (the attention function runs the ring then), after keeping
+        this step's keys and values in the layer's sub-cache of this call; ``variants``: ``softcap=`` and
+        ``chunk=`` of :meth:`xcp.KVCache.attention`, where the layer has them."""
+        layer = self._layer_of(module, key, value, who)
+        step = layer.step
+        assert step is not None
+        index = step.call_of(key, value)
+        if index is None:  # a new call: keep what it was handed
+            index = len(step.calls)
+            kv = layer.keep(index, key, value, who)
+            step.calls.append((weakref.ref(key), weakref.ref(value)))
+        else:  # the same tensors again: attend over what the earlier call kept
+            kv = layer.kvs[index]
         if layer.ring:
             return None
         if layer.latent is not None:
-            return layer.latent.attention(layer.kv, q, causal, scale, window, sinks, **variants)
-        return layer.kv.attention(q, causal=causal, scale=scale, window=window, sinks=sinks, **variants)
+            return layer.latent.attention(kv, q, causal, scale, window, sinks, **variants)
+        return kv.attention(q, causal=causal, scale=scale, window=window, sinks=sinks, **variants)
 
 
 # --------------------------------------------------------------------------------------------------------
