@@ -61,6 +61,8 @@ SMALL = {
     "v_head_dim": 16,
     "sliding_window": 8,
     "state_size": 8,
+    "vocab_size_per_layer_input": 128,
+    "hidden_size_per_layer_input": 16,
     "d_state": 8,
     "mamba_d_state": 8,
     "mamba_n_heads": 8,
@@ -119,14 +121,14 @@ def _small(cfg: Any, model_type: str) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     for key, value in SMALL.items():
         target = names.get(key, key)  # the config's own name (BART: d_model for hidden_size)
-        if target in present:
+        if present.get(target) not in (None, 0):  # a feature the model has by default, made small
             kw[target] = value
     if "qk_rope_head_dim" in kw:
         _mla(kw)
         if "head_dim" in kw:  # MLA: the rotary dim is head_dim
             kw["head_dim"] = kw["qk_rope_head_dim"]
     for key, value in present.items():
-        if any(w in key for w in ("dropout", "jitter")) and isinstance(value, float):
+        if any(w in key for w in ("drop", "jitter")) and isinstance(value, float):
             kw[key] = 0.0
         if key.endswith("_token_id") and isinstance(value, int) and value >= SMALL["vocab_size"]:
             kw[key] = 2  # a special token inside the small vocabulary
@@ -301,6 +303,8 @@ def survey(model_type: str) -> tuple[str, str]:
         if ARGS.verbose:
             traceback.print_exception(exc)
         cause = root(exc)
+        if isinstance(cause, MemoryError) or "can't allocate memory" in str(cause):
+            return "unbuildable", f"{stage}: out of memory (--memory GiB): {str(cause)[:120]}"
         return "FAIL", f"{stage}: {type(cause).__name__}: {str(cause)[:300]}"
     return "pass", ""
 

@@ -102,6 +102,24 @@ def test_models_with_attention_tables_of_their_own_say_so_while_being_built(kind
     build(config(), "eager")  # their own names are untouched
 
 
+def test_positions_the_model_makes_itself_and_unseen_attention_are_refused():
+    bart = build(
+        transformers.BartConfig(
+            vocab_size=VOCAB, d_model=32, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4,
+            encoder_attention_heads=4, decoder_ffn_dim=64, encoder_ffn_dim=64,
+        )
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"BartForCausalLM: its forward takes no position_ids: it numbers the tokens"):
+        xt.prepare(bart)
+    small = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    with pytest.raises(ValueError, match=r"RobertaEmbeddings: given no position_ids it numbers the tokens from pad"):
+        xt.prepare(build(transformers.RobertaConfig(**small, is_decoder=True)))
+    megatron = build(transformers.MegatronBertConfig(**small, is_decoder=True))  # attention of its own, unlisted
+    with pytest.raises(ValueError, match=r"MegatronBertSelfAttention: computes attention itself, outside"):
+        xt.prepare(megatron)
+    xt.prepare(build(transformers.BertConfig(**small, is_decoder=True)))  # BERT's goes through the interface
+
+
 def test_doge_dynamic_mask_and_recurrent_layers_are_refused_saying_what_they_are():
     doge = build(
         transformers.DogeConfig(

@@ -126,6 +126,7 @@ def register(name: str = DEFAULT_NAME) -> str:
 _OWN_TABLES = {
     "falcon": ("Falcon", "FALCON_ATTENTION_CLASSES"),
     "gpt_neo": ("GPT-Neo", "GPT_NEO_ATTENTION_CLASSES"),
+    "git": ("GIT", "GIT_SELF_ATTENTION_CLASSES"),
 }
 """Models that pick their attention class from a table of their own keyed by ``attn_implementation``
 (none of those classes calls transformers' attention interface): without an entry for xcp's name they

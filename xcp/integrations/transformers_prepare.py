@@ -25,6 +25,7 @@ nor checked again) and returns the model. Nothing here imports transformers.
 
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 import weakref
@@ -290,15 +291,79 @@ _BYPASSING = {
 module ``transformers.models.<model>.modeling_<model>``) and what they do instead."""
 
 
+_PROJECTIONS = frozenset(
+    {"q_proj", "k_proj", "v_proj", "query", "key", "value", "qkv_proj", "c_attn", "query_key_value"}
+)
+"""Names transformers gives an attention module's query/key/value projections."""
+
+_INTERFACE = ("ALL_ATTENTION_FUNCTIONS", "attention_interface", "_attn_implementation")
+"""What the source of a forward that goes through transformers' attention interface mentions."""
+
+_own_attention: dict[type, bool] = {}
+
+
+def _computes_attention_itself(cls: type) -> bool:
+    """Whether the transformers module class ``cls`` projects queries, keys and values (its modules have
+    children of :data:`_PROJECTIONS`' names) in a forward that never reaches the attention interface."""
+    if cls not in _own_attention:
+        try:
+            source = inspect.getsource(cls.forward)  # type: ignore[attr-defined]
+        except (OSError, TypeError, AttributeError):  # no source to read: nothing to say
+            source = _INTERFACE[0]
+        _own_attention[cls] = not any(word in source for word in _INTERFACE)
+    return _own_attention[cls]
+
+
+def _model_of(cls: type) -> str | None:
+    """``<model>`` of a class in ``transformers.models.<model>.modeling_<model>``, else None."""
+    parts = cls.__module__.split(".")
+    return parts[2] if len(parts) >= 4 and parts[:2] == ["transformers", "models"] else None
+
+
 def _bypassing(module: torch.nn.Module) -> bool:
     cls = type(module)
-    parts = cls.__module__.split(".")
-    return len(parts) >= 4 and parts[:2] == ["transformers", "models"] and f"{parts[2]}.{cls.__name__}" in _BYPASSING
+    model = _model_of(cls)
+    if model is None:
+        return False
+    if f"{model}.{cls.__name__}" in _BYPASSING:
+        return True
+    children = {name for name, _ in module.named_children()}
+    return len(children & _PROJECTIONS) >= 1 and "Attention" in cls.__name__ and _computes_attention_itself(cls)
 
 
 def _bypassing_why(module: torch.nn.Module) -> str:
     cls = type(module)
-    return _OWN_ATTENTION + _BYPASSING[f"{cls.__module__.split('.')[2]}.{cls.__name__}"]
+    return _OWN_ATTENTION + _BYPASSING.get(f"{_model_of(cls)}.{cls.__name__}", " (its own matmul and softmax)")
+
+
+def _numbers_from_zero(module: torch.nn.Module) -> bool:
+    """A language model (it has output embeddings) whose forward takes no ``position_ids``: it numbers the
+    tokens it is given from 0 (BART's and Whisper's decoders, RoFormer, ...)."""
+    if _model_of(type(module)) is None or not callable(getattr(module, "get_output_embeddings", None)):
+        return False
+    try:
+        head = module.get_output_embeddings()  # type: ignore[operator]
+        parameters = inspect.signature(module.forward).parameters
+    except Exception:  # noqa: BLE001 - not a language model after all
+        return False
+    return head is not None and "position_ids" not in parameters
+
+
+def _positions_from_ids(module: torch.nn.Module) -> bool:
+    """RoBERTa's embeddings (and their copies): positions derived from the input ids when none are given."""
+    return _model_of(type(module)) is not None and hasattr(module, "create_position_ids_from_input_ids")
+
+
+_FROM_IDS = (
+    "given no position_ids it numbers the tokens from padding_idx + 1, skipping padding, which is not what "
+    "shard_batch's global positions (from 0) give it; xcp cannot tell which numbering the model was trained "
+    "with, so it refuses rather than run another model than one device would"
+)
+
+_FROM_ZERO = (
+    "its forward takes no position_ids: it numbers the tokens it is given from 0, so every rank would number "
+    "its shard from 0 (context parallelism needs the global positions, shard_batch's position_ids)"
+)
 
 
 RECURRENT = frozenset(
@@ -378,6 +443,8 @@ def _builtin() -> None:
     refuse_layer(_named(r"Indexer$"), _INDEXER, name="sparse attention indexer")
     refuse_layer(_named(r"Compressor$"), _COMPRESSED, name="compressed KV")
     refuse_layer(_recurrent, _recurrent_why, name="recurrent layers")
+    refuse_layer(_numbers_from_zero, _FROM_ZERO, name="positions from zero")
+    refuse_layer(_positions_from_ids, _FROM_IDS, name="positions from the input ids")
 
 
 _builtin()
