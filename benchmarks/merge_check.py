@@ -7,9 +7,9 @@ import sys
 
 import torch
 
-from xcp.cache import _merge_into
 from xcp.cli.common import Clock, median
 from xcp.kernels.merge import merge_, packed_lse
+from xcp.partials import merge_into as _merge_into
 from xcp.plugins import select_backend
 from xcp_cuda.kernels import fused_merge_, fused_merge_partials_
 
@@ -100,7 +100,7 @@ def partials(
     dtype: torch.dtype = torch.float32,
 ) -> bool:
     """The P-way merge of packed partials (the packing of ``dtype``, see :func:`_packed`): the fused kernel
-    against the eager merge as the cache runs it (xcp.cache._merge_into on the outs and the lse view) and
+    against the eager merge as the cache runs it (xcp.partials.merge_into on the outs and the lse view) and
     float64, then both timed (each call repeated ``reps`` times in one timed region, median of 15)."""
     parts = _packed(p, b, t, h, d, dev, dtype)
     outs, lses = parts[..., :d], packed_lse(parts, d)

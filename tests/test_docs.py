@@ -29,6 +29,7 @@ DOCUMENTS = [
     "docs/design.md",
     "docs/integrations.md",
     "docs/inference.md",
+    "docs/serving.md",
     "examples/xcp-tiled-backend/README.md",
 ]
 FRAGMENT = "<!-- fragment -->"

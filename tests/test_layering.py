@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "xcp.spec": 1,
     "xcp.cache_plan": 1,
     "xcp.cache_state": 1,
+    "xcp.serving": 1,
     # 2: every argument check of a call; padding a sequence to a length the balance splits
     "xcp.checks": 2,
     "xcp.padding": 2,
@@ -38,8 +39,10 @@ LAYERS: dict[str, int] = {
     # 4: the ring and the agreement its ranks reach first
     "xcp.agreement": 4,
     "xcp.ring": 4,
-    # 5: the KV cache (its block calls and lifetimes are the ring's)
+    # 5: partial attentions and their combine; the KV caches (their block calls and lifetimes are the ring's)
+    "xcp.partials": 5,
     "xcp.cache": 5,
+    "xcp.paged": 5,
     # 5: the hybrid all-to-all around the ring
     "xcp.hybrid": 5,
     # 6: the compiled custom op

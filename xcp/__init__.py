@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from .hookspecs import hookimpl
     from .lifetime import BufferLedger, track_buffers
     from .padding import pad_to_balance
+    from .paged import PagedKVCache
+    from .partials import combine
     from .plugins import backend_table, get_backend, list_backends, register_plugin, unregister_plugin
     from .ring import RingConfig, ring_backward, ring_forward
     from .schedule import BALANCES, DOCUMENT_BALANCES, Plan, Step, plan
@@ -31,6 +33,8 @@ _EXPORTS = {
     "BufferLedger": "lifetime",
     "CommTimeout": "comm",
     "KVCache": "cache",
+    "PagedKVCache": "paged",
+    "combine": "partials",
     "Communicator": "comm",
     "LocalGroup": "comm",
     "LocalWorld": "comm",
@@ -64,6 +68,7 @@ __all__ = [
     "BufferLedger",
     "CommTimeout",
     "KVCache",
+    "PagedKVCache",
     "Communicator",
     "LocalGroup",
     "LocalWorld",
@@ -74,6 +79,7 @@ __all__ = [
     "attention",
     "backend_table",
     "choose_balance",
+    "combine",
     "context",
     "get_backend",
     "hookimpl",

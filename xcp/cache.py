@@ -24,7 +24,6 @@ gather's receive buffer is made on C before M forks, as rule 1 has it.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import cache_plan, schedule
+from . import cache_plan, partials, schedule
 from .agreement import agree, fingerprint
 from .backends.base import range_forward, score_mods
 from .cache_state import DeviceCounts
@@ -53,10 +52,9 @@ from .checks import (
 from .comm import resolve_group
 from .documents import check_window
 from .kernels.math import Alibi
-from .kernels.merge import NEG_INF, accumulator_dtype, apply_sinks_, packed_layout, packed_lse
-from .lifetime import RingCall, check_handoff
+from .kernels.merge import NEG_INF, accumulator_dtype, apply_sinks_, packed_lse
+from .lifetime import check_handoff
 from .plugins import select_backend
-from .ring import BlockCall
 
 GROWTH = 1.25
 """Without ``capacity``, storage that runs out grows to this many times its room (at least to what it needs):
@@ -340,7 +338,7 @@ class KVCache:
         acc = accumulator_dtype(q.dtype)
         if decode:
             local = functools.partial(self._decode_partial, backend, q, scale, window, softcap, alibi_slopes, chunk)
-            packed = lambda: _pack(*local(), q.dtype)  # noqa: E731
+            packed = lambda: partials.pack(*local(), q.dtype)  # noqa: E731
         else:
             calls = cache_plan.chunked_calls(self._runs, self._seq, t, causal, window, chunk)
             k, v = self.keys(), self.values()
@@ -350,8 +348,8 @@ class KVCache:
                 q_pos = torch.arange(self._seq - t, self._seq, device=q.device)
                 alibi = Alibi(alibi_slopes, q_pos, torch.tensor(self.positions(), dtype=torch.int64, device=q.device))
             mods = (softcap, alibi)
-            local = functools.partial(_local_partial, backend, calls, q, k, v, scale, acc, mods)
-            packed = functools.partial(_packed_partial, backend, calls, q, k, v, scale, q.dtype, mods)
+            local = functools.partial(partials.local_partial, backend, calls, q, k, v, scale, acc, mods)
+            packed = functools.partial(partials.packed_partial, backend, calls, q, k, v, scale, q.dtype, mods)
         if self._world > 1 and not decode and self._combines_over_heads(t, q.shape[2]):
             return self._combine_over_heads(backend, packed, q, acc, sinks)
         out, lse = local() if self._world == 1 else self._combine(backend, packed, q, acc)
@@ -364,7 +362,7 @@ class KVCache:
         self, backend: Any, q, scale: float, window, softcap, alibi_slopes, chunk
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A capacity cache's local partial (out, lse) of the newest token's query, as the kernel gives them
-        (a world of one without sinks returns that out as it is; the combine packs it, :func:`_pack`): one
+        (a world of one without sinks returns that out as it is; the combine packs it, :func:`xcp.partials.pack`): one
         ``backend.forward_range`` call over the storage range the device's counters give (every token held;
         with a window or a chunk, those it reaches), so the host reads no length; ALiBi's positions come from
         the device's counters too."""
@@ -385,43 +383,14 @@ class KVCache:
 
     def _exchange(self, backend: Any, op: str, send: Callable[[], torch.Tensor], recv: torch.Tensor, tag: str,
                   meanwhile: Callable[[], Any] = lambda: None) -> Any:  # fmt: skip
-        """One collective ``op`` (``all_gather`` or ``all_to_all``) of the tensor ``send()`` writes on the
-        caller's stream C into ``recv``, issued on the comm stream M; returns what ``meanwhile()`` made on C
-        while M worked, C waiting for M after.
-
-        docs/lifetime.md: ``recv`` is made on C before M forks (rule 1); what ``send()`` writes on C after
-        the fork goes to M through the hand-off (rule 3.3), and the host drops it at once: C's next
-        allocation (``meanwhile``'s) may come while M reads, and nothing but the hand-off keeps that memory."""
-        collective = getattr(self._comm, op, None)
-        if not callable(collective):
-            raise TypeError(
-                f"group: a KV cache over {self._world} ranks needs a communicator with {op}(); got "
-                f"{type(self._comm).__name__}"
-            )
-        call = RingCall(self._comm, backend, recv.device, "bounded", self._handoff)
-        with call:
-            written = send()
-            with call.on_comm():
-                (handed,) = call.hand_to_comm([written], tag)  # rule 3.3: M waits for C, then owns its read
-                del written
-                collective(handed, recv, tag, backend).wait()
-                del handed
-            return meanwhile()
+        """:func:`xcp.partials.exchange` over this cache's group and hand-off (docs/lifetime.md, rules 1 and 3.3)."""
+        return partials.exchange(self._comm, backend, self._handoff, op, send, recv, tag, meanwhile)
 
     def _combine(self, backend: Any, partial: Callable[[], torch.Tensor], q, acc: torch.dtype):
-        """The merged (out [B, T, H, Dv], lse [B, H, T]) of every rank's partial: ``partial()`` packs this
-        rank's on the caller's stream C, one all-gather of them on the comm stream M (:meth:`_exchange`), the
-        merge on C after the join, into an output C allocates while M gathers."""
+        """The merged (out [B, T, H, Dv], lse [B, H, T]) of every rank's partial (:func:`xcp.partials.gather_merge`)."""
         assert self._layout is not None
-        (b, t, h, _), d = q.shape, self._layout[5]  # out has the values' head dim
-        dtype, channels = packed_layout(q.dtype, d)
-        recv = torch.empty((self._world, b, t, h, channels), dtype=dtype, device=q.device)  # rule 1: C, before M forks
-        make_out = functools.partial(torch.empty, (b, t, h, d), dtype=acc, device=q.device)
-        out = self._exchange(backend, "all_gather", partial, recv, "combine", make_out)
-        lse = backend.fused_merge_partials_(out, recv)
-        if lse is None:
-            lse = _merge_into(out, recv[..., :d], packed_lse(recv, d))
-        return out, lse
+        shape = (*q.shape[:3], self._layout[5])  # out has the values' head dim
+        return partials.gather_merge(self._comm, backend, self._handoff, partial, shape, q.dtype, q.device)
 
     def _combines_over_heads(self, t: int, heads: int) -> bool:
         """``combine`` (:data:`xcp.cache_plan.COMBINES`) for a chunk of t queries over ``heads``."""
@@ -467,60 +436,6 @@ class KVCache:
         return slices.permute(1, 2, 0, 3, 4).reshape(b, t, h, d)
 
 
-def _run_calls(backend, calls, q, k, v, scale: float, mods: tuple[float | None, Alibi | None] = (None, None)):
-    """Each call's (query rows, out, lse) on this rank's storage.
-
-    Every call goes in varlen form, one segment included: a cache's calls change shape at every step (the
-    keys grow), and a varlen kernel takes the lengths at run time, where a dense one may plan per shape (on
-    the H200, cuDNN built a plan for each new shape: a chunk over 8 virtual ranks took 14.3x one whole-cache
-    call with dense calls, 1.26x in varlen form). Backends without a varlen kernel make the same dense call
-    per segment. ``mods``: the soft-cap and the ALiBi of every query row and storage row."""
-    softcap, alibi = mods
-    for call in calls:
-        block = BlockCall.of(call)
-        if block.cu is None:
-            block = dataclasses.replace(block, cu=(call.cu_q, call.cu_k))
-        kwargs = score_mods(softcap, None if alibi is None else alibi.rows(block.qs, block.ks))
-        yield block.qs, *block.forward(backend, q[:, block.qs], k[:, block.ks], v[:, block.ks], scale, **kwargs)
-
-
-def _pack(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One block's (out [B, T, H, Dv], lse [B, H, T]) packed for inputs of ``dtype`` as
-    :func:`xcp.kernels.merge.packed_layout` lays it out: [B, T, H, D + 1] or, 16-bit, [B, T, H, D + 2]."""
-    b, t, h, d = out.shape
-    packed_dtype, channels = packed_layout(dtype, d)
-    packed = torch.empty((b, t, h, channels), dtype=packed_dtype, device=out.device)
-    packed[..., :d] = out
-    packed_lse(packed, d).copy_(lse.transpose(1, 2))
-    return packed
-
-
-def _local_partial(
-    backend, calls, q, k, v, scale: float, acc: torch.dtype, mods=(None, None)
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rank's (out [B, T, H, Dv], lse [B, H, T]) in ``acc``: zeros and -inf on rows no call covers."""
-    t, d = q.shape[1], v.shape[3]
-    if len(calls) == 1 and calls[0].q0 == 0 and calls[0].q1 == t:  # one call covers every row (decode)
-        _, out, lse = next(_run_calls(backend, calls, q, k, v, scale, mods))
-        return out.to(acc, copy=True), lse.to(acc, copy=True)
-    packed = _packed_partial(backend, calls, q, k, v, scale, acc, mods)  # in acc: a world of one keeps its precision
-    return packed[..., :d].contiguous(), packed[..., d].transpose(1, 2)  # out as the caller gets it: dense
-
-
-def _packed_partial(backend, calls, q, k, v, scale: float, dtype: torch.dtype, mods=(None, None)) -> torch.Tensor:
-    """The rank's partial packed as one buffer, laid out for inputs of ``dtype`` as :func:`_pack` lays it
-    out: zeros and -inf on rows no call covers."""
-    (b, t, h, _), d = q.shape, v.shape[3]
-    packed_dtype, channels = packed_layout(dtype, d)
-    packed = torch.zeros((b, t, h, channels), dtype=packed_dtype, device=q.device)
-    lse = packed_lse(packed, d)
-    lse.fill_(NEG_INF)
-    for rows, o, lse_rows in _run_calls(backend, calls, q, k, v, scale, mods):
-        packed[:, rows, :, :d] = o
-        lse[:, rows] = lse_rows.transpose(1, 2)
-    return packed
-
-
 def _weighted(out: torch.Tensor, lse: torch.Tensor, merged: torch.Tensor, world: int) -> torch.Tensor:
     """A partial ``out`` [B, T, H, D] weighed by ``exp(lse - merged)`` (lse and merged [B, T, H]; 0 where the
     rank sees nothing, or no rank does: never NaN) in the accumulator dtype, rounded to out's dtype once, and
@@ -530,17 +445,6 @@ def _weighted(out: torch.Tensor, lse: torch.Tensor, merged: torch.Tensor, world:
     weight = torch.exp(lse.to(acc) - torch.where(merged == NEG_INF, 0.0, merged))  # exp(-inf) = 0
     scaled = (out.to(acc) * weight.unsqueeze(-1)).to(out.dtype)
     return scaled.view(b, t, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
-
-
-def _merge_into(out: torch.Tensor, outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
-    """Merge P partials, ``outs`` [P, B, T, H, D] and ``lses`` [P, B, T, H], into ``out`` [B, T, H, D];
-    return the merged lse [B, H, T]. A partial whose lse is -inf weighs 0, and a row no rank sees stays
-    0 / -inf: never NaN."""
-    lse = torch.logsumexp(lses, dim=0)
-    safe = torch.where(lse == NEG_INF, 0.0, lse)
-    weights = torch.exp(lses - safe)  # exp(-inf) = 0
-    torch.sum(weights.unsqueeze(-1) * outs, dim=0, out=out)
-    return lse.transpose(1, 2).contiguous()
 
 
 __all__ = ["KVCache"]

@@ -527,3 +527,86 @@ def check_cache_query(q: Any, layout: CacheLayout | None, seq_len: int) -> int:
     if t > seq_len:
         raise ValueError(f"q: expected at most seq_len = {seq_len} queries (the last tokens of the cache); got T = {t}")
     return t
+
+
+# ---------------------------------------------------------------------- the paged cache (xcp.PagedKVCache)
+PAGED_LAYOUT = "[T, heads, head_dim]"
+
+
+def check_num_blocks(num_blocks: Any, block_size: Any) -> tuple[int, int]:
+    """``(num_blocks, block_size)`` of a paged cache's pool as positive ints."""
+    for name, x in (("num_blocks", num_blocks), ("block_size", block_size)):
+        if not schedule.is_integer(x) or x < 1:
+            raise ValueError(f"{name}: expected a positive integer; got {x!r}")
+    return int(num_blocks), int(block_size)
+
+
+def check_seq_batch(seq_ids: Any, cu_seqlens: Any, rows: int | None, what: str) -> tuple[tuple, tuple[int, ...]]:
+    """``(seq_ids, cu_seqlens)`` of a packed batch as tuples: distinct hashable ids, and ``len(seq_ids) + 1``
+    non-decreasing integer offsets (a list or an integer tensor) from 0 to ``rows`` (``what``'s size)."""
+    if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, (list, tuple)):
+        raise TypeError(f"seq_ids: expected a list or tuple of sequence ids; got {type(seq_ids).__name__}")
+    ids = tuple(seq_ids)
+    try:
+        distinct = len(set(ids)) == len(ids)
+    except TypeError as e:
+        raise TypeError(f"seq_ids: expected hashable ids; got {e}") from None
+    if not distinct:
+        repeated = sorted({repr(i) for i in ids if ids.count(i) > 1})
+        raise ValueError(f"seq_ids: expected distinct ids; got {', '.join(repeated)} more than once")
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+            raise TypeError(
+                f"cu_seqlens: expected a 1-D integer tensor or a list; got {cu_seqlens.dim()}-D {cu_seqlens.dtype}"
+            )
+        cu_seqlens = cu_seqlens.tolist()  # one host read: the plan is made on the host
+    if not isinstance(cu_seqlens, (list, tuple)) or not all(schedule.is_integer(c) for c in cu_seqlens):
+        raise TypeError(f"cu_seqlens: expected a list of integers or an integer tensor; got {cu_seqlens!r}")
+    cu = tuple(int(c) for c in cu_seqlens)
+    if len(cu) != len(ids) + 1:
+        raise ValueError(f"cu_seqlens: expected len(seq_ids) + 1 = {len(ids) + 1} offsets; got {len(cu)}")
+    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0; got {list(cu)}")
+    if rows is not None and cu[-1] != rows:
+        raise ValueError(f"cu_seqlens: expected the last offset to be {what} = {rows}; got {cu[-1]}")
+    return ids, cu
+
+
+def _check_paged_tensor(name: str, x: Any) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor; got {type(x).__name__}")
+    if x.dim() != 3:
+        raise ValueError(f"{name}: expected 3 dims {PAGED_LAYOUT}; got {x.dim()} dims, shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point dtype; got {x.dtype}")
+    return x
+
+
+def check_paged_kv(k: Any, v: Any, layout: CacheLayout | None, values_in_keys: int | None) -> CacheLayout | None:
+    """k [T, kv_heads, head_dim] and v [T, kv_heads, Dv] (None with ``values_in_keys``) of a paged cache whose
+    tokens are ``layout`` (None while empty), as :func:`check_cache_kv` checks a KV cache's (T may be 0);
+    returns their layout (batch 1), or ``layout`` for a step of no token."""
+    _check_paged_tensor("k", k)
+    if values_in_keys is None:
+        _check_paged_tensor("v", v)
+    if k.shape[0] == 0:
+        return layout
+    return check_cache_kv(k.unsqueeze(0), None if v is None else v.unsqueeze(0), layout, ("k", "v"), values_in_keys)
+
+
+def check_paged_query(q: Any, layout: CacheLayout | None, rows: list[tuple[Any, int, int]]) -> None:
+    """q [T, heads, head_dim] against a paged cache of ``layout``, ``rows`` each listed sequence's
+    ``(id, cached tokens, queries)``: heads a multiple of the kv_heads, at most as many queries as tokens."""
+    if layout is None:
+        raise ValueError("q: expected a cache that holds tokens (append first); got an empty cache")
+    _check_paged_tensor("q", q)
+    t, h, d = q.shape
+    if h < 1 or h % layout[1]:
+        raise ValueError(f"q: expected a number of heads that the cache's {layout[1]} kv_heads divide; got {h}")
+    _check_like("q", (1, layout[1], d, q.dtype, q.device, layout[5]), layout)
+    for seq_id, length, queries in rows:
+        if queries > length:
+            raise ValueError(
+                f"cu_seqlens: expected at most seq_len({seq_id!r}) = {length} queries for it (its last tokens); "
+                f"got {queries}"
+            )

@@ -1,0 +1,315 @@
+"""Serving: xcp.serving.local_lengths, xcp.combine and xcp.testing.check_combine, xcp.PagedKVCache.
+
+The paged cache runs random workloads over virtual ranks — sequences joining and leaving, chunks of a
+chunked prefill beside other sequences' decode steps — and every step's output on every rank is checked
+against the tests' float64 attention over each sequence's whole history (no xcp code).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from helpers import independent_masked_reference
+
+import xcp
+from xcp.comm import LocalWorld, resolve_group
+from xcp.plugins import select_backend
+from xcp.serving import local_lengths
+from xcp.testing import check_combine
+
+
+# ---------------------------------------------------------------------- local_lengths
+@pytest.mark.parametrize("world,interleave", [(1, 1), (3, 1), (4, 2), (2, 5)])
+def test_local_lengths_count_the_positions_each_rank_holds(world, interleave):
+    lengths = torch.tensor([[0, 1, 2, 7], [8, 15, 16, 101]])
+    for r in range(world):
+        got = local_lengths(lengths, world, r, interleave)
+        want = [[sum((p // interleave) % world == r for p in range(n)) for n in row] for row in lengths.tolist()]
+        assert got.tolist() == want and got.dtype == lengths.dtype and got.shape == lengths.shape
+
+
+def test_local_lengths_refuse_bad_arguments():
+    with pytest.raises(ValueError, match="rank: expected an integer in \\[0, 2\\)"):
+        local_lengths(torch.tensor([3]), 2, 2)
+    with pytest.raises(ValueError, match="interleave: expected an integer >= 1; got 0"):
+        local_lengths(torch.tensor([3]), 2, 0, interleave=0)
+    with pytest.raises(TypeError, match="seq_lens: expected an integer tensor; got dtype torch.float32"):
+        local_lengths(torch.tensor([3.0]), 2, 0)
+
+
+# ---------------------------------------------------------------------- combine and check_combine
+def test_combine_passes_its_own_property_suite():
+    check_combine(xcp.combine, max_examples=30)
+
+
+def _naive_combine(out, lse, group=None, *, lse_base="e", handoff=None, timeout=None):
+    """A combine as public engines first wrote theirs: the weights exp(L_r - L) times every rank's out, with no
+    mask for the ranks that saw nothing (0 x NaN) and nothing for rows no rank saw (-inf - -inf)."""
+    comm = resolve_group(group)
+    backend = select_backend(None, "cpu")
+    p = comm.size()
+    lse = lse.double() * (math.log(2.0) if lse_base == "2" else 1.0)
+    outs = torch.empty((p, *out.shape), dtype=torch.float64)
+    lses = torch.empty((p, *lse.shape), dtype=torch.float64)
+    comm.all_gather(out.double().contiguous(), outs, "combine", backend).wait()
+    comm.all_gather(lse.contiguous(), lses, "combine", backend).wait()
+    merged = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - merged).transpose(-1, -2).unsqueeze(-1)
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    return (weights * outs).sum(0).to(out.dtype), merged.to(acc)
+
+
+def _base_blind(out, lse, group=None, *, lse_base="e", handoff=None, timeout=None):
+    """xcp's combine told every lse is natural: a base-2 lse merged as natural."""
+    return xcp.combine(out, lse, group, handoff=handoff, timeout=timeout)
+
+
+@pytest.mark.parametrize("broken,why", [(_naive_combine, "NaN"), (_base_blind, "lse off by")])
+def test_check_combine_catches_broken_combines(broken, why):
+    with pytest.raises(AssertionError, match=why) as caught:
+        check_combine(broken, max_examples=60)
+    assert "Case(world=" in str(caught.value)  # the counterexample
+
+
+def test_combine_ragged_lead_dims_bf16_and_errors():
+    """[B1, B2, S, H, Dv] 16-bit partials over 3 ranks, one rank NaN where it saw nothing, merged to the float64
+    merge; the inputs are not changed; bad shapes and bases are refused by name."""
+    g = torch.Generator().manual_seed(1)
+    outs = [torch.randn(2, 3, 4, 2, 8, generator=g).bfloat16() for _ in range(3)]
+    lses = [torch.randn(2, 3, 2, 4, generator=g) for _ in range(3)]
+    lses[1][0, 0] = -math.inf
+    outs[1][0, 0] = math.nan
+    lses[2] = lses[2] / math.log(2.0)
+    kept = [outs[0].clone(), lses[0].clone()]
+
+    def rank(group):  # rank 2 passes its lse in base 2 (the conversion is each rank's own)
+        r = group.rank()
+        return xcp.combine(outs[r], lses[r], group, lse_base="2" if r == 2 else "e")
+
+    with LocalWorld(3) as w:
+        results = w.run(rank)
+    lses_e = [lses[0].double(), lses[1].double(), lses[2].double() * math.log(2.0)]
+    stacked = torch.stack(lses_e)
+    merged = torch.logsumexp(stacked, 0)
+    weights = torch.exp(stacked - merged).transpose(-1, -2).unsqueeze(-1)
+    want = (weights * torch.stack([o.double().nan_to_num() for o in outs])).sum(0)
+    for out, lse in results:
+        assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and not out.isnan().any()
+        torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(lse.double(), merged, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kept[0], outs[0]) and torch.equal(kept[1], lses[0])
+    with pytest.raises(ValueError, match=r"lse: expected shape \(2, 3, 2, 4\)"):
+        xcp.combine(outs[0], lses[0].transpose(-1, -2))
+    with pytest.raises(ValueError, match="lse_base: expected one of 'e', '2'; got 'ten'"):
+        xcp.combine(outs[0], lses[0], lse_base="ten")
+
+
+# ---------------------------------------------------------------------- PagedKVCache
+H, HKV, D = 4, 2, 8
+
+
+def _reference_rows(q, k, v, length: int, t: int, causal: bool, window, sinks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``length - t .. length - 1`` of the float64 attention of one sequence's first ``length`` tokens
+    (no xcp code), and their lse [H, t] (sink included)."""
+    qs, ks, vs = (x[None, :length] for x in (q, k, v))
+    out = independent_masked_reference(qs, ks, vs, torch.zeros_like(qs[..., : vs.shape[-1]]), (0, length), causal,
+                                       sinks, window=window)[0][0, length - t :]  # fmt: skip
+    i = torch.arange(length - t, length)[:, None]
+    j = torch.arange(length)[None]
+    allowed = torch.ones(t, length, dtype=torch.bool)
+    if causal:
+        allowed &= j <= i
+    if window is not None:
+        left, right = window
+        if left is not None:
+            allowed &= j >= i - left
+        if right is not None:
+            allowed &= j <= i + right
+    keys = k[:length].double().repeat_interleave(q.shape[1] // k.shape[1], 1)
+    scores = torch.einsum("thd,shd->hts", q[length - t : length].double(), keys) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~allowed, -math.inf)
+    lse = torch.logsumexp(scores, -1)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.double()[:, None])
+    return out, lse
+
+
+def _rows(pieces: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The pieces one after the other along dim 0 (a step may have none)."""
+    return torch.cat(pieces) if pieces else like[:0]
+
+
+def _workload(seed: int, steps: int):
+    """Steps of (append batch, attention batch): each step some sequences start (a first chunk), some running
+    ones decode one token, some take another chunk of their prompt, and some leave (freed after the step)."""
+    rng = random.Random(seed)
+    lengths: dict[int, int] = {}
+    next_id, plan = 0, []
+    for _ in range(steps):
+        batch = []
+        for sid in list(lengths):
+            if rng.random() < 0.8:
+                batch.append((sid, 1 if rng.random() < 0.6 else rng.randint(2, 9)))
+        for _ in range(rng.randint(0 if lengths else 1, 2)):
+            batch.append((next_id, rng.randint(1, 23)))
+            next_id += 1
+        rng.shuffle(batch)
+        leaving = [sid for sid in lengths if rng.random() < 0.2]
+        for sid, t in batch:
+            lengths[sid] = lengths.get(sid, 0) + t
+        plan.append((batch, leaving))
+        for sid in leaving:
+            del lengths[sid]
+    return plan, next_id
+
+
+def _run_paged(world, *, interleave=1, causal=True, window=None, sinks=False, hkv=HKV, dv=D, values_in_keys=None,
+               seed=0, steps=6, block_size=4, num_blocks=64, dtype=torch.float64, return_lse=False):  # fmt: skip
+    plan, n_ids = _workload(seed, steps)
+    g = torch.Generator().manual_seed(seed)
+    total = 200
+    qs = [torch.randn(total, H, D, generator=g, dtype=torch.float64) for _ in range(n_ids)]
+    ks = [torch.randn(total, hkv, D, generator=g, dtype=torch.float64) for _ in range(n_ids)]
+    vs = [k[..., :values_in_keys] if values_in_keys else torch.randn(total, hkv, dv, generator=g, dtype=torch.float64)
+          for k in ks]  # fmt: skip
+    sink = torch.randn(H, generator=g, dtype=torch.float64) if sinks else None
+
+    def rank(group):
+        cache = xcp.PagedKVCache(group, num_blocks=num_blocks, block_size=block_size, interleave=interleave,
+                                 values_in_keys=values_in_keys)  # fmt: skip
+        lengths: dict[int, int] = {}
+        outs = []
+        for batch, leaving in plan:
+            ids = [sid for sid, _ in batch]
+            cu = [0]
+            for _, t in batch:
+                cu.append(cu[-1] + t)
+            spans = [(lengths.get(sid, 0), lengths.get(sid, 0) + t) for sid, t in batch]
+            k = _rows([ks[sid][a:b] for sid, (a, b) in zip(ids, spans)], ks[0]).to(dtype)
+            v = None if values_in_keys else _rows([vs[sid][a:b] for sid, (a, b) in zip(ids, spans)], vs[0]).to(dtype)
+            cache.append(ids, k, v, torch.tensor(cu))
+            for sid, (_, b) in zip(ids, spans):
+                lengths[sid] = b
+                assert cache.seq_len(sid) == b
+                assert cache.local_len(sid) == local_lengths(torch.tensor(b), world, group.rank(), interleave).item()
+            q = _rows([qs[sid][a:b] for sid, (a, b) in zip(ids, spans)], qs[0]).to(dtype)
+            sinks_now = None if sink is None else sink.to(dtype)
+            out = cache.attention(q, ids, cu, causal=causal, window=window, sinks=sinks_now, return_lse=return_lse)
+            outs.append(out)
+            for sid in leaving:
+                cache.free(sid)
+                del lengths[sid]
+        held = sum(-(-cache.local_len(s) // block_size) for s in cache.seq_ids())
+        return outs, cache.free_blocks, held, cache.num_blocks
+
+    with LocalWorld(world) as w:
+        results = w.run(rank)
+    wants, lengths = [], {}
+    for batch, leaving in plan:
+        rows, lses = [], []
+        for sid, t in batch:
+            lengths[sid] = lengths.get(sid, 0) + t
+            out, lse = _reference_rows(qs[sid], ks[sid], vs[sid], lengths[sid], t, causal, window, sink)
+            rows.append(out)
+            lses.append(lse)
+        wants.append(
+            (
+                _rows(rows, vs[0][:0, :1].expand(0, H, -1)),
+                torch.cat([torch.empty(H, 0, dtype=torch.float64), *lses], dim=1),
+            )
+        )
+        for sid in leaving:
+            del lengths[sid]
+    return results, wants
+
+
+def _assert_paged(results, wants, tol=1e-10, return_lse=False):
+    first = results[0][0]
+    for outs, free, held, num_blocks in results:
+        assert free + held == num_blocks  # every block is a sequence's or free
+        for step, (got, (want, want_lse)) in enumerate(zip(outs, wants)):
+            out = got[0] if return_lse else got
+            torch.testing.assert_close(out.double(), want, atol=tol, rtol=0, msg=f"step {step}")
+            if return_lse:
+                torch.testing.assert_close(got[1].double(), want_lse, atol=tol, rtol=0, msg=f"lse, step {step}")
+        for a, b in zip(outs, first):
+            assert torch.equal(a[0] if return_lse else a, b[0] if return_lse else b)  # the same on every rank
+
+
+@pytest.mark.parametrize(
+    "world,options",
+    [
+        (1, {}),
+        (3, {}),
+        (3, {"interleave": 2, "sinks": True, "return_lse": True}),
+        (2, {"window": (5, 0), "hkv": 1}),
+        (4, {"causal": False, "window": (3, 2), "dv": 6, "block_size": 3}),
+        (3, {"values_in_keys": 5, "interleave": 3, "sinks": True}),
+    ],
+)
+def test_paged_cache_matches_float64_over_a_changing_batch(world, options):
+    results, wants = _run_paged(world, seed=world, **options)
+    _assert_paged(results, wants, return_lse=options.get("return_lse", False))
+
+
+def test_paged_cache_bf16_matches_float64():
+    results, wants = _run_paged(3, dtype=torch.bfloat16, seed=5, interleave=2)
+    _assert_paged(results, wants, tol=3e-2)
+
+
+def test_a_step_the_pool_cannot_hold_is_refused_on_every_rank_and_writes_nothing():
+    """Rank 0 holds more of a sequence than the others (3 ranks, 7 tokens: 3, 2, 2): with 2 blocks of 2 a rank,
+    the step fits ranks 1 and 2 and not rank 0, and every rank says so; the cache is then exactly as before."""
+    g = torch.Generator().manual_seed(0)
+    k, v, q = (torch.randn(10, HKV if i < 2 else H, D, generator=g, dtype=torch.float64) for i in range(3))
+
+    def rank(group):
+        cache = xcp.PagedKVCache(group, num_blocks=2, block_size=2)
+        cache.append(["a"], k[:2], v[:2], [0, 2])
+        before = (cache.free_blocks, cache.seq_len("a"), cache.local_len("a"), cache.block_table("a"))
+        with pytest.raises(ValueError) as caught:
+            cache.append(["a", "b"], k[2:10], v[2:10], [0, 1, 8])
+        after = (cache.free_blocks, cache.seq_len("a"), cache.local_len("a"), cache.block_table("a"))
+        out = cache.attention(q[1:2], ["a"], [0, 1])
+        assert "b" not in cache.seq_ids()
+        return str(caught.value), before == after, out
+
+    with LocalWorld(3) as w:
+        results = w.run(rank)
+    want, _ = _reference_rows(q, k, v, 2, 1, True, None, None)
+    for message, unchanged, out in results:
+        assert message.startswith("num_blocks: expected a pool that holds the step (PagedKVCache(num_blocks=2,")
+        assert "rank 0 needing 2 more blocks with 1 free" in message
+        assert unchanged
+        torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+
+
+def test_paged_cache_errors_name_the_argument():
+    cache = xcp.PagedKVCache(num_blocks=4, block_size=2)
+    k = torch.randn(3, HKV, D)
+    with pytest.raises(ValueError, match="q: expected a cache that holds tokens"):
+        cache.attention(torch.randn(1, H, D), ["a"], [0, 1])
+    cache.append(["a"], k, k, [0, 3])
+    with pytest.raises(KeyError, match="seq_id: expected a sequence the cache holds; got 'zz'"):
+        cache.attention(torch.randn(1, H, D), ["zz"], [0, 1])
+    with pytest.raises(ValueError, match="seq_ids: expected distinct ids; got 'a' more than once"):
+        cache.append(["a", "a"], k, k, [0, 1, 3])
+    with pytest.raises(ValueError, match=r"cu_seqlens: expected the last offset to be k.shape\[0\] = 3; got 2"):
+        cache.append(["a"], k, k, [0, 2])
+    with pytest.raises(ValueError, match=r"cu_seqlens: expected len\(seq_ids\) \+ 1 = 2 offsets; got 3"):
+        cache.append(["a"], k, k, [0, 1, 3])
+    with pytest.raises(ValueError, match=r"cu_seqlens: expected at most seq_len\('a'\) = 3 queries"):
+        cache.attention(torch.randn(4, H, D), ["a"], [0, 4])
+    with pytest.raises(ValueError, match="k: expected 3 dims"):
+        cache.append(["a"], k[None], k[None], [0, 3])
+    with pytest.raises(TypeError, match="k: expected dtype torch.float32"):
+        cache.append(["a"], k.double(), k.double(), [0, 3])
+    with pytest.raises(ValueError, match="num_blocks: expected a positive integer; got 0"):
+        xcp.PagedKVCache(num_blocks=0)
+    with pytest.raises(KeyError, match="seq_id"):
+        cache.free("zz")
+    cache.free("a")
+    assert cache.free_blocks == 4 and cache.seq_ids() == []

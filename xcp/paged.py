@@ -1,0 +1,304 @@
+"""A paged KV cache of many sequences, sharded across the ranks of a group: serving's continuous batches.
+
+Requests of different lengths arrive and leave, prefill in chunks beside others' decode steps; their keys and
+values live in a pool of fixed-size blocks per rank, a block table per sequence. Position p of any sequence
+lives on rank ``(p // I) % P`` (:mod:`xcp.serving`), so every rank knows every rank's share of every
+sequence from the global lengths alone, and plans a step for all ranks before writing anything: a step the
+pool of some rank cannot hold is refused on every rank, the cache left as it was.
+
+:meth:`PagedKVCache.attention` is :class:`xcp.KVCache`'s attention over a packed (THD) batch: each listed
+sequence's local partial as kernel calls over segments (:mod:`xcp.cache_plan`, on the rank's tokens of that
+sequence, read from its blocks), every sequence's rows packed in one buffer, one all-gather of it for the
+whole batch and the merge (:mod:`xcp.partials`), sinks folded in once after. A row a rank sees nothing of
+weighs 0; a row no rank sees is 0 with lse -inf.
+
+Lifetimes (docs/lifetime.md): the packed partial goes to the comm stream under the hand-off policy (rule
+3.3), as the KV cache's does. A sequence's blocks are read by its partial (on the caller's stream, inside
+the combine, before the collective reads the packed partial) and written by appends on that same stream, so
+a block freed and handed to another sequence is rewritten only after every read of it issued before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from . import cache_plan, partials
+from .agreement import agree, fingerprint
+from .checks import (
+    CacheLayout,
+    check_backend_serves,
+    check_causal,
+    check_num_blocks,
+    check_paged_kv,
+    check_paged_query,
+    check_scale,
+    check_seq_batch,
+    check_sinks,
+    check_values_in_keys,
+)
+from .comm import resolve_group
+from .documents import PositionRun, check_window
+from .kernels.merge import accumulator_dtype, apply_sinks_
+from .lifetime import check_handoff
+from .plugins import select_backend
+from .serving import check_placement, held, kept
+
+
+@dataclasses.dataclass
+class _Sequence:
+    """One sequence: its global length, this rank's block table and the positions its rows hold."""
+
+    length: int = 0
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    runs: tuple[PositionRun, ...] = ()
+
+
+class PagedKVCache:
+    """This rank's part of ONE layer's keys and values of many sequences, in blocks.
+
+    :param group: as for :func:`xcp.attention` (a ProcessGroup, a LocalWorld group, or None).
+    :param num_blocks: the blocks of this rank's pool (every rank has as many).
+    :param block_size: tokens a block holds.
+    :param interleave: I: position p of a sequence lives on rank ``(p // I) % P``.
+    :param device: backend name, as for :func:`xcp.attention`; default the tensors' device type.
+    :param handoff: the hand-off policy of the combine, overriding the backend's.
+    :param timeout: as for :func:`xcp.attention`.
+    :param values_in_keys: Dv where the values are the keys' first Dv channels (as :class:`xcp.KVCache`'s):
+        only keys are stored and :meth:`append` takes ``v=None``.
+
+    The pool is allocated at the first :meth:`append` with tokens (which fixes heads, dims, dtype, device).
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        interleave: int = 1,
+        device: str | None = None,
+        handoff: str | None = None,
+        timeout: float | None = None,
+        values_in_keys: int | None = None,
+    ) -> None:
+        self._num_blocks, self.block_size = check_num_blocks(num_blocks, block_size)
+        self._comm = resolve_group(group, timeout)
+        self._world, self._rank = self._comm.size(), self._comm.rank()
+        _, _, self.interleave = check_placement(self._world, self._rank, interleave)
+        self._device = device
+        self._handoff = None if handoff is None else check_handoff(handoff)
+        self.values_in_keys = check_values_in_keys(values_in_keys)
+        self._layout: CacheLayout | None = None
+        self._k: torch.Tensor | None = None  # pool [num_blocks, block_size, Hkv, D]
+        self._v: torch.Tensor | None = None
+        self._seqs: dict[Hashable, _Sequence] = {}
+        self._free = list(range(self._num_blocks - 1, -1, -1))  # this rank's free blocks (a stack: lowest first)
+        self._used = [0] * self._world  # blocks in use on each rank, as every rank computes them
+
+    # ------------------------------------------------------------------ what the cache holds
+    @property
+    def num_blocks(self) -> int:
+        """The blocks of each rank's pool."""
+        return self._num_blocks
+
+    @property
+    def free_blocks(self) -> int:
+        """This rank's blocks that hold no sequence's tokens."""
+        return len(self._free)
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        """Tokens of sequence ``seq_id`` held by all ranks together (its next token's position)."""
+        return self._sequence(seq_id).length
+
+    def local_len(self, seq_id: Hashable) -> int:
+        """Tokens of sequence ``seq_id`` this rank holds."""
+        return held(self._sequence(seq_id).length, self._world, self._rank, self.interleave)
+
+    def seq_ids(self) -> list[Hashable]:
+        """The sequences the cache holds, in the order they started."""
+        return list(self._seqs)
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """The blocks of this rank's pool that hold sequence ``seq_id``'s tokens, in position order."""
+        return list(self._sequence(seq_id).blocks)
+
+    def _sequence(self, seq_id: Hashable) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise KeyError(f"seq_id: expected a sequence the cache holds; got {seq_id!r}") from None
+
+    def __repr__(self) -> str:
+        return (
+            f"<PagedKVCache rank {self._rank} of {self._world}: {len(self._seqs)} sequences, "
+            f"{self.free_blocks} of {self._num_blocks} blocks of {self.block_size} free, interleave {self.interleave}>"
+        )
+
+    # ------------------------------------------------------------------ filling and freeing
+    def append(self, seq_ids: Sequence[Hashable], k: torch.Tensor, v: torch.Tensor | None, cu_seqlens) -> None:
+        """Add tokens to sequences: ``k`` [T, Hkv, D] and ``v`` [T, Hkv, Dv] (None with ``values_in_keys``), the
+        same on every rank, rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` the next tokens of ``seq_ids[i]`` (an id not
+        seen before starts a sequence). This rank keeps its positions of them; no communication.
+
+        Every rank's blocks are planned first: where some rank's pool cannot hold the step, a ValueError says
+        which, on every rank, and nothing is written anywhere."""
+        layout = check_paged_kv(k, v, self._layout, self.values_in_keys)
+        ids, cu = check_seq_batch(seq_ids, cu_seqlens, k.shape[0], "k.shape[0]")
+        grows = [self._seqs[i].length if i in self._seqs else 0 for i in ids]
+        self._check_fits(ids, cu, grows)
+        if layout is not None and self._k is None:
+            self._allocate(layout)
+        rows: list[int] = []  # the pool rows (block * block_size + offset) of this rank's new tokens
+        sources: list[int] = []  # their rows in k and v
+        for seq_id, start, n, c0 in zip(ids, grows, (b - a for a, b in zip(cu, cu[1:])), cu):
+            seq = self._seqs.setdefault(seq_id, _Sequence())
+            self._grow(seq, start + n)
+            for first, count in kept(start, n, self._world, self._rank, self.interleave):
+                local0 = held(first, self._world, self._rank, self.interleave)
+                for j in range(local0, local0 + count):
+                    rows.append(seq.blocks[j // self.block_size] * self.block_size + j % self.block_size)
+                sources.extend(range(c0 + first - start, c0 + first - start + count))
+                seq.runs = cache_plan.extend(seq.runs, first, count)
+            seq.length = start + n
+        if rows:
+            assert self._k is not None and self._v is not None
+            where = torch.tensor(rows, dtype=torch.int64, device=k.device)
+            which = torch.tensor(sources, dtype=torch.int64, device=k.device)
+            self._k.view(-1, *self._k.shape[2:]).index_copy_(0, where, k.index_select(0, which))
+            if v is not None:
+                self._v.view(-1, *self._v.shape[2:]).index_copy_(0, where, v.index_select(0, which))
+
+    def free(self, seq_id: Hashable) -> None:
+        """Forget sequence ``seq_id``: its blocks go back to the pool (every rank's, as every rank counts them)."""
+        seq = self._sequence(seq_id)
+        for r in range(self._world):
+            self._used[r] -= self._blocks_for(seq.length, r)
+        self._free.extend(reversed(seq.blocks))
+        del self._seqs[seq_id]
+
+    def _blocks_for(self, length: int, rank: int) -> int:
+        """The blocks ``rank`` needs for ``length`` tokens of one sequence."""
+        return -(-held(length, self._world, rank, self.interleave) // self.block_size)
+
+    def _check_fits(self, ids: tuple, cu: tuple[int, ...], starts: list[int]) -> None:
+        """Count the step's new blocks on every rank, refusing (on every rank, writing nothing) a step some
+        rank's pool cannot hold."""
+        needs = [
+            sum(self._blocks_for(s + cu[i + 1] - cu[i], r) - self._blocks_for(s, r) for i, s in enumerate(starts))
+            for r in range(self._world)
+        ]
+        for r, need in enumerate(needs):
+            free = self._num_blocks - self._used[r]
+            if need > free:
+                raise ValueError(
+                    f"num_blocks: expected a pool that holds the step (PagedKVCache(num_blocks={self._num_blocks}, "
+                    f"block_size={self.block_size})); got rank {r} needing {need} more blocks with {free} free "
+                    f"(nothing was written; free sequences or give a larger pool)"
+                )
+        self._used = [used + need for used, need in zip(self._used, needs)]
+
+    def _grow(self, seq: _Sequence, length: int) -> None:
+        """Give ``seq`` the blocks this rank needs to hold ``length`` tokens of it (checked to be free)."""
+        while len(seq.blocks) < self._blocks_for(length, self._rank):
+            seq.blocks.append(self._free.pop())
+
+    def _allocate(self, layout: CacheLayout) -> None:
+        _, h, d, dtype, device, dv = layout
+        shape = (self._num_blocks, self.block_size, h)
+        self._k = torch.zeros((*shape, d), dtype=dtype, device=device)  # zeroed: a block's unused rows stay finite
+        self._v = self._k[..., :dv] if self.values_in_keys is not None else torch.zeros((*shape, dv), dtype=dtype,
+                                                                                         device=device)  # fmt: skip
+        self._layout = layout
+
+    # ------------------------------------------------------------------ attention
+    def attention(
+        self,
+        q: torch.Tensor,
+        seq_ids: Sequence[Hashable],
+        cu_seqlens,
+        *,
+        causal: bool = True,
+        scale: float | None = None,
+        window: tuple[int | None, int | None] | None = None,
+        sinks: torch.Tensor | None = None,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Exact attention of the newest tokens' queries of each listed sequence over its cached tokens, the same
+        on every rank: one collective for the whole batch.
+
+        :param q: [T, H, D], the same on every rank: rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` the queries of
+            the last ``cu_seqlens[i + 1] - cu_seqlens[i]`` tokens of ``seq_ids[i]`` (decode: 1; a chunk of a
+            chunked prefill: more; none: that sequence sits this step out); H a multiple of the kv_heads (GQA).
+        :param causal: a query sees its sequence's cached tokens at positions <= its own; else all of them.
+        :param scale: factor on q·k; default 1/sqrt(head_dim).
+        :param window: ``(left, right)`` over each sequence's positions, as for :func:`xcp.attention`.
+        :param sinks: [H], one value-less logit per head, as for :func:`xcp.attention`.
+        :param return_lse: also return the natural-log lse [H, T] (float32; float64 for float64), sinks included.
+        :returns: [T, H, Dv] in q's dtype (and the lse), equal on every rank; a row that sees no token is 0.
+        """
+        ids, cu = check_seq_batch(seq_ids, cu_seqlens, q.shape[0] if isinstance(q, torch.Tensor) else None,
+                                  "q.shape[0]")  # fmt: skip
+        seqs = [self._sequence(i) for i in ids] if self._layout is not None else []  # empty: refused below
+        check_paged_query(q, self._layout, [(i, s.length, b - a) for i, s, a, b in zip(ids, seqs, cu, cu[1:])])
+        assert self._layout is not None and self._k is not None and self._v is not None
+        causal = check_causal(causal)
+        scale = check_scale(scale, q.shape[2])
+        window = check_window(window, causal)
+        sinks = check_sinks(sinks, q.unsqueeze(0))
+        backend = select_backend(self._device, q.device.type)
+        check_backend_serves(backend, q.unsqueeze(0), 1, causal, "stripe", value_dim=self._layout[5])
+        if self._world > 1:
+            self._agree(backend, q, cu, [s.length for s in seqs], causal, scale, window, sinks)
+        t, h, dv = q.shape[0], q.shape[1], self._layout[5]
+        acc = accumulator_dtype(q.dtype)
+
+        def packed(dtype: torch.dtype) -> torch.Tensor:
+            """This rank's partial of every row, packed for inputs of ``dtype``: each sequence's calls."""
+            out = partials.empty_packed((1, t, h), dv, dtype, q.device)
+            for seq, c0, c1 in zip(seqs, cu, cu[1:]):
+                calls = cache_plan.partial_calls(seq.runs, seq.length, c1 - c0, causal, window) if c1 > c0 else ()
+                if calls:
+                    k, v = self._rows(seq)
+                    partials.fill_packed(out[:, c0:c1], backend, calls, q[None, c0:c1], k, v, scale)
+            return out
+
+        if self._world == 1:
+            out, lse = partials.unpack(packed(acc), dv)
+        else:
+            out, lse = partials.gather_merge(self._comm, backend, self._handoff, lambda: packed(q.dtype),
+                                             (1, t, h, dv), q.dtype, q.device)  # fmt: skip
+        if sinks is not None:
+            out, lse = out.to(acc), lse.to(acc, copy=True)
+            apply_sinks_(out, lse, sinks)
+        result = out[0].to(q.dtype)
+        return (result, lse[0].to(acc)) if return_lse else result
+
+    def _rows(self, seq: _Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's keys and values of ``seq`` [1, local_len, Hkv, D], in position order, read from its blocks."""
+        assert self._k is not None and self._v is not None
+        n = held(seq.length, self._world, self._rank, self.interleave)
+        blocks = torch.tensor(seq.blocks, dtype=torch.int64, device=self._k.device)
+        k = self._k.index_select(0, blocks).flatten(0, 1)[None, :n]
+        if self.values_in_keys is not None:
+            return k, k[..., : self.values_in_keys]
+        return k, self._v.index_select(0, blocks).flatten(0, 1)[None, :n]
+
+    def _agree(self, backend: Any, q, cu: tuple[int, ...], lengths: list[int], causal, scale, window, sinks) -> None:
+        """The ranks' calls must match (shapes, options, batch and lengths): checked on the first call of a
+        configuration (:func:`xcp.agreement.agree`), whose key leaves the batch and lengths out."""
+        assert self._layout is not None
+        _, h, d, dtype, _, dv = self._layout
+
+        def values(total: int, documents: tuple[int, ...] | None) -> tuple:
+            like_k, like_v = (torch.empty((1, total, h, dim), dtype=dtype, device="meta") for dim in (d, dv))
+            return fingerprint(q.unsqueeze(0), like_k, like_v, causal, "stripe", scale, documents, sinks, window)
+
+        compared = lambda: values(sum(lengths), (*cu, *lengths))  # noqa: E731
+        agree(self._comm, backend, compared, q.device, ("paged", self.interleave, *values(0, None)))
+
+
+__all__ = ["PagedKVCache"]
