@@ -166,3 +166,17 @@ def test_attention_over_keys_the_cache_never_saw_is_refused():
         cache.attention(module, q, wider, wider, True, None, None, None, "who")
     out = cache.attention(module, q, k, v, True, None, None, None, "who")  # what the update returned
     torch.testing.assert_close(out, v.transpose(1, 2).repeat_interleave(2, dim=2))  # one key: its value
+
+
+def test_cross_attention_layers_are_refused_by_generate():
+    config = transformers.MllamaTextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, cross_attention_layers=[1], pad_token_id=0,
+    )  # fmt: skip
+    config._attn_implementation = "xcp"
+    torch.manual_seed(0)
+    model = xt.prepare(transformers.MllamaForCausalLM(config)).eval()
+    ids = torch.randint(3, VOCAB, (1, 13))
+    refused = r"model: cross-attention layers \(MllamaTextCrossAttention, config.cross_attention_layers=\[1\]\) cache"
+    with pytest.raises(RuntimeError, match=refused):
+        xcp.LocalWorld(2).run(lambda group: xt.generate(model, ids, group=group, max_new_tokens=2))

@@ -450,6 +450,20 @@ def _refuse(config: GenerationConfig, kwargs: dict[str, Any]) -> None:
         raise ValueError("use_cache: expected True (generation runs over the sharded KV cache); got False")
 
 
+def _check_model(model: Any) -> None:
+    """Refuse what the sharded cache cannot hold: cross-attention layers (Mllama), whose cache keeps the
+    image's keys and values whole and which the model reads from the cache layer itself."""
+    crossing = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("CrossAttention")})
+    text = model.config.get_text_config(decoder=True)
+    if getattr(text, "cross_attention_layers", None):  # the model reads those layers' caches, built or not
+        crossing.append(f"config.cross_attention_layers={list(text.cross_attention_layers)}")
+    if crossing:
+        raise ValueError(
+            f"model: cross-attention layers ({', '.join(crossing)}) cache the keys and values of another input "
+            "(an image, an encoder), which xcp's sharded cache does not hold; generate() serves self-attention only"
+        )
+
+
 def _cache_name(model: Any) -> str:
     """The keyword the model takes its cache by (``cache`` since transformers 5.x, ``past_key_values`` before)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -468,6 +482,7 @@ def generate(model: Any, input_ids: torch.Tensor, group: Any, max_new_tokens: in
     """:func:`xcp.integrations.transformers.generate`, ``options`` its ``**generate_kwargs`` (not mutated)."""
     generate_kwargs = dict(options)
     _check(input_ids, max_new_tokens, generate_kwargs)
+    _check_model(model)
     ctx = Context(group, balance)
     given = generate_kwargs.pop("generation_config", None)
     config, model_kwargs = model._prepare_generation_config(given, max_new_tokens=max_new_tokens, **generate_kwargs)

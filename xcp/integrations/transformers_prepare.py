@@ -292,7 +292,7 @@ module ``transformers.models.<model>.modeling_<model>``) and what they do instea
 
 
 _PROJECTIONS = frozenset(
-    {"q_proj", "k_proj", "v_proj", "query", "key", "value", "qkv_proj", "c_attn", "query_key_value"}
+    {"q_proj", "k_proj", "v_proj", "query", "key", "value", "qkv_proj", "c_attn", "query_key_value", "q_lin", "k_lin"}
 )
 """Names transformers gives an attention module's query/key/value projections."""
 
