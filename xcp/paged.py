@@ -126,6 +126,10 @@ class PagedKVCache:
         """The blocks of this rank's pool that hold sequence ``seq_id``'s tokens, in position order."""
         return list(self._sequence(seq_id).blocks)
 
+    def free_block_ids(self) -> list[int]:
+        """The blocks of this rank's pool that hold no sequence's tokens (the next append takes the last first)."""
+        return list(self._free)
+
     def _sequence(self, seq_id: Hashable) -> _Sequence:
         try:
             return self._seqs[seq_id]

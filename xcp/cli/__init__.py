@@ -12,7 +12,7 @@ import textwrap
 from collections.abc import Sequence
 
 from .. import __version__, schedule
-from . import bench, decode, packing, plan, run, ulysses, windows
+from . import bench, decode, packing, plan, run, serve, ulysses, windows
 from .common import DTYPES, FLAGS, HelpFormatter, Problem, add_problem_flags, check_heads, positive, quiet_rank
 
 __all__ = ["build_parser", "main"]
@@ -116,6 +116,11 @@ def _add_sanitize(sub) -> None:
     p.add_argument("--capacity", action="store_true",
                    help="with --decode: preallocated caches (KVCache(capacity=...)), whose decode steps keep their "
                    "lengths on the device")  # fmt: skip
+    serve.add_flags(
+        p,
+        "each rank's xcp.PagedKVCache on the simulated device: the combine's hand-off, the pool audited "
+        "after every step (every block free or in one table; all back at the end), float64 checks",
+    )
 
 
 def _cmd_sanitize_decode(args) -> int:
@@ -158,6 +163,9 @@ def _cmd_sanitize(args) -> int:
 
     check_heads(args.heads, args.kv_heads)
     packing.check_balance(args.balance, args.documents is not None)
+    if args.serve is not None:
+        return serve.sanitize_command(args)
+    serve.check_needs_serve(args)
     if args.decode is not None:
         return _cmd_sanitize_decode(args)
     decode.check_needs_decode(((decode.CHUNK_FLAG, args.chunk, SANITIZE_CHUNK), ("--capacity", args.capacity, False)))

@@ -25,7 +25,7 @@ from ..comm import LocalWorld, resolve_group
 from ..hybrid import hybrid_backward, hybrid_config, hybrid_forward
 from ..lifetime import track_buffers
 from ..ring import RingConfig, ring_backward, ring_forward
-from . import decode, packing, ulysses
+from . import decode, packing, serve, ulysses
 from .common import (
     DTYPES,
     FLAGS,
@@ -261,6 +261,11 @@ def add_parser(sub) -> None:
                    f"of {decode.CHUNK_FLAG} tokens, every step's output on every rank checked against float64 "
                    "attention over the whole sequence (causal; exit 1 on a failed check)")  # fmt: skip
     p.add_argument(decode.CHUNK_FLAG, type=int, default=decode.DEFAULT_CHUNK, metavar="T", help=decode.CHUNK_HELP)
+    serve.add_flags(
+        p,
+        "every step's output on every rank checked against float64 attention over each request's "
+        "history (exit 1 on a failed check)",
+    )
 
 
 def _documents(args: argparse.Namespace) -> tuple[int, tuple[int, ...] | None]:
@@ -281,6 +286,9 @@ def command(args: argparse.Namespace) -> int:
     check_value_dim(backend, args.head_dim, args.value_head_dim or args.head_dim)
     check_heads(args.heads, args.kv_heads)
     packing.check_balance(args.balance, args.documents is not None)
+    if args.serve is not None:
+        return serve.run_command(args)
+    serve.check_needs_serve(args)
     if args.decode is not None:
         return decode.run_command(args, problem_args(args))
     decode.check_needs_decode(((decode.CHUNK_FLAG, args.chunk, decode.DEFAULT_CHUNK),))

@@ -19,7 +19,7 @@ from ..cache import KVCache
 from ..comm import LocalWorld
 from ..documents import check_window
 from ..lifetime import check_handoff, track_buffers
-from .sanitizer import TOLERANCE, Finding, Sanitizer, SanitizerReport, peers_rows
+from .sanitizer import TOLERANCE, Finding, Sanitizer, SanitizerReport, gathered_findings
 
 
 def _reference(q, k, v, s: int, t: int, scale: float, window: tuple | None = None) -> torch.Tensor:
@@ -112,7 +112,6 @@ def sanitize_decode(
     if window is not None:
         config["window"] = ",".join("none" if x is None else str(x) for x in window)
 
-    findings: list[Finding] = []
     with Sanitizer() as san:
         lw = LocalWorld(world, timeout=60.0)
 
@@ -139,16 +138,11 @@ def sanitize_decode(
         del results
         lw.release_buffers()
         del lw
-        set_aside = [f for f in san.findings if peers_rows(f)]
-        findings.extend(f for f in san.findings if not any(f is a for a in set_aside))
-        for r, ledger in enumerate(ledgers):
-            if ledger.live_bytes:
-                findings.append(Finding("leak", f"rank{r}: the ledger counts {ledger.live_bytes} B after the calls"))
-        findings.extend(san.leaks())
+        findings, set_aside = gathered_findings(san, ledgers)
     if not error <= TOLERANCE[dtype]:
         tol = TOLERANCE[dtype]
         against = f"float64 attention{' with the banded mask' if window is not None else ''}"
         findings.append(Finding("numerics", f"out: error {error:.3e} against {against} exceeds {tol:g}"))
     return SanitizerReport(config, findings, peak_kv_shards={}, peak_bytes={}, peak_comm_bytes={}, bound_shards=0,
-                           bound_comm_bytes=0, max_error={"out": error}, set_aside=len(set_aside),
+                           bound_comm_bytes=0, max_error={"out": error}, set_aside=set_aside,
                            window=window)  # fmt: skip

@@ -188,6 +188,18 @@ def _masked(documents: object, window: object) -> str:
     return f" with the {' '.join(kinds)} mask" if kinds else ""
 
 
+def gathered_findings(san: Sanitizer, ledgers: list[Any]) -> tuple[list[Finding], int]:
+    """The findings of a run of the caches' combine (after the world released its buffers): the sanitizer's,
+    less the reports of two peers writing their own rows of one receive buffer (:func:`peers_rows`, counted
+    apart), a leak per rank whose ledger still counts bytes, and every buffer never released."""
+    set_aside = [f for f in san.findings if peers_rows(f)]
+    findings = [f for f in san.findings if not any(f is a for a in set_aside)]
+    for r, ledger in enumerate(ledgers):
+        if ledger.live_bytes:
+            findings.append(Finding("leak", f"rank{r}: the ledger counts {ledger.live_bytes} B after the calls"))
+    return findings + san.leaks(), len(set_aside)
+
+
 def peers_rows(finding: Finding, tags: tuple[str, ...] = ("a2a", "combine")) -> bool:
     """True for a race between two different peers' copies into one receive buffer of an all-to-all or
     all-gather (``tags``; each writes its own row, so the writes are disjoint; the model tracks whole storages
