@@ -60,6 +60,7 @@ SMALL = {
     "qk_nope_head_dim": 8,
     "v_head_dim": 16,
     "sliding_window": 8,
+    "rotary_dim": 8,
     "state_size": 8,
     "vocab_size_per_layer_input": 128,
     "hidden_size_per_layer_input": 16,
@@ -89,6 +90,9 @@ SMALL = {
     "d_ff": 128,
 }
 """Small values for the config attributes a model has (only those it has are set)."""
+
+FEATURES = frozenset({"sliding_window", "q_lora_rank", "hidden_size_per_layer_input", "vocab_size_per_layer_input"})
+"""Attributes whose None or 0 turns a feature off: made small only where the model has the feature."""
 
 
 def _hrm(kw: dict[str, Any]) -> None:  # one cache slot per layer of a stack and per cycle (2 x (3 + 1))
@@ -121,7 +125,7 @@ def _small(cfg: Any, model_type: str) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     for key, value in SMALL.items():
         target = names.get(key, key)  # the config's own name (BART: d_model for hidden_size)
-        if present.get(target) not in (None, 0):  # a feature the model has by default, made small
+        if target in present and (target not in FEATURES or present[target] not in (None, 0)):
             kw[target] = value
     if "qk_rope_head_dim" in kw:
         _mla(kw)

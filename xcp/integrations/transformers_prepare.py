@@ -17,10 +17,14 @@ adapter and the built-in refusal of that family no longer applies; it never edit
     from xcp.integrations.transformers_prepare import register_layer
     register_layer("Qwen3NextGatedDeltaNet", make_context_parallel, name="gated delta net")
 
-xcp's attention and mask functions refuse a module that was not prepared (:func:`check_prepared`), so a
-model used with ``attn_implementation="xcp"`` without ``prepare`` fails at its first forward instead of
-running any layer over a shard alone. :func:`prepare` is idempotent (a prepared module is neither adapted
-nor checked again) and returns the model. Nothing here imports transformers.
+xcp's attention and mask functions refuse a module that was not prepared (:func:`is_prepared`,
+:func:`config_prepared`), so a model used with ``attn_implementation="xcp"`` without ``prepare`` fails at
+its first forward, whatever layers it has (recurrent ones included: nothing needs adding for them), instead
+of running any layer over a shard alone. A prepared model also runs every :func:`add_forward_check`
+before each forward (xcp's own: under a context of more than one rank its attention must still be
+xcp's); a family whose layers need a model-wide condition adds one there. :func:`prepare` is idempotent
+(a prepared module is neither adapted nor checked again) and returns the model. Nothing here imports
+transformers.
 """
 
 from __future__ import annotations
