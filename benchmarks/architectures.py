@@ -114,7 +114,22 @@ def _mla(kw: dict[str, Any]) -> None:  # every query head has its own latent key
     kw["num_key_value_heads"] = kw["num_attention_heads"]
 
 
-FIXUPS = {"hrm_text": _hrm, "dory": _dory, "gemma3n_text": _gemma3n}
+def _qwen4_exp(kw: dict[str, Any]) -> None:  # its indexer's sizes (None by default)
+    kw.update(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4)
+
+
+def _lfm2(kw: dict[str, Any]) -> None:  # its default is all attention: one short-convolution layer too
+    kw.update(layer_types=["conv", "full_attention"], full_attn_idxs=[1], num_hidden_layers=2)
+
+
+FIXUPS = {
+    "lfm2": _lfm2,
+    "hrm_text": _hrm,
+    "dory": _dory,
+    "gemma3n_text": _gemma3n,
+    "qwen4_exp": _qwen4_exp,
+    "qwen4_exp_text": _qwen4_exp,
+}
 """Models whose layers must agree with attributes of their own: changes to :func:`_small`'s arguments."""
 
 

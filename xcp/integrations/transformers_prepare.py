@@ -218,6 +218,8 @@ def _walk(
     refused: list[Refusal],
     plan: list[tuple[Any, str, torch.nn.Module, Adapter]],
     problems: dict[str, str],
+    path: str = "",
+    inside: bool = False,
 ) -> None:
     """Find each unprepared module's adapter (into ``plan``) or refusal (into ``problems``), top down; the
     children of an adapted module are its adapter's business."""
@@ -228,10 +230,13 @@ def _walk(
         plan.append((parent, name, module, rule))
         return
     refusal = next((r for r in refused if matches(r.match, module)), None)
-    if refusal is not None:
-        problems.setdefault(type(module).__name__, refusal.reason(module))
+    generic = type(module).__module__.startswith("torch.")  # a class of torch's own (Conv1d): where it is
+    if refusal is not None and not (generic and inside):  # inside a refused layer: refused with it
+        label = f"{type(module).__name__} ({path})" if generic and path else type(module).__name__
+        problems.setdefault(label, refusal.reason(module))
     for child_name, child in module.named_children():
-        _walk(module, child_name, child, rules, refused, plan, problems)
+        child_path = f"{path}.{child_name}".lstrip(".")
+        _walk(module, child_name, child, rules, refused, plan, problems, child_path, inside or refusal is not None)
 
 
 def _mark(model: torch.nn.Module) -> None:
@@ -405,11 +410,19 @@ RECURRENT = frozenset(
 rule, lightning attention, RG-LRU, RWKV's time mixing and token shift, mLSTM, short causal convolutions."""
 
 
+_RECURRENT_NAMES = re.compile(r"(GatedDeltaNet|DeltaAttention|Mamba\d?Mixer|MambaLayer|ShortConv|LightningAttention)$")
+"""The class names of such layers in families :data:`RECURRENT` does not list yet."""
+
+
 def _recurrent(module: torch.nn.Module) -> bool:
-    if type(module).__name__ in RECURRENT:
+    """A layer of :data:`RECURRENT` or named like one, or a depthwise convolution over the sequence (the
+    short causal convolutions of hybrid layers) of width more than 1."""
+    name = type(module).__name__
+    if name in RECURRENT or _RECURRENT_NAMES.search(name):
         return True
-    conv = isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1
-    return conv and type(module).__module__.startswith("transformers.")
+    if isinstance(module, torch.nn.Conv1d):
+        return module.kernel_size[0] > 1 and module.groups == module.in_channels > 1
+    return False
 
 
 def _recurrent_why(module: torch.nn.Module) -> str:
