@@ -33,7 +33,7 @@ def add_flags(p: argparse.ArgumentParser, what: str, seed: bool = False) -> None
     if seed:
         p.add_argument("--seed", type=int, default=0, help=f"with {FLAG}: the seed of the workload")
     p.add_argument("--block-size", type=positive, default=4, help=f"with {FLAG}: tokens a block holds")
-    p.add_argument("--interleave", type=positive, default=1, help=f"with {FLAG}: position p on rank (p // I) % P")
+    p.add_argument("--interleave", type=positive, default=1, help=f"with {FLAG}: position p on rank (p // I) %% P")
     p.add_argument("--num-blocks", type=positive, default=None,
                    help=f"with {FLAG}: each rank's pool (default: the most the workload holds at once)")  # fmt: skip
 
