@@ -346,8 +346,8 @@ def _bypassing_why(module: torch.nn.Module) -> str:
 
 
 def _numbers_from_zero(module: torch.nn.Module) -> bool:
-    """A language model (it has output embeddings) whose forward takes no ``position_ids``: it numbers the
-    tokens it is given from 0 (BART's and Whisper's decoders, RoFormer, ...)."""
+    """A language model (it has output embeddings) with position embeddings whose forward takes no
+    ``position_ids``: it numbers the tokens it is given from 0 (BART's and Whisper's decoders, RoFormer)."""
     if _model_of(type(module)) is None or not callable(getattr(module, "get_output_embeddings", None)):
         return False
     try:
@@ -355,7 +355,14 @@ def _numbers_from_zero(module: torch.nn.Module) -> bool:
         parameters = inspect.signature(module.forward).parameters
     except Exception:  # noqa: BLE001 - not a language model after all
         return False
-    return head is not None and "position_ids" not in parameters
+    if head is None or "position_ids" in parameters:
+        return False
+    return any(_POSITIONAL.search(type(m).__name__) for m in module.modules())  # positions it makes itself
+
+
+_POSITIONAL = re.compile(r"Positional|PositionEmbedding|RotaryEmbedding|RotaryPositional")
+"""Class names of modules that turn positions into embeddings or rotations (a model without any, such as
+Mamba or RWKV, needs no positions)."""
 
 
 def _positions_from_ids(module: torch.nn.Module) -> bool:
@@ -455,11 +462,11 @@ def _named(pattern: str) -> Callable[[torch.nn.Module], bool]:
 
 
 def _builtin() -> None:
+    refuse_layer(_recurrent, _recurrent_why, name="recurrent layers")
     refuse_layer(_bypassing, _bypassing_why, name="attention outside the interface")
     refuse_layer("DogeAttention", _DOGE, name="Doge dynamic mask")
     refuse_layer(_named(r"Indexer$"), _INDEXER, name="sparse attention indexer")
     refuse_layer(_named(r"Compressor$"), _COMPRESSED, name="compressed KV")
-    refuse_layer(_recurrent, _recurrent_why, name="recurrent layers")
     refuse_layer(_numbers_from_zero, _FROM_ZERO, name="positions from zero")
     refuse_layer(_positions_from_ids, _FROM_IDS, name="positions from the input ids")
 
