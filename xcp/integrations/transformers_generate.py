@@ -305,6 +305,11 @@ class ShardedCache(Cache):
         shares, or the slot the model chose, e.g. ``layer_idx + offset``); else the layer updated last when
         attention got that update's tokens transformed (the same number of them)."""
         layers = [cast(ShardedLayer, layer) for layer in self.layers]
+        own = getattr(module, "layer_idx", None)
+        if isinstance(own, int) and 0 <= own < len(layers):  # the common case first: the module's own slot
+            step = layers[own].step
+            if layers[own].latent is None and step is not None and step.returned_any(key, value):
+                return layers[own]
         for layer in layers:
             if layer.latent is not None and layer.latent.module is module:  # its update had the latents
                 return layer
