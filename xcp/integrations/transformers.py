@@ -65,11 +65,13 @@ from .transformers_prepare import (
     unprepared,
     unregister_layer,
 )
+from .transformers_serving import generate_batch
 from .transformers_variants import CHUNK_PART, check_chunk_part, variants
 
 __all__ = [
     "attention_forward",
     "generate",
+    "generate_batch",
     "is_prepared",
     "mask_forward",
     "prepare",

@@ -1,0 +1,189 @@
+"""transformers' continuous batching over :class:`xcp.PagedKVCache`: :func:`generate_batch`.
+
+``model.generate_batch(inputs, generation_config=...)`` schedules requests of any prompt length as transformers
+schedules them (chunks of prompts beside other requests' decode steps, each request leaving at eos or
+``max_new_tokens``) and runs every step as one packed batch. Here the same scheduler runs on every rank, in the
+caller's thread (transformers runs it in a thread of its own, which a LocalWorld's virtual rank cannot lend its
+group), and every layer's attention goes to a :class:`xcp.PagedKVCache` over the group, one per layer: the step's
+new keys and values are appended (each rank keeps its own positions of every request), the step's queries attend
+over each request's cache with one all-gather per layer, and a request that leaves frees its blocks. Every rank
+runs the whole model on the same tokens and gets the same attention output, so greedy decoding picks the same
+tokens on every rank.
+
+transformers still sizes and allocates its own paged cache (its scheduler counts its blocks), which this
+leaves unwritten; prefix sharing between requests is turned off (a request that reused another's cached prefix
+would skip tokens this cache never saw).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..paged import PagedKVCache
+
+NAME = "xcp_serving"
+"""The attention implementation :func:`generate_batch` sets on the model while it runs."""
+
+_local = threading.local()  # this thread's _Serving, while a generate_batch runs in it
+_lock = threading.Lock()
+_users: dict[int, tuple[int, str]] = {}  # id(config) -> (ranks running, the implementation to restore)
+
+
+@dataclasses.dataclass
+class _Serving:
+    """One rank's state of a generate_batch: the group, a paged cache per layer, the batch processor."""
+
+    group: Any
+    processor: Any
+    num_blocks: int
+    block_size: int
+    caches: dict[int, PagedKVCache] = dataclasses.field(default_factory=dict)
+
+    def batch_ids(self) -> list[str]:
+        """The request ids of the step being computed, in the packed order."""
+        return [fs.state.request_id for fs in self.processor.inputs_and_outputs.requests_in_batch]
+
+    def cache(self, layer: int) -> PagedKVCache:
+        if layer not in self.caches:
+            self.caches[layer] = PagedKVCache(self.group, num_blocks=self.num_blocks, block_size=self.block_size)
+        return self.caches[layer]
+
+    def free(self, request_id: str) -> None:
+        for cache in self.caches.values():
+            if request_id in cache.seq_ids():
+                cache.free(request_id)
+
+
+def serving_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """The attention of one layer for one packed step: query [1, H, T, D], key and value [1, Hkv, T, D] of the
+    step's new tokens (transformers' cache leaves them as they are); returns [1, T, H, Dv]."""
+    state: _Serving | None = getattr(_local, "serving", None)
+    if state is None:
+        raise RuntimeError(
+            f"attn_implementation: {NAME!r} serves xcp.integrations.transformers.generate_batch only; got a call "
+            "outside one"
+        )
+    if getattr(module, "attn_logit_softcapping", None) or getattr(module.config, "attn_logit_softcapping", None):
+        raise NotImplementedError(f"{type(module).__name__}: logit soft-capping is not served by xcp.PagedKVCache")
+    ids = state.batch_ids()
+    cu = kwargs["cu_seq_lens_q"][: len(ids) + 1].tolist()
+    t = cu[-1]
+    q, k, v = (x[0, :, :t].transpose(0, 1) for x in (query, key, value))
+    window = getattr(module, "sliding_window", None)
+    sinks = getattr(module, "sinks", None)
+    cache = state.cache(int(module.layer_idx))  # type: ignore[arg-type]
+    cache.append(ids, k, v, cu)
+    out = cache.attention(q, ids, cu, scale=scaling, window=None if window is None else (window - 1, 0),
+                          sinks=None if sinks is None else sinks.detach())  # fmt: skip
+    assert isinstance(out, torch.Tensor)
+    return out.unsqueeze(0), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, serving_attention)
+
+
+@contextlib.contextmanager
+def _attention_set(model: Any) -> Iterator[None]:
+    """The model's attention implementation is :data:`NAME` while any rank's generate_batch runs (ranks of a
+    LocalWorld share one model), and what it was after the last one."""
+    config = model.config
+    with _lock:
+        count, before = _users.get(id(config), (0, config._attn_implementation))
+        _users[id(config)] = (count + 1, before)
+        config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        with _lock:
+            count, before = _users[id(config)]
+            if count == 1:
+                del _users[id(config)]
+                config._attn_implementation = before
+            else:
+                _users[id(config)] = (count - 1, before)
+
+
+def generate_batch(model: Any, inputs: list[list[int]], group: Any = None, generation_config: Any = None,
+                   **kwargs: Any) -> dict[str, Any]:  # fmt: skip
+    """``model.generate_batch(inputs, generation_config=...)`` with every layer's keys and values in a
+    :class:`xcp.PagedKVCache` over ``group``; returns what it returns ({request_id: GenerationOutput}, in the
+    order of ``inputs``), the same on every rank. Greedy decoding only (every rank must pick the same tokens).
+
+    :param inputs: the prompts, lists of token ids.
+    :param group: as for :func:`xcp.attention`.
+    :param generation_config: as for ``model.generate_batch``; ``do_sample`` must be False.
+    :param kwargs: ``max_new_tokens`` and ``continuous_batching_config`` (whose ``allow_block_sharing`` is
+        turned off), as for ``model.generate_batch``.
+    """
+    from transformers import ContinuousBatchingConfig
+
+    gen = model.generation_config if generation_config is None else generation_config
+    if getattr(gen, "do_sample", False):
+        raise NotImplementedError(
+            "generation_config.do_sample: expected False (greedy: every rank picks the same token); got True"
+        )
+    if getattr(gen, "num_return_sequences", None) not in (None, 1):
+        raise NotImplementedError(
+            f"generation_config.num_return_sequences: expected 1; got {gen.num_return_sequences} (forked requests "
+            "share blocks)"
+        )
+    if not inputs:
+        return {}
+    cb_config = kwargs.pop("continuous_batching_config", None) or ContinuousBatchingConfig()
+    cb_config = dataclasses.replace(cb_config, allow_block_sharing=False, use_async_batching=False)
+    max_new_tokens = kwargs.pop("max_new_tokens", None)
+    if kwargs:
+        raise TypeError(
+            f"generate_batch: expected only max_new_tokens and continuous_batching_config; got {sorted(kwargs)}"
+        )
+    from ..comm import resolve_group
+
+    comm = resolve_group(group)
+    _register()
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config)
+    try:
+        ids = manager.add_requests(inputs=inputs, max_new_tokens=max_new_tokens)
+        processor = manager._create_batch_processor()
+        manager.batch_processor = processor
+        pool = processor.cache
+        per_rank = math.ceil(pool.num_blocks / comm.size()) + len(inputs)  # a request wastes at most one block
+        state = _Serving(comm, processor, per_rank, getattr(cb_config, "page_size", None) or 16)
+        pool.update = lambda key, value, layer_idx, kwargs=None: (key, value)  # xcp's caches keep them
+        free = pool.free_blocks
+
+        def free_both(request_id: str, no_cache: bool = False) -> None:
+            free(request_id, no_cache)
+            state.free(request_id)
+
+        pool.free_blocks = free_both
+        results: dict[str, Any] = {}
+        _local.serving = state
+        try:
+            with _attention_set(model), torch.no_grad():
+                while processor.prepare_next_batch():
+                    manager._generation_step()
+                    processor.update_batch()
+                    while not manager.output_router.output_queue.empty():
+                        out = manager.output_router.output_queue.get()
+                        if out.is_finished():
+                            results[out.request_id] = out
+        finally:
+            _local.serving = None
+    finally:
+        manager.destroy()
+    return {i: results[i] for i in ids if i in results}
+
+
+__all__ = ["NAME", "generate_batch", "serving_attention"]
