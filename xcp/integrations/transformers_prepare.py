@@ -29,6 +29,7 @@ transformers.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import threading
@@ -172,7 +173,7 @@ def _before_forward(model: torch.nn.Module, args: Any) -> None:
         check(model)
 
 
-_configs: dict[int, weakref.ref] = {}
+_configs: dict[int, Callable[[], Any]] = {}
 """The configs of prepared models (by id, with a weak reference to tell a reused id): the mask function
 sees the config, not the modules."""
 
@@ -240,14 +241,20 @@ def _walk(
 
 
 def _mark(model: torch.nn.Module) -> None:
+    for dead in [key for key, ref in _configs.items() if ref() is None]:  # configs of models gone
+        del _configs[dead]
     for module in model.modules():
         object.__setattr__(module, MARK, True)
         config = getattr(module, "config", None)
         if config is not None:
             try:
                 _configs[id(config)] = weakref.ref(config)
-            except TypeError:  # a config that takes no weak reference: its modules carry the mark
-                pass
+            except TypeError:  # a config that takes no weak reference: kept alive with the table
+                _configs[id(config)] = functools.partial(_same, config)
+
+
+def _same(x: Any) -> Any:
+    return x
 
 
 def is_prepared(module: Any) -> bool:
