@@ -31,6 +31,7 @@ import copy
 import difflib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -131,6 +132,9 @@ class Mutant:
     what: str
     source_line: str = ""
     occurrence: int = 1
+    at_import: tuple[str, ...] | None = None
+    """For a change outside every function body (it runs when the module is imported): the names the
+    statement binds; None inside a function."""
 
     @property
     def key(self) -> str:
@@ -190,9 +194,22 @@ def mutants(module: str) -> list[Mutant]:
     tree = ast.parse(source)
     skip = _skipped(tree)
     found: list[Mutant] = []
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            inside.update(id(n) for n in ast.walk(node))
+    binds: dict[int, tuple[str, ...]] = {}
+    for stmt in ast.walk(tree):
+        if isinstance(stmt, ast.stmt) and id(stmt) not in inside:
+            names = tuple(n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
+            for n in ast.walk(stmt):
+                binds.setdefault(id(n), names)
 
     def add(node: ast.AST, text: str, what: str) -> None:
-        found.append(Mutant(module, node.lineno, node.col_offset, node.end_lineno, node.end_col_offset, text, what))  # type: ignore[attr-defined, arg-type]
+        m = Mutant(module, node.lineno, node.col_offset, node.end_lineno, node.end_col_offset, text, what)  # type: ignore[attr-defined, arg-type]
+        if id(node) not in inside:
+            m.at_import = binds.get(id(node), ())
+        found.append(m)
 
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -336,6 +353,25 @@ def covering_tests(data: dict, module: str, line: int, budget: float) -> list[st
     return picked
 
 
+def _tests_of_names(data: dict, module: str, names: tuple[str, ...], budget: float) -> list[str]:
+    """For a change made at import time: the tests of the lines of ``module`` that use ``names`` (those the
+    changed statement binds), within ``budget``; else the module's fastest tests."""
+    lines = (ROOT / module).read_text().splitlines()
+    uses = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b") if names else None
+    chosen: dict[str, float] = {}
+    for number, text in enumerate(lines, 1):
+        if uses is not None and uses.search(text):
+            for t in covering_tests(data, module, number, budget):
+                chosen[t] = data["tests"][t][0]
+    picked, total = [], 0.0
+    for t in sorted(chosen, key=chosen.__getitem__):
+        if picked and total + chosen[t] > budget:
+            break
+        picked.append(t)
+        total += chosen[t]
+    return picked or _fastest(data, module, 5)
+
+
 def _fastest(data: dict, module: str, n: int) -> list[str]:
     """The ``n`` fastest passing tests that execute any line of ``module``."""
     names = list(data["tests"])
@@ -402,7 +438,9 @@ def _graft_module(name: str, text: str) -> None:
     module = sys.modules[name]
     fresh = {k: v for k, v in vars(module).items() if k.startswith("__") and k.endswith("__")}
     exec(compile(text, module.__file__ or name, "exec"), fresh)
+    moved: dict[str, tuple[Any, Any]] = {}  # name -> (old value, new value or _MISSING)
     for key in [k for k in vars(module) if k not in fresh]:  # names the mutant no longer defines
+        moved[key] = (vars(module)[key], _MISSING)
         delattr(module, key)
     for key, new in fresh.items():
         old = vars(module).get(key, _MISSING)
@@ -412,6 +450,17 @@ def _graft_module(name: str, text: str) -> None:
             _graft_class(old, new)
         elif not (getattr(old, "__module__", None) == name and _graft_function(old, new)):
             setattr(module, key, new)
+            if old is not _MISSING and old is not new:
+                moved[key] = (old, new)
+    for other in list(sys.modules.values()):  # copies made by ``from module import NAME`` follow
+        if other is module or not str(getattr(other, "__file__", "")).startswith(str(ROOT)):
+            continue
+        for key, (old, new) in moved.items():
+            if vars(other).get(key, _MISSING) is old:
+                if new is _MISSING:
+                    delattr(other, key)
+                else:
+                    setattr(other, key, new)
     for other in list(sys.modules.values()):  # results cached with the unmutated code
         if getattr(other, "__name__", "").startswith("xcp"):
             for value in list(vars(other).values()):
@@ -422,7 +471,7 @@ def _graft_module(name: str, text: str) -> None:
 _MISSING = object()
 
 
-def _child(mirror: Path, tests: list[str], module: str, text: str) -> None:
+def _child(mirror: Path, tests: list[str], module: str, text: str, cold: bool) -> None:
     """In the forked child: put the mutant in place (grafted into the imported module, and first on
     PYTHONPATH for the processes tests start) and run ``tests``; exit with pytest's status."""
     import pytest
@@ -433,9 +482,12 @@ def _child(mirror: Path, tests: list[str], module: str, text: str) -> None:
     sys.dont_write_bytecode = True  # the mutant's bytecode must not land in the real __pycache__
     os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
     name = _module_name(module)
-    if name in sys.modules:
+    if name in sys.modules and not cold:
         _graft_module(name, text)
-    else:
+    else:  # import the repository's modules and tests afresh, from the mirror
+        for key, value in list(sys.modules.items()):
+            if str(getattr(value, "__file__", None) or "").startswith(str(ROOT)):
+                del sys.modules[key]
         sys.path.insert(0, str(mirror))
     os.environ["PYTHONPATH"] = os.pathsep.join([str(mirror), *filter(None, [os.environ.get("PYTHONPATH")])])
     os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = str(mirror / ".hypothesis-store")
@@ -461,8 +513,9 @@ def warm_up(module: str, tests: list[str]) -> None:
             importlib.import_module(path.stem)
 
 
-def run_one(module: str, text: str, tests: list[str], timeout: float) -> str:
-    """``killed``, ``survived`` or ``timeout`` for the mutated source ``text`` of ``module``."""
+def run_one(module: str, text: str, tests: list[str], timeout: float, cold: bool = False) -> str:
+    """``killed``, ``survived`` or ``timeout`` for the mutated source ``text`` of ``module``; ``cold``: the
+    repository's modules imported afresh (a change made at import time cannot be grafted)."""
     mirror = Path(tempfile.mkdtemp(prefix="mutant-"))
     try:
         _mirror(module, text, mirror)
@@ -470,7 +523,7 @@ def run_one(module: str, text: str, tests: list[str], timeout: float) -> str:
         if pid == 0:
             os.setsid()
             try:
-                _child(mirror, tests, module, text)
+                _child(mirror, tests, module, text, cold)
             finally:
                 os._exit(70)
         deadline = time.time() + timeout
@@ -541,6 +594,9 @@ def run_module(module: str, data: dict, args: argparse.Namespace, known: dict) -
     for m in found:
         if args.tests:
             selected.append((args.tests, args.budget))
+        elif m.at_import is not None:
+            tests = _tests_of_names(data, module, m.at_import, args.budget)
+            selected.append((tests, sum(data["tests"][t][0] for t in tests)))
         else:
             tests = covering_tests(data, module, m.line, args.budget)
             selected.append((tests, sum(data["tests"][t][0] for t in tests)))
@@ -555,7 +611,8 @@ def run_module(module: str, data: dict, args: argparse.Namespace, known: dict) -
         if not tests:
             verdict = "uncovered"
         else:
-            verdict = run_one(module, m.apply(source), tests, args.timeout_factor * seconds + args.timeout_extra)
+            limit = args.timeout_factor * seconds + args.timeout_extra
+            verdict = run_one(module, m.apply(source), tests, limit, args.cold or m.at_import is not None)
         if verdict in ("survived", "uncovered"):
             if ident in known:
                 used.add(ident)
