@@ -155,6 +155,15 @@ def test_strict_kernel_rows_match_the_reference():
     torch.testing.assert_close(out[:, 1:], shifted, rtol=0, atol=1e-12)
 
 
+def test_new_accumulators_start_at_zero_and_minus_infinity():
+    q = torch.randn(2, 5, 3, 4).to(torch.bfloat16)
+    out, lse = new_accumulators(q, value_dim=6)  # initialised unless told ``empty``
+    assert (out.dtype, lse.dtype, out.shape, lse.shape) == (torch.float32, torch.float32, (2, 5, 3, 6), (2, 3, 5))
+    assert torch.equal(out, torch.zeros_like(out)) and (lse == float("-inf")).all()
+    out, lse = new_accumulators(q.double(), empty=True)
+    assert (out.dtype, out.shape, lse.shape) == (torch.float64, (2, 5, 3, 4), (2, 3, 5))
+
+
 def test_merge_of_empty_blocks_keeps_zeros():
     q = torch.randn(1, 4, 2, 3)
     out, lse = new_accumulators(q)
