@@ -7,7 +7,7 @@ import torch
 from strategies import random_inputs
 
 import xcp
-from xcp import agreement
+from xcp import agreement, schedule
 from xcp.backends.cpu import CPUBackend
 from xcp.spec import CallSpec
 
@@ -210,3 +210,25 @@ def test_the_check_is_never_issued_while_capturing(monkeypatch):
 
     _run(2, fn)
     assert sorted(gathers) == [(0, False), (1, False)]
+
+
+def test_descriptions_at_the_edges_of_each_field():
+    """Zero is a value (an empty dim, no documents, no sinks or slopes, a chunk of 0), -1 the absent one."""
+    q, kv, none = torch.zeros(1, 0, 2, 4), torch.zeros(1, 0, 1, 4), torch.zeros(0)
+    values = agreement.fingerprint(q, kv, kv, True, "zigzag", 0.5, (0,), none, (0, None), alibi_slopes=none, chunk=0)
+    d = agreement.describe(values)
+    assert (d["q.shape"], d["k.shape"], d["balance"], d["window"]) == ((1, 0, 2, 4), (1, 0, 1, 4), "zigzag", (0, None))
+    assert d["cu_seqlens"].startswith("0 documents (crc32 ")
+    assert d["sinks"] == d["alibi_slopes"] == "[0] torch.float32"
+    assert (d["chunk"], d["ulysses"], d["softcap"]) == (0, 1, None)  # ulysses 1 by default: the ring alone
+    unknown = list(values)
+    unknown[1] = len(schedule.ALL_BALANCES)  # a balance this rank does not know is shown as its number
+    assert agreement.describe(unknown)["balance"] == len(schedule.ALL_BALANCES)
+
+
+def test_a_disagreement_names_only_the_fields_that_differ():
+    q, k, v, _ = random_inputs(1, 12, 4, 2, 8, seed=5)
+    rows = [agreement.fingerprint(q, k, v, causal, "zigzag", 0.5) for causal in (True, True, False)]
+    message = agreement.disagreement(rows)
+    assert "causal (ranks 0, 1: True; rank 2: False)" in message
+    assert not any(f"{field} (" in message for field in agreement.FIELDS if field != "causal")

@@ -132,6 +132,9 @@ class Mutant:
     what: str
     source_line: str = ""
     occurrence: int = 1
+    test_line: int = 0
+    """The line whose tests run the mutant: its own, or for a default argument the function's first
+    statement (the signature's lines run at import)."""
     at_import: tuple[str, ...] | None = None
     """For a change outside every function body (it runs when the module is imported): the names the
     statement binds; None inside a function."""
@@ -195,9 +198,15 @@ def mutants(module: str) -> list[Mutant]:
     skip = _skipped(tree)
     found: list[Mutant] = []
     inside: set[int] = set()
+    body_line: dict[int, int] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
             inside.update(id(n) for n in ast.walk(node))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            body = [b for b in node.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]
+            for default in [*node.args.defaults, *node.args.kw_defaults]:
+                for n in ast.walk(default) if default is not None and body else ():
+                    body_line[id(n)] = body[0].lineno
     binds: dict[int, tuple[str, ...]] = {}
     for stmt in ast.walk(tree):
         if isinstance(stmt, ast.stmt) and id(stmt) not in inside:
@@ -207,6 +216,7 @@ def mutants(module: str) -> list[Mutant]:
 
     def add(node: ast.AST, text: str, what: str) -> None:
         m = Mutant(module, node.lineno, node.col_offset, node.end_lineno, node.end_col_offset, text, what)  # type: ignore[attr-defined, arg-type]
+        m.test_line = body_line.get(id(node), m.line)
         if id(node) not in inside:
             m.at_import = binds.get(id(node), ())
         found.append(m)
@@ -598,7 +608,7 @@ def run_module(module: str, data: dict, args: argparse.Namespace, known: dict) -
             tests = _tests_of_names(data, module, m.at_import, args.budget)
             selected.append((tests, sum(data["tests"][t][0] for t in tests)))
         else:
-            tests = covering_tests(data, module, m.line, args.budget)
+            tests = covering_tests(data, module, m.test_line, args.budget)
             selected.append((tests, sum(data["tests"][t][0] for t in tests)))
     if not args.cold:
         warm_up(module, [t for tests, _ in selected for t in tests])
