@@ -17,7 +17,7 @@ from xcp import lifetime
 from xcp.backends.cpu import CPUBackend
 from xcp.comm import LocalWorld
 from xcp.comm.protocol import SingleRank
-from xcp.lifetime import RingCall, Workspace, track_buffers, workspace_disabled
+from xcp.lifetime import RingCall, ShardSlots, Workspace, track_buffers, workspace_disabled
 from xcp.ring import RingConfig, ring_backward, ring_forward
 from xcp.testing.reference import sdpa_reference
 
@@ -83,6 +83,29 @@ def test_keep_all_keeps_every_received_shard():
         assert fwd.peak_kv_shards == world - 1
         assert bwd.peak_kv_shards == (world - 1) + (world + 1)  # KV shards and dKV accumulators, all kept
         assert fwd.live_bytes == 0 and bwd.live_bytes == 0
+        assert fwd.allocations == world - 1  # one fresh buffer per received shard, each counted as made
+
+
+def test_ledger_and_slots_defaults():
+    ledger = lifetime.BufferLedger()
+    tokens = [ledger.add(100), ledger.add(50, shards=0, new=False)]  # a shard, made anew, by default
+    assert (ledger.live_kv_shards, ledger.allocations, ledger.live_bytes) == (1, 1, 150)
+    for token in tokens:
+        ledger.release(token)
+    assert (ledger.live_bytes, ledger.live_kv_shards, ledger.peak_bytes) == (0, 0, 150)
+    like = [torch.zeros(2, 3)]
+    with track_buffers() as led:
+        slots = ShardSlots(like)  # bounded: both ping-pong slots made up front
+        assert led.allocations == 2 and slots.slot(0) is not slots.slot(1) and slots.slot(2) is slots.slot(0)
+        call = RingCall(LocalWorld(1).group(0), CPUBackend(), torch.device("cpu"), "bounded", None)
+        call.slots("kv", like)  # steps (0, 1) by default: two more slots
+        assert led.allocations == 4
+
+
+def test_capture_without_the_workspace_is_refused(recording):
+    recording.capturing = True
+    with workspace_disabled(), pytest.raises(RuntimeError, match=r"graph capture needs the workspace"):
+        RingCall(LocalWorld(1).group(0), recording, torch.device("cpu"), "bounded", None)
 
 
 def test_repeated_calls_allocate_nothing_new():
