@@ -34,8 +34,9 @@ def _config(kind: str, **over):
     elif kind == "mistral":
         cfg = transformers.MistralConfig(**common, sliding_window=4)
     elif kind == "gemma2":  # logit soft-capping (q/k scaled in make_model so that the cap bends the scores)
-        cfg = transformers.Gemma2Config(**common, head_dim=8, sliding_window=4, attn_logit_softcapping=0.5,
-                                        pad_token_id=None)  # random prompts hold token 0: no padding mask
+        cfg = transformers.Gemma2Config(
+            **common, head_dim=8, sliding_window=4, attn_logit_softcapping=0.5, pad_token_id=None
+        )  # random prompts hold token 0: no padding mask
     elif kind == "llama4":  # layer 0 chunked (chunks of 4 positions), layer 1 full
         common.update(head_dim=8, intermediate_size_mlp=64, num_local_experts=2, num_experts_per_tok=1)
         cfg = transformers.Llama4TextConfig(**common, attention_chunk_size=4, no_rope_layers=[1, 0],
@@ -162,6 +163,31 @@ def test_sampling_is_the_same_on_every_rank_and_seeded_as_on_one_device(faithful
             torch.testing.assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)], rtol=1e-6, atol=1e-6)
 
 
+def test_a_left_padded_ragged_batch_equals_one_device(faithful):
+    """Three prompts of 9, 4 and 6 tokens, left-padded to 9, over 2 virtual ranks: the token ids of the model's
+    own generate with that mask, a row that meets eos early padded after it as transformers pads it."""
+    model = faithful(make_model("llama"))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, VOCAB, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[2, :3] = 0
+    ids[mask == 0] = 0
+    first = copy.deepcopy(model).generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    eos = int(first[1, 9 + 1])  # row 1's second new token ends it there
+    kw = dict(attention_mask=mask, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    want = copy.deepcopy(model).generate(ids, max_new_tokens=NEW, **kw)
+    copies = [xt.prepare(copy.deepcopy(model)) for _ in range(2)]
+    for m in copies:
+        m.set_attn_implementation("xcp")
+    results = xcp.LocalWorld(2).run(
+        lambda group: xt.generate(copies[group.rank()], ids, group=group, max_new_tokens=NEW, **kw)
+    )
+    assert (want[1, 9 + 2 :] == 0).all() and want.shape[1] > 9 + 2  # row 1 ended early, the others went on
+    for got in results:
+        assert torch.equal(got, want)
+
+
 def test_a_ragged_batch_and_what_the_sharded_cache_cannot_do_are_named():
     model = make_model("llama")
     ids = torch.randint(0, VOCAB, (2, 5))
@@ -169,9 +195,15 @@ def test_a_ragged_batch_and_what_the_sharded_cache_cannot_do_are_named():
         xt.generate(model, ids)
     xt.prepare(model).set_attn_implementation("xcp")
     mask = torch.ones_like(ids)
-    mask[1, :2] = 0  # the second prompt is 2 tokens shorter, padded on the left
-    with pytest.raises(ValueError, match=r"attention_mask: expected no padding .*got 2 padded token\(s\), a ragged"):
+    mask[1, 3:] = 0  # padded on the right
+    with pytest.raises(ValueError, match=r"attention_mask: expected left padding .*got padding after a token"):
         xt.generate(model, ids, attention_mask=mask)
+    mask[1] = 0
+    with pytest.raises(ValueError, match=r"attention_mask: expected left padding .*got no token in row 1"):
+        xt.generate(model, ids, attention_mask=mask)
+    mask[1, 2:] = 1  # left padding: served, greedy token ids only
+    with pytest.raises(NotImplementedError, match=r"do_sample: expected False with a left-padded attention_mask"):
+        xt.generate(model, ids, attention_mask=mask, do_sample=True)
     with pytest.raises(ValueError, match=r"num_beams: not supported by xcp's generate \(beam search"):
         xt.generate(model, ids, num_beams=2)
     with pytest.raises(ValueError, match="max_new_tokens: expected a positive integer; got 0"):

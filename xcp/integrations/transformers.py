@@ -65,7 +65,7 @@ from .transformers_prepare import (
     unprepared,
     unregister_layer,
 )
-from .transformers_serving import generate_batch
+from .transformers_serving import generate_batch, generate_ragged, left_padding
 from .transformers_variants import CHUNK_PART, check_chunk_part, variants
 
 __all__ = [
@@ -859,7 +859,11 @@ def generate(
     :param group: the ranks that share the cache (a ProcessGroup, a LocalWorld group, None: the default
         process group or a world of one), as for :func:`xcp.attention`.
     :param balance: how the prompt's prefix is placed on the ranks for the ring.
-    :raises ValueError: a padding ``attention_mask`` (a ragged batch), a model whose attention is not
+    A ragged batch (an ``attention_mask`` with left padding, as a tokenizer with ``padding_side="left"`` makes
+    it) is generated one row at a time, without its padding, and laid out as ``model.generate`` lays out the
+    batch (greedy, token ids only).
+
+    :raises ValueError: an ``attention_mask`` padded other than on the left, a model whose attention is not
         xcp's, and the options the sharded cache cannot serve (beam search, several sequences per prompt,
         assisted decoding, a cache of the caller's, ``use_cache=False``).
     """
@@ -874,4 +878,8 @@ def generate(
         raise ValueError(unprepared("model"))
     from .transformers_generate import generate as run
 
+    mask = generate_kwargs.get("attention_mask")
+    pads = None if mask is None or not isinstance(input_ids, torch.Tensor) else left_padding(mask, input_ids)
+    if pads is not None:  # a ragged batch: its rows one at a time
+        return generate_ragged(run, model, input_ids, pads, group, max_new_tokens, balance, generate_kwargs)
     return run(model, input_ids, group, max_new_tokens, balance, generate_kwargs)

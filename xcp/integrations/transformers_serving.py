@@ -186,4 +186,52 @@ def generate_batch(model: Any, inputs: list[list[int]], group: Any = None, gener
     return {i: results[i] for i in ids if i in results}
 
 
-__all__ = ["NAME", "generate_batch", "serving_attention"]
+def left_padding(mask: Any, input_ids: torch.Tensor) -> list[int] | None:
+    """Each row's left padding in ``mask`` (a [B, L] tensor of 0 / 1 where 0 pads), or None where nothing is
+    padded; refuses padding that is not on the left or a row of padding alone."""
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(input_ids.shape):
+        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"attention_mask: expected shape {tuple(input_ids.shape)} (that of input_ids); got {got}")
+    real = mask.bool()
+    if bool(real.all()):
+        return None
+    pads = (~real).long().cumprod(dim=1).sum(dim=1)  # the zeros before a row's first 1
+    held = real.long().sum(dim=1)
+    for row, (pad, n) in enumerate(zip(pads.tolist(), held.tolist())):
+        if n == 0 or pad + n != mask.shape[1]:
+            why = "no token" if n == 0 else "padding after a token (right or inner padding)"
+            raise ValueError(
+                f"attention_mask: expected left padding (zeros, then ones, in every row); got {why} in row {row}"
+            )
+    return pads.tolist()
+
+
+def generate_ragged(run: Any, model: Any, input_ids: torch.Tensor, pads: list[int], group: Any, max_new_tokens: int,
+                    balance: str, kwargs: dict[str, Any]) -> torch.Tensor:  # fmt: skip
+    """A left-padded batch generated one row at a time: each row's tokens without its padding through ``run``
+    (xcp's generate of one prompt), then laid out as ``model.generate`` lays out the batch: each row's padding on
+    its left, the pad token after its end where it ended before the longest. Greedy decoding, token ids only."""
+    gen = kwargs.get("generation_config") or model.generation_config
+    for name, refused in (("do_sample", True), ("return_dict_in_generate", True)):
+        if kwargs.get(name, getattr(gen, name, None)) == refused:
+            raise NotImplementedError(
+                f"{name}: expected False with a left-padded attention_mask (its rows are generated one at a time: "
+                f"greedy, token ids only); got {refused}"
+            )
+    rest = {k: v for k, v in kwargs.items() if k != "attention_mask"}
+    rows = [
+        run(model, input_ids[i : i + 1, pad:], group, max_new_tokens, balance, dict(rest)) for i, pad in enumerate(pads)
+    ]
+    pad_id = kwargs.get("pad_token_id", gen.pad_token_id)
+    if pad_id is None:  # transformers pads ended rows with the (first) eos token then
+        eos = kwargs.get("eos_token_id", gen.eos_token_id)
+        pad_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+    new = max(r.shape[1] - (input_ids.shape[1] - pad) for r, pad in zip(rows, pads))
+    out = input_ids.new_full((input_ids.shape[0], input_ids.shape[1] + new), 0 if pad_id is None else int(pad_id))
+    for i, (r, pad) in enumerate(zip(rows, pads)):
+        out[i, :pad] = input_ids[i, :pad]
+        out[i, pad : pad + r.shape[1]] = r[0]
+    return out
+
+
+__all__ = ["NAME", "generate_batch", "generate_ragged", "left_padding", "serving_attention"]
