@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,6 +205,17 @@ def test_documented_command_runs_the_suite_from_any_directory(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "7 passed" in done.stdout, done.stdout
     assert not any(tmp_path.iterdir()), "the suite wrote into the current directory"
+
+
+def test_documented_command_loads_no_conftest_from_the_repository_root():
+    """From xcp's own root, pytest would load tests/conftest.py (hypothesis, the tests' helpers): the
+    documented command loads none, so a backend author needs pytest alone (docs/backends.md)."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "xcp.testing", "--xcp-backend", "cpu", "-q", "--co", "--trace-config"]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "conftest" not in done.stdout + done.stderr
+    assert f"{len(conformance.cases(xcp.get_backend('cpu')))} tests collected" in done.stdout
 
 
 def test_plugin_option_names_an_unusable_backend_and_lists_the_others():

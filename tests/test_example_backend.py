@@ -7,6 +7,8 @@ It must be installed: ``pip install --no-deps -e examples/xcp-tiled-backend`` (C
 from __future__ import annotations
 
 import importlib.metadata
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +33,15 @@ def test_found_through_its_entry_point_as_a_separate_distribution():
     row = next(r for r in xcp.backend_table() if r.name == "tiled")
     assert (row.device_type, row.plugin, row.available) == ("cpu", "tiled", True)
     assert type(xcp.get_backend("tiled")).__module__ == "xcp_tiled.backend"
+
+
+def test_docs_backends_md_gives_the_suites_true_case_counts():
+    """docs/backends.md says how many cases run on tiled and on cpu: the numbers conformance.cases gives."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "backends.md").read_text()
+    m = re.search(r"(\d+) on the example backend `tiled` and (\d+) on the built-in `cpu`", " ".join(doc.split()))
+    assert m, "docs/backends.md: the sentence with the case counts is gone"
+    counts = {name: len(conformance.cases(xcp.get_backend(name))) for name in ("tiled", "cpu")}
+    assert (int(m.group(1)), int(m.group(2))) == (counts["tiled"], counts["cpu"]), counts
 
 
 def _cases():

@@ -417,3 +417,17 @@ def test_the_contract_is_three_groups_and_docs_backends_md_documents_each_member
         section = doc[start:end]
         missing = [name for name in groups[title] if f"`{name}" not in section]
         assert not missing, f"docs/backends.md, {title}: {missing}"
+
+
+def test_docs_backends_md_lists_what_synchronous_backend_changes():
+    """The table of SynchronousBackend's defaults names exactly the members it overrides, and its hand-off."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "backends.md").read_text()
+    start = doc.index("| member | on `SynchronousBackend` |")
+    table = doc[start : doc.index("\n\n", start)]
+    named = set(re.findall(r"`(\w+)`", table)) - {"SynchronousBackend", "None", "False", "none"}
+    overridden = {n for n in vars(xcp.SynchronousBackend) if not n.startswith("_")}
+    assert named == overridden
+    assert xcp.SynchronousBackend.handoff_policy == "none" and '| `handoff_policy` | `"none"`' in table

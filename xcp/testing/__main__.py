@@ -1,7 +1,9 @@
 """``python -m xcp.testing --xcp-backend NAME [pytest options]``: the conformance suite for one backend.
 
 Works from any directory: it loads the pytest plugin itself, collects the suite from the installed
-package and writes no cache into the current directory. Needs pytest (xcp's ``test`` extra).
+package, loads no ``conftest.py`` (the suite needs none, and one of the current directory, xcp's own
+tests/conftest.py at the repository's root, may need what the suite does not: hypothesis) and writes no
+cache into the current directory. Needs pytest (xcp's ``test`` extra).
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else list(argv)
     return int(
-        pytest.main(["-p", "xcp.testing.pytest_plugin", "-p", "no:cacheprovider", "--pyargs", "xcp.testing", *args])
+        pytest.main(
+            ["-p", "xcp.testing.pytest_plugin", "-p", "no:cacheprovider", "--noconftest", "--pyargs", "xcp.testing"]
+            + args
+        )
     )
 
 
