@@ -111,6 +111,18 @@ def test_the_chunked_plan_computes_each_allowed_pair_once(balance, world, causal
         assert len(plans[0].steps) == 1, "chunks of one token need no step beyond the own shard"
 
 
+def test_choose_balance_weighs_the_chunks():
+    """Chunks aligned with contiguous shards need no exchange (one step), a chunk over two shards two steps,
+    where zigzag runs all P: contiguous is chosen (as for a window); without a chunk, zigzag."""
+    assert xcp.choose_balance(8, causal=True, chunk=1024, seq_len=8192) == "contiguous"
+    assert len(documents.document_plan((0, 8192), 8, 3, True, "contiguous", None, 1024).steps) == 1
+    assert len(documents.document_plan((0, 8192), 8, 3, True, "contiguous", None, 1536).steps) == 2
+    assert len(documents.document_plan((0, 8192), 8, 3, True, "zigzag", None, 1024).steps) == 8
+    assert xcp.choose_balance(8, causal=True, seq_len=8192) == "zigzag"
+    with pytest.raises(ValueError, match="chunk: expected a positive int"):
+        xcp.choose_balance(8, causal=True, chunk=0, seq_len=8192)
+
+
 BAD = [
     ({"softcap": -1.0}, ValueError, "softcap: expected a positive finite float or None; got -1.0"),
     ({"softcap": 0}, ValueError, "softcap: expected a positive finite float or None; got 0"),

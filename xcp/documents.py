@@ -568,14 +568,16 @@ def balance_costs(
     causal: bool,
     window: tuple | None,
     balances: Sequence[str] = schedule.BALANCES,
+    chunk: int | None = None,
 ) -> list[BalanceCost]:
     """Each of ``balances`` that can split ``cu[-1]`` tokens over ``world_size`` ranks, weighed (see
-    :func:`choose_balance`; :data:`~xcp.schedule.ALL_BALANCES` weighs ``document_zigzag`` too)."""
+    :func:`choose_balance`; :data:`~xcp.schedule.ALL_BALANCES` weighs ``document_zigzag`` too; ``chunk``:
+    chunked attention)."""
     out = []
     for balance in balances:
         if cu[-1] < world_size or cu[-1] % schedule.required_multiple(world_size, balance):
             continue
-        m, per_rank = ring_segments(cu, world_size, bool(causal), balance, window)
+        m, per_rank = ring_segments(cu, world_size, bool(causal), balance, window, chunk)
         work = [sum(s.pairs for step in blocks for s in step) for blocks in per_rank]
         calls = [sum(len(runs(step)) for step in blocks) for blocks in per_rank]
         even = max(sum(work) / world_size, 1)
@@ -592,6 +594,7 @@ def choose_balance(
     cu_seqlens: object = None,
     seq_len: int | None = None,
     ulysses: int = 1,
+    chunk: int | None = None,
 ) -> str:
     """The balance to shard with (pass it to :func:`xcp.shard`, :func:`xcp.attention` and
     :func:`xcp.unshard` alike) for this configuration.
@@ -604,10 +607,13 @@ def choose_balance(
     rank's total over causal documents of any lengths, as stripe does, and like stripe makes one call per
     document in a causal block of two ranks (docs/architecture.md); where the two cost alike it comes first,
     its calls being unmasked blocks of contiguous tokens (stripe's are causal, every P-th token), and it
-    splits any length of at least P tokens. Without a window or documents this is ``zigzag``.
+    splits any length of at least P tokens. Without a window, chunks or documents this is ``zigzag``.
     :func:`balance_costs` shows the figures.
 
-    :param seq_len: the global sequence length, needed with a window when ``cu_seqlens`` is not given.
+    :param seq_len: the global sequence length, needed with a window or a chunk when ``cu_seqlens`` is not
+        given.
+    :param chunk: chunked attention (``xcp.attention(..., chunk=)``): chunks of that many positions end the
+        ring early as short documents do.
     :param ulysses: U of the hybrid (``xcp.attention(..., ulysses=U)``): the balances are weighed over its
         rings of P / U ranks, which run the plan (a head group's ranks share each ring shard's heads evenly),
         and S must be a multiple of P, as the hybrid needs under every balance.
@@ -616,7 +622,8 @@ def choose_balance(
     u = schedule.check_ulysses(ulysses)
     ring = schedule.check_ulysses_divides(u, int(world_size), "world_size")
     window = check_window(window, causal)
-    if window is None and cu_seqlens is None:
+    chunk = check_chunk(chunk)
+    if window is None and cu_seqlens is None and chunk is None:
         return schedule.DEFAULT_BALANCE
     if cu_seqlens is not None:
         cu = check_cu_seqlens(cu_seqlens, seq_len)
@@ -634,7 +641,7 @@ def choose_balance(
         )
     balances = schedule.BALANCES if cu_seqlens is None else schedule.ALL_BALANCES
     order = {b: i for i, b in enumerate(("zigzag", "contiguous", *schedule.DOCUMENT_BALANCES, "stripe"))}
-    costs = balance_costs(cu, ring, bool(causal), window, balances)
+    costs = balance_costs(cu, ring, bool(causal), window, balances, chunk)
     if not costs:
         raise ValueError(
             f"seq_len: no balance can split {cu[-1]} tokens over {ring} ranks (a multiple of {ring} is needed)"
