@@ -8,8 +8,8 @@ import sys
 import torch
 
 from xcp.cli.common import Clock, median
+from xcp.inference.partials import merge_into as _merge_into
 from xcp.kernels.merge import merge_, packed_lse
-from xcp.partials import merge_into as _merge_into
 from xcp.plugins import select_backend
 from xcp_cuda.kernels import fused_merge_, fused_merge_partials_
 
@@ -73,7 +73,7 @@ def _packed(
     """Packed partials: outs N(0, 1), lse 4 N(0, 1); a third of the (rank, row) pairs saw nothing (lse -inf,
     out 0), and row (t 0, h 0) of every batch no rank saw. float32: [P, B, T, H, D + 1], the lse in channel
     D; bfloat16/float16: [P, B, T, H, D + 2] (D even), the outs rounded to it and the float32 lse's bits in
-    channels D, D + 1 (as xcp.cache packs 16-bit inputs)."""
+    channels D, D + 1 (as xcp.inference.cache packs 16-bit inputs)."""
     parts = torch.randn(p, b, t, h, d + 1, device=dev)
     parts[..., d] *= 4
     unseen = torch.rand(p, b, t, h, device=dev) < 0.3
@@ -100,7 +100,7 @@ def partials(
     dtype: torch.dtype = torch.float32,
 ) -> bool:
     """The P-way merge of packed partials (the packing of ``dtype``, see :func:`_packed`): the fused kernel
-    against the eager merge as the cache runs it (xcp.partials.merge_into on the outs and the lse view) and
+    against the eager merge as the cache runs it (xcp.inference.partials.merge_into on the outs and the lse view) and
     float64, then both timed (each call repeated ``reps`` times in one timed region, median of 15)."""
     parts = _packed(p, b, t, h, d, dev, dtype)
     outs, lses = parts[..., :d], packed_lse(parts, d)

@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import xcp
-from xcp import cache_plan
 from xcp.comm import LocalWorld, SingleRank
+from xcp.inference import plan as cache_plan
 
 B, H, HKV, D = 2, 4, 2, 8
 
@@ -296,7 +296,8 @@ def test_each_rank_holds_its_share_in_position_order():
     for r, (c, ps) in enumerate(zip(caches, positions)):
         assert ps == sorted(ps) and c.seq_len == total
         assert c.local_len == len(ps) == cache_plan.held(total, world, r)
-        assert c.nbytes <= math.ceil(xcp.cache.GROWTH * (total // world + 1)) * token_bytes < total * token_bytes
+        growth = xcp.inference.cache.GROWTH
+        assert c.nbytes <= math.ceil(growth * (total // world + 1)) * token_bytes < total * token_bytes
         k = c.keys()
         assert k is not None and k.shape[1] == c.local_len
 
@@ -687,8 +688,8 @@ def test_long_chunks_combine_over_heads(monkeypatch, world, over_heads):
 def test_packed_partials_keep_the_lse_bit_for_bit(dtype):
     """16-bit inputs pack out as it is and the float32 lse's bits in two more channels (half the bytes of
     float32 packing); other dtypes pack both in the accumulator dtype. The lse comes back exactly, -inf too."""
+    from xcp.inference.partials import pack as _pack
     from xcp.kernels.merge import packed_layout, packed_lse
-    from xcp.partials import pack as _pack
 
     b, t, h, d = 2, 3, 4, 8
     out = torch.randn(b, t, h, d).to(dtype)

@@ -212,7 +212,7 @@ def test_chunk_combines_on_four_ranks(over_heads):
     """A chunk of 80 tokens after the prompt on 4 virtual ranks of the GPU, its combine one all-gather of
     the packed partials or over heads (lse all-gather, all-to-all of the weighted partials, all-gather of
     the merged heads): every rank's output against float64 attention, each row seeing the tokens up to its own."""
-    from xcp import cache_plan
+    from xcp.inference import plan as cache_plan
 
     assert cache_plan.HEADS_COMBINE_MIN_QUERIES <= 80
     world_size, chunk = 4, 80

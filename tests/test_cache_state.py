@@ -1,4 +1,4 @@
-"""The KV cache's device-side counts (xcp.cache_state) against brute force: after a prefill placed by a
+"""The KV cache's device-side counts (xcp.inference.state) against brute force: after a prefill placed by a
 balance and decode appends owned by residue, each rank's lengths, positions and the storage range the newest
 token's query sees (window, chunk) are what the positions it holds say."""
 
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from xcp import documents
-from xcp.cache_state import DeviceCounts
+from xcp.inference.state import DeviceCounts
 
 
 @given(

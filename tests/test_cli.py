@@ -1060,8 +1060,8 @@ def test_plan_decode_is_what_the_cache_holds_calls_and_sends(monkeypatch, capsys
                                                              dtype, qk_dim):  # fmt: skip
     import re
 
-    from xcp import cache_plan
     from xcp.cli.common import DTYPES, human_bytes
+    from xcp.inference import plan as cache_plan
 
     over_heads = dtype == "over heads"
     if over_heads:  # the chunk of 7 combines over heads: the lse, then a quarter of the weighted partial and of out

@@ -1911,7 +1911,7 @@ def test_the_partials_packings_compile_apart():
 
 _INTERPRETED = """
 import math, torch
-from xcp.partials import merge_into as _merge_into
+from xcp.inference.partials import merge_into as _merge_into
 from xcp_cuda import kernels
 SHAPES = ((1, 2, 3, 4, 64), (3, 1, 5, 3, 72), (5, 2, 64, 4, 16), (5, 1, 2, 2, 576), (40, 1, 3, 2, 8), (2, 1, 3, 2, 128))
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -2047,7 +2047,7 @@ def test_the_partials_merge_equals_the_eager_merge_and_float64_on_a_gpu(p, b, t,
     out (NaN before) and returns lse [B, H, T] equal to the cache's eager merge of the unpacked partials
     (float32, to 1e-5) and to float64 math (to 1e-5 of the largest value); rows no rank saw are out 0 and
     lse -inf, nothing is NaN, and the partials are left as they were (bit for bit)."""
-    from xcp.partials import merge_into as _merge_into
+    from xcp.inference.partials import merge_into as _merge_into
 
     backend = CUDABackend(fused_merge=True)
     parts = _packed_partials(p, b, t, h, d, device="cuda", seed=p + d, dtype=dtype)
@@ -2103,7 +2103,7 @@ def test_the_partials_merge_replays_from_a_cuda_graph_on_a_gpu(dtype):
     """Captured once into a CUDA graph (the current stream then is the capture's side stream: a launch on any
     other stream would fail the capture or be missing from the replays), the merge replays on partials
     written in place, each replay equal to the eager merge; the lse it returned is the graph's output."""
-    from xcp.partials import merge_into as _merge_into
+    from xcp.inference.partials import merge_into as _merge_into
 
     p, b, t, h, d = 8, 4, 1, 8, 128
     backend = CUDABackend(fused_merge=True)

@@ -25,8 +25,10 @@ LAYERS: dict[str, int] = {
     "xcp.lifetime": 1,
     "xcp.traffic": 1,
     "xcp.spec": 1,
-    "xcp.cache_plan": 1,
-    "xcp.cache_state": 1,
+    "xcp.inference": 1,  # the package's __init__: imports nothing
+    "xcp.inference.plan": 1,
+    "xcp.inference.state": 1,
+    "xcp.inference.serving": 1,
     "xcp.serving": 1,
     # 2: every argument check of a call; padding a sequence to a length the balance splits
     "xcp.checks": 2,
@@ -40,9 +42,9 @@ LAYERS: dict[str, int] = {
     "xcp.agreement": 4,
     "xcp.ring": 4,
     # 5: partial attentions and their combine; the KV caches (their block calls and lifetimes are the ring's)
-    "xcp.partials": 5,
-    "xcp.cache": 5,
-    "xcp.paged": 5,
+    "xcp.inference.partials": 5,
+    "xcp.inference.cache": 5,
+    "xcp.inference.paged": 5,
     # 5: the hybrid all-to-all around the ring
     "xcp.hybrid": 5,
     # 6: the compiled custom op

@@ -276,8 +276,8 @@ def test_combine_is_clean_with_a_hand_off(handoff, preallocated):
 def test_combine_over_heads_is_clean_and_needs_its_hand_offs(monkeypatch, handoff):
     """A long chunk's combine over heads makes three collectives, each handing C's tensor to M: clean with
     the hand-offs (and exact), a race without them."""
-    from xcp import cache_plan
     from xcp.comm.local import LocalGroup
+    from xcp.inference import plan as cache_plan
 
     monkeypatch.setattr(cache_plan, "HEADS_COMBINE_MIN_QUERIES", 2)
     seen = []

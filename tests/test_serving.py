@@ -320,8 +320,8 @@ def test_sanitize_serve_is_clean_and_catches_a_dropped_hand_off_and_a_block_free
     """Requests arriving, prefilling in chunks, decoding and leaving on the simulated device: clean and exact
     with the hand-off; without it the all-gather's read of the packed partial races its write; a free that
     gives a request's blocks back while the request still holds them is found by the pool's audit."""
+    from xcp.inference.paged import PagedKVCache
     from xcp.lifetime import RingCall
-    from xcp.paged import PagedKVCache
     from xcp.testing.serve_sanitizer import sanitize_serve
 
     report = sanitize_serve(requests=4, world=3, interleave=2)

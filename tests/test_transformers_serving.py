@@ -36,7 +36,7 @@ def test_generate_batch_equals_the_models_own_over_two_ranks(monkeypatch):
     """Four prompts of 5 to 30 tokens, at most 24 tokens a step: the long prompts prefill in chunks beside the
     others' decode steps; greedy tokens equal the model's own generate_batch on every rank, and every step's
     attention went through the paged caches (chunks and decode steps both)."""
-    from xcp.paged import PagedKVCache
+    from xcp.inference.paged import PagedKVCache
 
     model = _model()
     inputs, gen, cb = _inputs()

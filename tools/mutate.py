@@ -55,10 +55,10 @@ EQUIVALENT = ROOT / "tools" / "mutate_equivalent.toml"
 MODULES = (
     "xcp/schedule.py",
     "xcp/lifetime.py",
-    "xcp/cache_plan.py",
+    "xcp/inference/plan.py",
     "xcp/documents.py",
     "xcp/kernels/merge.py",
-    "xcp/cache_state.py",
+    "xcp/inference/state.py",
     "xcp/traffic.py",
     "xcp/agreement.py",
 )

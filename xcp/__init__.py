@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .api import attention, shard, unshard
     from .backends.base import Backend, SynchronousBackend
-    from .cache import KVCache
     from .comm import CommTimeout, Communicator, LocalGroup, LocalWorld
     from .context import context
     from .documents import choose_balance
     from .hookspecs import hookimpl
+    from .inference.cache import KVCache
+    from .inference.paged import PagedKVCache
+    from .inference.partials import combine
     from .lifetime import BufferLedger, track_buffers
     from .padding import pad_to_balance
-    from .paged import PagedKVCache
-    from .partials import combine
     from .plugins import backend_table, get_backend, list_backends, register_plugin, unregister_plugin
     from .ring import RingConfig, ring_backward, ring_forward
     from .schedule import BALANCES, DOCUMENT_BALANCES, Plan, Step, plan
@@ -32,9 +32,9 @@ _EXPORTS = {
     "Backend": "backends.base",
     "BufferLedger": "lifetime",
     "CommTimeout": "comm",
-    "KVCache": "cache",
-    "PagedKVCache": "paged",
-    "combine": "partials",
+    "KVCache": "inference.cache",
+    "PagedKVCache": "inference.paged",
+    "combine": "inference.partials",
     "Communicator": "comm",
     "LocalGroup": "comm",
     "LocalWorld": "comm",

@@ -433,7 +433,7 @@ def _shape_but(x: torch.Tensor, dim: int | None) -> tuple[int, ...]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The KV cache (xcp.cache)
+# The KV cache (xcp.inference.cache)
 
 CacheLayout = tuple[int, int, int, torch.dtype, torch.device, int]
 """What a KV cache's tokens are: (batch, kv_heads, head_dim, dtype, device, value head_dim), fixed by its

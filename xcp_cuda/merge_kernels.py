@@ -122,7 +122,7 @@ def add_pair_kernel(
     tl.store(c_ptrs, c + x, mask=mask2)
 
 
-# A KV cache's combine (xcp.cache.KVCache._combine): P ranks' partials, gathered as one packed buffer, merged
+# A KV cache's combine (xcp.inference.cache.KVCache._combine): P ranks' partials, gathered as one packed buffer, merged
 # into out [B, T, H, D] (float32) and the merged lse [B, H, T] (float32) in one kernel. Two packings:
 #     LSE_WORDS = 1: parts [P, B, T, H, D + 1] float32, rank r's out in [..., :D], its lse in [..., D];
 #     LSE_WORDS = 2: parts [P, B, T, H, D + 2] bfloat16 or float16 (D even), rank r's out in [..., :D] as the
@@ -136,7 +136,7 @@ def add_pair_kernel(
 #             L = m + log(s), or -inf on a row no rank saw (m = -inf);
 #     pass 2, over the P outs: O = sum_r exp(L_r - L) O_r (a -inf partial weighs exp(-inf) = 0);
 # so every partial's out is read once (its lse twice, the second time from cache) and out and lse are
-# written once. The weights are the eager merge's (xcp.partials.merge_into): w_r = exp(L_r - L). A row no
+# written once. The weights are the eager merge's (xcp.inference.partials.merge_into): w_r = exp(L_r - L). A row no
 # rank saw gets L = -inf and, with L taken as 0 in the weights, O = 0: never NaN.
 # P is a constexpr (one compile per world size) and the loops over it run UNROLL partials at a time
 # unrolled, so that many loads are in flight together: a decode step has few rows (B * H), so few

@@ -7,9 +7,9 @@ the cache) and one chunk of ``--chunk`` tokens (chunked prefill), checking every
 against float64 attention over the whole sequence, on a LocalWorld or under torchrun, so that a user sees on
 their own device that the sharded cache is exact before they serve with it.
 
-``xcp plan --decode`` prints, for the same steps, what :mod:`xcp.cache_plan` says without running anything:
+``xcp plan --decode`` prints, for the same steps, what :mod:`xcp.inference.plan` says without running anything:
 the tokens each rank holds, the kernel calls of each rank's local partial, and the bytes of the combine
-(:func:`xcp.cache_plan.combine_traffic`).
+(:func:`xcp.inference.plan.combine_traffic`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import cache_plan, schedule
+from .. import schedule
 from ..api import attention, shard, unshard
-from ..cache import KVCache
 from ..comm import LocalWorld, resolve_group
+from ..inference import plan as cache_plan
+from ..inference.cache import KVCache
 from ..kernels.merge import packed_layout
 from ..testing.reference import sdpa_reference
 from . import windows
@@ -272,7 +273,7 @@ def run_command(args: argparse.Namespace, problem: dict) -> int:
 class PlannedStep:
     """One append and attention of a cache, planned: T, the tokens each rank holds after it, each rank's
     kernel calls, and the bytes each rank sends in the combine and receives into its buffers
-    (:func:`xcp.cache_plan.combine_traffic`)."""
+    (:func:`xcp.inference.plan.combine_traffic`)."""
 
     name: str
     tokens: int
@@ -285,7 +286,7 @@ class PlannedStep:
 
 def plan_steps(world: int, prompt: int, decode: int, chunk: int, balance: str, heads: int, value_dim: int,
                dtype: torch.dtype, window: tuple | None = None, batch: int = 1) -> list[PlannedStep]:  # fmt: skip
-    """What every rank's cache holds and does at each step (:mod:`xcp.cache_plan`, as :class:`xcp.KVCache`
+    """What every rank's cache holds and does at each step (:mod:`xcp.inference.plan`, as :class:`xcp.KVCache`
     runs it): a prompt of ``prompt`` tokens prefilled (0: none), then :func:`steps`; causal attention of the
     last T queries, under ``window`` when given. A world of one makes its local calls and sends nothing.
     ``value_dim``: v's head dim, the partials' out's (what the combine sends)."""

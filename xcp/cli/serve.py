@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from .. import cache_plan
 from ..comm import LocalWorld
+from ..inference import plan as cache_plan
+from ..inference.serving import held
 from ..kernels.merge import packed_layout
-from ..serving import held
 from .common import DTYPES, REL_TOLERANCE, human_bytes, positive
 
 FLAG = "--serve"

@@ -23,7 +23,7 @@ TAGS: dict[str, int] = {"kv": 1, "dkv": 2, "agree": 3, "a2a": 4, "combine": 5, "
 """The channels of an exchange, each with its number (a torch.distributed tag base): ``kv`` the K/V shards
 the ring forward passes on, ``dkv`` the dK/dV the backward sends home, ``agree`` the fingerprint of the
 first call of a configuration (xcp.agreement), ``a2a`` the hybrid's all-to-all over heads, ``combine`` the
-all-gather of the packed partial [out | lse] of a KV cache's attention (xcp.cache), ``token`` the token
+all-gather of the packed partial [out | lse] of a KV cache's attention (xcp.inference.cache), ``token`` the token
 rank 0 chose at a step of generation (xcp.integrations.transformers_generate)."""
 
 

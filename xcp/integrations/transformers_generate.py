@@ -39,9 +39,9 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import schedule
-from ..cache import KVCache
 from ..comm import Communicator, resolve_group
 from ..context import Context
+from ..inference.cache import KVCache
 from ..plugins import select_backend
 from . import decoding
 

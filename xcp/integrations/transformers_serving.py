@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..paged import PagedKVCache
+from ..inference.paged import PagedKVCache
 
 NAME = "xcp_serving"
 """The attention implementation :func:`generate_batch` sets on the model while it runs."""

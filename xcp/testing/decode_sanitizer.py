@@ -15,9 +15,9 @@ import torch
 
 from .. import schedule
 from ..api import shard
-from ..cache import KVCache
 from ..comm import LocalWorld
 from ..documents import check_window
+from ..inference.cache import KVCache
 from ..lifetime import check_handoff, track_buffers
 from .sanitizer import TOLERANCE, Finding, Sanitizer, SanitizerReport, gathered_findings
 
@@ -74,7 +74,7 @@ def sanitize_decode(
     :param preallocated: caches with ``capacity`` for exactly the run's tokens: the decode steps then keep
         their lengths on the device and run ``forward_range`` (the path a captured step takes).
     :param combine: the caches' ``combine`` (``heads``: a chunk of at least
-        :data:`xcp.cache_plan.HEADS_COMBINE_MIN_QUERIES` tokens combines over heads where P divides heads).
+        :data:`xcp.inference.plan.HEADS_COMBINE_MIN_QUERIES` tokens combines over heads where P divides heads).
     :param value_head_dim: v's head dim (and the output's), None: ``head_dim`` (multi-head latent attention's
         values of another head dim otherwise: the caches keep K and V in their own dims).
     :param window: a sliding window ``(left, right)`` of the cache's attention (causal: ``right`` 0 or None;

@@ -20,8 +20,8 @@ import torch
 
 from .. import schedule
 from ..comm import LocalWorld
+from ..inference.paged import PagedKVCache
 from ..lifetime import check_handoff, track_buffers
-from ..paged import PagedKVCache
 from .sanitizer import TOLERANCE, Finding, Sanitizer, SanitizerReport, gathered_findings
 
 
@@ -224,7 +224,7 @@ def sanitize_serve(
 
 def max_blocks(steps: list[Step], world: int, block_size: int, interleave: int) -> int:
     """The most blocks any rank holds at once during ``steps``."""
-    from ..serving import held
+    from ..inference.serving import held
 
     lengths: dict[int, int] = {}
     most = 0

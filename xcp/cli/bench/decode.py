@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from ...api import shard
-from ...cache import KVCache
 from ...comm import LocalWorld
+from ...inference.cache import KVCache
 from .. import windows
 from ..common import DTYPES, Clock, check_memory, check_value_dim, error, human_bytes, median, tool_backend
 from .config import BenchConfig

@@ -11,7 +11,7 @@ A partial whose ``L_r`` is -inf weighs 0, and a row no rank sees stays ``O = 0``
 Sinks (one value-less logit per head) are folded in once, after the merge (:func:`xcp.kernels.merge.apply_sinks_`).
 
 Here: the local partial of a rank as kernel calls over segments (:func:`run_calls`, :func:`packed_partial`:
-the calls come from :mod:`xcp.cache_plan`), a partial packed ``[out | lse]`` in one buffer
+the calls come from :mod:`xcp.inference.plan`), a partial packed ``[out | lse]`` in one buffer
 (:func:`xcp.kernels.merge.packed_layout`), the all-gather of the packed partials with its hand-off between
 streams (:func:`exchange`, :func:`gather_merge`), the merge (:func:`merge_into`), and :func:`combine`, the
 same combine for an engine that owns its kernel and its cache. :class:`xcp.KVCache` and
@@ -31,13 +31,13 @@ from typing import Any
 
 import torch
 
-from .backends.base import score_mods
-from .comm import resolve_group
-from .kernels.math import Alibi
-from .kernels.merge import NEG_INF, accumulator_dtype, packed_layout, packed_lse
-from .lifetime import RingCall, check_handoff
-from .plugins import select_backend
-from .ring import BlockCall
+from ..backends.base import score_mods
+from ..comm import resolve_group
+from ..kernels.math import Alibi
+from ..kernels.merge import NEG_INF, accumulator_dtype, packed_layout, packed_lse
+from ..lifetime import RingCall, check_handoff
+from ..plugins import select_backend
+from ..ring import BlockCall
 
 Mods = tuple[float | None, Alibi | None]
 """The soft-cap and the ALiBi of a partial's calls (``(None, None)``: plain attention)."""

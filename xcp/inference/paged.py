@@ -7,9 +7,9 @@ sequence from the global lengths alone, and plans a step for all ranks before wr
 pool of some rank cannot hold is refused on every rank, the cache left as it was.
 
 :meth:`PagedKVCache.attention` is :class:`xcp.KVCache`'s attention over a packed (THD) batch: each listed
-sequence's local partial as kernel calls over segments (:mod:`xcp.cache_plan`, on the rank's tokens of that
+sequence's local partial as kernel calls over segments (:mod:`xcp.inference.plan`, on the rank's tokens of that
 sequence, read from its blocks), every sequence's rows packed in one buffer, one all-gather of it for the
-whole batch and the merge (:mod:`xcp.partials`), sinks folded in once after. A row a rank sees nothing of
+whole batch and the merge (:mod:`xcp.inference.partials`), sinks folded in once after. A row a rank sees nothing of
 weighs 0; a row no rank sees is 0 with lse -inf.
 
 Lifetimes (docs/lifetime.md): the packed partial goes to the comm stream under the hand-off policy (rule
@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 
-from . import cache_plan, partials
-from .agreement import agree, fingerprint
-from .checks import (
+from ..agreement import agree, fingerprint
+from ..checks import (
     CacheLayout,
     check_backend_serves,
     check_causal,
@@ -40,11 +39,13 @@ from .checks import (
     check_sinks,
     check_values_in_keys,
 )
-from .comm import resolve_group
-from .documents import PositionRun, check_window
-from .kernels.merge import accumulator_dtype, apply_sinks_
-from .lifetime import check_handoff
-from .plugins import select_backend
+from ..comm import resolve_group
+from ..documents import PositionRun, check_window
+from ..kernels.merge import accumulator_dtype, apply_sinks_
+from ..lifetime import check_handoff
+from ..plugins import select_backend
+from . import partials
+from . import plan as cache_plan
 from .serving import check_placement, held, kept
 
 

@@ -1,7 +1,7 @@
 """A KV cache sharded across the ranks of a group, for inference: prefill, append, attention.
 
 Each rank keeps some tokens of one layer's keys and values, with their global positions
-(:mod:`xcp.cache_plan` says which: a prefill's shard as :func:`xcp.shard` placed it, then one contiguous
+(:mod:`xcp.inference.plan` says which: a prefill's shard as :func:`xcp.shard` placed it, then one contiguous
 piece of each appended chunk, rank ``position % P`` for a single token). :meth:`KVCache.attention` runs the
 queries of the last T tokens against the rank's own tokens (the *local partial*: kernel calls through the
 backend's ``forward`` / ``forward_varlen``), then combines the P partials with one collective: every rank
@@ -12,7 +12,7 @@ and no rank ever holds more than its share of the keys and values. A world of on
 alone.
 
 A cache with ``capacity`` is graph-safe: its storage is allocated once, and its lengths and positions also
-live on the device (:mod:`xcp.cache_state`), so a decode step (``append`` of one token, ``attention`` of its
+live on the device (:mod:`xcp.inference.state`), so a decode step (``append`` of one token, ``attention`` of its
 query) reads and advances them with device ops alone, runs its local partial through the backend's
 ``forward_range`` (the visible storage range given on the device), and can be captured into a device graph
 and replayed. The host's own counters then lag behind and are read back from the device when next needed.
@@ -31,11 +31,10 @@ from typing import Any
 
 import torch
 
-from . import cache_plan, partials, schedule
-from .agreement import agree, fingerprint
-from .backends.base import range_forward, score_mods
-from .cache_state import DeviceCounts
-from .checks import (
+from .. import schedule
+from ..agreement import agree, fingerprint
+from ..backends.base import range_forward, score_mods
+from ..checks import (
     CacheLayout,
     check_backend_serves,
     check_backend_variants,
@@ -49,12 +48,15 @@ from .checks import (
     check_values_in_keys,
     check_variants,
 )
-from .comm import resolve_group
-from .documents import check_window
-from .kernels.math import Alibi
-from .kernels.merge import NEG_INF, accumulator_dtype, apply_sinks_, packed_lse
-from .lifetime import check_handoff
-from .plugins import select_backend
+from ..comm import resolve_group
+from ..documents import check_window
+from ..kernels.math import Alibi
+from ..kernels.merge import NEG_INF, accumulator_dtype, apply_sinks_, packed_lse
+from ..lifetime import check_handoff
+from ..plugins import select_backend
+from . import partials
+from . import plan as cache_plan
+from .state import DeviceCounts
 
 GROWTH = 1.25
 """Without ``capacity``, storage that runs out grows to this many times its room (at least to what it needs):
@@ -68,7 +70,7 @@ class KVCache:
     :param balance: how the prompt given to :meth:`prefill` was sharded (as for :func:`xcp.shard`).
     :param capacity: N global tokens to preallocate room for, never reallocating (the graph-safe mode):
         rank r keeps room for ``N // P + (r < N % P)`` tokens, exactly its share at N (see
-        :mod:`xcp.cache_plan`), plus one scratch row, allocated with the first tokens (which fix batch,
+        :mod:`xcp.inference.plan`), plus one scratch row, allocated with the first tokens (which fix batch,
         heads, dtype and device). A decode step (T = 1) then never reads a length on the host and can be
         captured into a device graph (module docstring). More than N tokens is a ValueError naming the
         capacity: at once in an eager step, at the next host read after replayed ones. None: storage grows
@@ -77,7 +79,7 @@ class KVCache:
     :param handoff: the hand-off policy of the combine, overriding the backend's.
     :param timeout: as for :func:`xcp.attention`.
     :param ulysses: only 1: the cache is sharded over the ranks of ``group`` alone.
-    :param combine: how a long chunk's partials are combined (:data:`xcp.cache_plan.COMBINES`): ``auto``
+    :param combine: how a long chunk's partials are combined (:data:`xcp.inference.plan.COMBINES`): ``auto``
         (over heads between processes, one all-gather between virtual ranks), ``gather`` or ``heads``.
     :param values_in_keys: Dv where the values are the first Dv channels of the keys, as in multi-head latent
         attention's absorbed cache (DeepSeek-V3's latent ``kv_nope`` is the key's first 512 of 576 channels
@@ -204,7 +206,7 @@ class KVCache:
     def append(self, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """Add the next T tokens, ``k`` [B, T, Hkv, D] and ``v`` [B, T, Hkv, Dv], the same on every rank, at
         global positions ``seq_len .. seq_len + T - 1`` (``v`` None with ``values_in_keys``); this rank keeps its
-        piece of them (:mod:`xcp.cache_plan`). No communication; the piece is copied."""
+        piece of them (:mod:`xcp.inference.plan`). No communication; the piece is copied."""
         layout = check_cache_kv(k, v, self._layout, values_in_keys=self.values_in_keys)
         t = k.shape[1]
         if t == 1 and self._counts is not None and self._k is not None and self._v is not None:
@@ -225,7 +227,7 @@ class KVCache:
 
     def _append_on_device(self, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """A decode step's append on a capacity cache: written in place at the row the device's counters
-        name (:meth:`xcp.cache_state.DeviceCounts.append_token`). Eagerly the host keeps its counters in
+        name (:meth:`xcp.inference.state.DeviceCounts.append_token`). Eagerly the host keeps its counters in
         step and checks the capacity first; while capturing it cannot (the step runs again at every
         replay), so its counters lag until they are read back."""
         assert self._counts is not None and self._k is not None and self._v is not None
@@ -362,10 +364,10 @@ class KVCache:
         self, backend: Any, q, scale: float, window, softcap, alibi_slopes, chunk
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A capacity cache's local partial (out, lse) of the newest token's query, as the kernel gives them
-        (a world of one without sinks returns that out as it is; the combine packs it, :func:`xcp.partials.pack`): one
-        ``backend.forward_range`` call over the storage range the device's counters give (every token held;
-        with a window or a chunk, those it reaches), so the host reads no length; ALiBi's positions come from
-        the device's counters too."""
+        (a world of one without sinks returns that out as it is; the combine packs it,
+        :func:`xcp.inference.partials.pack`): one ``backend.forward_range`` call over the storage range the
+        device's counters give (every token held; with a window or a chunk, those it reaches), so the host reads
+        no length; ALiBi's positions come from the device's counters too."""
         counts = self._counts
         assert counts is not None and self._k is not None and self._v is not None
         lo, hi = counts.visible(None if window is None else window[0], chunk)
@@ -383,17 +385,19 @@ class KVCache:
 
     def _exchange(self, backend: Any, op: str, send: Callable[[], torch.Tensor], recv: torch.Tensor, tag: str,
                   meanwhile: Callable[[], Any] = lambda: None) -> Any:  # fmt: skip
-        """:func:`xcp.partials.exchange` over this cache's group and hand-off (docs/lifetime.md, rules 1 and 3.3)."""
+        """:func:`xcp.inference.partials.exchange` over this cache's group and hand-off (docs/lifetime.md, rules 1
+        and 3.3)."""
         return partials.exchange(self._comm, backend, self._handoff, op, send, recv, tag, meanwhile)
 
     def _combine(self, backend: Any, partial: Callable[[], torch.Tensor], q, acc: torch.dtype):
-        """The merged (out [B, T, H, Dv], lse [B, H, T]) of every rank's partial (:func:`xcp.partials.gather_merge`)."""
+        """The merged (out [B, T, H, Dv], lse [B, H, T]) of every rank's partial
+        (:func:`xcp.inference.partials.gather_merge`)."""
         assert self._layout is not None
         shape = (*q.shape[:3], self._layout[5])  # out has the values' head dim
         return partials.gather_merge(self._comm, backend, self._handoff, partial, shape, q.dtype, q.device)
 
     def _combines_over_heads(self, t: int, heads: int) -> bool:
-        """``combine`` (:data:`xcp.cache_plan.COMBINES`) for a chunk of t queries over ``heads``."""
+        """``combine`` (:data:`xcp.inference.plan.COMBINES`) for a chunk of t queries over ``heads``."""
         if self.combine == "gather" or (self.combine == "auto" and getattr(self._comm, "ranks_are_threads", False)):
             return False
         over_heads = cache_plan.combine_over_heads(self._world, t, heads)
@@ -402,7 +406,7 @@ class KVCache:
     def _combine_over_heads(self, backend: Any, partial: Callable[[], torch.Tensor], q, acc: torch.dtype, sinks):
         """The merged output [B, T, H, Dv] in q's dtype, sinks folded in, of a long chunk: three collectives
         that move about P/2 times fewer bytes than one all-gather of the partials
-        (:func:`xcp.cache_plan.combine_over_heads`).
+        (:func:`xcp.inference.plan.combine_over_heads`).
 
         1. All-gather the lse [B, T, H] alone; every rank computes ``L = logsumexp_r L_r``.
         2. Each rank weighs its partial out by ``exp(L_r - L)`` (0 where it sees nothing: never NaN), in the

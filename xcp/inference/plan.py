@@ -34,9 +34,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .documents import PositionRun, Segment, diagonal_segment, position_runs, rows_at_most, runs
-from .documents import Run as Call
-from .kernels.merge import accumulator_dtype, packed_layout
+from ..documents import PositionRun, Segment, diagonal_segment, position_runs, rows_at_most, runs
+from ..documents import Run as Call
+from ..kernels.merge import accumulator_dtype, packed_layout
 
 _FAR = 1 << 62  # stands for an unbounded side in integer arithmetic
 
@@ -129,7 +129,7 @@ def extend(stored: Sequence[PositionRun], first: int, count: int) -> tuple[Posit
         return (PositionRun(0, first, 1, count),)
     end = last.global0 + last.stride * (last.count - 1)
     if first <= end:
-        raise AssertionError(f"xcp.cache_plan: position {first} stored after {end}")
+        raise AssertionError(f"xcp.inference.plan: position {first} stored after {end}")
     if count == 1 and (last.count == 1 or first == end + last.stride):
         stride = first - last.global0 if last.count == 1 else last.stride
         out[-1] = PositionRun(last.local0, last.global0, stride, last.count + 1)

@@ -9,7 +9,7 @@ window needs). A decode step's append writes the token in place at the row the d
 counters name and advances them; its attention reads the visible storage range ``[lo, hi)`` from them. Each
 is a handful of small device ops, since eagerly every op costs host time.
 
-Placement is :mod:`xcp.cache_plan`'s: a single token at position p is kept by rank ``p % P``. Every rank
+Placement is :mod:`xcp.inference.plan`'s: a single token at position p is kept by rank ``p % P``. Every rank
 writes the token at the row after its last one (so no rank branches on the host), but only the owner
 counts it; the storage has one scratch row past its room, so a rank whose share is full still has a row to
 write into. A step past the capacity still counts in the global length (no host check is possible inside a
@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .documents import PositionRun
+from ..documents import PositionRun
 
 FAR = (1 << 62) - 1
 """The position of a storage row that holds no token yet: after every real position."""
