@@ -494,6 +494,21 @@ def test_cli_bench_world_of_one_alone(tmp_path, capsys):
     assert data["host"] is None
     assert [(r["seq"], r["causal"]) for r in data["world_of_one"]] == [(8, False), (16, False), (8, True), (16, True)]
     assert all(r["fwd_check_ok"] and r["fwd_bwd_check_ok"] for r in data["world_of_one"])
+    # the CPU backend has no whole_attention: the ratio is xcp's own kernel against SDPA, and says so
+    assert not any(r["whole_attention"] for r in data["world_of_one"])
+    text = " ".join(out.split())
+    assert "xcp ran its own block kernel (the header's) under its autograd Function" in text
+    assert "dispatch around it" not in text
+
+
+def test_world_of_one_text_says_what_the_ratio_measures():
+    from xcp.cli.bench.world_of_one import _path_text
+
+    whole, own = [{"whole_attention": True}], [{"whole_attention": False}]
+    assert _path_text(whole).endswith("so the ratio is the cost of xcp's checks and dispatch around it")
+    assert _path_text(own).startswith("The backend has no whole_attention for these inputs")
+    both = _path_text(whole + own)
+    assert both.startswith("Where the backend's whole_attention took the call") and "own block kernel" in both
 
 
 def test_world_of_one_defaults_to_1k_and_4k(capsys, monkeypatch):

@@ -137,3 +137,27 @@ def test_readme_commands_are_the_ones_ci_runs():
     assert "-e examples/xcp-tiled-backend" in test_cmd and test_cmd.endswith("python -m pytest -q")
     ci = (ROOT / ".ci" / "run").read_text()
     assert "<!-- ci: $1 -->" in ci and "install-and-run install-and-test" in ci and "ruff check ." in ci
+
+
+def plan_transcripts() -> list[tuple[str, list[str], list[str]]]:
+    """Every ```text block of the documents that shows ``$ xcp plan ...``: (where, the arguments, the lines
+    shown after the command, but ``...``, which stands for lines left out)."""
+    found = []
+    for d in DOCUMENTS:
+        text = (ROOT / d).read_text()
+        for m in FENCE.finditer(text):
+            lines = m.group(2).splitlines()
+            if m.group(1) == "text" and lines and lines[0].startswith("$ xcp plan "):
+                shown = [line for line in lines[1:] if line.strip() and line.strip() != "..."]
+                found.append((f"{d}:{text.count(chr(10), 0, m.start()) + 1}", lines[0].split()[3:], shown))
+    return found
+
+
+@pytest.mark.parametrize("where, args, shown", plan_transcripts(), ids=[t[0] for t in plan_transcripts()])
+def test_a_plan_transcript_shows_what_the_command_prints(where, args, shown, capsys):
+    """``xcp plan`` runs nothing (it computes its tables), so the documents show its output as it is."""
+    from xcp.cli import main
+
+    assert main(["plan", *args]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert shown and [line for line in shown if line not in printed] == [], where
