@@ -111,12 +111,12 @@ def test_combine_ragged_lead_dims_bf16_and_errors():
 H, HKV, D = 4, 2, 8
 
 
-def _reference_rows(q, k, v, length: int, t: int, causal: bool, window, sinks) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference_rows(q, k, v, length: int, t: int, causal: bool, window, sinks, variants=None):
     """Rows ``length - t .. length - 1`` of the float64 attention of one sequence's first ``length`` tokens
-    (no xcp code), and their lse [H, t] (sink included)."""
+    (no xcp code), and their lse [H, t] (sink included; plain attention only: ``variants`` None)."""
     qs, ks, vs = (x[None, :length] for x in (q, k, v))
     out = independent_masked_reference(qs, ks, vs, torch.zeros_like(qs[..., : vs.shape[-1]]), (0, length), causal,
-                                       sinks, window=window)[0][0, length - t :]  # fmt: skip
+                                       sinks, window=window, **(variants or {}))[0][0, length - t :]  # fmt: skip
     i = torch.arange(length - t, length)[:, None]
     j = torch.arange(length)[None]
     allowed = torch.ones(t, length, dtype=torch.bool)
@@ -167,7 +167,8 @@ def _workload(seed: int, steps: int):
 
 
 def _run_paged(world, *, interleave=1, causal=True, window=None, sinks=False, hkv=HKV, dv=D, values_in_keys=None,
-               seed=0, steps=6, block_size=4, num_blocks=64, dtype=torch.float64, return_lse=False):  # fmt: skip
+               seed=0, steps=6, block_size=4, num_blocks=64, dtype=torch.float64, return_lse=False,
+               variants=None):  # fmt: skip
     plan, n_ids = _workload(seed, steps)
     g = torch.Generator().manual_seed(seed)
     total = 200
@@ -197,7 +198,8 @@ def _run_paged(world, *, interleave=1, causal=True, window=None, sinks=False, hk
                 assert cache.local_len(sid) == local_lengths(torch.tensor(b), world, group.rank(), interleave).item()
             q = _rows([qs[sid][a:b] for sid, (a, b) in zip(ids, spans)], qs[0]).to(dtype)
             sinks_now = None if sink is None else sink.to(dtype)
-            out = cache.attention(q, ids, cu, causal=causal, window=window, sinks=sinks_now, return_lse=return_lse)
+            out = cache.attention(q, ids, cu, causal=causal, window=window, sinks=sinks_now, return_lse=return_lse,
+                                  **(variants or {}))  # fmt: skip
             outs.append(out)
             for sid in leaving:
                 cache.free(sid)
@@ -212,7 +214,7 @@ def _run_paged(world, *, interleave=1, causal=True, window=None, sinks=False, hk
         rows, lses = [], []
         for sid, t in batch:
             lengths[sid] = lengths.get(sid, 0) + t
-            out, lse = _reference_rows(qs[sid], ks[sid], vs[sid], lengths[sid], t, causal, window, sink)
+            out, lse = _reference_rows(qs[sid], ks[sid], vs[sid], lengths[sid], t, causal, window, sink, variants)
             rows.append(out)
             lses.append(lse)
         wants.append(
@@ -248,6 +250,14 @@ def _assert_paged(results, wants, tol=1e-10, return_lse=False):
         (2, {"window": (5, 0), "hkv": 1}),
         (4, {"causal": False, "window": (3, 2), "dv": 6, "block_size": 3}),
         (3, {"values_in_keys": 5, "interleave": 3, "sinks": True}),
+        (
+            3,
+            {
+                "interleave": 2,
+                "variants": {"softcap": 1.5, "alibi_slopes": torch.tensor([0.5, 0.25, 0.1, 0.05], dtype=torch.float64)},
+            },
+        ),
+        (2, {"variants": {"chunk": 5}, "window": (6, 0)}),
     ],
 )
 def test_paged_cache_matches_float64_over_a_changing_batch(world, options):

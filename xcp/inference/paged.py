@@ -30,6 +30,7 @@ from ..agreement import agree, fingerprint
 from ..checks import (
     CacheLayout,
     check_backend_serves,
+    check_backend_variants,
     check_causal,
     check_num_blocks,
     check_paged_kv,
@@ -38,9 +39,11 @@ from ..checks import (
     check_seq_batch,
     check_sinks,
     check_values_in_keys,
+    check_variants,
 )
 from ..comm import resolve_group
 from ..documents import PositionRun, check_window
+from ..kernels.math import Alibi
 from ..kernels.merge import accumulator_dtype, apply_sinks_
 from ..lifetime import check_handoff
 from ..plugins import select_backend
@@ -231,6 +234,9 @@ class PagedKVCache:
         window: tuple[int | None, int | None] | None = None,
         sinks: torch.Tensor | None = None,
         return_lse: bool = False,
+        softcap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Exact attention of the newest tokens' queries of each listed sequence over its cached tokens, the same
         on every rank: one collective for the whole batch.
@@ -243,6 +249,11 @@ class PagedKVCache:
         :param window: ``(left, right)`` over each sequence's positions, as for :func:`xcp.attention`.
         :param sinks: [H], one value-less logit per head, as for :func:`xcp.attention`.
         :param return_lse: also return the natural-log lse [H, T] (float32; float64 for float64), sinks included.
+        :param softcap: logit soft-capping, as for :func:`xcp.attention`.
+        :param alibi_slopes: ALiBi's slopes [H], as for :func:`xcp.attention`: the bias from each sequence's
+            positions.
+        :param chunk: chunked attention, as for :func:`xcp.attention`: a query sees its sequence's tokens of its
+            own chunk of ``chunk`` positions (chunks aligned at position 0).
         :returns: [T, H, Dv] in q's dtype (and the lse), equal on every rank; a row that sees no token is 0.
         """
         ids, cu = check_seq_batch(seq_ids, cu_seqlens, q.shape[0] if isinstance(q, torch.Tensor) else None,
@@ -254,10 +265,13 @@ class PagedKVCache:
         scale = check_scale(scale, q.shape[2])
         window = check_window(window, causal)
         sinks = check_sinks(sinks, q.unsqueeze(0))
+        softcap, alibi_slopes, chunk = check_variants(q.unsqueeze(0), softcap, alibi_slopes, chunk)
         backend = select_backend(self._device, q.device.type)
         check_backend_serves(backend, q.unsqueeze(0), 1, causal, "stripe", value_dim=self._layout[5])
+        check_backend_variants(backend, softcap, alibi_slopes)
+        variants = (softcap, alibi_slopes, chunk)
         if self._world > 1:
-            self._agree(backend, q, cu, [s.length for s in seqs], causal, scale, window, sinks)
+            self._agree(backend, q, cu, [s.length for s in seqs], causal, scale, window, sinks, variants)
         t, h, dv = q.shape[0], q.shape[1], self._layout[5]
         acc = accumulator_dtype(q.dtype)
 
@@ -265,10 +279,13 @@ class PagedKVCache:
             """This rank's partial of every row, packed for inputs of ``dtype``: each sequence's calls."""
             out = partials.empty_packed((1, t, h), dv, dtype, q.device)
             for seq, c0, c1 in zip(seqs, cu, cu[1:]):
-                calls = cache_plan.partial_calls(seq.runs, seq.length, c1 - c0, causal, window) if c1 > c0 else ()
+                calls = (
+                    cache_plan.chunked_calls(seq.runs, seq.length, c1 - c0, causal, window, chunk) if c1 > c0 else ()
+                )
                 if calls:
                     k, v = self._rows(seq)
-                    partials.fill_packed(out[:, c0:c1], backend, calls, q[None, c0:c1], k, v, scale)
+                    mods = (softcap, None if alibi_slopes is None else _alibi(alibi_slopes, seq, c1 - c0, q.device))
+                    partials.fill_packed(out[:, c0:c1], backend, calls, q[None, c0:c1], k, v, scale, mods)
             return out
 
         if self._world == 1:
@@ -292,7 +309,8 @@ class PagedKVCache:
             return k, k[..., : self.values_in_keys]
         return k, self._v.index_select(0, blocks).flatten(0, 1)[None, :n]
 
-    def _agree(self, backend: Any, q, cu: tuple[int, ...], lengths: list[int], causal, scale, window, sinks) -> None:
+    def _agree(self, backend: Any, q, cu: tuple[int, ...], lengths: list[int], causal, scale, window, sinks,
+               variants: tuple) -> None:  # fmt: skip
         """The ranks' calls must match (shapes, options, batch and lengths): checked on the first call of a
         configuration (:func:`xcp.agreement.agree`), whose key leaves the batch and lengths out."""
         assert self._layout is not None
@@ -300,10 +318,18 @@ class PagedKVCache:
 
         def values(total: int, documents: tuple[int, ...] | None) -> tuple:
             like_k, like_v = (torch.empty((1, total, h, dim), dtype=dtype, device="meta") for dim in (d, dv))
-            return fingerprint(q.unsqueeze(0), like_k, like_v, causal, "stripe", scale, documents, sinks, window)
+            return fingerprint(q.unsqueeze(0), like_k, like_v, causal, "stripe", scale, documents, sinks, window, 1,
+                               *variants)  # fmt: skip
 
         compared = lambda: values(sum(lengths), (*cu, *lengths))  # noqa: E731
         agree(self._comm, backend, compared, q.device, ("paged", self.interleave, *values(0, None)))
+
+
+def _alibi(slopes: torch.Tensor, seq: _Sequence, queries: int, device: torch.device) -> Alibi:
+    """ALiBi of one sequence's partial: its last ``queries`` positions against the positions of this rank's rows."""
+    q_pos = torch.arange(seq.length - queries, seq.length, device=device)
+    k_pos = [r.global0 + r.stride * i for r in seq.runs for i in range(r.count)]
+    return Alibi(slopes, q_pos, torch.tensor(k_pos, dtype=torch.int64, device=device))
 
 
 __all__ = ["PagedKVCache"]
