@@ -250,3 +250,30 @@ def test_a_kv_cache_with_a_variant_matches_the_reference(variant, world, balance
         for r, outs in enumerate(per_rank):
             err = (outs[i] - want[:, n - t : n]).abs().max().item()
             assert err <= 1e-10, f"call {i} (cache of {n} tokens, {t} queries), rank {r}: error {err:.3e}"
+
+
+# ------------------------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_refuses_score_modifications_and_runs_chunks():
+    """The CUDA backend declares no score modification (the aten flash/cuDNN ops have no soft-cap, and ALiBi
+    needs position vectors): a call with one is refused before any kernel runs, in the ring and in a KV
+    cache; chunked attention needs nothing of the backend and matches the reference on 2 virtual ranks."""
+    q, k, v, dout = (x.cuda() for x in inputs(4))
+    for options, named in (({"softcap": 30.0}, "softcap"), ({"alibi_slopes": SLOPES.cuda()}, "alibi_slopes")):
+        with pytest.raises(NotImplementedError, match=f"{named}: not supported by backend 'cuda'"):
+            xcp.attention(q, k, v, causal=True, **options)
+        cache = xcp.KVCache()
+        cache.prefill(k, v)
+        with pytest.raises(NotImplementedError, match=f"{named}: not supported by backend 'cuda'"):
+            cache.attention(q[:, -1:], **options)
+
+    def rank(group):
+        r = group.rank()
+        local = [xcp.shard(x, 2, r, balance="stripe") for x in (q, k, v)]
+        return xcp.attention(*local, group=group, causal=True, balance="stripe", chunk=5)
+
+    out = xcp.unshard(xcp.LocalWorld(2).run(rank), balance="stripe")
+    want = independent_masked_reference(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), (0, S), True, chunk=5)[0]
+    assert (out.cpu() - want).abs().max().item() <= 1e-10
