@@ -142,8 +142,15 @@ def test_bad_input_raises_before_any_communication():
             return xcp.attention(*good(), scale=-1.0, group=group)
         return xcp.attention(*good(), group=group)
 
-    with raises(RuntimeError, "rank 1 of 2 failed: ValueError: scale: expected a positive"):
+    with raises(RuntimeError, "LocalWorld rank 1 of 2 failed: ValueError: scale: expected a positive") as info:
         xcp.LocalWorld(2, timeout=30).run(rank_fn)
+    assert type(info.value.__cause__) is ValueError  # README: the rank's own error is the cause
+
+
+def test_an_option_not_served_yet_is_a_not_implemented_error():
+    """README: a bad argument is a TypeError or ValueError; an option xcp does not serve yet is this."""
+    with pytest.raises(NotImplementedError, match=r"^ulysses: expected 1 .*; got ulysses=2"):
+        xcp.KVCache(ulysses=2)
 
 
 # ----------------------------------------------------------------------------------------- xcp.shard
