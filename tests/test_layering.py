@@ -47,6 +47,8 @@ LAYERS: dict[str, int] = {
     "xcp.inference.paged": 5,
     # 5: the hybrid all-to-all around the ring
     "xcp.hybrid": 5,
+    # 5: state passing and halos of recurrent layers (their exchanges are the communicators')
+    "xcp.recurrent": 5,
     # 6: the compiled custom op
     "xcp.ops": 6,
     # 7: the entry points and the public face

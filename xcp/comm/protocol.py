@@ -19,12 +19,25 @@ from ..lifetime import thread_store
 Sends = Sequence[tuple[torch.Tensor, int]]
 Recvs = Sequence[tuple[torch.Tensor, int]]
 
-TAGS: dict[str, int] = {"kv": 1, "dkv": 2, "agree": 3, "a2a": 4, "combine": 5, "token": 6}
+TAGS: dict[str, int] = {
+    "kv": 1,
+    "dkv": 2,
+    "agree": 3,
+    "a2a": 4,
+    "combine": 5,
+    "token": 6,
+    "state": 7,
+    "dstate": 8,
+    "halo": 9,
+    "dhalo": 10,
+}
 """The channels of an exchange, each with its number (a torch.distributed tag base): ``kv`` the K/V shards
 the ring forward passes on, ``dkv`` the dK/dV the backward sends home, ``agree`` the fingerprint of the
 first call of a configuration (xcp.agreement), ``a2a`` the hybrid's all-to-all over heads, ``combine`` the
 all-gather of the packed partial [out | lse] of a KV cache's attention (xcp.inference.cache), ``token`` the token
-rank 0 chose at a step of generation (xcp.integrations.transformers_generate)."""
+rank 0 chose at a step of generation (xcp.integrations.transformers_generate), ``state`` / ``dstate`` the
+all-gather of a recurrent layer's per-piece summaries and the all-to-all of their gradients, ``halo`` /
+``dhalo`` the same for a causal convolution's halos (xcp.recurrent)."""
 
 
 class RankAborted(RuntimeError):

@@ -1,0 +1,189 @@
+"""xcp.recurrent over LocalWorld(P), float64, against the same kernel on the whole sequence.
+
+Two reference kernels written here as plain per-token loops (a gated delta rule, whose T is a dense
+d_k x d_k map, and a diagonal-decay linear attention), a depthwise causal convolution; P in {1, 2, 3, 4},
+every balance but stripe, packed documents (some shorter than a halo): every output, the final state and
+every gradient (inputs and a parameter) to 1e-10. Also the named errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import xcp
+from xcp.recurrent import Decay, DeltaRule, causal_conv, plan_pieces, state_passing
+
+TOL = 1e-10
+B, H, DK, DV, C, W = 2, 2, 3, 4, 5, 4
+
+
+def delta_kernel(q, k, v, g, beta, gscale=None, initial_state=None, output_final_state=False):
+    """Gated delta rule, one token at a time: h <- exp(g) (h - beta k (k^T h)) + beta k v^T; out = q^T h."""
+    g = g if gscale is None else g * gscale
+    h = initial_state if initial_state is not None else q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
+    outs = []
+    for t in range(q.shape[1]):
+        kt, vt, bt = k[:, t], v[:, t], beta[:, t, :, None, None]
+        h = g[:, t, :, None, None].exp() * (h - bt * kt[..., None] * (kt[..., None, :] @ h))
+        h = h + bt * kt[..., None] * vt[..., None, :]
+        outs.append((q[:, t, :, None, :] @ h).squeeze(-2))
+    return torch.stack(outs, 1), (h if output_final_state else None)
+
+
+def decay_kernel(q, k, v, a, initial_state=None, output_final_state=False):
+    """Diagonal decays: h <- a * h + k v^T (a per key dim); out = q^T h."""
+    h = initial_state if initial_state is not None else q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
+    outs = []
+    for t in range(q.shape[1]):
+        h = a[:, t, :, :, None] * h + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, None, :] @ h).squeeze(-2))
+    return torch.stack(outs, 1), (h if output_final_state else None)
+
+
+def decay_product(q, k, v, a):
+    return a.prod(dim=1)[..., None]
+
+
+def depthwise(weight):
+    """A causal depthwise convolution with SiLU on [B, L, C], as short-conv layers have."""
+
+    def conv(x):
+        y = F.conv1d(x.transpose(1, 2), weight[:, None], padding=weight.shape[1] - 1, groups=weight.shape[0])
+        return F.silu(y[..., : x.shape[1]]).transpose(1, 2)
+
+    return conv
+
+
+def whole(fn, inputs, cu):
+    """``fn`` on each document of the whole sequence: outputs concatenated, and the last document's result."""
+    outs, last = [], None
+    for a, b in zip(cu, cu[1:]):
+        out, last = fn([x[:, a:b] for x in inputs])
+        outs.append(out)
+    return torch.cat(outs, 1), last
+
+
+def inputs_for(kind, seq):
+    gen = torch.Generator().manual_seed(seq)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    if kind == "delta":
+        k = F.normalize(r(B, seq, H, DK), dim=-1)
+        return [r(B, seq, H, DK), k, r(B, seq, H, DV), -r(B, seq, H).abs() * 0.3, r(B, seq, H).sigmoid()]
+    a = torch.rand(B, seq, H, DK, generator=gen, dtype=torch.float64)
+    return [r(B, seq, H, DK), r(B, seq, H, DK), r(B, seq, H, DV), a]
+
+
+def close(name, got, want, tol=TOL):
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+    assert err <= tol, f"{name}: relative error {err:.3e} > {tol:g}"
+
+
+CASES = [
+    (world, balance, cu)
+    for world in (1, 2, 3, 4)
+    for balance, cu in (("zigzag", None), ("contiguous", None), ("zigzag", "docs"), ("document_zigzag", "docs"))
+]
+
+
+def documents(seq):
+    return sorted({min(b, seq) for b in (0, 1, 3, 4 + seq // 3, seq - 2, seq)})
+
+
+@pytest.mark.parametrize("kind", ["delta", "decay"])
+@pytest.mark.parametrize(("world", "balance", "cu"), CASES, ids=[f"P{w}-{b}-{c}" for w, b, c in CASES])
+def test_state_passing_matches_the_whole_sequence(kind, world, balance, cu):
+    seq = 8 * world if balance != "document_zigzag" else 7 * world + 3
+    cu = documents(seq) if cu else [0, seq]
+    inputs = inputs_for(kind, seq)
+    gscale = torch.tensor(1.3, dtype=torch.float64)
+    dout = torch.randn(B, seq, H, DV, dtype=torch.float64)
+    dfinal = torch.randn(B, H, DK, DV, dtype=torch.float64)
+    if kind == "delta":
+        kernel, transition, kw = delta_kernel, DeltaRule(value=2), {"gscale": gscale}
+    else:
+        kernel, transition, kw = decay_kernel, Decay(decay_product), {}
+
+    ref_in = [x.clone().requires_grad_() for x in inputs]
+    ref_kw = {k: t.clone().requires_grad_() for k, t in kw.items()}
+    out, final = whole(lambda xs: kernel(*xs, output_final_state=True, **ref_kw), ref_in, cu)
+    ((out * dout).sum() + (final * dfinal).sum()).backward()
+    place = {"balance": balance, "cu_seqlens": cu if balance == "document_zigzag" else None}
+    docs = cu if len(cu) > 2 else None
+
+    def rank_fn(group):
+        r = group.rank()
+        local = [xcp.shard(x, world, r, **place).requires_grad_() for x in inputs]
+        mine = {k: t.clone().requires_grad_() for k, t in kw.items()}
+        o, f = state_passing(
+            kernel,
+            *local,
+            transition=transition,
+            group=group,
+            balance=balance,
+            cu_seqlens=docs,
+            output_final_state=True,
+            **mine,
+        )
+        loss = (o * xcp.shard(dout, world, r, **place)).sum()
+        if r == world - 1:  # one rank uses the final state: its gradient still reaches every rank's inputs
+            loss = loss + (f * dfinal).sum()
+        loss.backward()
+        return o.detach(), f.detach(), [x.grad for x in local], {k: t.grad for k, t in mine.items()}
+
+    results = xcp.LocalWorld(world, timeout=30).run(rank_fn)
+    close("out", xcp.unshard([res[0] for res in results], **place), out.detach())
+    for res in results:
+        close("final state", res[1], final.detach())
+    for i, x in enumerate(ref_in):
+        close(f"grad of input {i}", xcp.unshard([res[2][i] for res in results], **place), x.grad)
+    for name, t in ref_kw.items():
+        close(f"grad of {name}", sum(res[3][name] for res in results), t.grad)
+
+
+@pytest.mark.parametrize(("world", "balance", "cu"), CASES, ids=[f"P{w}-{b}-{c}" for w, b, c in CASES])
+def test_causal_conv_matches_the_whole_sequence(world, balance, cu):
+    seq = 4 * world if balance != "document_zigzag" else 3 * world + 2
+    cu = documents(seq) if cu else [0, seq]
+    x = torch.randn(B, seq, C, dtype=torch.float64)
+    weight = torch.randn(C, W, dtype=torch.float64)
+    dout = torch.randn(B, seq, C, dtype=torch.float64)
+    rx, rw = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    out, _ = whole(lambda xs: (depthwise(rw)(xs[0]), None), [rx], cu)
+    (out * dout).sum().backward()
+    place = {"balance": balance, "cu_seqlens": cu if balance == "document_zigzag" else None}
+
+    def rank_fn(group):
+        r = group.rank()
+        local = xcp.shard(x, world, r, **place).requires_grad_()
+        w = weight.clone().requires_grad_()
+        y = causal_conv(depthwise(w), local, W, group=group, balance=balance, cu_seqlens=cu if len(cu) > 2 else None)
+        (y * xcp.shard(dout, world, r, **place)).sum().backward()
+        return y.detach(), local.grad, w.grad
+
+    results = xcp.LocalWorld(world, timeout=30).run(rank_fn)
+    close("out", xcp.unshard([res[0] for res in results], **place), out.detach())
+    close("grad of x", xcp.unshard([res[1] for res in results], **place), rx.grad)
+    close("grad of weight", sum(res[2] for res in results), rw.grad)
+
+
+def test_pieces_in_global_order_with_resets():
+    pieces = plan_pieces(16, 2, "zigzag", [0, 6, 16])
+    assert [(p.owner, p.start, p.stop) for p in pieces] == [(0, 0, 4), (1, 4, 8), (1, 8, 12), (0, 12, 16)]
+    assert [p.carries_in for p in pieces] == [False, True, True, True]
+    assert [p.resets for p in pieces] == [False, True, False, False]
+    assert pieces[1].segments == ((4, 6), (6, 8))
+
+
+def test_stripe_and_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="balance: expected one of zigzag, contiguous, document_zigzag.*got 'stripe'"):
+        plan_pieces(8, 2, "stripe")
+    q, k, v, a = inputs_for("decay", 8)
+    with pytest.raises(ValueError, match="initial_state: expected none"):
+        state_passing(decay_kernel, q, k, v, a, transition=Decay(decay_product), initial_state=q)
+    with pytest.raises(ValueError, match="inputs: expected the same length at dim 1"):
+        state_passing(decay_kernel, q, k[:, :4], v, a, transition=Decay(decay_product))
+    with pytest.raises(ValueError, match="width: expected an integer >= 1"):
+        causal_conv(depthwise(torch.ones(C, 1, dtype=torch.float64)), q, 0)

@@ -1,0 +1,114 @@
+"""Causal convolutions over ranks: each piece of a rank's shard needs the ``width - 1`` tokens before it
+(its halo), held by the owners of the pieces before it; their gradients go back the same way.
+
+The halos travel in one all-gather of every piece's last ``width - 1`` inputs (a few tokens per piece:
+latency, not bandwidth); the backward is the all-to-all of their gradients (:mod:`xcp.recurrent.exchange`).
+A halo never crosses a document boundary: positions before the document's first token are zeros, as the
+convolution's own padding at the start of a sequence.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..comm.dist import resolve_group
+from ..plugins import select_backend
+from ..schedule import DEFAULT_BALANCE, check_world
+from .exchange import gather_differentiable, tie
+from .layout import Piece, most_pieces, plan_pieces, rank_pieces
+
+
+def causal_conv(
+    conv: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    width: int,
+    group: Any = None,
+    balance: str = DEFAULT_BALANCE,
+    cu_seqlens: Sequence[int] | None = None,
+    seq_dim: int = 1,
+) -> torch.Tensor:
+    """``conv`` (a causal convolution of kernel ``width``, any activation after it) over this rank's shard
+    ``x`` of a sequence sharded by ``balance``, as if run on the whole sequence.
+
+    ``conv`` is called on each stretch with its halo before it (sequence-major at ``seq_dim``, zeros where
+    the halo would cross the start of the sequence or of a document) and must return as many positions as
+    it was given; the halo's positions are dropped from its result.
+    """
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        raise ValueError(f"width: expected an integer >= 1 (the convolution's kernel size); got {width!r}")
+    comm = resolve_group(group)
+    size, rank = comm.size(), comm.rank()
+    check_world(size, rank)
+    local_len = x.shape[seq_dim]
+    seq_len = int(cu_seqlens[-1]) if cu_seqlens is not None else local_len * size
+    pieces = plan_pieces(seq_len, size, balance, cu_seqlens)
+    mine = rank_pieces(pieces, rank)
+    held = sum(p.stop - p.start for p in mine)
+    if held != local_len:
+        raise ValueError(
+            f"x: expected {held} tokens at dim {seq_dim} (rank {rank}'s shard of {seq_len} under balance "
+            f"{balance!r}); got {local_len}"
+        )
+    halo = width - 1
+    xs = x.movedim(seq_dim, 0)
+    gathered = None
+    if halo and size > 1:
+        tails = torch.stack([_tail(xs, p, halo) for p in mine])
+        n = most_pieces(pieces, size)
+        if n > len(mine):
+            tails = torch.cat((tails, tails.new_zeros((n - len(mine), *tails.shape[1:]))))
+        gathered = gather_differentiable(comm, select_backend(None, x.device.type), tails, "halo")
+    starts = sorted(set(cu_seqlens) if cu_seqlens is not None else {0})
+    outs = []
+    for piece in mine:
+        for i, (a, b) in enumerate(piece.segments):
+            part = xs[piece.local + a - piece.start : piece.local + b - piece.start]
+            if halo:
+                before = _halo(xs, gathered, pieces, rank, piece, halo, starts) if i == 0 and piece.carries_in else None
+                if before is None:
+                    before = part.new_zeros((halo, *part.shape[1:]))
+                part = torch.cat((before, part))
+            y = conv(part.movedim(0, seq_dim)).movedim(seq_dim, 0)
+            outs.append(y[halo:])
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs)).movedim(0, seq_dim)
+    return out if gathered is None else tie(out, gathered)
+
+
+def _tail(xs: torch.Tensor, piece: Piece, halo: int) -> torch.Tensor:
+    """The last ``halo`` inputs of ``piece`` (zeros before its start where it is shorter)."""
+    n = min(halo, piece.stop - piece.start)
+    end = piece.local + piece.stop - piece.start
+    tail = xs[end - n : end]
+    if n < halo:
+        tail = torch.cat((tail.new_zeros((halo - n, *tail.shape[1:])), tail))
+    return tail
+
+
+def _halo(
+    xs: torch.Tensor,
+    gathered: torch.Tensor | None,
+    pieces: Sequence[Piece],
+    rank: int,
+    piece: Piece,
+    halo: int,
+    starts: Sequence[int],
+) -> torch.Tensor:
+    """The ``halo`` inputs before ``piece``: from the pieces before it, zeros before its document's start."""
+    doc_start = starts[bisect_right(starts, piece.start - 1) - 1]
+    first = [p.start for p in pieces]
+    rows = []
+    for t in range(piece.start - halo, piece.start):
+        if t < doc_start:
+            rows.append(xs.new_zeros(xs.shape[1:]))
+            continue
+        q = pieces[bisect_right(first, t) - 1]
+        if q.owner == rank:
+            rows.append(xs[q.local + t - q.start])
+        else:
+            assert gathered is not None
+            rows.append(gathered[q.owner, q.index, t - (q.stop - halo)])
+    return torch.stack(rows)

@@ -1,0 +1,102 @@
+"""Where a recurrent layer's state crosses ranks: the pieces of the global sequence in order.
+
+Pure Python. A balance gives every rank a few contiguous stretches of the sequence (contiguous: one,
+zigzag: two, document_zigzag: two per document, joined where they meet); laid end to end in global order
+they are the *pieces* a state is passed along. Documents split a piece into *segments* (a recurrence never
+crosses a document boundary), so a piece either carries the state entering it through to its end, or
+starts the state afresh inside (it *resets*). stripe's pieces are single tokens: refused.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .. import schedule
+from ..documents import check_cu_seqlens
+
+RECURRENT_BALANCES = ("zigzag", "contiguous", "document_zigzag")
+"""The balances a recurrent layer runs under (stripe gives a rank every P-th token: refused)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One contiguous stretch ``[start, stop)`` of the global sequence, held by rank ``owner`` at local
+    position ``local`` (its offset in the owner's shard).
+
+    :param segments: ``(start, stop)`` global stretches of the piece, cut at document boundaries.
+    :param carries_in: the state entering the piece is used (its start is not a document's start).
+    :param resets: a document starts strictly inside the piece: the state leaving it does not depend on
+        the one entering (the leaving state is the last segment's, from zero).
+    """
+
+    owner: int
+    index: int
+    start: int
+    stop: int
+    local: int
+    segments: tuple[tuple[int, int], ...]
+    carries_in: bool
+    resets: bool
+
+
+def check_recurrent_balance(balance: object) -> str:
+    """``balance`` if a recurrent layer runs under it; else a ValueError naming the balance."""
+    if balance == "stripe":
+        raise ValueError(
+            f"balance: expected one of {', '.join(RECURRENT_BALANCES)} for a recurrent layer (stripe gives each "
+            "rank every P-th token, so the state would cross ranks at every token); got 'stripe'"
+        )
+    return schedule.check_choice("balance", balance, RECURRENT_BALANCES)
+
+
+def plan_pieces(
+    seq_len: int, world_size: int, balance: str = schedule.DEFAULT_BALANCE, cu_seqlens: Sequence[int] | None = None
+) -> tuple[Piece, ...]:
+    """Every rank's pieces of a sequence of ``seq_len`` tokens, in global order (see :class:`Piece`).
+
+    :param cu_seqlens: the documents' boundaries ``(0, ..., seq_len)`` (None: one document); every balance
+        takes them, document_zigzag needs them.
+    """
+    check_recurrent_balance(balance)
+    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, seq_len)
+    return _plan(int(seq_len), int(world_size), str(balance), cu)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(seq_len: int, world: int, balance: str, cu: tuple[int, ...] | None) -> tuple[Piece, ...]:
+    placed = cu if balance in schedule.DOCUMENT_BALANCES else None
+    starts = set(cu) if cu is not None else {0}
+    found: list[tuple[int, int, int, int, int]] = []
+    for rank in range(world):
+        local = 0
+        for index, (a, b, _) in enumerate(schedule.chunk_slices(seq_len, world, rank, balance, placed)):
+            found.append((a, b, rank, index, local))
+            local += b - a
+    pieces = []
+    for a, b, rank, index, local in sorted(found):
+        cuts = sorted({a, b} | {s for s in starts if a < s < b})
+        pieces.append(
+            Piece(
+                owner=rank,
+                index=index,
+                start=a,
+                stop=b,
+                local=local,
+                segments=tuple(zip(cuts, cuts[1:])),
+                carries_in=a not in starts,
+                resets=len(cuts) > 2,
+            )
+        )
+    return tuple(pieces)
+
+
+def rank_pieces(pieces: Sequence[Piece], rank: int) -> list[Piece]:
+    """``rank``'s pieces in its local order (ascending global order: every balance keeps it)."""
+    return sorted((p for p in pieces if p.owner == rank), key=lambda p: p.index)
+
+
+def most_pieces(pieces: Sequence[Piece], world_size: int) -> int:
+    """The largest number of pieces a rank holds: the length every rank's summaries are padded to."""
+    return max(sum(p.owner == r for p in pieces) for r in range(world_size))

@@ -1,0 +1,194 @@
+"""State passing: a recurrent layer's chunk kernel made exact over ranks (the two passes and the scan).
+
+A recurrent layer maps, per head, the state entering a stretch of tokens to the state leaving it affinely:
+``F(h) = T h + S``. Pass 1: every rank summarises each of its pieces (``T``, ``S``) with its own kernel;
+one all-gather of the summaries; every rank folds its predecessors' summaries into the state entering each
+of its pieces (a document boundary starts from zero); pass 2: the kernel again, from that state. The
+backward is autograd's through pass 2, the fold and pass 1; the all-gather's backward is an all-to-all of
+the summaries' gradients (:mod:`xcp.recurrent.exchange`), so every input and parameter gets its exact
+gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ..comm import Communicator
+from ..comm.dist import resolve_group
+from ..plugins import select_backend
+from ..schedule import DEFAULT_BALANCE, check_world
+from .exchange import gather_differentiable, tie
+from .layout import Piece, most_pieces, plan_pieces, rank_pieces
+
+Kernel = Callable[..., tuple[torch.Tensor, Any]]
+"""``kernel(*inputs, initial_state=None, output_final_state=False, **kwargs) -> (out, final_state)``: the
+convention transformers' and fla's recurrent kernels share; inputs and ``out`` sequence-major at
+``seq_dim``."""
+
+
+class Transition(Protocol):
+    """How a family's stretch of tokens acts on the state entering it (``F(h) = T h + S``)."""
+
+    def summarize(
+        self, kernel: Kernel, inputs: Sequence[torch.Tensor], kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(T, S)`` of the stretch ``inputs``: ``S`` the final state from a zero one."""
+
+    def apply(self, t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``T h``."""
+
+
+class DeltaRule:
+    """Delta-rule kernels (gated delta rule, KDA, DeltaNet): state ``[..., d_k, d_v]``, ``T`` a ``d_k x d_k``
+    map per head acting on the state's rows. One kernel call gives both: the state's columns evolve apart,
+    so the values ``[v | 0]`` from the state ``[0 | I]`` end at ``[S | T]``.
+
+    :param value: the position of the values among the kernel's inputs.
+    """
+
+    def __init__(self, value: int = 2) -> None:
+        self.value = value
+
+    def summarize(
+        self, kernel: Kernel, inputs: Sequence[torch.Tensor], kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        v = inputs[self.value]
+        key = inputs[1] if self.value != 1 else inputs[0]
+        d_k, d_v = key.shape[-1], v.shape[-1]
+        probe = torch.cat((v, v.new_zeros((*v.shape[:-1], d_k))), dim=-1)
+        args = list(inputs)
+        args[self.value] = probe
+        heads = v.shape[-2]
+        eye = torch.eye(d_k, dtype=v.dtype, device=v.device).expand(v.shape[0], heads, d_k, d_k)
+        start = torch.cat((v.new_zeros((v.shape[0], heads, d_k, d_v)), eye), dim=-1)
+        _, final = kernel(*args, initial_state=start, output_final_state=True, **kwargs)
+        return final[..., d_v:], final[..., :d_v]
+
+    def apply(self, t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return t.to(h.dtype) @ h
+
+
+class Decay:
+    """Diagonal or scalar decays (Mamba, Mamba2, lightning attention, GLA, RG-LRU, RWKV): ``T`` is the product
+    of the stretch's decays, broadcast against the state.
+
+    :param decay: ``decay(*inputs, **kwargs) -> T`` for a stretch.
+    """
+
+    def __init__(self, decay: Callable[..., torch.Tensor]) -> None:
+        self.decay = decay
+
+    def summarize(
+        self, kernel: Kernel, inputs: Sequence[torch.Tensor], kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        _, final = kernel(*inputs, initial_state=None, output_final_state=True, **kwargs)
+        return self.decay(*inputs, **kwargs).to(final.dtype).expand_as(final), final
+
+    def apply(self, t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return t.to(h.dtype) * h
+
+
+def state_passing(
+    kernel: Kernel,
+    *inputs: torch.Tensor,
+    transition: Transition,
+    group: Any = None,
+    balance: str = DEFAULT_BALANCE,
+    cu_seqlens: Sequence[int] | None = None,
+    seq_dim: int = 1,
+    output_final_state: bool = False,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run a recurrent layer's chunk ``kernel`` over a sequence sharded by ``balance``, exactly.
+
+    :param inputs: this rank's shard of every per-token input, sequence-major at ``seq_dim``; ``kwargs``
+        (parameters, flags) go to every kernel call unchanged.
+    :param transition: how a stretch acts on the state (:class:`DeltaRule`, :class:`Decay`, or a family's
+        own :class:`Transition`).
+    :param cu_seqlens: the documents' global boundaries: the state starts from zero at each.
+    :param output_final_state: also return the state after the last token of the sequence, on every rank.
+    :returns: ``(out, final_state)``: this rank's outputs (sequence-major at ``seq_dim``) and the final
+        state or None.
+    """
+    if "initial_state" in kwargs:
+        raise ValueError(
+            "initial_state: expected none (state passing starts every document from a zero state); got "
+            f"{type(kwargs['initial_state']).__name__}"
+        )
+    if not inputs:
+        raise ValueError("inputs: expected at least one per-token tensor; got none")
+    comm = resolve_group(group)
+    size, rank = comm.size(), comm.rank()
+    check_world(size, rank)
+    local_len = _local_length(inputs, seq_dim)
+    seq_len = int(cu_seqlens[-1]) if cu_seqlens is not None else local_len * size
+    pieces = plan_pieces(seq_len, size, balance, cu_seqlens)
+    mine = rank_pieces(pieces, rank)
+    held = sum(p.stop - p.start for p in mine)
+    if held != local_len:
+        raise ValueError(
+            f"inputs: expected {held} tokens at dim {seq_dim} (rank {rank}'s shard of {seq_len} under balance "
+            f"{balance!r}); got {local_len}"
+        )
+    backend = select_backend(None, inputs[0].device.type)
+    summaries = [transition.summarize(kernel, _cut(inputs, p, p.segments[-1], seq_dim), kwargs) for p in mine]
+    incoming, final, gathered = _fold(comm, backend, transition, pieces, summaries, output_final_state)
+    outs = []
+    for piece, h in zip(mine, incoming):
+        for i, segment in enumerate(piece.segments):
+            state = h if i == 0 else None
+            args = _cut(inputs, piece, segment, seq_dim)
+            out, _ = kernel(*args, initial_state=state, output_final_state=False, **kwargs)
+            outs.append(out)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=seq_dim)
+    return (out if gathered is None else tie(out, gathered)), final
+
+
+def _local_length(inputs: Sequence[torch.Tensor], seq_dim: int) -> int:
+    lengths = {x.shape[seq_dim] for x in inputs}
+    if len(lengths) != 1:
+        shapes = [tuple(x.shape) for x in inputs]
+        raise ValueError(f"inputs: expected the same length at dim {seq_dim} in every input; got shapes {shapes}")
+    return lengths.pop()
+
+
+def _cut(inputs: Sequence[torch.Tensor], piece: Piece, segment: tuple[int, int], seq_dim: int) -> list[torch.Tensor]:
+    """The inputs of ``segment`` (global positions) of ``piece``, from this rank's shard."""
+    a = piece.local + segment[0] - piece.start
+    return [x.narrow(seq_dim, a, segment[1] - segment[0]) for x in inputs]
+
+
+def _fold(
+    comm: Communicator,
+    backend: Any,
+    transition: Transition,
+    pieces: Sequence[Piece],
+    summaries: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    output_final_state: bool,
+) -> tuple[list[torch.Tensor | None], torch.Tensor | None, torch.Tensor | None]:
+    """The state entering each of this rank's pieces (None: zero), the final state if asked, and the
+    gathered summaries (None in a world of one)."""
+    size, rank = comm.size(), comm.rank()
+    t0, s0 = summaries[0]
+    flat = [torch.cat((t.reshape(-1).to(s0.dtype), s.reshape(-1))) for t, s in summaries]
+    width = flat[0].numel()
+    n = most_pieces(pieces, size)
+    rows = torch.stack(flat + [flat[0].new_zeros(width)] * (n - len(flat)))
+    gathered = gather_differentiable(comm, backend, rows, "state") if size > 1 else None
+    last = len(pieces) if output_final_state else max(i for i, p in enumerate(pieces) if p.owner == rank) + 1
+    incoming: list[torch.Tensor | None] = []
+    h: torch.Tensor | None = None
+    for piece in pieces[:last]:
+        entering = h if piece.carries_in else None
+        if piece.owner == rank:
+            incoming.append(entering)
+            t, s = summaries[piece.index]
+        else:
+            assert gathered is not None
+            row = gathered[piece.owner, piece.index]
+            t, s = row[: t0.numel()].view(t0.shape), row[t0.numel() :].view(s0.shape)
+        h = s if entering is None or piece.resets else transition.apply(t, entering) + s
+    return incoming, (h if output_final_state else None), gathered
