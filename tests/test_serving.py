@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 
 import pytest
 import torch
@@ -366,3 +367,58 @@ def test_serve_commands(capsys):
     assert "no finding" in capsys.readouterr().out
     assert main(["run", "--block-size", "3"]) == 2
     assert "--block-size: expected only with --serve; got 3 without it" in capsys.readouterr().err
+
+
+def test_one_collective_per_attention_call_once_the_ranks_agreed(monkeypatch):
+    """After the first call (the agreement's check), every attention call of a changing batch makes exactly one
+    collective: the all-gather of the packed partials; and ranks that pass different batches are refused."""
+    from xcp.comm.local import LocalGroup
+
+    calls: dict[int, list[str]] = {0: [], 1: []}
+    inside = threading.local()  # a collective made by another (all_gather's own exchange) is not counted
+
+    def counted(name, original):
+        def call(self, *a, **kw):
+            if not getattr(inside, "depth", 0):
+                calls[self.rank()].append(name)
+            inside.depth = getattr(inside, "depth", 0) + 1
+            try:
+                return original(self, *a, **kw)
+            finally:
+                inside.depth -= 1
+
+        return call
+
+    for name in ("all_gather", "exchange", "all_to_all"):
+        monkeypatch.setattr(LocalGroup, name, counted(name, getattr(LocalGroup, name)))
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(12, HKV, D, generator=g, dtype=torch.float64)
+    q = torch.randn(12, H, D, generator=g, dtype=torch.float64)
+
+    def rank(group):
+        cache = xcp.PagedKVCache(group, num_blocks=8, block_size=2)
+        cache.append(["a", "b"], k[:7], k[:7], [0, 4, 7])
+        cache.attention(q[:7], ["a", "b"], [0, 4, 7])  # the first call: the agreement too
+        counts = []
+        for t, (lo, hi) in enumerate([(7, 8), (8, 10), (10, 11)]):
+            ids = ["a", "b"] if t != 1 else ["b"]
+            cu = [0, 1, hi - lo] if t != 1 else [0, hi - lo]
+            cache.append(ids, k[lo:hi], k[lo:hi], cu)
+            before = len(calls[group.rank()])
+            cache.attention(q[lo:hi], ids, cu)
+            counts.append(calls[group.rank()][before:])
+        return counts
+
+    with LocalWorld(2) as w:
+        results = w.run(rank)
+    assert all(c == [["all_gather"]] * 3 for c in results), results  # the all-gather alone
+
+    def disagree(group):
+        cache = xcp.PagedKVCache(group, num_blocks=8, block_size=2)
+        cache.append(["a"], k[:4], k[:4], [0, 4])
+        t = 1 if group.rank() == 0 else 2
+        return cache.attention(q[4 - t : 4], ["a"], [0, t])
+
+    with pytest.raises(RuntimeError, match="ValueError"):
+        with LocalWorld(2) as w:
+            w.run(disagree)

@@ -312,17 +312,19 @@ class PagedKVCache:
     def _agree(self, backend: Any, q, cu: tuple[int, ...], lengths: list[int], causal, scale, window, sinks,
                variants: tuple) -> None:  # fmt: skip
         """The ranks' calls must match (shapes, options, batch and lengths): checked on the first call of a
-        configuration (:func:`xcp.agreement.agree`), whose key leaves the batch and lengths out."""
+        configuration (:func:`xcp.agreement.agree`), whose key leaves the batch, its tokens and the lengths out
+        (they change at every step of a serving loop; a new key would cost the check's P - 1 hops again)."""
         assert self._layout is not None
         _, h, d, dtype, _, dv = self._layout
 
-        def values(total: int, documents: tuple[int, ...] | None) -> tuple:
+        def values(like_q: torch.Tensor, total: int, documents: tuple[int, ...] | None) -> tuple:
             like_k, like_v = (torch.empty((1, total, h, dim), dtype=dtype, device="meta") for dim in (d, dv))
-            return fingerprint(q.unsqueeze(0), like_k, like_v, causal, "stripe", scale, documents, sinks, window, 1,
+            return fingerprint(like_q, like_k, like_v, causal, "stripe", scale, documents, sinks, window, 1,
                                *variants)  # fmt: skip
 
-        compared = lambda: values(sum(lengths), (*cu, *lengths))  # noqa: E731
-        agree(self._comm, backend, compared, q.device, ("paged", self.interleave, *values(0, None)))
+        compared = lambda: values(q.unsqueeze(0), sum(lengths), (*cu, *lengths))  # noqa: E731
+        key_q = torch.empty((1, 0, *q.shape[1:]), dtype=q.dtype, device="meta")
+        agree(self._comm, backend, compared, q.device, ("paged", self.interleave, *values(key_q, 0, None)))
 
 
 def _alibi(slopes: torch.Tensor, seq: _Sequence, queries: int, device: torch.device) -> Alibi:
