@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -366,13 +367,9 @@ class CUDABackend(FusedKernelBackend):
         """One flash varlen call for all segments (of every batch row) where it serves them (a window too:
         the op's window_size_left/right; values of another head dim padded to the common one), else one
         call per segment (the base class)."""
-        if not self.varlen_kernel(q, cu_q, cu_k, v) or (q.shape[0] > 1 and cu_k[-1] != k.shape[1]):
+        op = self._varlen_op(q, k, v, cu_q, cu_k, backward=False)
+        if op is None:
             return super().forward_varlen(q, k, v, cu_q, cu_k, causal, scale, window)
-        op = kernels.flash_varlen_forward
-        if self.kv_groups(q, k) > 1:
-            op = kernels.with_repeated_kv(op)
-        if v.shape[-1] != q.shape[-1]:
-            op = kernels.with_common_head_dim(op)
         b, sq, h, _ = q.shape
         if b == 1:
             return op(q, k, v, cu_q, cu_k, causal, scale, window)
@@ -382,13 +379,9 @@ class CUDABackend(FusedKernelBackend):
 
     def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, window=None):
         """One flash varlen backward from the merged out/lse where it serves, else one call per segment."""
-        if not self.varlen_kernel(q, cu_q, cu_k, v) or (q.shape[0] > 1 and cu_k[-1] != k.shape[1]):
+        op = self._varlen_op(q, k, v, cu_q, cu_k, backward=True)
+        if op is None:
             return super().backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
-        op = kernels.flash_varlen_backward
-        if self.kv_groups(q, k) > 1:
-            op = kernels.with_repeated_kv_backward(op)
-        if v.shape[-1] != q.shape[-1]:
-            op = kernels.with_common_head_dim_backward(op)
         b, sq, h, _ = q.shape
         if b == 1:
             return op(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
@@ -397,6 +390,28 @@ class CUDABackend(FusedKernelBackend):
         rows = _one_row(dout), _one_row(q), _one_row(k), _one_row(v), _one_row(out)
         grads = op(*rows, lse_row, *cuts, causal, scale, window)
         return tuple(g.reshape(b, -1, *g.shape[2:]) for g in grads)
+
+    def _varlen_op(self, q, k, v, cu_q, cu_k, backward: bool):
+        """The flash varlen op, forward or backward, that :meth:`forward_varlen` and :meth:`backward_varlen`
+        call for these tensors: wrapped to repeat K/V heads (``gqa="repeat"``) and to pad values of another head
+        dim to the common one. None where it does not serve them (then the base class's one call per
+        segment): :meth:`varlen_kernel` says no, or a batch of rows whose keys are not all of k's rows."""
+        if not self.varlen_kernel(q, cu_q, cu_k, v) or (q.shape[0] > 1 and cu_k[-1] != k.shape[1]):
+            return None
+        op: Callable[..., Any]
+        repeated: Callable[[Callable[..., Any]], Callable[..., Any]]
+        common: Callable[[Callable[..., Any]], Callable[..., Any]]
+        if backward:
+            op, repeated, common = (
+                kernels.flash_varlen_backward, kernels.with_repeated_kv_backward, kernels.with_common_head_dim_backward
+            )
+        else:
+            op, repeated, common = kernels.flash_varlen_forward, kernels.with_repeated_kv, kernels.with_common_head_dim
+        if self.kv_groups(q, k) > 1:
+            op = repeated(op)
+        if v.shape[-1] != q.shape[-1]:
+            op = common(op)
+        return op
 
     def forward_range(self, q, k, v, lo, hi, scale: float):
         """One flash varlen call where the flash op serves q (:func:`kernels.flash_range_forward`: each batch
