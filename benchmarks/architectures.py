@@ -122,7 +122,17 @@ def _lfm2(kw: dict[str, Any]) -> None:  # its default is all attention: one shor
     kw.update(layer_types=["conv", "full_attention"], full_attn_idxs=[1], num_hidden_layers=2)
 
 
+def _reformer(kw: dict[str, Any]) -> None:  # a causal LM only as a decoder
+    kw.update(is_decoder=True, axial_pos_embds_dim=[32, 32], axial_pos_shape=[4, 8])
+
+
+def _gpt_neo(kw: dict[str, Any]) -> None:  # one global and one local layer
+    kw.update(attention_types=[[["global", "local"], 1]], num_layers=2)
+
+
 FIXUPS = {
+    "reformer": _reformer,
+    "gpt_neo": _gpt_neo,
     "lfm2": _lfm2,
     "hrm_text": _hrm,
     "dory": _dory,
