@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
+import numpy
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -140,6 +141,23 @@ def test_contiguous_causal_is_unbalanced(p):
     """The balance measure above can fail: contiguous causal gives the last rank the most work."""
     totals = [sum(s.work for s in pl.steps) for pl in all_plans(p, True, "contiguous")]
     assert totals == [0.5 + r for r in range(p)]
+
+
+def test_a_skipped_block_reads_no_rows():
+    skipped = [s for pl in all_plans(4, True, "contiguous") for s in pl.steps if not s.computes]
+    assert len(skipped) == 6  # the future shards of ranks 0..2: 3 + 2 + 1
+    assert all((s.q_range(8), s.k_range(8), s.work, s.mask) == ((0, 0), (0, 0), 0.0, "none") for s in skipped)
+
+
+def test_ulysses_is_a_positive_integer_of_any_integer_type():
+    assert [schedule.check_ulysses(u) for u in (1, 4, numpy.int64(1), numpy.int32(3))] == [1, 4, 1, 3]
+    assert type(schedule.check_ulysses(numpy.int64(2))) is int
+    for bad in (0, -2, numpy.int64(0)):
+        with pytest.raises(ValueError, match=r"ulysses: expected a positive integer \(head-parallel ranks\); got"):
+            schedule.check_ulysses(bad)
+    for bad in (2.0, True, "2", None):
+        with pytest.raises(TypeError, match=r"ulysses: expected a positive integer"):
+            schedule.check_ulysses(bad)
 
 
 @given(worlds, causals, balances)
