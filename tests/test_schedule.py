@@ -246,6 +246,7 @@ def test_a_short_ring_is_the_first_steps_of_the_full_one_and_sends_dkv_home_in_o
                 (None, None)
             ]
             assert short.steps[-1].dkv_send_to == (r - m + 1) % p  # home: the shard's owner, m - 1 ranks back
+            assert [s.dkv_recv_from for s in short.steps] == [None] + [(r - 1) % p] * (m - 1)  # none at step 0
             assert short.dkv_home_from == (r + m - 1) % p
             assert short.dkv_recv_after(m - 1) == short.dkv_home_from
             if m > 1:
