@@ -255,6 +255,25 @@ def test_a_short_ring_is_the_first_steps_of_the_full_one_and_sends_dkv_home_in_o
 
 
 @pytest.mark.parametrize(
+    ("balance", "cu", "match"),
+    [
+        ("zigzag", (0, 8), r"cu_seqlens: expected None with balance 'zigzag', which places the whole sequence"),
+        ("document_zigzag", None, r"cu_seqlens: expected the documents' boundaries \(0, \.\.\., 8\) with balance"),
+        ("document_zigzag", (8,), r"cu_seqlens: expected non-decreasing boundaries from 0 to 8; got \[8\]"),
+        ("document_zigzag", (1, 8), r"from 0 to 8; got \[1, 8\]"),
+        ("document_zigzag", (0, 9), r"from 0 to 8; got \[0, 9\]"),
+        ("document_zigzag", (0, 5, 3, 8), r"from 0 to 8; got \[0, 5, 3, 8\]"),
+    ],
+)
+def test_chunk_slices_take_documents_exactly_with_a_document_balance(balance, cu, match):
+    with pytest.raises(ValueError, match=match):
+        schedule.chunk_slices(8, 2, 0, balance, cu)
+    held = [i for r in range(2) for a, b, c in schedule.chunk_slices(8, 2, r, "document_zigzag", (0, 3, 3, 8))
+            for i in range(a, b, c)]  # fmt: skip
+    assert sorted(held) == list(range(8))  # boundaries may repeat (an empty document): still a partition
+
+
+@pytest.mark.parametrize(
     ("args", "match"),
     [
         ((6, 2, 0, "zigzag"), r"sequence length: balance 'zigzag' over 2 ranks needs a positive multiple of 4; got 6"),
