@@ -632,6 +632,8 @@ def run_module(module: str, data: dict, args: argparse.Namespace, known: dict) -
                 note = ""
             lines.append(f"  {verdict.upper()} {module}:{m.line}: {m.key}    | {m.source_line}{note}")
             print(lines[-1], flush=True)
+        elif verdict == "timeout":  # caught, but worth a look: an endless loop, or a limit too tight
+            print(f"  TIMED OUT {module}:{m.line}: {m.key}    | {m.source_line}", flush=True)
         setattr(tally, verdict, getattr(tally, verdict) + 1)
         if args.verbose:
             print(f"  [{i}/{len(found)}] {verdict} {m.line}: {m.key} ({len(tests)} tests)", flush=True)
