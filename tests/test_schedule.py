@@ -271,6 +271,8 @@ def test_chunk_slices_take_documents_exactly_with_a_document_balance(balance, cu
     held = [i for r in range(2) for a, b, c in schedule.chunk_slices(8, 2, r, "document_zigzag", (0, 3, 3, 8))
             for i in range(a, b, c)]  # fmt: skip
     assert sorted(held) == list(range(8))  # boundaries may repeat (an empty document): still a partition
+    for r in range(3):  # documents shorter than 2P leave chunks empty: no slice is empty
+        assert all(a < b for a, b, _ in schedule.chunk_slices(9, 3, r, "document_zigzag", (0, 3, 3, 4, 9)))
 
 
 @pytest.mark.parametrize(
