@@ -541,7 +541,9 @@ def run_one(module: str, text: str, tests: list[str], timeout: float, cold: bool
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 code = os.waitstatus_to_exitcode(status)
-                return "survived" if code == 0 else "killed"
+                # pytest: 0 all passed, 1 a test failed; anything else (usage error, a test not found,
+                # nothing collected, an internal error) says nothing about the mutant
+                return "survived" if code == 0 else "killed" if code == 1 else "error"
             if time.time() > deadline:
                 os.killpg(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
@@ -566,9 +568,10 @@ class Tally:
     timeout: int = 0
     set_aside: int = 0
     uncovered: int = 0
+    error: int = 0
 
     def row(self, module: str, seconds: float) -> str:
-        total = self.killed + self.survived + self.timeout + self.uncovered
+        total = self.killed + self.survived + self.timeout + self.uncovered + self.error
         caught = self.killed + self.timeout
         raw = 100 * caught / total if total else 100.0
         judged = total - self.set_aside
@@ -576,6 +579,7 @@ class Tally:
         return (
             f"| {module} | {total} | {self.killed} | {self.timeout} | {self.survived + self.uncovered} "
             f"| {self.set_aside} | {raw:.1f}% | {adjusted:.1f}% | {seconds / 60:.1f} min |"
+            + (f" ({self.error} could not run: not caught)" if self.error else "")
         )
 
 
@@ -632,6 +636,8 @@ def run_module(module: str, data: dict, args: argparse.Namespace, known: dict) -
                 note = ""
             lines.append(f"  {verdict.upper()} {module}:{m.line}: {m.key}    | {m.source_line}{note}")
             print(lines[-1], flush=True)
+        elif verdict == "error":
+            print(f"  ERROR (pytest could not run the tests) {module}:{m.line}: {m.key}    | {m.source_line}")
         elif verdict == "timeout":  # caught, but worth a look: an endless loop, or a limit too tight
             print(f"  TIMED OUT {module}:{m.line}: {m.key}    | {m.source_line}", flush=True)
         setattr(tally, verdict, getattr(tally, verdict) + 1)
