@@ -17,12 +17,27 @@ transformers = pytest.importorskip("transformers")
 from xcp.integrations import transformers as xt  # noqa: E402 - after the skip
 
 
-def _model():
+def _model(kind: str = "llama"):
+    """A tiny float64 model: Llama; Mistral (every layer a sliding window of 4); GPT-OSS (a sliding layer, a full
+    one, nonzero sinks; eager attention, which continuous batching runs as paged|eager)."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   tie_word_embeddings=False)  # fmt: skip
-    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float64)
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    extra, impl = {}, "sdpa"
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**common, max_position_embeddings=128)
+    elif kind == "mistral":
+        cfg = transformers.MistralConfig(**common, sliding_window=4, max_position_embeddings=128)
+    else:
+        common.update(intermediate_size=32, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=4)
+        cfg = transformers.GptOssConfig(**common, layer_types=["sliding_attention", "full_attention"])
+        extra, impl = {"experts_implementation": "eager"}, "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=torch.float64, **extra)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "sinks"):
+                m.sinks.normal_()  # nonzero sinks, so that they matter
+    return model
 
 
 def _inputs():
@@ -32,16 +47,17 @@ def _inputs():
     return inputs, gen, transformers.ContinuousBatchingConfig(num_blocks=32, block_size=8, max_batch_tokens=24)
 
 
-def test_generate_batch_equals_the_models_own_over_two_ranks(monkeypatch):
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gpt_oss"])
+def test_generate_batch_equals_the_models_own_over_two_ranks(monkeypatch, kind):
     """Four prompts of 5 to 30 tokens, at most 24 tokens a step: the long prompts prefill in chunks beside the
     others' decode steps; greedy tokens equal the model's own generate_batch on every rank, and every step's
-    attention went through the paged caches (chunks and decode steps both)."""
+    attention went through the paged caches (chunks and decode steps both); sliding windows and sinks too."""
     from xcp.inference.paged import PagedKVCache
 
-    model = _model()
+    model = _model(kind)
     inputs, gen, cb = _inputs()
     want = model.generate_batch(inputs, generation_config=gen, continuous_batching_config=cb)
-    assert model.config._attn_implementation == "sdpa"
+    impl = model.config._attn_implementation
 
     seen: list[int] = []
     original = PagedKVCache.attention
@@ -54,7 +70,9 @@ def test_generate_batch_equals_the_models_own_over_two_ranks(monkeypatch):
         assert list(got) == list(want)
         assert {k: v.generated_tokens for k, v in got.items()} == {k: v.generated_tokens for k, v in want.items()}
     assert max(seen) > 4 and min(seen) < 4  # chunks of prompts and steps of decode tokens
-    assert model.config._attn_implementation == "sdpa"  # put back after the last rank
+    assert model.config._attn_implementation == impl  # put back after the last rank
+    mapping = transformers.AttentionInterface._global_mapping
+    assert not [name for name, fn in mapping.items() if hasattr(fn, "xcp_original")]  # transformers' own functions
 
 
 def test_generate_batch_refuses_sampling():

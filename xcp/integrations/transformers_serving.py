@@ -21,19 +21,16 @@ import contextlib
 import dataclasses
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from ..inference.paged import PagedKVCache
 
-NAME = "xcp_serving"
-"""The attention implementation :func:`generate_batch` sets on the model while it runs."""
-
 _local = threading.local()  # this thread's _Serving, while a generate_batch runs in it
 _lock = threading.Lock()
-_users: dict[int, tuple[int, str]] = {}  # id(config) -> (ranks running, the implementation to restore)
+_users: dict[int, tuple[int, str]] = {}  # id(config) -> (generate_batch calls running, its own implementation)
 
 
 @dataclasses.dataclass
@@ -69,8 +66,7 @@ def serving_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     state: _Serving | None = getattr(_local, "serving", None)
     if state is None:
         raise RuntimeError(
-            f"attn_implementation: {NAME!r} serves xcp.integrations.transformers.generate_batch only; got a call "
-            "outside one"
+            "serving_attention: expected a call inside xcp.integrations.transformers.generate_batch; got one outside"
         )
     if getattr(module, "attn_logit_softcapping", None) or getattr(module.config, "attn_logit_softcapping", None):
         raise NotImplementedError(f"{type(module).__name__}: logit soft-capping is not served by xcp.PagedKVCache")
@@ -78,7 +74,8 @@ def serving_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     cu = kwargs["cu_seq_lens_q"][: len(ids) + 1].tolist()
     t = cu[-1]
     q, k, v = (x[0, :, :t].transpose(0, 1) for x in (query, key, value))
-    window = getattr(module, "sliding_window", None)
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)  # a query sees W keys: its own
+
     sinks = getattr(module, "sinks", None)
     cache = state.cache(int(module.layer_idx))  # type: ignore[arg-type]
     cache.append(ids, k, v, cu)
@@ -88,31 +85,54 @@ def serving_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out.unsqueeze(0), None
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
+def _dispatching(original: Any) -> Any:
+    """An attention function that is :func:`serving_attention` in a thread running a generate_batch and
+    ``original`` in every other thread."""
 
-    AttentionInterface.register(NAME, serving_attention)
+    def attention(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_local, "serving", None) is not None:
+            return serving_attention(module, *args, **kwargs)
+        return original(module, *args, **kwargs)
+
+    attention.xcp_original = original  # type: ignore[attr-defined]
+    return attention
 
 
 @contextlib.contextmanager
-def _attention_set(model: Any) -> Iterator[None]:
-    """The model's attention implementation is :data:`NAME` while any rank's generate_batch runs (ranks of a
-    LocalWorld share one model), and what it was after the last one."""
+def _serving(model: Any) -> Iterator[Callable[[], None]]:
+    """While any generate_batch runs (ranks of a LocalWorld share one model): the implementations continuous
+    batching switched the model to dispatch to :func:`serving_attention` in the threads that run one (every
+    other thread keeps transformers' function), and the model's own implementation comes back when the last
+    one leaves. Yields ``dispatch()``, to call once transformers has switched the model."""
+    from transformers import AttentionInterface
+
     config = model.config
     with _lock:
         count, before = _users.get(id(config), (0, config._attn_implementation))
         _users[id(config)] = (count + 1, before)
-        config._attn_implementation = NAME
+
+    def dispatch() -> None:
+        name = config._attn_implementation
+        with _lock:
+            current = AttentionInterface._global_mapping[name]
+            if not hasattr(current, "xcp_original"):
+                AttentionInterface.register(name, _dispatching(current))
+
     try:
-        yield
+        yield dispatch
     finally:
         with _lock:
             count, before = _users[id(config)]
-            if count == 1:
-                del _users[id(config)]
-                config._attn_implementation = before
-            else:
+            if count > 1:
                 _users[id(config)] = (count - 1, before)
+            else:
+                del _users[id(config)]
+                if config._attn_implementation != before:
+                    model.set_attn_implementation(before)
+                if not _users:  # no generate_batch runs anywhere: transformers' own functions back
+                    for name, fn in list(AttentionInterface._global_mapping.items()):
+                        if hasattr(fn, "xcp_original"):
+                            AttentionInterface.register(name, fn.xcp_original)
 
 
 def generate_batch(model: Any, inputs: list[list[int]], group: Any = None, generation_config: Any = None,
@@ -151,8 +171,16 @@ def generate_batch(model: Any, inputs: list[list[int]], group: Any = None, gener
     from ..comm import resolve_group
 
     comm = resolve_group(group)
-    _register()
+    with _serving(model) as dispatch:
+        return _run(model, inputs, comm, gen, cb_config, max_new_tokens, dispatch)
+
+
+def _run(model: Any, inputs: list[list[int]], comm: Any, gen: Any, cb_config: Any, max_new_tokens: Any,
+         dispatch: Callable[[], None]) -> dict[str, Any]:  # fmt: skip
+    """transformers' scheduler driven in this thread, attention by :func:`serving_attention`."""
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config)
+    manager._original_attn_impl = None  # the last rank to leave puts the model's own back (_serving)
+    dispatch()
     try:
         ids = manager.add_requests(inputs=inputs, max_new_tokens=max_new_tokens)
         processor = manager._create_batch_processor()
@@ -171,7 +199,7 @@ def generate_batch(model: Any, inputs: list[list[int]], group: Any = None, gener
         results: dict[str, Any] = {}
         _local.serving = state
         try:
-            with _attention_set(model), torch.no_grad():
+            with torch.no_grad():
                 while processor.prepare_next_batch():
                     manager._generation_step()
                     processor.update_batch()
@@ -234,4 +262,4 @@ def generate_ragged(run: Any, model: Any, input_ids: torch.Tensor, pads: list[in
     return out
 
 
-__all__ = ["NAME", "generate_batch", "generate_ragged", "left_padding", "serving_attention"]
+__all__ = ["generate_batch", "generate_ragged", "left_padding", "serving_attention"]
