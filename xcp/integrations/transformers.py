@@ -54,7 +54,10 @@ from ..checks import check_dim
 from ..context import Context, current
 from ..documents import check_cu_seqlens
 from ..padding import pad_to_balance, padded_length
-from . import decoding
+from . import (
+    decoding,
+    transformers_recurrent,  # noqa: F401  (registers the recurrent layers' adapters)
+)
 from .transformers_prepare import (
     add_forward_check,
     config_prepared,

@@ -1,0 +1,131 @@
+"""transformers' recurrent families under ``prepare(model)`` over LocalWorld(P), float64, against the same model
+on one device: logits, loss and every parameter gradient.
+
+The families' torch kernels compute in float32 whatever the model's dtype (``.to(torch.float32)``,
+``.float()``); the test makes those casts keep float64 in both models (:func:`full_precision`), so the only
+difference left is the state passing's, and the tolerance is float64's (1e-9 relative to the largest of each).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import types
+
+import pytest
+import torch
+
+import xcp
+
+transformers = pytest.importorskip("transformers", reason="needs transformers")
+
+from xcp.integrations import transformers as xt  # noqa: E402 - after the skip
+
+VOCAB, TOL = 96, 1e-9
+t = transformers
+
+
+def _configs():
+    return {
+        "qwen3_next": lambda: t.Qwen3NextConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+            layer_types=["linear_attention", "full_attention"],
+        ),
+        "mamba2": lambda: t.Mamba2Config(
+            vocab_size=VOCAB, hidden_size=32, state_size=8, num_heads=8, head_dim=8, n_groups=2, expand=2,
+            num_hidden_layers=2, chunk_size=8,
+        ),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    return xt.register()
+
+
+class _Float64Torch(types.ModuleType):
+    """``torch`` as a modeling module sees it, with ``float32`` meaning float64."""
+
+    float32 = torch.float64
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+@pytest.fixture
+def full_precision(monkeypatch):
+    """Make the float32 casts of a family's kernels keep float64 (in both the model and its reference)."""
+    to_float = torch.Tensor.float
+    keep64 = lambda x, *a, **k: x if x.dtype == torch.float64 else to_float(x, *a, **k)  # noqa: E731
+    monkeypatch.setattr(torch.Tensor, "float", keep64)
+
+    def patch(kind):
+        module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+        monkeypatch.setattr(module, "torch", _Float64Torch("torch"))
+
+    return patch
+
+
+def build(config, impl="xcp"):
+    torch.manual_seed(0)
+    return t.AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation=impl, dtype=torch.float64, experts_implementation="eager"
+    )
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+CASES = [
+    ("qwen3_next", 2, "zigzag"),
+    ("qwen3_next", 3, "contiguous"),
+    ("mamba2", 4, "zigzag"),
+    ("mamba2", 3, "contiguous"),
+]
+
+
+@pytest.mark.parametrize(("kind", "world", "balance"), CASES, ids=[f"{k}-P{w}-{b}" for k, w, b in CASES])
+def test_training_matches_one_device(kind, world, balance, full_precision):
+    full_precision(kind)
+    config = _configs()[kind]()
+    model = xt.prepare(build(config))
+    reference = build(config, "eager")  # its softmax's float32 is float64 too (full_precision)
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(3, VOCAB, (1, 8 * world), generator=torch.Generator().manual_seed(world))
+    expected = reference(input_ids=ids, labels=ids, use_cache=False)
+    expected.loss.backward()
+
+    def rank(group):
+        with xcp.context(group, balance=balance):
+            out = model(**xt.shard_batch(ids, labels=ids).model_kwargs())
+            out.loss.backward()
+            return out.logits.detach(), out.loss.detach()
+
+    results = xcp.LocalWorld(world).run(rank)
+    assert rel(xcp.unshard([r[0] for r in results], balance=balance), expected.logits.detach()) <= TOL
+    assert rel(sum(r[1] for r in results), expected.loss.detach()) <= TOL
+    grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    scale = max(float(g.abs().max()) for g in grads.values())
+    assert grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    for name, p in model.named_parameters():
+        if name in grads:
+            err = float((p.grad - grads[name]).abs().max())
+            assert err <= TOL * max(float(grads[name].abs().max()), 1e-6 * scale), name
+
+
+def test_stripe_and_ulysses_are_refused_by_the_layer():
+    model = xt.prepare(build(_configs()["mamba2"]()))
+    ids = torch.randint(3, VOCAB, (1, 8))
+
+    def rank(group, balance, ulysses):
+        with xcp.context(group, balance=balance, ulysses=ulysses), torch.no_grad():
+            model(**xt.shard_batch(ids).model_kwargs())
+
+    with pytest.raises(RuntimeError, match="balance: expected one of zigzag, contiguous, document_zigzag.*'stripe'"):
+        xcp.LocalWorld(2).run(rank, "stripe", 1)
+    with pytest.raises(RuntimeError, match="Mamba2Mixer: ulysses > 1 with recurrent layers is not supported"):
+        xcp.LocalWorld(2).run(rank, "zigzag", 2)

@@ -1,0 +1,237 @@
+"""transformers' recurrent layers made context-parallel: adapters in :func:`prepare`'s registry.
+
+The families' mixers call module-level kernels with a shared convention (``torch_chunk_gated_delta_rule``,
+``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``, ``causal_conv1d_fn``). The adapter of a mixer
+instance puts a dispatcher in place of each such name in the mixer's modeling module (once per module) and
+wraps the instance's ``forward``: while a prepared mixer runs under an :func:`xcp.context` of more than one
+rank, the dispatchers run the kernel through :func:`xcp.recurrent.state_passing` or
+:func:`xcp.recurrent.causal_conv` with the context's group and balance; anywhere else they call the
+original kernel unchanged. The family's own forward code runs as written.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..context import current
+from ..recurrent import Decay, DeltaRule, causal_conv, check_recurrent_balance, state_passing
+from .transformers_prepare import register_layer
+
+
+@dataclass(frozen=True)
+class _Run:
+    """The context a prepared recurrent mixer runs under: its group and balance."""
+
+    group: Any
+    balance: str
+    layer: str
+
+
+_active = threading.local()
+
+
+def _run() -> _Run | None:
+    return getattr(_active, "run", None)
+
+
+@contextmanager
+def _running(run: _Run) -> Iterator[None]:
+    before = _run()
+    _active.run = run
+    try:
+        yield
+    finally:
+        _active.run = before
+
+
+def _no_carry(run: _Run, name: str, value: Any) -> None:
+    """Refuse a state carried in from a cache under a context of more than one rank (generation is not
+    context-parallel for these layers yet)."""
+    if value is not None:
+        raise NotImplementedError(
+            f"{run.layer}: {name} from a cache under an xcp.context of more than one rank is not supported "
+            "yet (generation of recurrent layers runs on a world of one rank)"
+        )
+
+
+def _cu(run: _Run, kwargs: dict[str, Any]) -> None:
+    for name in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k"):
+        if kwargs.pop(name, None) is not None:
+            raise NotImplementedError(
+                f"{run.layer}: packed documents ({name}) through a recurrent layer under an xcp.context are not "
+                "supported yet"
+            )
+
+
+def _delta(original: Callable[..., Any], run: _Run, query, key, value, g, beta, *args, **kwargs):
+    """``torch_chunk_gated_delta_rule`` / ``chunk_kimi_delta_attention`` (q, k, v, g, beta, chunk_size,
+    initial_state, output_final_state, use_qk_l2norm_in_kernel) through state passing."""
+    names = ("chunk_size", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
+    kwargs.update(zip(names, args))
+    _no_carry(run, "initial_state", kwargs.pop("initial_state", None))
+    _cu(run, kwargs)
+    final = bool(kwargs.pop("output_final_state", False))
+
+    def kernel(q, k, v, g_, b_, initial_state=None, output_final_state=False):
+        final_ = output_final_state
+        return original(q, k, v, g=g_, beta=b_, initial_state=initial_state, output_final_state=final_, **kwargs)
+
+    out, state = state_passing(
+        kernel,
+        query,
+        key,
+        value,
+        g,
+        beta,
+        transition=DeltaRule(value=2),
+        group=run.group,
+        balance=run.balance,
+        output_final_state=final,
+    )
+    return out, state
+
+
+def _mamba2(original: Callable[..., Any], run: _Run, hidden_states, dt, A, B, C, *args, **kwargs):
+    """``mamba2_chunk_scan(x, dt, A, B, C, chunk_size, D, dt_bias, initial_states, dt_softplus, dt_limit,
+    return_final_states)`` through state passing: the state [B, H, head_dim, d_state] decays per head by
+    exp(A * dt) at every token."""
+    names = ("chunk_size", "D", "dt_bias", "initial_states", "dt_softplus", "dt_limit", "return_final_states")
+    kwargs.update(zip(names, args))
+    _no_carry(run, "initial_states", kwargs.pop("initial_states", None))
+    _cu(run, kwargs)
+    final = bool(kwargs.pop("return_final_states", False))
+    dt_bias, softplus = kwargs.get("dt_bias"), bool(kwargs.get("dt_softplus", False))
+    low, high = kwargs.get("dt_limit", (0.0, float("inf")))
+
+    def kernel(x, dt_, b, c, initial_state=None, output_final_state=False):
+        out, state = original(x, dt_, A, b, c, initial_states=initial_state, return_final_states=True, **kwargs)
+        return out, state
+
+    def decay(x, dt_, b, c):
+        step = dt_ if dt_bias is None else dt_ + dt_bias.to(dt_.dtype)
+        step = torch.nn.functional.softplus(step) if softplus else step
+        step = torch.clamp(step, min=low, max=high)
+        return torch.exp((A.to(step.dtype) * step).sum(dim=1))[..., None, None]
+
+    out, state = state_passing(
+        kernel,
+        hidden_states,
+        dt,
+        B,
+        C,
+        transition=Decay(decay),
+        group=run.group,
+        balance=run.balance,
+        output_final_state=final,
+    )
+    return (out, state) if final else out
+
+
+def _conv(original: Callable[..., Any], run: _Run, hidden_states, weight, bias=None, activation=None, **kwargs):
+    """``causal_conv1d_fn(x [B, C, L], weight [C, w], bias, activation)`` with its halo."""
+    _cu(run, kwargs)
+    _no_carry(run, "initial_states", kwargs.pop("initial_states", None))
+
+    def conv(x):
+        return original(x, weight, bias, activation=activation, **kwargs)
+
+    return causal_conv(conv, hidden_states, int(weight.shape[-1]), group=run.group, balance=run.balance, seq_dim=2)
+
+
+def _unfused(original: Callable[..., Any], run: _Run, *args, **kwargs):
+    """A fused whole-layer kernel (``mamba2_split_conv1d_scan_combined``): None, which makes the mixer take
+    its unfused path, whose kernels the other dispatchers serve."""
+    return None
+
+
+KERNELS: dict[str, Callable[..., Any]] = {
+    "torch_chunk_gated_delta_rule": _delta,
+    "chunk_kimi_delta_attention": _delta,
+    "mamba2_chunk_scan": _mamba2,
+    "mamba2_split_conv1d_scan_combined": _unfused,
+    "causal_conv1d_fn": _conv,
+}
+"""The module-level kernels of transformers' recurrent mixers xcp serves, by name, with the function that
+runs each over the context's ranks."""
+
+
+def _dispatcher(original: Callable[..., Any], cp: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        run = _run()
+        if run is None:
+            return original(*args, **kwargs)
+        return cp(original, run, *args, **kwargs)
+
+    dispatch._xcp_original = original  # type: ignore[attr-defined]
+    return dispatch
+
+
+_install_lock = threading.Lock()
+
+
+def _install(module_name: str) -> list[str]:
+    """Put the dispatchers in place in the modeling module ``module_name`` (once); the names served there."""
+    namespace = sys.modules[module_name]
+    served = []
+    with _install_lock:
+        for name, cp in KERNELS.items():
+            found = getattr(namespace, name, None)
+            if found is None:
+                continue
+            served.append(name)
+            if not hasattr(found, "_xcp_original"):
+                setattr(namespace, name, _dispatcher(found, cp))
+    return served
+
+
+def _adapt(module: torch.nn.Module) -> None:
+    """Wrap ``module``'s forward: under a context of more than one rank its kernels pass state."""
+    served = _install(type(module).__module__)
+    if not any(name != "causal_conv1d_fn" and name != "mamba2_split_conv1d_scan_combined" for name in served):
+        if "causal_conv1d_fn" not in served:
+            raise ValueError(f"{type(module).__name__}: no kernel xcp serves in {type(module).__module__}")
+    forward = module.forward
+    layer = type(module).__name__
+
+    @functools.wraps(forward)
+    def cp_forward(*args: Any, **kwargs: Any) -> Any:
+        ctx = current()
+        if ctx.world_size == 1:
+            return forward(*args, **kwargs)
+        if ctx.ulysses != 1:
+            raise NotImplementedError(f"{layer}: ulysses > 1 with recurrent layers is not supported; got {ctx.ulysses}")
+        with _running(_Run(ctx.group, check_recurrent_balance(ctx.balance), layer)):
+            return forward(*args, **kwargs)
+
+    module.forward = cp_forward
+
+
+LAYERS = (
+    "Qwen3NextGatedDeltaNet",
+    "Qwen3_5GatedDeltaNet",
+    "Qwen3_5MoeGatedDeltaNet",
+    "OlmoHybridGatedDeltaNet",
+    "LaraMiniGatedDeltaNet",
+    "KimiDeltaAttention",
+    "Mamba2Mixer",
+    "BambaMixer",
+    "NemotronHMamba2Mixer",
+    "Zamba2MambaMixer",
+    "FalconH1Mixer",
+    "GraniteMoeHybridMambaLayer",
+    "Lfm2ShortConv",
+    "Lfm2MoeShortConv",
+)
+"""The mixer classes (transformers 5.24) whose kernels :data:`KERNELS` serve."""
+
+for _name in LAYERS:
+    register_layer(_name, _adapt, name=f"recurrent: {_name}")
