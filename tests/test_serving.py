@@ -71,7 +71,7 @@ def _base_blind(out, lse, group=None, *, lse_base="e", handoff=None, timeout=Non
 @pytest.mark.parametrize("broken,why", [(_naive_combine, "NaN"), (_base_blind, "lse off by")])
 def test_check_combine_catches_broken_combines(broken, why):
     with pytest.raises(AssertionError, match=why) as caught:
-        check_combine(broken, max_examples=60)
+        check_combine(broken, max_examples=60, shrink=False)
     assert "Case(world=" in str(caught.value)  # the counterexample
 
 
@@ -324,6 +324,20 @@ def test_paged_cache_errors_name_the_argument():
         cache.free("zz")
     cache.free("a")
     assert cache.free_blocks == 4 and cache.seq_ids() == []
+
+
+def test_a_paged_step_is_not_captured(monkeypatch):
+    from xcp.backends.cpu import CPUBackend
+
+    cache = xcp.PagedKVCache(num_blocks=4, block_size=2)
+    k = torch.randn(3, HKV, D)
+    cache.append(["a"], k, k, [0, 3])
+    monkeypatch.setattr(CPUBackend, "is_capturing", lambda self: True)
+    with pytest.raises(RuntimeError, match="append: expected no device-graph capture"):
+        cache.append(["a"], k[:1], k[:1], [0, 1])
+    with pytest.raises(RuntimeError, match="attention: expected no device-graph capture"):
+        cache.attention(torch.randn(1, H, D), ["a"], [0, 1])
+    assert cache.seq_len("a") == 3
 
 
 # ---------------------------------------------------------------------- the tools

@@ -155,6 +155,7 @@ class PagedKVCache:
         Every rank's blocks are planned first: where some rank's pool cannot hold the step, a ValueError says
         which, on every rank, and nothing is written anywhere."""
         layout = check_paged_kv(k, v, self._layout, self.values_in_keys)
+        self._refuse_capture("append", k.device)
         ids, cu = check_seq_batch(seq_ids, cu_seqlens, k.shape[0], "k.shape[0]")
         grows = [self._seqs[i].length if i in self._seqs else 0 for i in ids]
         self._check_fits(ids, cu, grows)
@@ -267,6 +268,7 @@ class PagedKVCache:
         sinks = check_sinks(sinks, q.unsqueeze(0))
         softcap, alibi_slopes, chunk = check_variants(q.unsqueeze(0), softcap, alibi_slopes, chunk)
         backend = select_backend(self._device, q.device.type)
+        self._refuse_capture("attention", q.device)
         check_backend_serves(backend, q.unsqueeze(0), 1, causal, "stripe", value_dim=self._layout[5])
         check_backend_variants(backend, softcap, alibi_slopes)
         variants = (softcap, alibi_slopes, chunk)
@@ -298,6 +300,15 @@ class PagedKVCache:
             apply_sinks_(out, lse, sinks)
         result = out[0].to(q.dtype)
         return (result, lse[0].to(acc)) if return_lse else result
+
+    def _refuse_capture(self, what: str, device: torch.device) -> None:
+        """A paged step is planned on the host from the lengths (block tables, kernel calls), which a replayed
+        device graph could not change: capturing one is refused."""
+        if select_backend(self._device, device.type).is_capturing():
+            raise RuntimeError(
+                f"{what}: expected no device-graph capture (a paged cache plans each step on the host from the "
+                "sequences' lengths, which a replay cannot change); got a call while capturing"
+            )
 
     def _rows(self, seq: _Sequence) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's keys and values of ``seq`` [1, local_len, Hkv, D], in position order, read from its blocks."""

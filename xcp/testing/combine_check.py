@@ -152,17 +152,25 @@ def cases(world_sizes: tuple[int, ...] = tuple(range(1, 9))) -> Any:
 
 
 def check_combine(
-    combine: Callable[..., Any], *, max_examples: int = 40, world_sizes: tuple[int, ...] = tuple(range(1, 9))
+    combine: Callable[..., Any],
+    *,
+    max_examples: int = 40,
+    world_sizes: tuple[int, ...] = tuple(range(1, 9)),
+    shrink: bool = True,
 ) -> None:
     """Check ``combine`` (with :func:`xcp.combine`'s signature: ``combine(out, lse, group, *, lse_base)`` ->
     ``(out, lse)``) on ``max_examples`` drawn cases over 1 to 8 virtual ranks: ranks that saw nothing of a
     row with NaN partials, lse in base e and 2, rows no rank saw, any leading dims, 16-bit partials. Every
     rank's out must match the float64 merge in out's dtype, its lse the natural-log one in float32 (float64
     for float64), NaN nowhere, rows no rank saw 0 with lse -inf, the same on every rank, the inputs left as
-    they were. Raises AssertionError naming the (shrunk) failing case; returns None when all pass."""
-    from hypothesis import HealthCheck, given, settings
+    they were. Raises AssertionError naming the failing case (shrunk to a smallest one unless ``shrink`` is
+    False, which reports the first found sooner); returns None when all pass."""
+    from hypothesis import HealthCheck, Phase, given, settings
 
-    @settings(max_examples=max_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    phases = tuple(Phase) if shrink else tuple(p for p in Phase if p != Phase.shrink)
+
+    @settings(max_examples=max_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+              phases=phases)  # fmt: skip
     @given(case=cases(world_sizes))
     def suite(case: Case) -> None:
         check_case(combine, case)
