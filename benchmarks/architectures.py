@@ -26,6 +26,7 @@ import resource
 import sys
 import time
 import traceback
+import types
 import warnings
 from typing import Any
 
@@ -295,6 +296,21 @@ def refused(exc: BaseException) -> str | None:
     return None
 
 
+class _Float64Torch(types.ModuleType):
+    """``torch`` as a modeling module sees it under ``--full-precision``: ``float32`` means float64."""
+
+    float32 = torch.float64
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def keep_float64(module_name: str) -> None:
+    """Make the float32 casts of the modeling module ``module_name`` keep float64 (its kernels' ``.to(
+    torch.float32)``; ``Tensor.float`` is patched once in :func:`main`)."""
+    sys.modules[module_name].torch = _Float64Torch("torch")  # type: ignore[attr-defined]
+
+
 def survey(model_type: str) -> tuple[str, str]:
     """("pass" | "refused" | "FAIL" | "unbuildable", detail)."""
     from xcp.integrations import transformers as xt
@@ -307,6 +323,8 @@ def survey(model_type: str) -> tuple[str, str]:
             reference(input_ids=torch.randint(3, vocab, (1, S)), use_cache=False)
     except Exception as exc:  # noqa: BLE001 - not buildable tiny: outside the survey
         return "unbuildable", f"{type(exc).__name__}: {str(exc)[:160]}"
+    if ARGS.full_precision:
+        keep_float64(type(reference).__module__)
     stage = "build"
     try:
         model = build(config, "xcp")
@@ -355,13 +373,16 @@ def main() -> int:
     torch.nn.functional.softmax = lambda x, dim=None, _stacklevel=3, dtype=None: softmax(
         x, dim=dim, dtype=None if x.dtype == torch.float64 else dtype
     )
-    types = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if ARGS.full_precision:
+        to_float = torch.Tensor.float
+        torch.Tensor.float = lambda x, *a, **k: x if x.dtype == torch.float64 else to_float(x, *a, **k)  # type: ignore[method-assign]
+    names = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     if ARGS.only:
-        types = [t for t in ARGS.only.split(",") if t]
+        names = [t for t in ARGS.only.split(",") if t]
     else:
-        types = types[ARGS.start : ARGS.stop]
+        names = names[ARGS.start : ARGS.stop]
     counts: dict[str, int] = {}
-    for model_type in types:
+    for model_type in names:
         began = time.perf_counter()
         verdict, detail = survey(model_type)
         counts[verdict] = counts.get(verdict, 0) + 1
@@ -377,6 +398,11 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--stop", type=int, default=math.inf)  # type: ignore[arg-type]
     parser.add_argument("--tol", type=float, default=1e-6, help="relative to the largest entry (float64)")
+    parser.add_argument(
+        "--full-precision", action="store_true",
+        help="make the float32 casts of the models' own kernels keep float64 (recurrent families compute their scans "
+        "in float32 whatever the model's dtype; without this their gradients differ by float32 rounding)",
+    )  # fmt: skip
     parser.add_argument("--width", type=int, default=400, help="characters of each detail printed")
     parser.add_argument("--memory", type=int, default=8, help="GiB of address space at most (a MemoryError beyond)")
     parser.add_argument("--verbose", action="store_true", help="tracebacks of failures")

@@ -129,3 +129,10 @@ def test_stripe_and_ulysses_are_refused_by_the_layer():
         xcp.LocalWorld(2).run(rank, "stripe", 1)
     with pytest.raises(RuntimeError, match="Mamba2Mixer: ulysses > 1 with recurrent layers is not supported"):
         xcp.LocalWorld(2).run(rank, "zigzag", 2)
+
+
+def test_generate_over_ranks_is_refused_naming_the_layer():
+    model = xt.prepare(build(_configs()["qwen3_next"]())).eval()
+    ids = torch.randint(3, VOCAB, (1, 8))
+    with pytest.raises(RuntimeError, match="Qwen3NextGatedDeltaNet: xcp.integrations.transformers.generate does not"):
+        xcp.LocalWorld(2).run(lambda group: xt.generate(model, ids, group=group, max_new_tokens=2, do_sample=False))

@@ -207,6 +207,11 @@ def _adapt(module: torch.nn.Module) -> None:
         ctx = current()
         if ctx.world_size == 1:
             return forward(*args, **kwargs)
+        if any(type(a).__name__ == "ShardedCache" for a in (*args, *kwargs.values())):
+            raise NotImplementedError(
+                f"{layer}: xcp.integrations.transformers.generate does not serve recurrent layers yet (their "
+                "state would have to be kept whole on every rank after the prompt); generate on one rank"
+            )
         if ctx.ulysses != 1:
             raise NotImplementedError(f"{layer}: ulysses > 1 with recurrent layers is not supported; got {ctx.ulysses}")
         with _running(_Run(ctx.group, check_recurrent_balance(ctx.balance), layer)):
@@ -221,7 +226,7 @@ LAYERS = (
     "Qwen3_5MoeGatedDeltaNet",
     "OlmoHybridGatedDeltaNet",
     "LaraMiniGatedDeltaNet",
-    "KimiDeltaAttention",
+    "BailingHybridDeltaAttention",
     "Mamba2Mixer",
     "BambaMixer",
     "NemotronHMamba2Mixer",

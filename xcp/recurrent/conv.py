@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..comm.dist import resolve_group
+from ..lifetime import check_handoff
 from ..plugins import select_backend
 from ..schedule import DEFAULT_BALANCE, check_world
 from .exchange import gather_differentiable, tie
@@ -30,13 +31,16 @@ def causal_conv(
     balance: str = DEFAULT_BALANCE,
     cu_seqlens: Sequence[int] | None = None,
     seq_dim: int = 1,
+    device: str | None = None,
+    handoff: str | None = None,
 ) -> torch.Tensor:
     """``conv`` (a causal convolution of kernel ``width``, any activation after it) over this rank's shard
     ``x`` of a sequence sharded by ``balance``, as if run on the whole sequence.
 
     ``conv`` is called on each stretch with its halo before it (sequence-major at ``seq_dim``, zeros where
     the halo would cross the start of the sequence or of a document) and must return as many positions as
-    it was given; the halo's positions are dropped from its result.
+    it was given; the halo's positions are dropped from its result. ``device`` and ``handoff`` as
+    :func:`xcp.recurrent.state_passing`'s.
     """
     if not isinstance(width, int) or isinstance(width, bool) or width < 1:
         raise ValueError(f"width: expected an integer >= 1 (the convolution's kernel size); got {width!r}")
@@ -61,7 +65,9 @@ def causal_conv(
         n = most_pieces(pieces, size)
         if n > len(mine):
             tails = torch.cat((tails, tails.new_zeros((n - len(mine), *tails.shape[1:]))))
-        gathered = gather_differentiable(comm, select_backend(None, x.device.type), tails, "halo")
+        if handoff is not None:
+            check_handoff(handoff)
+        gathered = gather_differentiable(comm, select_backend(device, x.device.type), handoff, tails, "halo")
     starts = sorted(set(cu_seqlens) if cu_seqlens is not None else {0})
     outs = []
     for piece in mine:

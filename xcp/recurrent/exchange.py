@@ -1,6 +1,11 @@
 """The one collective of state passing and of halos: an all-gather of small per-rank tensors whose
 backward is an all-to-all of their gradients (each rank gets back, summed, what every rank's use of its
-piece contributed). A thin autograd Function around plain functions, as the ring's."""
+piece contributed). A thin autograd Function around plain functions, as the ring's.
+
+Lifetimes (docs/lifetime.md): each collective runs as the KV cache's combine does
+(:func:`xcp.inference.partials.exchange`): the receive buffer made on the caller's stream C before the
+comm stream M forks (rule 1), the tensor sent written on C and handed to M (rule 3.3: M waits for C, the
+policy ``handoff`` keeps its memory valid while M reads it), C waiting for M at the join."""
 
 from __future__ import annotations
 
@@ -10,32 +15,25 @@ from typing import Any
 import torch
 
 from ..comm import Communicator
+from ..inference.partials import exchange
 
 
-def gather(comm: Communicator, backend: Any, x: torch.Tensor, tag: str) -> torch.Tensor:
+def gather(comm: Communicator, backend: Any, handoff: str | None, x: torch.Tensor, tag: str) -> torch.Tensor:
     """Every rank's ``x`` stacked in group order: ``[P, *x.shape]`` (``x`` itself in a world of one)."""
     if comm.size() == 1:
         return x.unsqueeze(0)
-    all_gather = getattr(comm, "all_gather", None)
-    if all_gather is None:
-        raise TypeError(f"group: a recurrent layer needs a communicator with all_gather(); got {type(comm).__name__}")
-    send = x.contiguous()
-    recv = send.new_empty((comm.size(), *send.shape))
-    all_gather(send, recv, tag, backend).wait()
+    recv = x.new_empty((comm.size(), *x.shape))  # rule 1: made on C before M forks
+    exchange(comm, backend, handoff, "all_gather", x.contiguous, recv, tag)
     return recv
 
 
-def scatter_sum(comm: Communicator, backend: Any, grads: torch.Tensor, tag: str) -> torch.Tensor:
+def scatter_sum(comm: Communicator, backend: Any, handoff: str | None, grads: torch.Tensor, tag: str) -> torch.Tensor:
     """The backward of :func:`gather`: ``grads[j]`` goes to rank j; this rank's gradient is the sum of what
     every rank sent it."""
     if comm.size() == 1:
         return grads[0]
-    all_to_all = getattr(comm, "all_to_all", None)
-    if all_to_all is None:
-        raise TypeError(f"group: a recurrent layer needs a communicator with all_to_all(); got {type(comm).__name__}")
-    send = grads.contiguous()
-    recv = torch.empty_like(send)
-    all_to_all(send, recv, tag, backend).wait()
+    recv = torch.empty_like(grads, memory_format=torch.contiguous_format)  # rule 1
+    exchange(comm, backend, handoff, "all_to_all", grads.contiguous, recv, tag)
     return recv.sum(0)
 
 
@@ -43,10 +41,10 @@ class Gather(torch.autograd.Function):
     """Autograd wrapper of :func:`gather` / :func:`scatter_sum` (tags ``tag`` and ``"d" + tag``)."""
 
     @staticmethod
-    def forward(ctx, comm: Communicator, backend: Any, tag: str, x: torch.Tensor) -> torch.Tensor:
-        ctx.comm, ctx.backend, ctx.tag = comm, backend, tag
+    def forward(ctx, comm: Communicator, backend: Any, handoff: str | None, tag: str, x: torch.Tensor) -> torch.Tensor:
+        ctx.comm, ctx.backend, ctx.handoff, ctx.tag = comm, backend, handoff, tag
         ctx.thread = threading.get_ident()
-        return gather(comm, backend, x, tag)
+        return gather(comm, backend, handoff, x, tag)
 
     @staticmethod
     def backward(ctx, grads: torch.Tensor):
@@ -58,14 +56,16 @@ class Gather(torch.autograd.Function):
                 "for its peers would hang. Use real ranks (torchrun) there."
             )
         with torch.no_grad():
-            return None, None, None, scatter_sum(comm, ctx.backend, grads, "d" + ctx.tag)
+            return None, None, None, None, scatter_sum(comm, ctx.backend, ctx.handoff, grads, "d" + ctx.tag)
 
 
-def gather_differentiable(comm: Communicator, backend: Any, x: torch.Tensor, tag: str) -> torch.Tensor:
+def gather_differentiable(
+    comm: Communicator, backend: Any, handoff: str | None, x: torch.Tensor, tag: str
+) -> torch.Tensor:
     """:func:`gather`, through autograd when ``x`` needs a gradient."""
     if comm.size() > 1 and torch.is_grad_enabled() and x.requires_grad:
-        return Gather.apply(comm, backend, tag, x)
-    return gather(comm, backend, x, tag)
+        return Gather.apply(comm, backend, handoff, tag, x)
+    return gather(comm, backend, handoff, x, tag)
 
 
 class _Tie(torch.autograd.Function):

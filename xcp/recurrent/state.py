@@ -18,6 +18,7 @@ import torch
 
 from ..comm import Communicator
 from ..comm.dist import resolve_group
+from ..lifetime import check_handoff
 from ..plugins import select_backend
 from ..schedule import DEFAULT_BALANCE, check_world
 from .exchange import gather_differentiable, tie
@@ -100,6 +101,8 @@ def state_passing(
     cu_seqlens: Sequence[int] | None = None,
     seq_dim: int = 1,
     output_final_state: bool = False,
+    device: str | None = None,
+    handoff: str | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run a recurrent layer's chunk ``kernel`` over a sequence sharded by ``balance``, exactly.
@@ -110,6 +113,9 @@ def state_passing(
         own :class:`Transition`).
     :param cu_seqlens: the documents' global boundaries: the state starts from zero at each.
     :param output_final_state: also return the state after the last token of the sequence, on every rank.
+    :param device: the backend whose streams the exchange runs on (as :func:`xcp.attention`'s; default the
+        tensors' device type).
+    :param handoff: the hand-off policy of the summaries sent (docs/lifetime.md rule 3; default the backend's).
     :returns: ``(out, final_state)``: this rank's outputs (sequence-major at ``seq_dim``) and the final
         state or None.
     """
@@ -133,9 +139,11 @@ def state_passing(
             f"inputs: expected {held} tokens at dim {seq_dim} (rank {rank}'s shard of {seq_len} under balance "
             f"{balance!r}); got {local_len}"
         )
-    backend = select_backend(None, inputs[0].device.type)
+    backend = select_backend(device, inputs[0].device.type)
+    if handoff is not None:
+        check_handoff(handoff)
     summaries = [transition.summarize(kernel, _cut(inputs, p, p.segments[-1], seq_dim), kwargs) for p in mine]
-    incoming, final, gathered = _fold(comm, backend, transition, pieces, summaries, output_final_state)
+    incoming, final, gathered = _fold(comm, backend, handoff, transition, pieces, summaries, output_final_state)
     outs = []
     for piece, h in zip(mine, incoming):
         for i, segment in enumerate(piece.segments):
@@ -164,6 +172,7 @@ def _cut(inputs: Sequence[torch.Tensor], piece: Piece, segment: tuple[int, int],
 def _fold(
     comm: Communicator,
     backend: Any,
+    handoff: str | None,
     transition: Transition,
     pieces: Sequence[Piece],
     summaries: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -177,7 +186,7 @@ def _fold(
     width = flat[0].numel()
     n = most_pieces(pieces, size)
     rows = torch.stack(flat + [flat[0].new_zeros(width)] * (n - len(flat)))
-    gathered = gather_differentiable(comm, backend, rows, "state") if size > 1 else None
+    gathered = gather_differentiable(comm, backend, handoff, rows, "state") if size > 1 else None
     last = len(pieces) if output_final_state else max(i for i, p in enumerate(pieces) if p.owner == rank) + 1
     incoming: list[torch.Tensor | None] = []
     h: torch.Tensor | None = None
