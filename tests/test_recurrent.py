@@ -14,22 +14,12 @@ import torch.nn.functional as F
 
 import xcp
 from xcp.recurrent import Decay, DeltaRule, causal_conv, plan_pieces, state_passing
+from xcp.testing.recurrent_sanitizer import delta_rule as delta_kernel
+from xcp.testing.recurrent_sanitizer import per_document as whole
+from xcp.testing.recurrent_sanitizer import short_conv as depthwise
 
 TOL = 1e-10
 B, H, DK, DV, C, W = 2, 2, 3, 4, 5, 4
-
-
-def delta_kernel(q, k, v, g, beta, gscale=None, initial_state=None, output_final_state=False):
-    """Gated delta rule, one token at a time: h <- exp(g) (h - beta k (k^T h)) + beta k v^T; out = q^T h."""
-    g = g if gscale is None else g * gscale
-    h = initial_state if initial_state is not None else q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
-    outs = []
-    for t in range(q.shape[1]):
-        kt, vt, bt = k[:, t], v[:, t], beta[:, t, :, None, None]
-        h = g[:, t, :, None, None].exp() * (h - bt * kt[..., None] * (kt[..., None, :] @ h))
-        h = h + bt * kt[..., None] * vt[..., None, :]
-        outs.append((q[:, t, :, None, :] @ h).squeeze(-2))
-    return torch.stack(outs, 1), (h if output_final_state else None)
 
 
 def decay_kernel(q, k, v, a, initial_state=None, output_final_state=False):
@@ -44,25 +34,6 @@ def decay_kernel(q, k, v, a, initial_state=None, output_final_state=False):
 
 def decay_product(q, k, v, a):
     return a.prod(dim=1)[..., None]
-
-
-def depthwise(weight):
-    """A causal depthwise convolution with SiLU on [B, L, C], as short-conv layers have."""
-
-    def conv(x):
-        y = F.conv1d(x.transpose(1, 2), weight[:, None], padding=weight.shape[1] - 1, groups=weight.shape[0])
-        return F.silu(y[..., : x.shape[1]]).transpose(1, 2)
-
-    return conv
-
-
-def whole(fn, inputs, cu):
-    """``fn`` on each document of the whole sequence: outputs concatenated, and the last document's result."""
-    outs, last = [], None
-    for a, b in zip(cu, cu[1:]):
-        out, last = fn([x[:, a:b] for x in inputs])
-        outs.append(out)
-    return torch.cat(outs, 1), last
 
 
 def inputs_for(kind, seq):

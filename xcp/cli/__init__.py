@@ -12,7 +12,7 @@ import textwrap
 from collections.abc import Sequence
 
 from .. import __version__, schedule
-from . import bench, decode, packing, plan, run, serve, ulysses, windows
+from . import bench, decode, packing, plan, recurrent, run, serve, ulysses, windows
 from .common import DTYPES, FLAGS, HelpFormatter, Problem, add_problem_flags, check_heads, positive, quiet_rank
 
 __all__ = ["build_parser", "main"]
@@ -116,6 +116,7 @@ def _add_sanitize(sub) -> None:
     p.add_argument("--capacity", action="store_true",
                    help="with --decode: preallocated caches (KVCache(capacity=...)), whose decode steps keep their "
                    "lengths on the device")  # fmt: skip
+    recurrent.add_flag(p)
     serve.add_flags(
         p,
         "each rank's xcp.PagedKVCache on the simulated device: the combine's hand-off, the pool audited "
@@ -162,6 +163,8 @@ def _cmd_sanitize(args) -> int:
     from ..testing.sanitizer import sanitize_ring
 
     check_heads(args.heads, args.kv_heads)
+    if args.recurrent:
+        return recurrent.sanitize_command(args)
     packing.check_balance(args.balance, args.documents is not None)
     if args.serve is not None:
         return serve.sanitize_command(args)

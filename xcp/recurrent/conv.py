@@ -61,13 +61,11 @@ def causal_conv(
     xs = x.movedim(seq_dim, 0)
     gathered = None
     if halo and size > 1:
-        tails = torch.stack([_tail(xs, p, halo) for p in mine])
+        tails = [_tail(xs, p, halo) for p in mine]
         n = most_pieces(pieces, size)
-        if n > len(mine):
-            tails = torch.cat((tails, tails.new_zeros((n - len(mine), *tails.shape[1:]))))
         if handoff is not None:
             check_handoff(handoff)
-        gathered = gather_differentiable(comm, select_backend(device, x.device.type), handoff, tails, "halo")
+        gathered = gather_differentiable(comm, select_backend(device, x.device.type), handoff, tails, n, "halo")
     starts = sorted(set(cu_seqlens) if cu_seqlens is not None else {0})
     outs = []
     for piece in mine:

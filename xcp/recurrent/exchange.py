@@ -10,6 +10,7 @@ policy ``handoff`` keeps its memory valid while M reads it), C waiting for M at 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,18 +19,32 @@ from ..comm import Communicator
 from ..inference.partials import exchange
 
 
-def gather(comm: Communicator, backend: Any, handoff: str | None, x: torch.Tensor, tag: str) -> torch.Tensor:
-    """Every rank's ``x`` stacked in group order: ``[P, *x.shape]`` (``x`` itself in a world of one)."""
+def gather(
+    comm: Communicator, backend: Any, handoff: str | None, parts: Sequence[torch.Tensor], rows: int, tag: str
+) -> torch.Tensor:
+    """Every rank's ``parts`` (equal shapes; zeros after them up to ``rows``) in one all-gather:
+    ``[P, rows, *part.shape]``, rank j's at ``[j]``.
+
+    The parts are packed into the buffer sent on the caller's stream C after the comm stream M forked, then
+    handed to M (docs/lifetime.md rule 3.3), as the combine's partial is."""
+    shape, like = tuple(parts[0].shape), parts[0]
+    recv = like.new_empty((comm.size(), rows, *shape))  # rule 1: made on C before M forks
+
+    def pack() -> torch.Tensor:
+        padding = [like.new_zeros(shape)] * (rows - len(parts))
+        return torch.stack([*parts, *padding])
+
     if comm.size() == 1:
-        return x.unsqueeze(0)
-    recv = x.new_empty((comm.size(), *x.shape))  # rule 1: made on C before M forks
-    exchange(comm, backend, handoff, "all_gather", x.contiguous, recv, tag)
+        recv[0].copy_(pack())
+        return recv
+    exchange(comm, backend, handoff, "all_gather", pack, recv, tag)
     return recv
 
 
 def scatter_sum(comm: Communicator, backend: Any, handoff: str | None, grads: torch.Tensor, tag: str) -> torch.Tensor:
     """The backward of :func:`gather`: ``grads[j]`` goes to rank j; this rank's gradient is the sum of what
-    every rank sent it."""
+    every rank sent it. (``grads`` is autograd's, written before M forks: rule 1 orders M's read after it,
+    and it lives until the join.)"""
     if comm.size() == 1:
         return grads[0]
     recv = torch.empty_like(grads, memory_format=torch.contiguous_format)  # rule 1
@@ -41,10 +56,10 @@ class Gather(torch.autograd.Function):
     """Autograd wrapper of :func:`gather` / :func:`scatter_sum` (tags ``tag`` and ``"d" + tag``)."""
 
     @staticmethod
-    def forward(ctx, comm: Communicator, backend: Any, handoff: str | None, tag: str, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, comm: Communicator, backend: Any, handoff: str | None, tag: str, rows: int, *parts: torch.Tensor):
         ctx.comm, ctx.backend, ctx.handoff, ctx.tag = comm, backend, handoff, tag
         ctx.thread = threading.get_ident()
-        return gather(comm, backend, handoff, x, tag)
+        return gather(comm, backend, handoff, parts, rows, tag)
 
     @staticmethod
     def backward(ctx, grads: torch.Tensor):
@@ -56,16 +71,18 @@ class Gather(torch.autograd.Function):
                 "for its peers would hang. Use real ranks (torchrun) there."
             )
         with torch.no_grad():
-            return None, None, None, None, scatter_sum(comm, ctx.backend, ctx.handoff, grads, "d" + ctx.tag)
+            mine = scatter_sum(comm, ctx.backend, ctx.handoff, grads, "d" + ctx.tag)
+        n = len(ctx.needs_input_grad) - 5
+        return (None, None, None, None, None, *(mine[i] for i in range(n)))
 
 
 def gather_differentiable(
-    comm: Communicator, backend: Any, handoff: str | None, x: torch.Tensor, tag: str
+    comm: Communicator, backend: Any, handoff: str | None, parts: Sequence[torch.Tensor], rows: int, tag: str
 ) -> torch.Tensor:
-    """:func:`gather`, through autograd when ``x`` needs a gradient."""
-    if comm.size() > 1 and torch.is_grad_enabled() and x.requires_grad:
-        return Gather.apply(comm, backend, handoff, tag, x)
-    return gather(comm, backend, handoff, x, tag)
+    """:func:`gather`, through autograd when a part needs a gradient."""
+    if comm.size() > 1 and torch.is_grad_enabled() and any(p.requires_grad for p in parts):
+        return Gather.apply(comm, backend, handoff, tag, rows, *parts)
+    return gather(comm, backend, handoff, parts, rows, tag)
 
 
 class _Tie(torch.autograd.Function):

@@ -183,10 +183,8 @@ def _fold(
     size, rank = comm.size(), comm.rank()
     t0, s0 = summaries[0]
     flat = [torch.cat((t.reshape(-1).to(s0.dtype), s.reshape(-1))) for t, s in summaries]
-    width = flat[0].numel()
     n = most_pieces(pieces, size)
-    rows = torch.stack(flat + [flat[0].new_zeros(width)] * (n - len(flat)))
-    gathered = gather_differentiable(comm, backend, handoff, rows, "state") if size > 1 else None
+    gathered = gather_differentiable(comm, backend, handoff, flat, n, "state") if size > 1 else None
     last = len(pieces) if output_final_state else max(i for i, p in enumerate(pieces) if p.owner == rank) + 1
     incoming: list[torch.Tensor | None] = []
     h: torch.Tensor | None = None

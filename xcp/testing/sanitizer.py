@@ -19,7 +19,7 @@ import contextlib
 import gc
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -113,6 +113,8 @@ class SanitizerReport:
     """The sliding window ``(left, right)`` (None: none)."""
     peak_alltoall_bytes: dict[int, int] = field(default_factory=dict)
     """The hybrid's all-to-all receive buffers alive at once per rank (no slots, so outside the bounds)."""
+    reference: ClassVar[str] = "float64 SDPA"
+    """What the errors were measured against (a report of another path says its own)."""
     set_aside: int = 0
     """Reports set aside, not findings (the hybrid with U >= 3): two peers' copies into their own rows of one
     all-to-all receive buffer, unordered with each other as in any all-to-all, which the model, tracking whole
@@ -173,7 +175,8 @@ class SanitizerReport:
             )
         if self.max_error:
             errs = ", ".join(f"{k} {v:.2e}" for k, v in self.max_error.items())
-            lines.append(f"  largest error against float64 SDPA{_masked(self.document_lengths, self.window)}: {errs}")
+            masked = _masked(self.document_lengths, self.window)
+            lines.append(f"  largest error against {self.reference}{masked}: {errs}")
         if self.ok:
             lines.append("  no finding: every access ordered, no reuse hazard, nothing leaked, peaks within bounds")
         else:
