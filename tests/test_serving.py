@@ -377,6 +377,8 @@ def test_serve_commands(capsys):
     assert main(["plan", "--serve", "3", *flags, "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert "blocks per rank" in out and "sends" in out
+    assert main(["plan", "--serve", "--world", "2"]) == 0  # N alone: 8 requests
+    assert "serve 8 requests" in capsys.readouterr().out
     assert main(["sanitize", "--serve", "3", "--world", "2"]) == 0
     assert "no finding" in capsys.readouterr().out
     assert main(["run", "--block-size", "3"]) == 2

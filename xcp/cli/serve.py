@@ -21,6 +21,8 @@ from ..kernels.merge import packed_layout
 from .common import DTYPES, REL_TOLERANCE, human_bytes, positive
 
 FLAG = "--serve"
+DEFAULT_REQUESTS = 8
+"""The requests of ``--serve`` given without N."""
 HELP = (
     "serve N requests over a paged cache (xcp.PagedKVCache) instead: they arrive at random steps (--seed), "
     "prefill in chunks of at most --chunk tokens beside the others' decode steps (1 to 5 new tokens each) and leave"
@@ -29,7 +31,8 @@ HELP = (
 
 def add_flags(p: argparse.ArgumentParser, what: str, seed: bool = False) -> None:
     """``--serve N`` and the paged cache's flags (and ``--seed``, where the command has none of its own)."""
-    p.add_argument(FLAG, type=positive, default=None, metavar="N", help=f"{HELP}; {what}")
+    p.add_argument(FLAG, type=positive, nargs="?", const=DEFAULT_REQUESTS, default=None, metavar="N",
+                   help=f"{HELP} (N alone: {DEFAULT_REQUESTS}); {what}")  # fmt: skip
     if seed:
         p.add_argument("--seed", type=int, default=0, help=f"with {FLAG}: the seed of the workload")
     p.add_argument("--block-size", type=positive, default=4, help=f"with {FLAG}: tokens a block holds")
