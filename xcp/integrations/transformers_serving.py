@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..inference.paged import PagedKVCache
+from ..inference.serving import held
 
 _local = threading.local()  # this thread's _Serving, while a generate_batch runs in it
 _lock = threading.Lock()
@@ -186,8 +187,9 @@ def _run(model: Any, inputs: list[list[int]], comm: Any, gen: Any, cb_config: An
         processor = manager._create_batch_processor()
         manager.batch_processor = processor
         pool = processor.cache
-        per_rank = math.ceil(pool.num_blocks / comm.size()) + len(inputs)  # a request wastes at most one block
-        state = _Serving(comm, processor, per_rank, getattr(cb_config, "page_size", None) or 16)
+        block_size = getattr(cb_config, "page_size", None) or 16
+        state = _Serving(comm, processor, _pool_blocks(inputs, max_new_tokens or gen.max_new_tokens, pool.num_blocks,
+                                                       comm.size(), block_size), block_size)  # fmt: skip
         pool.update = lambda key, value, layer_idx, kwargs=None: (key, value)  # xcp's caches keep them
         free = pool.free_blocks
 
@@ -212,6 +214,16 @@ def _run(model: Any, inputs: list[list[int]], comm: Any, gen: Any, cb_config: An
     finally:
         manager.destroy()
     return {i: results[i] for i in ids if i in results}
+
+
+def _pool_blocks(inputs: list[list[int]], new: int | None, theirs: int, world: int, block_size: int) -> int:
+    """Each rank's blocks: room for every request at its longest (prompt and ``new`` tokens) at once, as rank 0
+    holds the most of each; without ``new``, transformers' own pool shared out (a request wastes at most one
+    block). Sliding layers keep every token here (transformers' scheduler may admit more than its pool holds
+    of full layers, since it drops what slides out)."""
+    if new is None:
+        return math.ceil(theirs / world) + len(inputs)
+    return sum(-(-held(len(p) + new, world, 0) // block_size) for p in inputs)
 
 
 def left_padding(mask: Any, input_ids: torch.Tensor) -> list[int] | None:
