@@ -30,6 +30,7 @@ DOCUMENTS = [
     "docs/integrations.md",
     "docs/inference.md",
     "docs/serving.md",
+    "docs/hybrid.md",
     "examples/xcp-tiled-backend/README.md",
 ]
 FRAGMENT = "<!-- fragment -->"
