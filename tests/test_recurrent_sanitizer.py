@@ -1,4 +1,5 @@
-"""``xcp sanitize --recurrent``: state passing and halos, forward and backward, on the simulated device.
+"""``xcp sanitize --recurrent``: state passing and halos, forward and backward, on the simulated device (and
+``xcp bench --recurrent``, ``xcp plan --recurrent``).
 
 Clean under every hand-off policy (and with documents under document_zigzag); with the hand-off of the
 packed summaries and halos dropped (the buffer written on the caller's stream, read by the comm stream's
@@ -39,3 +40,20 @@ def test_sanitize_recurrent_command(capsys, monkeypatch):
     assert "balance: expected one of zigzag, contiguous, document_zigzag" in capsys.readouterr().err
     monkeypatch.setattr(RingCall, "hand_to_comm", lambda self, tensors, channel, ordered=False: list(tensors))
     assert main(["sanitize", "--recurrent", "--world", "2", "--heads", "2", "--head-dim", "3"]) == 1
+
+
+def test_bench_recurrent_checks_then_times(capsys):
+    pytest.importorskip("transformers", reason="needs transformers")
+    assert main(["bench", "--recurrent", "--seqs", "64", "--worlds", "2", "--heads", "2", "--head-dim", "8",
+                 "--reps", "1", "--warmup", "0"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.count(" ok (largest error") == 2, out
+
+
+def test_plan_recurrent_bytes_do_not_grow_with_the_sequence(capsys):
+    for seq in (64, 4096):
+        sizes = ["--heads", "2", "--kv-heads", "2", "--head-dim", "4", "--dtype", "float32"]
+        assert main(["plan", "--recurrent", "--world", "4", "--seq", str(seq), *sizes]) == 0
+    first, second = (block.splitlines()[-1] for block in capsys.readouterr().out.split("xcp plan")[1:])
+    # 2 pieces x 2 heads x (4 x 4 + 4 x 4) x 4 B, to 3 peers: 1.5 KiB; halos 2 x 3 x 24 channels x 4 B x 3
+    assert first == second and "state 1.5 KiB" in first and "halo 1.7 KiB" in first, first

@@ -12,7 +12,7 @@ from ..documents import document_plan
 from ..hybrid import hybrid_traffic, kv_replicas
 from ..kernels.merge import accumulator_dtype
 from ..traffic import ring_bytes, travelling_tokens
-from . import decode, packing, serve, ulysses, windows
+from . import decode, packing, recurrent, serve, ulysses, windows
 from .common import (
     DTYPES,
     Problem,
@@ -545,6 +545,7 @@ def add_parser(sub) -> None:
                    "step the tokens each rank holds, the kernel calls of each rank's local partial and the bytes "
                    "each rank sends and gathers in the combine (causal; with --window, banded)")  # fmt: skip
     p.add_argument(decode.CHUNK_FLAG, type=int, default=decode.DEFAULT_CHUNK, metavar="T", help=decode.CHUNK_HELP)
+    recurrent.add_flag(p, recurrent.PLAN_HELP)
     serve.add_flags(
         p, "per step the requests, the blocks and tokens each rank holds and the combine's bytes", seed=True
     )
@@ -553,6 +554,8 @@ def add_parser(sub) -> None:
 def command(args) -> int:
     world, causal, u = args.world, args.causal, args.ulysses
     check_heads(args.heads, args.kv_heads)
+    if args.recurrent:
+        return recurrent.plan_command(args)
     packing.check_balance(args.balance, args.documents is not None)
     if args.serve is not None:
         return serve.plan_command(args)

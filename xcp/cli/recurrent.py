@@ -16,8 +16,48 @@ HELP = (
 )
 
 
-def add_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument(FLAG, action="store_true", help=HELP)
+PLAN_HELP = (
+    "the plan of a recurrent layer instead (a gated delta rule with a short convolution of width 4 over its "
+    "q, k, v, as Qwen3-Next's): each rank's pieces of --seq tokens in global order (documents' resets marked) and "
+    "the bytes each rank sends per layer, forward and backward (independent of S); with --heads, --head-dim, "
+    "--value-head-dim, --dtype, --balance (not stripe), --documents"
+)
+
+
+def add_flag(p: argparse.ArgumentParser, help: str = HELP) -> None:
+    p.add_argument(FLAG, action="store_true", help=help)
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """``xcp plan --recurrent``: the pieces and the bytes of state passing."""
+    from ..recurrent import plan_pieces
+    from ..recurrent.layout import exchange_bytes
+    from . import packing
+    from .common import DTYPES, human_bytes
+
+    if args.seq is None and args.documents is None:
+        raise ValueError(f"{FLAG}: expected --seq (or --documents): the pieces depend on S; got neither")
+    cu = None
+    if args.documents is not None:
+        lengths, _ = packing.resolve_lengths(args.documents, args.seq, args.world, args.balance)
+        cu = list(packing.boundaries(lengths))
+    seq = cu[-1] if cu is not None else args.seq
+    pieces = plan_pieces(seq, args.world, args.balance, cu)
+    value_dim = args.value_head_dim or args.head_dim
+    itemsize = DTYPES[args.dtype].itemsize
+    print(f"xcp plan {FLAG}: S={seq} P={args.world} balance={args.balance} heads={args.heads} "
+          f"d_k={args.head_dim} d_v={value_dim} {args.dtype}")  # fmt: skip
+    print("pieces in global order (rank: [start, stop), * where a document starts inside, | where one starts at it):")
+    for p in pieces:
+        mark = ("*" if p.resets else "") + ("" if p.carries_in else "|")
+        print(f"  rank {p.owner}: [{p.start}, {p.stop}){mark}")
+    channels = args.heads * (2 * args.head_dim + value_dim)
+    state_itemsize = max(itemsize, 4)  # the kernels keep states in float32 for 16-bit inputs
+    sent = exchange_bytes(pieces, args.world, args.heads, args.head_dim, value_dim, state_itemsize,
+                          halo=3, channels=channels, itemsize=itemsize)  # fmt: skip
+    print("bytes each rank sends per layer (states in float32 where the inputs are 16-bit): "
+          + ", ".join(f"{k} {human_bytes(v)}" for k, v in sent.items()))  # fmt: skip
+    return 0
 
 
 def sanitize_command(args: argparse.Namespace) -> int:
