@@ -4,6 +4,8 @@ on one device: logits, loss and every parameter gradient.
 The families' torch kernels compute in float32 whatever the model's dtype (``.to(torch.float32)``,
 ``.float()``); the test makes those casts keep float64 in both models (:func:`full_precision`), so the only
 difference left is the state passing's, and the tolerance is float64's (1e-9 relative to the largest of each).
+Families: Qwen3-Next (gated delta), Mamba2, Kimi Linear (KDA), Falcon-H1 and Zamba2 (Mamba2 mixers beside
+attention), LFM2-MoE (short convolutions).
 """
 
 from __future__ import annotations
@@ -33,6 +35,27 @@ def _configs():
             linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
             num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
             layer_types=["linear_attention", "full_attention"],
+        ),
+        "kimi_linear": lambda: t.KimiLinearConfig(
+            vocab_size=VOCAB, pad_token_id=0, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, head_dim=8, linear_head_dim=8, linear_num_heads=4,
+            moe_intermediate_size=16, num_experts=4, num_experts_per_token=2, kv_lora_rank=16, q_lora_rank=None,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        ),
+        "falcon_h1": lambda: t.FalconH1Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8,
+            mamba_n_groups=1, mamba_chunk_size=8,
+        ),
+        "zamba2": lambda: t.Zamba2Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, attention_head_dim=16, mamba_d_state=8, mamba_headdim=8, n_mamba_heads=8,
+            mamba_ngroups=1, chunk_size=8, layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1],
+        ),
+        "lfm2_moe": lambda: t.Lfm2MoeConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
+            layer_types=["conv", "full_attention"],
         ),
         "mamba2": lambda: t.Mamba2Config(
             vocab_size=VOCAB, hidden_size=32, state_size=8, num_heads=8, head_dim=8, n_groups=2, expand=2,
@@ -85,6 +108,10 @@ CASES = [
     ("qwen3_next", 3, "contiguous"),
     ("mamba2", 4, "zigzag"),
     ("mamba2", 3, "contiguous"),
+    ("kimi_linear", 2, "zigzag"),
+    ("falcon_h1", 3, "contiguous"),
+    ("zamba2", 2, "zigzag"),
+    ("lfm2_moe", 4, "zigzag"),
 ]
 
 

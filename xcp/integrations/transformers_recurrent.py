@@ -227,6 +227,7 @@ LAYERS = (
     "OlmoHybridGatedDeltaNet",
     "LaraMiniGatedDeltaNet",
     "BailingHybridDeltaAttention",
+    "KimiLinearDeltaAttention",
     "Mamba2Mixer",
     "BambaMixer",
     "NemotronHMamba2Mixer",
