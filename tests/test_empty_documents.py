@@ -214,10 +214,10 @@ def test_shard_batch_drops_empty_documents():
 def test_the_attention_interface_takes_boundaries_with_repeats():
     """cu_seq_lens_q/k with empty documents, and the positions restarting in each document: the output of the
     whole sequence, and bit for bit that of the boundaries without the repeats."""
-    from xcp.integrations.transformers import attention_forward, shard_batch
+    from xcp.integrations.transformers import attention_forward, prepare, shard_batch
 
     q, k, v, dout = random_inputs(1, S, 4, 2, 4, seed=5)
-    module = torch.nn.Module()  # causal: transformers' default
+    module = prepare(torch.nn.Module())  # causal: transformers' default
 
     def rank(group):
         with xcp.context(group) as ctx:
