@@ -144,6 +144,24 @@ def test_training_matches_one_device(kind, world, balance, full_precision):
             assert err <= TOL * max(float(grads[name].abs().max()), 1e-6 * scale), name
 
 
+def test_a_deep_copy_of_a_prepared_model_runs_its_own_layers(full_precision):
+    full_precision("mamba2")
+    model = xt.prepare(build(_configs()["mamba2"]()))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(1.5)
+    ids = torch.randint(3, VOCAB, (1, 8))
+    with torch.no_grad():
+        want = twin(input_ids=ids).logits
+
+    def rank(group):
+        with xcp.context(group), torch.no_grad():
+            return twin(**xt.shard_batch(ids).model_kwargs()).logits
+
+    assert rel(xcp.unshard(xcp.LocalWorld(2).run(rank)), want) <= TOL
+
+
 def test_stripe_and_ulysses_are_refused_by_the_layer():
     model = xt.prepare(build(_configs()["mamba2"]()))
     ids = torch.randint(3, VOCAB, (1, 8))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -193,31 +194,30 @@ def _install(module_name: str) -> list[str]:
     return served
 
 
+def _cp_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A prepared mixer's forward (bound to the instance, so a deep copy of the model binds its own copy):
+    its class's forward, whose kernels pass state under a context of more than one rank."""
+    forward = type(self).forward
+    ctx = current()
+    if ctx.world_size == 1:
+        return forward(self, *args, **kwargs)
+    layer = type(self).__name__
+    if any(type(a).__name__ == "ShardedCache" for a in (*args, *kwargs.values())):
+        raise NotImplementedError(
+            f"{layer}: xcp.integrations.transformers.generate does not serve recurrent layers yet (their "
+            "state would have to be kept whole on every rank after the prompt); generate on one rank"
+        )
+    if ctx.ulysses != 1:
+        raise NotImplementedError(f"{layer}: ulysses > 1 with recurrent layers is not supported; got {ctx.ulysses}")
+    with _running(_Run(ctx.group, check_recurrent_balance(ctx.balance), layer)):
+        return forward(self, *args, **kwargs)
+
+
 def _adapt(module: torch.nn.Module) -> None:
-    """Wrap ``module``'s forward: under a context of more than one rank its kernels pass state."""
-    served = _install(type(module).__module__)
-    if not any(name != "causal_conv1d_fn" and name != "mamba2_split_conv1d_scan_combined" for name in served):
-        if "causal_conv1d_fn" not in served:
-            raise ValueError(f"{type(module).__name__}: no kernel xcp serves in {type(module).__module__}")
-    forward = module.forward
-    layer = type(module).__name__
-
-    @functools.wraps(forward)
-    def cp_forward(*args: Any, **kwargs: Any) -> Any:
-        ctx = current()
-        if ctx.world_size == 1:
-            return forward(*args, **kwargs)
-        if any(type(a).__name__ == "ShardedCache" for a in (*args, *kwargs.values())):
-            raise NotImplementedError(
-                f"{layer}: xcp.integrations.transformers.generate does not serve recurrent layers yet (their "
-                "state would have to be kept whole on every rank after the prompt); generate on one rank"
-            )
-        if ctx.ulysses != 1:
-            raise NotImplementedError(f"{layer}: ulysses > 1 with recurrent layers is not supported; got {ctx.ulysses}")
-        with _running(_Run(ctx.group, check_recurrent_balance(ctx.balance), layer)):
-            return forward(*args, **kwargs)
-
-    module.forward = cp_forward
+    """Bind :func:`_cp_forward` as ``module``'s forward, with the dispatchers in place in its modeling module."""
+    if not _install(type(module).__module__):
+        raise ValueError(f"{type(module).__name__}: no kernel xcp serves in {type(module).__module__}")
+    module.forward = types.MethodType(_cp_forward, module)
 
 
 LAYERS = (
