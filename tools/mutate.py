@@ -463,7 +463,7 @@ def _graft_module(name: str, text: str) -> None:
             if old is not _MISSING and old is not new:
                 moved[key] = (old, new)
     for other in list(sys.modules.values()):  # copies made by ``from module import NAME`` follow
-        if other is module or not str(getattr(other, "__file__", "")).startswith(str(ROOT)):
+        if other is module or not _ours(getattr(other, "__file__", None)):
             continue
         for key, (old, new) in moved.items():
             if vars(other).get(key, _MISSING) is old:
@@ -495,15 +495,28 @@ def _child(mirror: Path, tests: list[str], module: str, text: str, cold: bool) -
     if name in sys.modules and not cold:
         _graft_module(name, text)
     else:  # import the repository's modules and tests afresh, from the mirror
-        for key, value in list(sys.modules.items()):
-            if str(getattr(value, "__file__", None) or "").startswith(str(ROOT)):
-                del sys.modules[key]
+        purged = [key for key, value in list(sys.modules.items()) if _ours(getattr(value, "__file__", None))]
+        for key in purged:
+            del sys.modules[key]
         sys.path.insert(0, str(mirror))
+        import importlib
+
+        try:  # the package's own modules first: a mutant that breaks importing them is caught by any test
+            for key in sorted(k for k in purged if k.split(".")[0] in ("xcp", "xcp_cuda", "xcp_npu")):
+                importlib.import_module(key)
+        except Exception:
+            os._exit(1)
     os.environ["PYTHONPATH"] = os.pathsep.join([str(mirror), *filter(None, [os.environ.get("PYTHONPATH")])])
     os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = str(mirror / ".hypothesis-store")
     args = ["-x", "-q", "-p", "no:cacheprovider", "--hypothesis-seed=0", *tests]
     code = pytest.main(args)
     os._exit(int(code))
+
+
+def _ours(path: str | None) -> bool:
+    """Whether ``path`` is a file of the repository (not of an environment installed inside it)."""
+    parts = Path(path).parts if path else ()
+    return bool(parts) and Path(path).is_relative_to(ROOT) and not {".venv", "site-packages"} & set(parts)  # type: ignore[arg-type]
 
 
 def _module_name(module: str) -> str:
@@ -602,6 +615,8 @@ def run_module(module: str, data: dict, args: argparse.Namespace, known: dict) -
     found = mutants(module)
     if args.line:
         found = [m for m in found if m.line in args.line]
+    if args.import_time:
+        found = [m for m in found if m.at_import is not None]
     source = (ROOT / module).read_text()
     used = set()
     selected = []
@@ -644,7 +659,7 @@ def run_module(module: str, data: dict, args: argparse.Namespace, known: dict) -
         if args.verbose:
             print(f"  [{i}/{len(found)}] {verdict} {m.line}: {m.key} ({len(tests)} tests)", flush=True)
     stale = [k for k in known if k[0] == module and k not in used]
-    if stale and not args.line:
+    if stale and not (args.line or args.import_time):
         for k in stale:
             print(f"  note: tools/mutate_equivalent.toml lists a mutant that no longer survives: {k}")
     return tally, time.time() - start, lines
@@ -672,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--timeout-factor", type=float, default=4.0, help="limit: factor x tests' seconds (4)")
     p_run.add_argument("--timeout-extra", type=float, default=30.0, help="limit: plus these seconds (30)")
     p_run.add_argument("--verbose", action="store_true", help="print every mutant's verdict")
+    p_run.add_argument("--import-time", action="store_true", help="only the changes made when the module is imported")
     p_run.add_argument(
         "--cold", action="store_true", help="import xcp afresh in every mutant (slower; no grafting of the mutant)"
     )
