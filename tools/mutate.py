@@ -382,6 +382,16 @@ def _tests_of_names(data: dict, module: str, names: tuple[str, ...], budget: flo
     return picked or _fastest(data, module, 5)
 
 
+def _collected(tests: set[str]) -> set[str]:
+    """Those of ``tests`` (node ids) that pytest collects today."""
+    files = sorted({t.split("::")[0] for t in tests})
+    if not files:
+        return set()
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False).stdout
+    return {line.strip() for line in out.splitlines() if "::" in line} & tests
+
+
 def _fastest(data: dict, module: str, n: int) -> list[str]:
     """The ``n`` fastest passing tests that execute any line of ``module``."""
     names = list(data["tests"])
@@ -514,9 +524,11 @@ def _child(mirror: Path, tests: list[str], module: str, text: str, cold: bool) -
 
 
 def _ours(path: str | None) -> bool:
-    """Whether ``path`` is a file of the repository (not of an environment installed inside it)."""
-    parts = Path(path).parts if path else ()
-    return bool(parts) and Path(path).is_relative_to(ROOT) and not {".venv", "site-packages"} & set(parts)  # type: ignore[arg-type]
+    """Whether ``path`` is a file of the repository's packages or tests (not of this tool, nor of an
+    environment installed inside the repository)."""
+    if not path or not Path(path).is_relative_to(ROOT):
+        return False
+    return Path(path).relative_to(ROOT).parts[0] in ("xcp", "xcp_cuda", "xcp_npu", "examples", "tests")
 
 
 def _module_name(module: str) -> str:
@@ -629,6 +641,8 @@ def run_module(module: str, data: dict, args: argparse.Namespace, known: dict) -
         else:
             tests = covering_tests(data, module, m.test_line, args.budget)
             selected.append((tests, sum(data["tests"][t][0] for t in tests)))
+    present = _collected({t for tests, _ in selected for t in tests})  # the map may name tests since renamed
+    selected = [([t for t in tests if t in present], seconds) for tests, seconds in selected]
     if not args.cold:
         warm_up(module, [t for tests, _ in selected for t in tests])
     check = args.tests or _fastest(data, module, 5)
