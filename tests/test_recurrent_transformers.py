@@ -4,8 +4,8 @@ on one device: logits, loss and every parameter gradient.
 The families' torch kernels compute in float32 whatever the model's dtype (``.to(torch.float32)``,
 ``.float()``); the test makes those casts keep float64 in both models (:func:`full_precision`), so the only
 difference left is the state passing's, and the tolerance is float64's (1e-9 relative to the largest of each).
-Families: Qwen3-Next (gated delta), Mamba2, Kimi Linear (KDA), Falcon-H1 and Zamba2 (Mamba2 mixers beside
-attention), LFM2-MoE (short convolutions).
+Families: Qwen3-Next (gated delta), Mamba2, Mamba and Jamba (selective scan), Kimi Linear (KDA), Falcon-H1
+and Zamba2 (Mamba2 mixers beside attention), LFM2-MoE (short convolutions).
 """
 
 from __future__ import annotations
@@ -56,6 +56,14 @@ def _configs():
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
             layer_types=["conv", "full_attention"],
+        ),
+        "mamba": lambda: t.MambaConfig(
+            vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4
+        ),
+        "jamba": lambda: t.JambaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, attn_layer_period=2,
+            attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2, use_mamba_kernels=False,
         ),
         "mamba2": lambda: t.Mamba2Config(
             vocab_size=VOCAB, hidden_size=32, state_size=8, num_heads=8, head_dim=8, n_groups=2, expand=2,
@@ -112,6 +120,8 @@ CASES = [
     ("falcon_h1", 3, "contiguous"),
     ("zamba2", 2, "zigzag"),
     ("lfm2_moe", 4, "zigzag"),
+    ("mamba", 3, "contiguous"),
+    ("jamba", 2, "zigzag"),
 ]
 
 

@@ -136,6 +136,45 @@ def _mamba2(original: Callable[..., Any], run: _Run, hidden_states, dt, A, B, C,
     return (out, state) if final else out
 
 
+def _selective_scan(original: Callable[..., Any], run: _Run, hidden_states, dt, A, B, C, *args, **kwargs):
+    """``mamba_selective_scan(u [b, d, L], dt, A [d, n], B [b, n, L], C, D, z, delta_bias, delta_softplus,
+    return_last_state)`` (Mamba, Jamba, Falcon-Mamba) through state passing. The kernel takes no initial
+    state, so the entering state's part is added here: ``C_t . (exp(A * sum(dt)) h)`` on the outputs (gated
+    by silu(z) like them) and ``exp(A * sum(dt)) h`` on the final state; the state [b, d, n] decays by
+    ``exp(A * dt)`` at every token."""
+    names = ("D", "z", "delta_bias", "delta_softplus", "return_last_state")
+    kwargs.update(zip(names, args))
+    _cu(run, kwargs)
+    final = bool(kwargs.pop("return_last_state", False))
+    bias, softplus = kwargs.get("delta_bias"), bool(kwargs.get("delta_softplus", False))
+
+    def steps(dt_):
+        step = dt_ if bias is None else dt_ + bias.to(dt_.dtype)[..., None]
+        return torch.nn.functional.softplus(step) if softplus else step
+
+    def kernel(u, dt_, b, c, *gate, initial_state=None, output_final_state=False):
+        z = gate[0] if gate else None
+        out, state = original(u, dt_, A, b, c, **{**kwargs, "z": z}, return_last_state=True)
+        if initial_state is None:
+            return out, state
+        decay = torch.exp(A[None, :, None, :] * steps(dt_).cumsum(-1)[..., None])  # [b, d, L, n]
+        carried = (decay * initial_state[:, :, None, :]).mul(c.transpose(1, 2)[:, None]).sum(-1)
+        if z is not None:
+            carried = carried * torch.nn.functional.silu(z)
+        return out + carried.to(out.dtype), state + decay[:, :, -1] * initial_state
+
+    def decay(u, dt_, b, c, *gate):
+        return torch.exp(A[None] * steps(dt_).sum(-1)[..., None])
+
+    z = kwargs.pop("z", None)
+    inputs = (hidden_states, dt, B, C) + (() if z is None else (z,))
+    out, state = state_passing(
+        kernel, *inputs, transition=Decay(decay), group=run.group, balance=run.balance, seq_dim=2,
+        output_final_state=final,
+    )  # fmt: skip
+    return (out, state) if final else out
+
+
 def _conv(original: Callable[..., Any], run: _Run, hidden_states, weight, bias=None, activation=None, **kwargs):
     """``causal_conv1d_fn(x [B, C, L], weight [C, w], bias, activation)`` with its halo."""
     _cu(run, kwargs)
@@ -148,8 +187,8 @@ def _conv(original: Callable[..., Any], run: _Run, hidden_states, weight, bias=N
 
 
 def _unfused(original: Callable[..., Any], run: _Run, *args, **kwargs):
-    """A fused whole-layer kernel (``mamba2_split_conv1d_scan_combined``): None, which makes the mixer take
-    its unfused path, whose kernels the other dispatchers serve."""
+    """A fused whole-layer kernel (``mamba2_split_conv1d_scan_combined``, ``mamba_inner_fn``): None, which
+    makes the mixer take its unfused path, whose kernels the other dispatchers serve."""
     return None
 
 
@@ -158,6 +197,8 @@ KERNELS: dict[str, Callable[..., Any]] = {
     "chunk_kimi_delta_attention": _delta,
     "mamba2_chunk_scan": _mamba2,
     "mamba2_split_conv1d_scan_combined": _unfused,
+    "mamba_selective_scan": _selective_scan,
+    "mamba_inner_fn": _unfused,
     "causal_conv1d_fn": _conv,
 }
 """The module-level kernels of transformers' recurrent mixers xcp serves, by name, with the function that
@@ -234,6 +275,9 @@ LAYERS = (
     "Zamba2MambaMixer",
     "FalconH1Mixer",
     "GraniteMoeHybridMambaLayer",
+    "MambaMixer",
+    "JambaMambaMixer",
+    "FalconMambaMixer",
     "Lfm2ShortConv",
     "Lfm2MoeShortConv",
 )
