@@ -88,6 +88,8 @@ def test_keep_all_keeps_every_received_shard():
 
 def test_ledger_and_slots_defaults():
     ledger = lifetime.BufferLedger()
+    assert (ledger.live_bytes, ledger.peak_bytes, ledger.live_kv_shards, ledger.peak_kv_shards) == (0, 0, 0, 0)
+    assert ledger.allocations == 0 and "_live" not in repr(ledger) and "_next" not in repr(ledger)
     tokens = [ledger.add(100), ledger.add(50, shards=0, new=False)]  # a shard, made anew, by default
     assert (ledger.live_kv_shards, ledger.allocations, ledger.live_bytes) == (1, 1, 150)
     for token in tokens:
