@@ -20,7 +20,7 @@ from ..lifetime import check_handoff
 from ..plugins import select_backend
 from ..schedule import DEFAULT_BALANCE, check_world
 from .exchange import gather_differentiable, tie
-from .layout import Piece, most_pieces, plan_pieces, rank_pieces
+from .layout import Piece, held_pieces, most_pieces
 
 
 def causal_conv(
@@ -47,16 +47,7 @@ def causal_conv(
     comm = resolve_group(group)
     size, rank = comm.size(), comm.rank()
     check_world(size, rank)
-    local_len = x.shape[seq_dim]
-    seq_len = int(cu_seqlens[-1]) if cu_seqlens is not None else local_len * size
-    pieces = plan_pieces(seq_len, size, balance, cu_seqlens)
-    mine = rank_pieces(pieces, rank)
-    held = sum(p.stop - p.start for p in mine)
-    if held != local_len:
-        raise ValueError(
-            f"x: expected {held} tokens at dim {seq_dim} (rank {rank}'s shard of {seq_len} under balance "
-            f"{balance!r}); got {local_len}"
-        )
+    pieces, mine = held_pieces("x", x.shape[seq_dim], seq_dim, size, rank, balance, cu_seqlens)
     halo = width - 1
     xs = x.movedim(seq_dim, 0)
     gathered = None

@@ -92,6 +92,29 @@ def _plan(seq_len: int, world: int, balance: str, cu: tuple[int, ...] | None) ->
     return tuple(pieces)
 
 
+def held_pieces(
+    name: str,
+    local_len: int,
+    seq_dim: int,
+    world_size: int,
+    rank: int,
+    balance: str,
+    cu_seqlens: Sequence[int] | None,
+) -> tuple[tuple[Piece, ...], list[Piece]]:
+    """Every rank's pieces and this rank's, checked against the ``local_len`` tokens the rank's argument
+    ``name`` holds at ``seq_dim`` (the whole sequence is ``cu_seqlens[-1]`` tokens, else ``local_len`` a rank)."""
+    seq_len = int(cu_seqlens[-1]) if cu_seqlens is not None else local_len * world_size
+    pieces = plan_pieces(seq_len, world_size, balance, cu_seqlens)
+    mine = rank_pieces(pieces, rank)
+    held = sum(p.stop - p.start for p in mine)
+    if held != local_len:
+        raise ValueError(
+            f"{name}: expected {held} tokens at dim {seq_dim} (rank {rank}'s shard of {seq_len} under balance "
+            f"{balance!r}); got {local_len}"
+        )
+    return pieces, mine
+
+
 def rank_pieces(pieces: Sequence[Piece], rank: int) -> list[Piece]:
     """``rank``'s pieces in its local order (ascending global order: every balance keeps it)."""
     return sorted((p for p in pieces if p.owner == rank), key=lambda p: p.index)

@@ -22,7 +22,7 @@ from ..lifetime import check_handoff
 from ..plugins import select_backend
 from ..schedule import DEFAULT_BALANCE, check_world
 from .exchange import gather_differentiable, tie
-from .layout import Piece, most_pieces, plan_pieces, rank_pieces
+from .layout import Piece, held_pieces, most_pieces
 
 Kernel = Callable[..., tuple[torch.Tensor, Any]]
 """``kernel(*inputs, initial_state=None, output_final_state=False, **kwargs) -> (out, final_state)``: the
@@ -129,16 +129,7 @@ def state_passing(
     comm = resolve_group(group)
     size, rank = comm.size(), comm.rank()
     check_world(size, rank)
-    local_len = _local_length(inputs, seq_dim)
-    seq_len = int(cu_seqlens[-1]) if cu_seqlens is not None else local_len * size
-    pieces = plan_pieces(seq_len, size, balance, cu_seqlens)
-    mine = rank_pieces(pieces, rank)
-    held = sum(p.stop - p.start for p in mine)
-    if held != local_len:
-        raise ValueError(
-            f"inputs: expected {held} tokens at dim {seq_dim} (rank {rank}'s shard of {seq_len} under balance "
-            f"{balance!r}); got {local_len}"
-        )
+    pieces, mine = held_pieces("inputs", _local_length(inputs, seq_dim), seq_dim, size, rank, balance, cu_seqlens)
     backend = select_backend(device, inputs[0].device.type)
     if handoff is not None:
         check_handoff(handoff)
