@@ -123,6 +123,15 @@ def _lfm2(kw: dict[str, Any]) -> None:  # its default is all attention: one shor
     kw.update(layer_types=["conv", "full_attention"], full_attn_idxs=[1], num_hidden_layers=2)
 
 
+def _zamba(kw: dict[str, Any]) -> None:  # its hybrid layers share one block: two of them, and a Mamba layer
+    kw.update(layers_block_type=["mamba", "hybrid", "hybrid"], num_hidden_layers=3)
+    kw.pop("layer_types", None)
+
+
+def _zaya(kw: dict[str, Any]) -> None:  # ZAYA routes each token to one expert only
+    kw.update(num_experts_per_tok=1)
+
+
 def _reformer(kw: dict[str, Any]) -> None:  # a causal LM only as a decoder
     kw.update(is_decoder=True, axial_pos_embds_dim=[32, 32], axial_pos_shape=[4, 8])
 
@@ -135,6 +144,8 @@ FIXUPS = {
     "reformer": _reformer,
     "gpt_neo": _gpt_neo,
     "lfm2": _lfm2,
+    "zamba": _zamba,
+    "zaya": _zaya,
     "hrm_text": _hrm,
     "dory": _dory,
     "gemma3n_text": _gemma3n,

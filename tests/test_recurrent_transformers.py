@@ -5,7 +5,8 @@ The families' torch kernels compute in float32 whatever the model's dtype (``.to
 ``.float()``); the test makes those casts keep float64 in both models (:func:`full_precision`), so the only
 difference left is the state passing's, and the tolerance is float64's (1e-9 relative to the largest of each).
 Families: Qwen3-Next (gated delta), Mamba2, Mamba and Jamba (selective scan), Kimi Linear (KDA), Falcon-H1
-and Zamba2 (Mamba2 mixers beside attention), LFM2-MoE (short convolutions).
+and Zamba2 (Mamba2 mixers beside attention), Zamba (a selective scan per Mamba head), LFM2-MoE and LFM3 (short
+convolutions).
 """
 
 from __future__ import annotations
@@ -52,9 +53,19 @@ def _configs():
             num_key_value_heads=4, attention_head_dim=16, mamba_d_state=8, mamba_headdim=8, n_mamba_heads=8,
             mamba_ngroups=1, chunk_size=8, layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1],
         ),
+        "zamba": lambda: t.ZambaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=4, n_mamba_heads=2, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2,
+            layers_block_type=["mamba", "hybrid", "hybrid"],  # two hybrid layers: they share one block
+        ),
         "lfm2_moe": lambda: t.Lfm2MoeConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
+            layer_types=["conv", "full_attention"],
+        ),
+        "lfm3": lambda: t.Lfm3Config(
+            vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=32, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8,
             layer_types=["conv", "full_attention"],
         ),
         "mamba": lambda: t.MambaConfig(
@@ -119,7 +130,9 @@ CASES = [
     ("kimi_linear", 2, "zigzag"),
     ("falcon_h1", 3, "contiguous"),
     ("zamba2", 2, "zigzag"),
+    ("zamba", 3, "zigzag"),
     ("lfm2_moe", 4, "zigzag"),
+    ("lfm3", 2, "contiguous"),
     ("mamba", 3, "contiguous"),
     ("jamba", 2, "zigzag"),
 ]

@@ -272,6 +272,7 @@ LAYERS = (
     "Mamba2Mixer",
     "BambaMixer",
     "NemotronHMamba2Mixer",
+    "ZambaMambaMixer",
     "Zamba2MambaMixer",
     "FalconH1Mixer",
     "GraniteMoeHybridMambaLayer",
@@ -280,6 +281,7 @@ LAYERS = (
     "FalconMambaMixer",
     "Lfm2ShortConv",
     "Lfm2MoeShortConv",
+    "Lfm3ShortConv",
 )
 """The mixer classes (transformers 5.24) whose kernels :data:`KERNELS` serve."""
 
