@@ -6,7 +6,7 @@ The families' torch kernels compute in float32 whatever the model's dtype (``.to
 difference left is the state passing's, and the tolerance is float64's (1e-9 relative to the largest of each).
 Families: Qwen3-Next (gated delta), Mamba2, Mamba and Jamba (selective scan), Kimi Linear (KDA), Falcon-H1
 and Zamba2 (Mamba2 mixers beside attention), Zamba (a selective scan per Mamba head), LFM2-MoE and LFM3 (short
-convolutions).
+convolutions), MiniMax (lightning attention, inline in its mixer: xcp/integrations/transformers_inline.py).
 """
 
 from __future__ import annotations
@@ -68,6 +68,11 @@ def _configs():
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8,
             layer_types=["conv", "full_attention"],
         ),
+        "minimax": lambda: t.MiniMaxConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, block_size=3,
+            layer_types=["linear_attention", "full_attention"],
+        ),  # blocks of 3: every piece has a partial block
         "mamba": lambda: t.MambaConfig(
             vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4
         ),
@@ -133,6 +138,7 @@ CASES = [
     ("zamba", 3, "zigzag"),
     ("lfm2_moe", 4, "zigzag"),
     ("lfm3", 2, "contiguous"),
+    ("minimax", 3, "zigzag"),
     ("mamba", 3, "contiguous"),
     ("jamba", 2, "zigzag"),
 ]

@@ -56,6 +56,7 @@ from ..documents import check_cu_seqlens
 from ..padding import pad_to_balance, padded_length
 from . import (
     decoding,
+    transformers_inline,  # noqa: F401  (registers the adapters of mixers with their recurrence inline)
     transformers_recurrent,  # noqa: F401  (registers the recurrent layers' adapters)
 )
 from .transformers_prepare import (

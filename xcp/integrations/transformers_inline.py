@@ -1,0 +1,167 @@
+"""transformers' recurrent layers whose recurrence is written inline in the mixer's forward, made
+context-parallel: adapters in :func:`prepare`'s registry.
+
+These mixers (MiniMax's lightning attention, ...) call no module-level kernel a dispatcher could swap
+(:mod:`xcp.integrations.transformers_recurrent`), so each family has here its recurrence as a chunk kernel
+of the ``initial_state`` / ``output_final_state`` convention and a forward that runs the mixer's own
+projections around it, the kernel through :func:`xcp.recurrent.state_passing` (and short convolutions
+through :func:`xcp.recurrent.causal_conv`). The adapter binds a forward to each mixer instance that takes
+this path only under an :func:`xcp.context` of more than one rank; anywhere else the mixer's own forward
+runs unchanged. tests/test_recurrent_inline.py checks each family against the model on one device.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..context import current
+from ..recurrent import Decay, check_recurrent_balance, state_passing
+from . import decoding
+from .transformers_prepare import register_layer
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a mixer's context-parallel forward needs from the context: its group and balance, and the layer's
+    class name for errors."""
+
+    group: Any
+    balance: str
+    layer: str
+
+    def refuse_documents(self, kwargs: dict[str, Any]) -> None:
+        """Packed documents (``cu_seq_lens_*``) are not served by these layers yet."""
+        for name in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k"):
+            if kwargs.get(name) is not None:
+                raise NotImplementedError(
+                    f"{self.layer}: packed documents ({name}) through a recurrent layer under an xcp.context are "
+                    "not supported yet"
+                )
+
+    def refuse_carried(self, what: str, value: Any) -> None:
+        """A state from a cache (a continued sequence) has no place in state passing, which starts at zero."""
+        if value is not None:
+            raise NotImplementedError(
+                f"{self.layer}: {what} from a cache under an xcp.context of more than one rank is not supported "
+                "(state passing starts the sequence from a zero state); run the whole sequence at once"
+            )
+
+
+ContextParallel = Callable[..., Any]
+"""``forward(module, run, *args, **kwargs)``: a mixer's forward over the context's ranks."""
+
+FAMILIES: dict[str, ContextParallel] = {}
+"""The mixer classes (transformers 5.24) served here, by name, with their context-parallel forward."""
+
+
+def _forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """An adapted mixer's forward (bound to the instance): its class's forward on one rank, the family's
+    context-parallel forward under a context of more than one rank."""
+    ctx = current()
+    if ctx.world_size == 1:
+        return type(self).forward(self, *args, **kwargs)
+    layer = type(self).__name__
+    if decoding.current() is not None:
+        raise NotImplementedError(
+            f"{layer}: xcp.integrations.transformers.generate over more than one rank does not serve this "
+            "recurrent layer yet (its state would have to be kept whole on every rank after the prompt); "
+            "generate on one rank"
+        )
+    if ctx.ulysses != 1:
+        raise NotImplementedError(f"{layer}: ulysses > 1 with recurrent layers is not supported; got {ctx.ulysses}")
+    run = Run(ctx.group, check_recurrent_balance(ctx.balance), layer)
+    return FAMILIES[layer](self, run, *args, **kwargs)
+
+
+def _adapt(module: torch.nn.Module) -> None:
+    module.forward = types.MethodType(_forward, module)
+
+
+def _modeling(module: torch.nn.Module) -> Any:
+    """The modeling module of ``module``'s class (its helper functions, as the mixer itself calls them)."""
+    return sys.modules[type(module).__module__]
+
+
+# --------------------------------------------------------------------------------------------------------
+# MiniMax: lightning attention
+
+
+def lightning_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    slope: torch.Tensor,
+    block: int,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Lightning attention, blockwise: per head ``h_t = exp(-slope) h_{t-1} + k_tᵀ v_t``, ``o_t = q_t h_t``.
+
+    :param q: queries, keys ``k`` and values ``v`` ``[B, L, H, D]``; ``slope`` ``[H, 1, 1]``.
+    :param initial_state: the state ``[B, H, D, D]`` before the first token (None: zeros).
+    :returns: ``(out [B, L, H, D], final state or None)``.
+    """
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    batch, heads, length, dim = q.shape
+    h = initial_state if initial_state is not None else q.new_zeros((batch, heads, dim, v.shape[-1]))
+    outs = []
+    for start in range(0, length, block):
+        qb, kb, vb = (x[:, :, start : start + block] for x in (q, k, v))
+        n = qb.shape[2]
+        steps = torch.arange(1, n + 1, device=q.device, dtype=slope.dtype)
+        gap = steps[:, None] - steps[None, :]
+        within = torch.exp(-slope * gap.clamp_min(0)) * (gap >= 0)  # exp(-slope (i - j)) for j <= i
+        scores = (qb @ kb.transpose(-1, -2)) * within.to(qb.dtype)
+        carried = (qb * torch.exp(-slope * steps[:, None]).to(qb.dtype)) @ h
+        outs.append(scores @ vb + carried)
+        to_end = torch.exp(-slope * (n - steps)[:, None]).to(kb.dtype)
+        h = h * torch.exp(-slope * n).to(h.dtype) + (kb * to_end).transpose(-1, -2) @ vb
+    out = torch.cat(outs, dim=2).transpose(1, 2)
+    return out, (h if output_final_state else None)
+
+
+def _minimax(self: Any, run: Run, hidden_states: torch.Tensor, position_embeddings: Any = None,
+             attention_mask: torch.Tensor | None = None, cache: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+    """``MiniMaxLightningAttention.forward`` over the ranks: its projections, output norm and gate as the
+    mixer's own; the recurrence through state passing (the state decays by ``exp(-slope)`` per token)."""
+    run.refuse_documents(kwargs)
+    if cache is not None:
+        run.refuse_carried("the linear attention state", cache.get_linear_cache(self.layer_idx))
+    batch, length, _ = hidden_states.shape
+    heads, dim = self.num_attention_heads, self.head_dim
+    qkv = self.act_fn(self.qkv_proj(hidden_states))
+    qkv = _modeling(self).apply_mask_to_padding_states(qkv, attention_mask)
+    q, k, v = torch.split(qkv.reshape(batch, length, heads, 3 * dim), dim, dim=3)
+    slope = self.slope_rate
+
+    def kernel(q, k, v, initial_state=None, output_final_state=False):
+        final = output_final_state
+        return lightning_attention(q, k, v, slope=slope, block=self.block_size, initial_state=initial_state,
+                                   output_final_state=final)  # fmt: skip
+
+    def decay(q, k, v):
+        return torch.exp(-slope * q.shape[1])
+
+    out, state = state_passing(
+        kernel, q, k, v, transition=Decay(decay), group=run.group, balance=run.balance,
+        output_final_state=cache is not None,
+    )  # fmt: skip
+    out = self.norm(out.reshape(batch, length, heads * dim))
+    out = self.out_proj(torch.sigmoid(self.output_gate(hidden_states)) * out)
+    if cache is not None:
+        cache.set_linear_cache(self.layer_idx, state)
+    return out, state
+
+
+FAMILIES["MiniMaxLightningAttention"] = _minimax
+
+
+for _name in FAMILIES:
+    register_layer(_name, _adapt, name=f"recurrent (inline): {_name}")
