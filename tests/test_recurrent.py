@@ -8,6 +8,8 @@ every gradient (inputs and a parameter) to 1e-10. Also the named errors.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,6 +68,23 @@ def documents(seq):
 @pytest.mark.parametrize("kind", ["delta", "decay"])
 @pytest.mark.parametrize(("world", "balance", "cu"), CASES, ids=[f"P{w}-{b}-{c}" for w, b, c in CASES])
 def test_state_passing_matches_the_whole_sequence(kind, world, balance, cu):
+    check_state_passing(kind, world, balance, cu, final_state=True)
+
+
+WITHOUT_FINAL = [
+    (2, "contiguous", None), (3, "zigzag", None), (3, "document_zigzag", "docs"), (3, "contiguous", "docs"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["delta", "decay"])
+@pytest.mark.parametrize(("world", "balance", "cu"), WITHOUT_FINAL, ids=[f"P{w}-{b}-{c}" for w, b, c in WITHOUT_FINAL])
+def test_without_the_final_state_the_last_piece_is_not_summarised(kind, world, balance, cu):
+    """Pass 1 skips the last piece of the global order (its summary is never used): its owner's kernel sees
+    it once (pass 2), or a one-token stretch where it holds nothing else; outputs and gradients stay exact."""
+    check_state_passing(kind, world, balance, cu, final_state=False)
+
+
+def check_state_passing(kind, world, balance, cu, final_state):
     seq = 8 * world if balance != "document_zigzag" else 7 * world + 3
     cu = documents(seq) if cu else [0, seq]
     inputs = inputs_for(kind, seq)
@@ -73,19 +92,24 @@ def test_state_passing_matches_the_whole_sequence(kind, world, balance, cu):
     dout = torch.randn(B, seq, H, DV, dtype=torch.float64)
     dfinal = torch.randn(B, H, DK, DV, dtype=torch.float64)
     if kind == "delta":
-        kernel, transition, kw = delta_kernel, DeltaRule(value=2), {"gscale": gscale}
+        base, transition, kw = delta_kernel, DeltaRule(value=2), {"gscale": gscale}
     else:
-        kernel, transition, kw = decay_kernel, Decay(decay_product), {}
+        base, transition, kw = decay_kernel, Decay(decay_product), {}
+    calls, who = {}, threading.local()  # rank -> lengths its kernel ran over (pass 1 and pass 2)
+
+    def kernel(*args, **kwargs):
+        calls.setdefault(who.rank, []).append(args[0].shape[1])
+        return base(*args, **kwargs)
 
     ref_in = [x.clone().requires_grad_() for x in inputs]
     ref_kw = {k: t.clone().requires_grad_() for k, t in kw.items()}
-    out, final = whole(lambda xs: kernel(*xs, output_final_state=True, **ref_kw), ref_in, cu)
-    ((out * dout).sum() + (final * dfinal).sum()).backward()
+    out, final = whole(lambda xs: base(*xs, output_final_state=True, **ref_kw), ref_in, cu)
+    ((out * dout).sum() + (final * dfinal).sum() * final_state).backward()
     place = {"balance": balance, "cu_seqlens": cu if balance == "document_zigzag" else None}
     docs = cu if len(cu) > 2 else None
 
     def rank_fn(group):
-        r = group.rank()
+        r = who.rank = group.rank()
         local = [xcp.shard(x, world, r, **place).requires_grad_() for x in inputs]
         mine = {k: t.clone().requires_grad_() for k, t in kw.items()}
         o, f = state_passing(
@@ -95,19 +119,29 @@ def test_state_passing_matches_the_whole_sequence(kind, world, balance, cu):
             group=group,
             balance=balance,
             cu_seqlens=docs,
-            output_final_state=True,
+            output_final_state=final_state,
             **mine,
         )
         loss = (o * xcp.shard(dout, world, r, **place)).sum()
-        if r == world - 1:  # one rank uses the final state: its gradient still reaches every rank's inputs
+        if final_state and r == world - 1:  # one rank uses the final state: its gradient reaches every rank
             loss = loss + (f * dfinal).sum()
         loss.backward()
-        return o.detach(), f.detach(), [x.grad for x in local], {k: t.grad for k, t in mine.items()}
+        return o.detach(), f, [x.grad for x in local], {k: t.grad for k, t in mine.items()}
 
     results = xcp.LocalWorld(world, timeout=30).run(rank_fn)
     close("out", xcp.unshard([res[0] for res in results], **place), out.detach())
     for res in results:
-        close("final state", res[1], final.detach())
+        if final_state:
+            close("final state", res[1].detach(), final.detach())
+        else:
+            assert res[1] is None
+    if not final_state:
+        last = plan_pieces(seq, world, balance, cu if balance == "document_zigzag" else None)[-1]
+        held = [p for p in plan_pieces(seq, world, balance, cu if balance == "document_zigzag" else None)
+                if p.owner == last.owner]  # fmt: skip
+        summarised = sum(p.segments[-1][1] - p.segments[-1][0] for p in held if p != last)
+        probe = 1 if world > 1 and held == [last] else 0  # a rank holding only the last piece: shapes from one token
+        assert sum(calls[last.owner]) == sum(p.stop - p.start for p in held) + summarised + probe, calls[last.owner]
     for i, x in enumerate(ref_in):
         close(f"grad of input {i}", xcp.unshard([res[2][i] for res in results], **place), x.grad)
     for name, t in ref_kw.items():
@@ -158,3 +192,15 @@ def test_stripe_and_bad_arguments_are_refused():
         state_passing(decay_kernel, q, k[:, :4], v, a, transition=Decay(decay_product))
     with pytest.raises(ValueError, match="width: expected an integer >= 1"):
         causal_conv(depthwise(torch.ones(C, 1, dtype=torch.float64)), q, 0)
+
+
+def test_a_decay_is_exchanged_in_its_own_shape():
+    """Decay's T travels per head (or per channel), not expanded to the state's shape; a T that does not
+    broadcast to the state is refused, naming the decay."""
+    q, k, v, a = inputs_for("decay", 6)
+    t, s = Decay(decay_product).summarize(decay_kernel, [q, k, v, a], {})
+    assert tuple(t.shape) == (B, H, DK, 1) and tuple(s.shape) == (B, H, DK, DV)
+    per_head = Decay(lambda q, k, v, a: a.prod(dim=1).mean(-1)[..., None, None])
+    assert tuple(per_head.summarize(decay_kernel, [q, k, v, a], {})[0].shape) == (B, H, 1, 1)
+    with pytest.raises(ValueError, match=r"decay: expected T broadcastable to the state's shape \(2, 2, 3, 4\); got"):
+        Decay(lambda q, k, v, a: a.prod(dim=1)).summarize(decay_kernel, [q, k, v, a], {})

@@ -57,3 +57,16 @@ def test_plan_recurrent_bytes_do_not_grow_with_the_sequence(capsys):
     first, second = (block.splitlines()[-1] for block in capsys.readouterr().out.split("xcp plan")[1:])
     # 2 pieces x 2 heads x (4 x 4 + 4 x 4) x 4 B, to 3 peers: 1.5 KiB; halos 2 x 3 x 24 channels x 4 B x 3
     assert first == second and "state 1.5 KiB" in first and "halo 1.7 KiB" in first, first
+
+
+def test_plan_recurrent_describes_a_mamba2_layer(capsys):
+    sizes = ["--heads", "2", "--kv-heads", "2", "--head-dim", "4", "--state-dim", "8", "--dtype", "bfloat16"]
+    assert main(["plan", "--recurrent", "--layer", "mamba2", "--world", "4", "--seq", "64", *sizes]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    # 2 pieces x 2 heads x (1 decay + 4 x 8 state) x 4 B (float32 states), to 3 peers: 1584 B; halos
+    # 2 x 3 x (2 x 4 + 2 x 8 channels: x, B, C) x 2 B x 3: 864 B
+    assert "state 1.5 KiB" in last and "halo 864 B" in last, last
+    assert main(["plan", "--layer", "mamba2", "--world", "2", "--seq", "8"]) == 2
+    assert "--layer: expected only with --recurrent; got mamba2 without it" in capsys.readouterr().err
+    assert main(["plan", "--recurrent", "--world", "2", "--seq", "8", "--state-dim", "4"]) == 2
+    assert "--state-dim: expected only with --layer mamba2" in capsys.readouterr().err

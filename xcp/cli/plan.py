@@ -545,7 +545,7 @@ def add_parser(sub) -> None:
                    "step the tokens each rank holds, the kernel calls of each rank's local partial and the bytes "
                    "each rank sends and gathers in the combine (causal; with --window, banded)")  # fmt: skip
     p.add_argument(decode.CHUNK_FLAG, type=int, default=decode.DEFAULT_CHUNK, metavar="T", help=decode.CHUNK_HELP)
-    recurrent.add_flag(p, recurrent.PLAN_HELP)
+    recurrent.add_plan_flags(p)
     serve.add_flags(
         p, "per step the requests, the blocks and tokens each rank holds and the combine's bytes", seed=True
     )
@@ -554,6 +554,7 @@ def add_parser(sub) -> None:
 def command(args) -> int:
     world, causal, u = args.world, args.causal, args.ulysses
     check_heads(args.heads, args.kv_heads)
+    recurrent.check_plan_flags(args)
     if args.recurrent:
         return recurrent.plan_command(args)
     packing.check_balance(args.balance, args.documents is not None)

@@ -17,11 +17,34 @@ HELP = (
 
 
 PLAN_HELP = (
-    "the plan of a recurrent layer instead (a gated delta rule with a short convolution of width 4 over its "
-    "q, k, v, as Qwen3-Next's): each rank's pieces of --seq tokens in global order (documents' resets marked) and "
-    "the bytes each rank sends per layer, forward and backward (independent of S); with --heads, --head-dim, "
-    "--value-head-dim, --dtype, --balance (not stripe), --documents"
+    "the plan of a recurrent layer instead (--layer: a gated delta rule, as Qwen3-Next's, or a Mamba2 SSD scan; "
+    "each with a short convolution of width 4 in front): each rank's pieces of --seq tokens in global order "
+    "(documents' resets marked) and the bytes each rank sends per layer, forward and backward (independent of S); "
+    "with --heads, --head-dim, --value-head-dim (gated delta), --state-dim (Mamba2), --dtype, --balance (not "
+    "stripe), --documents"
 )
+
+LAYERS = ("gated-delta", "mamba2")
+"""The layers ``xcp plan --recurrent --layer`` describes."""
+
+
+def add_plan_flags(p: argparse.ArgumentParser) -> None:
+    """``--recurrent`` with ``--layer`` and ``--state-dim`` (``xcp plan``)."""
+    add_flag(p, PLAN_HELP)
+    p.add_argument("--layer", choices=LAYERS, default=None,
+                   help="with --recurrent: the layer (default gated-delta: state d_k x d_v per head, T d_k x d_k; "
+                   "mamba2: state head_dim x d_state per head, T one decay per head)")  # fmt: skip
+    p.add_argument("--state-dim", type=int, default=None, metavar="N",
+                   help="with --recurrent --layer mamba2: d_state (B's and C's size; default 128)")  # fmt: skip
+
+
+def check_plan_flags(args: argparse.Namespace) -> None:
+    """``--layer`` and ``--state-dim`` only with ``--recurrent``; ``--state-dim`` only for Mamba2."""
+    for flag, value in (("--layer", args.layer), ("--state-dim", args.state_dim)):
+        if value is not None and not args.recurrent:
+            raise ValueError(f"{flag}: expected only with {FLAG}; got {value} without it")
+    if args.state_dim is not None and args.layer != "mamba2":
+        raise ValueError(f"--state-dim: expected only with --layer mamba2; got --layer {args.layer or 'gated-delta'}")
 
 
 def add_flag(p: argparse.ArgumentParser, help: str = HELP) -> None:
@@ -43,17 +66,26 @@ def plan_command(args: argparse.Namespace) -> int:
         cu = list(packing.boundaries(lengths))
     seq = cu[-1] if cu is not None else args.seq
     pieces = plan_pieces(seq, args.world, args.balance, cu)
-    value_dim = args.value_head_dim or args.head_dim
     itemsize = DTYPES[args.dtype].itemsize
-    print(f"xcp plan {FLAG}: S={seq} P={args.world} balance={args.balance} heads={args.heads} "
-          f"d_k={args.head_dim} d_v={value_dim} {args.dtype}")  # fmt: skip
+    h, d, layer = args.heads, args.head_dim, args.layer or "gated-delta"
+    if layer == "mamba2":
+        n = 128 if args.state_dim is None else args.state_dim
+        if n < 1:
+            raise ValueError(f"--state-dim: expected a positive d_state; got {n}")
+        shape = f"head_dim={d} d_state={n} (state {d} x {n} per head, T one decay per head)"
+        state, transition, channels = d * n, 1, h * d + 2 * n  # the conv runs over x, B and C (one group)
+    else:
+        v = args.value_head_dim or d
+        shape = f"d_k={d} d_v={v} (state {d} x {v} per head, T {d} x {d})"
+        state, transition, channels = d * v, d * d, h * (2 * d + v)  # the conv runs over q, k and v
+    print(f"xcp plan {FLAG} --layer {layer}: S={seq} P={args.world} balance={args.balance} heads={h} "
+          f"{shape} {args.dtype}")  # fmt: skip
     print("pieces in global order (rank: [start, stop), * where a document starts inside, | where one starts at it):")
     for p in pieces:
         mark = ("*" if p.resets else "") + ("" if p.carries_in else "|")
         print(f"  rank {p.owner}: [{p.start}, {p.stop}){mark}")
-    channels = args.heads * (2 * args.head_dim + value_dim)
     state_itemsize = max(itemsize, 4)  # the kernels keep states in float32 for 16-bit inputs
-    sent = exchange_bytes(pieces, args.world, args.heads, args.head_dim, value_dim, state_itemsize,
+    sent = exchange_bytes(pieces, args.world, h, state, transition, state_itemsize,
                           halo=3, channels=channels, itemsize=itemsize)  # fmt: skip
     print("bytes each rank sends per layer (states in float32 where the inputs are 16-bit): "
           + ", ".join(f"{k} {human_bytes(v)}" for k, v in sent.items()))  # fmt: skip

@@ -126,19 +126,19 @@ def most_pieces(pieces: Sequence[Piece], world_size: int) -> int:
 
 
 def exchange_bytes(
-    pieces: Sequence[Piece], world_size: int, heads: int, key_dim: int, value_dim: int, state_itemsize: int,
-    dense: bool = True, halo: int = 0, channels: int = 0, itemsize: int = 0,
+    pieces: Sequence[Piece], world_size: int, heads: int, state_numel: int, transition_numel: int,
+    state_itemsize: int, halo: int = 0, channels: int = 0, itemsize: int = 0,
 ) -> dict[str, int]:  # fmt: skip
     """The bytes one rank sends per layer (every rank alike: the buffers are padded to the most pieces).
 
-    ``state``: its packed summaries, one ``(T, S)`` per piece (``T`` ``key_dim x key_dim`` per head where
-    ``dense``, the delta rule's; else the state's shape, a decay's), sent to each of the P - 1 others by the
-    all-gather; ``dstate``: their gradients, the same bytes back by the all-to-all; ``halo`` / ``dhalo``: a
-    causal convolution's last ``halo`` inputs of ``channels`` per piece (``itemsize`` bytes each, the
-    inputs'), and their gradients. States are kept in ``state_itemsize`` (float32 in the families' kernels
-    for 16-bit inputs)."""
+    ``state``: its packed summaries, one ``(T, S)`` per piece and head (``transition_numel`` numbers of ``T``
+    per head: ``d_k x d_k`` for a delta rule, 1 for a scalar decay per head, a channel's count for a
+    per-channel one; ``state_numel`` of ``S``), sent to each of the P - 1 others by the all-gather;
+    ``dstate``: their gradients, the same bytes back by the all-to-all; ``halo`` / ``dhalo``: a causal
+    convolution's last ``halo`` inputs of ``channels`` per piece (``itemsize`` bytes each, the inputs'), and
+    their gradients. States are kept in ``state_itemsize`` (float32 in the families' kernels for 16-bit
+    inputs)."""
     n, others = most_pieces(pieces, world_size), world_size - 1
-    t = key_dim * key_dim if dense else key_dim * value_dim
-    state = n * heads * (t + key_dim * value_dim) * state_itemsize * others
+    state = n * heads * (transition_numel + state_numel) * state_itemsize * others
     conv = n * halo * channels * itemsize * others
     return {"state": state, "dstate": state, "halo": conv, "dhalo": conv}

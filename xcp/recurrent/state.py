@@ -74,7 +74,8 @@ class DeltaRule:
 
 class Decay:
     """Diagonal or scalar decays (Mamba, Mamba2, lightning attention, GLA, RG-LRU, RWKV): ``T`` is the product
-    of the stretch's decays, broadcast against the state.
+    of the stretch's decays, in its natural shape (``[B, H, 1, 1]`` for a scalar decay per head), broadcast
+    against the state where applied: the exchange carries ``T`` at that size, not the state's.
 
     :param decay: ``decay(*inputs, **kwargs) -> T`` for a stretch.
     """
@@ -86,10 +87,22 @@ class Decay:
         self, kernel: Kernel, inputs: Sequence[torch.Tensor], kwargs: dict[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         _, final = kernel(*inputs, initial_state=None, output_final_state=True, **kwargs)
-        return self.decay(*inputs, **kwargs).to(final.dtype).expand_as(final), final
+        t = self.decay(*inputs, **kwargs).to(final.dtype)
+        if not _broadcasts(t.shape, final.shape):
+            raise ValueError(
+                f"decay: expected T broadcastable to the state's shape {tuple(final.shape)}; got {tuple(t.shape)}"
+            )
+        return t, final  # sent in its own shape (per head or per channel), not expanded to the state's
 
     def apply(self, t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return t.to(h.dtype) * h
+
+
+def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
 
 
 def state_passing(
@@ -133,7 +146,7 @@ def state_passing(
     backend = select_backend(device, inputs[0].device.type)
     if handoff is not None:
         check_handoff(handoff)
-    summaries = [transition.summarize(kernel, _cut(inputs, p, p.segments[-1], seq_dim), kwargs) for p in mine]
+    summaries = _summaries(kernel, inputs, transition, kwargs, pieces, mine, seq_dim, output_final_state, size)
     incoming, final, gathered = _fold(comm, backend, handoff, transition, pieces, summaries, output_final_state)
     outs = []
     for piece, h in zip(mine, incoming):
@@ -144,6 +157,39 @@ def state_passing(
             outs.append(out)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=seq_dim)
     return (out if gathered is None else tie(out, gathered)), final
+
+
+def _summaries(
+    kernel: Kernel,
+    inputs: Sequence[torch.Tensor],
+    transition: Transition,
+    kwargs: dict[str, Any],
+    pieces: Sequence[Piece],
+    mine: Sequence[Piece],
+    seq_dim: int,
+    output_final_state: bool,
+    world_size: int,
+) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Pass 1: the ``(T, S)`` of each of this rank's pieces, None for the last piece of the global order
+    unless the final state is asked (nothing after it uses its summary). A rank holding only that piece
+    learns the summaries' shapes from a one-token stretch (its row of the exchange is zeros); in a world of
+    one nothing is exchanged."""
+    last = pieces[-1]
+    needed = [output_final_state or (p.start, p.stop) != (last.start, last.stop) for p in mine]
+    found: list[tuple[torch.Tensor, torch.Tensor] | None] = [
+        transition.summarize(kernel, _cut(inputs, p, p.segments[-1], seq_dim), kwargs) if need else None
+        for p, need in zip(mine, needed)
+    ]
+    if not any(needed) and world_size > 1:
+        p = mine[0]
+        with torch.no_grad():
+            t, s = transition.summarize(kernel, _cut(inputs, p, (p.stop - 1, p.stop), seq_dim), kwargs)
+        # the zeros join the graph where the other ranks' summaries do, so this rank runs the exchange's backward
+        grad = torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in (*inputs, *kwargs.values())
+        )
+        found[0] = (torch.zeros_like(t), torch.zeros_like(s).requires_grad_(grad))
+    return found
 
 
 def _local_length(inputs: Sequence[torch.Tensor], seq_dim: int) -> int:
@@ -166,27 +212,39 @@ def _fold(
     handoff: str | None,
     transition: Transition,
     pieces: Sequence[Piece],
-    summaries: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    summaries: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
     output_final_state: bool,
 ) -> tuple[list[torch.Tensor | None], torch.Tensor | None, torch.Tensor | None]:
     """The state entering each of this rank's pieces (None: zero), the final state if asked, and the
-    gathered summaries (None in a world of one)."""
+    gathered summaries (None in a world of one). A summary left out (None) is sent as zeros."""
     size, rank = comm.size(), comm.rank()
-    t0, s0 = summaries[0]
-    flat = [torch.cat((t.reshape(-1).to(s0.dtype), s.reshape(-1))) for t, s in summaries]
-    n = most_pieces(pieces, size)
-    gathered = gather_differentiable(comm, backend, handoff, flat, n, "state") if size > 1 else None
+    gathered = None
+    t0, s0 = next((x for x in summaries if x is not None), (None, None))
+    if size > 1:
+        assert t0 is not None and s0 is not None
+        flat = [s0.new_zeros(t0.numel() + s0.numel()) if x is None else _pack(x, s0.dtype) for x in summaries]
+        gathered = gather_differentiable(comm, backend, handoff, flat, most_pieces(pieces, size), "state")
     last = len(pieces) if output_final_state else max(i for i, p in enumerate(pieces) if p.owner == rank) + 1
     incoming: list[torch.Tensor | None] = []
     h: torch.Tensor | None = None
-    for piece in pieces[:last]:
+    for i, piece in enumerate(pieces[:last]):
         entering = h if piece.carries_in else None
         if piece.owner == rank:
             incoming.append(entering)
-            t, s = summaries[piece.index]
+        if i == last - 1 and not output_final_state:
+            break  # the state leaving this rank's last piece is nobody's business here
+        if piece.owner == rank:
+            found = summaries[piece.index]
+            assert found is not None
+            t, s = found
         else:
-            assert gathered is not None
+            assert gathered is not None and t0 is not None and s0 is not None
             row = gathered[piece.owner, piece.index]
             t, s = row[: t0.numel()].view(t0.shape), row[t0.numel() :].view(s0.shape)
         h = s if entering is None or piece.resets else transition.apply(t, entering) + s
     return incoming, (h if output_final_state else None), gathered
+
+
+def _pack(summary: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    t, s = summary
+    return torch.cat((t.reshape(-1).to(dtype), s.reshape(-1)))
