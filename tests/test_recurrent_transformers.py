@@ -6,7 +6,8 @@ The families' torch kernels compute in float32 whatever the model's dtype (``.to
 difference left is the state passing's, and the tolerance is float64's (1e-9 relative to the largest of each).
 Families: Qwen3-Next (gated delta), Mamba2, Mamba and Jamba (selective scan), Kimi Linear (KDA), Falcon-H1
 and Zamba2 (Mamba2 mixers beside attention), Zamba (a selective scan per Mamba head), LFM2-MoE and LFM3 (short
-convolutions), MiniMax (lightning attention, inline in its mixer: xcp/integrations/transformers_inline.py).
+convolutions), MiniMax (lightning attention) and RecurrentGemma (RG-LRU),
+inline in their mixers (xcp/integrations/transformers_inline.py).
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ def _configs():
             num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, block_size=3,
             layer_types=["linear_attention", "full_attention"],
         ),  # blocks of 3: every piece has a partial block
+        "recurrent_gemma": lambda: t.RecurrentGemmaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, lru_width=32, attention_window_size=8, conv1d_width=4,
+            block_types=["recurrent", "attention"],
+        ),
         "mamba": lambda: t.MambaConfig(
             vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4
         ),
@@ -112,6 +118,12 @@ def full_precision(monkeypatch):
     def patch(kind):
         module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
         monkeypatch.setattr(module, "torch", _Float64Torch("torch"))
+        for cls in [c for c in vars(module).values() if isinstance(c, type) and c.__module__ == module.__name__]:
+            for method in vars(cls).values():  # float32 as a default argument (RG-LRU's acc_dtype)
+                defaults = getattr(method, "__defaults__", None) or ()
+                if any(d is torch.float32 for d in defaults):
+                    kept = tuple(torch.float64 if d is torch.float32 else d for d in defaults)
+                    monkeypatch.setattr(method, "__defaults__", kept)
 
     return patch
 
@@ -139,6 +151,7 @@ CASES = [
     ("lfm2_moe", 4, "zigzag"),
     ("lfm3", 2, "contiguous"),
     ("minimax", 3, "zigzag"),
+    ("recurrent_gemma", 2, "zigzag"),
     ("mamba", 3, "contiguous"),
     ("jamba", 2, "zigzag"),
 ]
@@ -209,4 +222,11 @@ def test_generate_over_ranks_is_refused_naming_the_layer():
     model = xt.prepare(build(_configs()["qwen3_next"]())).eval()
     ids = torch.randint(3, VOCAB, (1, 8))
     with pytest.raises(RuntimeError, match="Qwen3NextGatedDeltaNet: xcp.integrations.transformers.generate does not"):
+        xcp.LocalWorld(2).run(lambda group: xt.generate(model, ids, group=group, max_new_tokens=2, do_sample=False))
+
+
+def test_generate_over_ranks_is_refused_for_an_inline_recurrence():
+    model = xt.prepare(build(_configs()["recurrent_gemma"]())).eval()
+    ids = torch.randint(3, VOCAB, (1, 8))
+    with pytest.raises(RuntimeError, match="RecurrentGemmaRecurrentBlock: xcp.integrations.transformers.generate over"):
         xcp.LocalWorld(2).run(lambda group: xt.generate(model, ids, group=group, max_new_tokens=2, do_sample=False))

@@ -13,6 +13,7 @@ runs unchanged. tests/test_recurrent_inline.py checks each family against the mo
 from __future__ import annotations
 
 import sys
+import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from ..context import current
-from ..recurrent import Decay, check_recurrent_balance, state_passing
+from ..recurrent import Decay, causal_conv, check_recurrent_balance, state_passing
 from . import decoding
 from .transformers_prepare import register_layer
 
@@ -163,5 +164,79 @@ def _minimax(self: Any, run: Run, hidden_states: torch.Tensor, position_embeddin
 FAMILIES["MiniMaxLightningAttention"] = _minimax
 
 
+# --------------------------------------------------------------------------------------------------------
+# RecurrentGemma: RG-LRU and its short convolution
+
+
+class _Active(threading.local):
+    """The run of the mixer this thread is in (None: outside one), for the pieces swapped into its children."""
+
+    run: Run | None = None
+
+
+_active = _Active()
+
+
+def _recurrent_gemma(self: Any, run: Run, input_states: torch.Tensor, position_ids: torch.Tensor,
+                     attention_mask: Any = None, use_cache: bool = True, **kwargs: Any) -> Any:  # fmt: skip
+    """``RecurrentGemmaRecurrentBlock.forward`` over the ranks: the block's own code, without its cache (its
+    convolution and RG-LRU states are per rank), with the scan and the convolution swapped in by
+    :func:`_adapt_recurrent_gemma` running through state passing and halos. The RG-LRU resets the state at
+    position 0, which shard_batch's global positions give only the sequence's first token."""
+    run.refuse_documents(kwargs)
+    before, _active.run = _active.run, run
+    try:
+        return type(self).forward(self, input_states, position_ids, attention_mask, use_cache=False, **kwargs)
+    finally:
+        _active.run = before
+
+
+def _rg_lru_scan(self: Any, hidden_states: torch.Tensor, recurrent_gate: torch.Tensor, reset: torch.Tensor,
+                 recurrent_states: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
+    """``RecurrentGemmaRglru._rnn_scan`` (``h_t = a_t h_{t-1} + x_t``, ``a_t`` zero at a reset), through state
+    passing under a run; the state decays by the product of ``a_t`` over a stretch."""
+    scan = type(self)._rnn_scan
+    run = _active.run
+    if run is None:
+        return scan(self, hidden_states, recurrent_gate, reset, recurrent_states, **kwargs)
+
+    def kernel(x, a, r, initial_state=None, output_final_state=False):
+        return scan(self, x, a, r, initial_state, **kwargs)
+
+    def decay(x, a, r):
+        return (a * ~r).prod(dim=1)
+
+    return state_passing(
+        kernel, hidden_states, recurrent_gate, reset, transition=Decay(decay), group=run.group, balance=run.balance
+    )
+
+
+def _halo_conv(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A depthwise ``nn.Conv1d`` padded by ``width - 1`` on both sides, of which the caller keeps the first
+    ``L`` outputs (the causal ones): with its halo under a run, returning those ``L`` outputs."""
+    conv = type(self).forward
+    run = _active.run
+    if run is None:
+        return conv(self, x)
+    width = int(self.kernel_size[0])  # type: ignore[index]
+
+    def causal(part: torch.Tensor) -> torch.Tensor:
+        return conv(self, part)[..., : part.shape[-1]]
+
+    return causal_conv(causal, x, width, group=run.group, balance=run.balance, seq_dim=2)
+
+
+def _adapt_recurrent_gemma(module: torch.nn.Module) -> None:
+    _adapt(module)
+    rg_lru, conv = module.rg_lru, module.conv_1d
+    rg_lru._rnn_scan = types.MethodType(_rg_lru_scan, rg_lru)  # type: ignore[union-attr]
+    conv.forward = types.MethodType(_halo_conv, conv)  # type: ignore[union-attr]
+
+
+FAMILIES["RecurrentGemmaRecurrentBlock"] = _recurrent_gemma
+ADAPTERS = {"RecurrentGemmaRecurrentBlock": _adapt_recurrent_gemma}
+"""Families whose adapter does more than bind the forward (pieces swapped into the mixer's children)."""
+
+
 for _name in FAMILIES:
-    register_layer(_name, _adapt, name=f"recurrent (inline): {_name}")
+    register_layer(_name, ADAPTERS.get(_name, _adapt), name=f"recurrent (inline): {_name}")
