@@ -157,6 +157,14 @@ class MutatesInput(CPUBackend):
         return out, lse
 
 
+class PagedIgnoresLengths(CPUBackend):
+    """Reads every key row up to max_k of each segment's table, whatever ``seqused_k`` says."""
+
+    def forward_paged(self, q, k_pool, v_pool, block_table, cu_q, seqused_k, max_q, max_k, scale, causal=False):
+        full = torch.full_like(seqused_k, max_k)
+        return super().forward_paged(q, k_pool, v_pool, block_table, cu_q, full, max_q, max_k, scale, causal)
+
+
 F32 = {"dtype": torch.float32}
 
 
@@ -171,6 +179,7 @@ F32 = {"dtype": torch.float32}
         (HalfLse, conformance.check_forward, {**F32, "mask": "none", "heads": "mha"}, "forward lse: expected dtype"),
         (Base2Lse, conformance.check_forward, {**F32, "mask": "causal", "heads": "gqa"}, "expected the natural-log"),
         (MutatesInput, conformance.check_forward, {**F32, "mask": "none", "heads": "mha"}, "modified in place"),
+        (PagedIgnoresLengths, conformance.check_forward_paged, {**F32, "causal": False, "heads": "gqa"}, "paged"),
     ],
 )
 def test_suite_catches_a_broken_backend(broken, check, kwargs, message):

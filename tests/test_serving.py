@@ -266,6 +266,36 @@ def test_paged_cache_matches_float64_over_a_changing_batch(world, options):
     _assert_paged(results, wants, return_lse=options.get("return_lse", False))
 
 
+@pytest.mark.parametrize("world,options,gathers", [(3, {}, False), (2, {"interleave": 2, "window": (5, 0)}, True)])
+def test_a_backend_that_reads_the_pool_in_place_gets_every_prefix_call_and_no_block_is_copied(
+    monkeypatch, world, options, gathers
+):
+    """With ``paged_in_place`` the decode rows and the chunks' prefix groups go to ONE ``forward_paged`` call per
+    step (here the base class's, the math over the table): exact, and with interleave 1 and no window no
+    sequence's rows are gathered on the host path at all; the windowed calls keep the gathered path."""
+    from xcp.backends.cpu import CPUBackend
+    from xcp.inference.paged import PagedKVCache
+
+    calls = {"paged": 0, "gathered": 0}
+    paged, rows = CPUBackend.forward_paged, PagedKVCache._rows
+
+    def counted_paged(self, *args, **kwargs):
+        calls["paged"] += 1
+        return paged(self, *args, **kwargs)
+
+    def counted_rows(self, seq):
+        calls["gathered"] += 1
+        return rows(self, seq)
+
+    monkeypatch.setattr(CPUBackend, "paged_in_place", lambda self, q, k, v: True)
+    monkeypatch.setattr(CPUBackend, "forward_paged", counted_paged)
+    monkeypatch.setattr(PagedKVCache, "_rows", counted_rows)
+    results, wants = _run_paged(world, seed=11, **options)
+    _assert_paged(results, wants)
+    assert calls["paged"] > 0
+    assert (calls["gathered"] > 0) == gathers
+
+
 def test_paged_cache_bf16_matches_float64():
     results, wants = _run_paged(3, dtype=torch.bfloat16, seed=5, interleave=2)
     _assert_paged(results, wants, tol=3e-2)

@@ -6,6 +6,7 @@ required device primitives  identity (``name``, ``device_type``, ``dist_backend`
                             ``backward`` have no default (a class without them is refused at registration);
                             the rest default to torch's device module.
 optional fast paths         ``whole_attention``, ``forward_varlen`` / ``backward_varlen``, ``forward_range``,
+                            ``forward_paged`` / ``paged_in_place``,
                             ``fused_merge_``, ``fused_merge_pair_``, ``fused_add_``, ``fused_add_pair_``,
                             ``fused_merge_partials_``, ``folds_pairs``, ``varlen_fillers``: the
                             defaults are correct (not served, or one block call per segment), only slower.
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..kernels.math import SCORE_MODS, Alibi, math_backward, math_forward, math_forward_range
+from ..kernels.math import SCORE_MODS, Alibi, math_backward, math_forward, math_forward_paged, math_forward_range
 from ..kernels.merge import NEG_INF, accumulator_dtype
 from ..lifetime import HANDOFF_POLICIES
 from ..schedule import MASKS
@@ -45,8 +46,9 @@ REQUIRED_PRIMITIVES = (
 """What every backend gives (``forward`` and ``backward`` without a default: see :func:`required`)."""
 
 FAST_PATHS = (
-    "whole_attention", "forward_varlen", "backward_varlen", "forward_range", "fused_merge_", "fused_merge_pair_",
-    "fused_add_", "fused_add_pair_", "fused_merge_partials_", "folds_pairs", "varlen_fillers",
+    "whole_attention", "forward_varlen", "backward_varlen", "forward_range", "forward_paged", "paged_in_place",
+    "fused_merge_", "fused_merge_pair_", "fused_add_", "fused_add_pair_", "fused_merge_partials_", "folds_pairs",
+    "varlen_fillers",
 )  # fmt: skip
 """What a backend may override to run faster; the defaults are correct."""
 
@@ -430,6 +432,39 @@ class Backend:
             backend with a kernel that takes lengths on the device (flash's ``seqused_k``) overrides it.
         """
         return _math_range(q, k, v, lo, hi, scale)
+
+    def forward_paged(
+        self, q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, cu_q: Tensor, seqused_k: Tensor,
+        max_q: int, max_k: int, scale: float, causal: bool = False,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """Packed queries of B segments, each against the first ``seqused_k[i]`` key rows of its blocks in a
+        paged KV pool: a paged cache's local partial (:class:`xcp.PagedKVCache`), whose lengths and block
+        tables live on the device so that a decode step can be captured once and replayed.
+
+        :param q: [T, H, D], packed (THD), contiguous; segment i's queries are rows ``cu_q[i] .. cu_q[i+1]-1``.
+        :param k_pool: the key pool [N, block_size, Hkv, D], H % Hkv == 0 (GQA: read as it is, never repeated).
+        :param v_pool: the value pool [N, block_size, Hkv, Dv] (possibly a view of k_pool's first Dv channels).
+        :param block_table: int32 [B, max_blocks] on q's device: segment i's key row j is row ``j % block_size``
+            of block ``block_table[i, j // block_size]``; entries past its blocks hold any valid block index.
+        :param cu_q: int32 [B + 1] on the device, 0 .. T.
+        :param seqused_k: int32 [B] on the device: segment i sees its first ``seqused_k[i]`` key rows; 0 gives
+            its rows out 0 and lse -inf, never NaN.
+        :param max_q: host int >= every segment's query count; ``max_k``: host int >= every ``seqused_k[i]``
+            and <= ``max_blocks * block_size`` (bounds fixed at capture: the host never reads the lengths).
+        :param causal: False: every query of a segment sees all its keys; True: bottom-right aligned, query m
+            of a segment of sq queries and sk keys sees keys ``0 .. sk - sq + m``.
+        :returns: ``(out [T, H, Dv], lse [H, T])``: out in q's dtype (or float32), lse float32 (float64 for
+            float64), natural log. The default gathers every segment's blocks (``[B, max_k]`` rows: a copy) and
+            runs the math kernel under masks made on the device: correct and capturable, not fast; a backend
+            whose kernel reads the blocks in place overrides it and says so in :meth:`paged_in_place`."""
+        out, lse = math_forward_paged(q, k_pool, v_pool, block_table, cu_q, seqused_k, max_q, max_k, scale, causal)
+        return (out.to(q.dtype) if q.dtype != torch.float64 else out), lse
+
+    def paged_in_place(self, q: Tensor, k_pool: Tensor, v_pool: Tensor) -> bool:
+        """Whether :meth:`forward_paged` reads these pools in place for queries like ``q`` (its own kernel, no
+        copy of any block). False (the default): a paged cache gathers each sequence's blocks once itself on the
+        host-planned path, and calls :meth:`forward_paged` only where the lengths must stay on the device."""
+        return False
 
     def fused_merge_(
         self, out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor, rows: slice

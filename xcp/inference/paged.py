@@ -277,17 +277,31 @@ class PagedKVCache:
         t, h, dv = q.shape[0], q.shape[1], self._layout[5]
         acc = accumulator_dtype(q.dtype)
 
+        in_place = softcap is None and alibi_slopes is None and backend.paged_in_place(q, self._k, self._v)
+
         def packed(dtype: torch.dtype) -> torch.Tensor:
-            """This rank's partial of every row, packed for inputs of ``dtype``: each sequence's calls."""
+            """This rank's partial of every row, packed for inputs of ``dtype``: where the backend reads the pool
+            in place, every call over a prefix of a sequence's rows without a mask in ONE paged call (no block
+            copied); the rest (and everything on other backends) per sequence over its gathered rows."""
             out = partials.empty_packed((1, t, h), dv, dtype, q.device)
+            paged: dict[bool, list[tuple[int, int, list[int], int]]] = {False: [], True: []}  # by causal: rows, keys
             for seq, c0, c1 in zip(seqs, cu, cu[1:]):
                 calls = (
                     cache_plan.chunked_calls(seq.runs, seq.length, c1 - c0, causal, window, chunk) if c1 > c0 else ()
                 )
+                if in_place:
+                    masks = [_paged_mask(c) for c in calls]
+                    for c, m in zip(calls, masks):
+                        if m is not None:
+                            paged[m].append((c0 + c.q0, c0 + c.q1, seq.blocks, c.k1))
+                    calls = tuple(c for c, m in zip(calls, masks) if m is None)
                 if calls:
                     k, v = self._rows(seq)
                     mods = (softcap, None if alibi_slopes is None else _alibi(alibi_slopes, seq, c1 - c0, q.device))
                     partials.fill_packed(out[:, c0:c1], backend, calls, q[None, c0:c1], k, v, scale, mods)
+            for masked, segments in paged.items():
+                if segments:
+                    self._fill_paged(out, backend, q, segments, scale, masked)
             return out
 
         if self._world == 1:
@@ -309,6 +323,30 @@ class PagedKVCache:
                 f"{what}: expected no device-graph capture (a paged cache plans each step on the host from the "
                 "sequences' lengths, which a replay cannot change); got a call while capturing"
             )
+
+    def _fill_paged(self, out: torch.Tensor, backend: Any, q: torch.Tensor,
+                    segments: list[tuple[int, int, list[int], int]], scale: float, causal: bool) -> None:  # fmt: skip
+        """Write the rows of ``segments`` (query rows ``a .. b - 1`` against the first ``keys`` rows of ``blocks``)
+        into the packed partial ``out`` [1, T, H, channels] with one :meth:`xcp.Backend.forward_paged` call that
+        reads the pool in place (``causal``: aligned bottom-right)."""
+        assert self._k is not None and self._v is not None
+        dev, dv = q.device, self._v.shape[-1]
+        rows = [i for a, b, _, _ in segments for i in range(a, b)]
+        cu = [0]
+        for a, b, _, _ in segments:
+            cu.append(cu[-1] + b - a)
+        width = max(len(blocks) for _, _, blocks, _ in segments)
+        table = [blocks + [0] * (width - len(blocks)) for _, _, blocks, _ in segments]
+        idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+        o, lse = backend.forward_paged(
+            q.index_select(0, idx), self._k, self._v, torch.tensor(table, dtype=torch.int32, device=dev),
+            torch.tensor(cu, dtype=torch.int32, device=dev),
+            torch.tensor([keys for *_, keys in segments], dtype=torch.int32, device=dev),
+            max(b - a for a, b, _, _ in segments), max(keys for *_, keys in segments), scale, causal,
+        )  # fmt: skip
+        out[0, idx, :, :dv] = o.to(out.dtype)
+        lse_rows = partials.packed_lse(out, dv)
+        lse_rows[0, idx] = lse.transpose(0, 1).to(lse_rows.dtype)
 
     def _rows(self, seq: _Sequence) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's keys and values of ``seq`` [1, local_len, Hkv, D], in position order, read from its blocks."""
@@ -336,6 +374,19 @@ class PagedKVCache:
         compared = lambda: values(q.unsqueeze(0), sum(lengths), (*cu, *lengths))  # noqa: E731
         key_q = torch.empty((1, 0, *q.shape[1:]), dtype=q.dtype, device="meta")
         agree(self._comm, backend, compared, q.device, ("paged", self.interleave, *values(key_q, 0, None)))
+
+
+def _paged_mask(call: Any) -> bool | None:
+    """How :meth:`xcp.Backend.forward_paged` takes a planned call: one segment over a prefix of the sequence's
+    rows (from row 0) without a mask (False: a decode step's call, a chunk's groups of rows with the same keys),
+    or causal aligned bottom-right (True: a causal square from row 0, or a band ``(left, 0)`` whose left side
+    reaches row 0 from every query); None for the rest (windows, chunked attention, calls not from row 0)."""
+    if call.k0 != 0 or len(call.cu_q) != 2:
+        return None
+    if call.band is None:
+        return call.causal
+    left, right = call.band
+    return True if right == 0 and left >= call.k1 - 1 else None
 
 
 def _alibi(slopes: torch.Tensor, seq: _Sequence, queries: int, device: torch.device) -> Alibi:

@@ -120,6 +120,43 @@ def math_forward_range(
     return math_forward(q, k, v, "none", scale, allowed=allowed, softcap=softcap, alibi=alibi)
 
 
+def paged_rows(block_table: torch.Tensor, block_size: int, keys: int) -> torch.Tensor:
+    """The flat pool rows (``block * block_size + offset``) of key rows ``0 .. keys - 1`` of every segment of a
+    block table [B, max_blocks]: [B, keys] int64, made on the table's device (no host read)."""
+    j = torch.arange(keys, device=block_table.device)
+    return block_table.to(torch.int64).index_select(1, j // block_size) * block_size + j % block_size
+
+
+def math_forward_paged(
+    q, k_pool, v_pool, block_table, cu_q, seqused_k, max_q: int, max_k: int, scale: float, causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed queries q [T, H, D] of B segments (rows ``cu_q[i] .. cu_q[i + 1] - 1``) against the first
+    ``seqused_k[i]`` key rows of each segment's blocks in the pools [N, block_size, Hkv, D] (``block_table``
+    [B, max_blocks]); causal: bottom-right aligned. Every segment's blocks are gathered into [B, max_k, ...] and
+    its queries padded to ``max_q``, the masks built on the device from the lengths, so the host reads no length
+    (capturable). Returns out [T, H, Dv] and lse [H, T] in the accumulator dtype; a row that sees no key 0 / -inf."""
+    t, dev = q.shape[0], q.device
+    b = block_table.shape[0]
+    rows = paged_rows(block_table, k_pool.shape[1], max_k).flatten()  # [B * max_k]
+    k = k_pool.flatten(0, 1).index_select(0, rows).view(b, max_k, *k_pool.shape[2:])
+    v = v_pool.flatten(0, 1).index_select(0, rows).view(b, max_k, *v_pool.shape[2:])
+    starts, counts = cu_q[:-1].to(torch.int64), (cu_q[1:] - cu_q[:-1]).to(torch.int64)
+    m = torch.arange(max_q, device=dev)
+    real = m.view(1, -1) < counts.view(-1, 1)  # [B, max_q]: the padded query slots that hold a query
+    where = torch.where(real, starts.view(-1, 1) + m.view(1, -1), t)  # slot -> packed row (t: a scratch row)
+    q_pad = torch.cat([q, q.new_zeros((1, *q.shape[1:]))]).index_select(0, where.flatten()).view(b, max_q, *q.shape[1:])
+    used = seqused_k.to(torch.int64).view(-1, 1, 1)
+    cols = torch.arange(max_k, device=dev).view(1, 1, -1)
+    allowed = (cols < used) & real.unsqueeze(-1)
+    if causal:  # query m of sq sees keys up to sk - sq + m
+        allowed = allowed & (cols <= used - counts.view(-1, 1, 1) + m.view(1, -1, 1))
+    out, lse = math_forward(q_pad, k, v, "none", scale, allowed=allowed.unsqueeze(1))
+    flat = where.flatten()
+    packed = out.new_zeros((t + 1, *out.shape[2:])).index_copy_(0, flat, out.flatten(0, 1))
+    packed_lse = lse.new_full((lse.shape[1], t + 1), NEG_INF).index_copy_(1, flat, lse.transpose(0, 1).flatten(1))
+    return packed[:t], packed_lse[:, :t]
+
+
 def math_backward(dout, q, k, v, out, lse, mask: str, scale: float, window=None, *, softcap=None, alibi=None):
     """Block gradients (dq, dk, dv) in the accumulator dtype, from the merged out and lse of the rows."""
     acc = accumulator_dtype(q.dtype)

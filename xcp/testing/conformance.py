@@ -59,6 +59,17 @@ VARLEN_SPLIT = ((0, 1, 8, 9, SEQ), (0, 4, 6, 14, 17))
 VALUE_DIMS = (8, 24)
 """Value head dims of the ``*-dv*`` checks beside q/k's HEAD_DIM (as DeepSeek-V3's 128 beside 192, and the
 other way round): out and dv take v's head dim."""
+PAGED_BLOCK = 256
+"""Rows of a block of the ``paged-*`` checks' pools: a multiple of 256, which FlashAttention-2's paged form
+requires (a backend whose kernel takes other sizes is checked at this one all the same)."""
+PAGED_SEGMENTS = (  # (queries, key rows, blocks of the table): a decode row, an empty segment, a chunk over 3 blocks
+    (1, 300, (3, 0)),
+    (2, 0, ()),
+    (5, 700, (1, 4, 2)),
+)
+"""The segments of the ``paged-*`` checks over a pool of 6 blocks (block 5 never listed: random tokens a kernel
+must not read); table entries past a segment's blocks hold block 5."""
+
 RANGE_ROOM = 13
 """Rows of the KV storage the ``range-*`` checks give ``forward_range``; those outside the range hold
 random (finite) tokens, which a kernel that reads past the range's ends mixes in."""
@@ -581,6 +592,54 @@ def check_forward_range(backend: Backend, dtype: torch.dtype, ends: str, heads: 
     _assert_unchanged("range forward", inputs, [q, k, v, lo_t, hi_t])
 
 
+# ---------------------------------------------------------------------------------------------- paged
+
+
+def check_forward_paged(backend: Backend, dtype: torch.dtype, causal: bool, heads: str) -> None:
+    """``forward_paged`` of packed queries of :data:`PAGED_SEGMENTS` against their blocks of a paged pool, the
+    block table and lengths int32 on the device, against the reference on each segment's rows gathered by hand
+    (causal: bottom-right aligned, each row on its own keys); out [T, H, D] and lse [H, T]; the empty segment's
+    rows 0 and -inf; the inputs unchanged."""
+    h, hkv = HEADS[heads]
+    dev = _device(backend)
+    t = sum(n for n, _, _ in PAGED_SEGMENTS)
+    q = _random((t, h, HEAD_DIM), dtype, dev, 91)
+    k_pool = _random((6, PAGED_BLOCK, hkv, HEAD_DIM), dtype, dev, 92)
+    v_pool = _random((6, PAGED_BLOCK, hkv, HEAD_DIM), dtype, dev, 93)
+    width = max(len(blocks) for _, _, blocks in PAGED_SEGMENTS)
+    table = [list(blocks) + [5] * (width - len(blocks)) for _, _, blocks in PAGED_SEGMENTS]
+    cu = [0]
+    for n, _, _ in PAGED_SEGMENTS:
+        cu.append(cu[-1] + n)
+    tab, cu_t, used = (
+        torch.tensor(x, dtype=torch.int32, device=dev) for x in (table, cu, [k for _, k, _ in PAGED_SEGMENTS])
+    )
+    inputs = [x.clone() for x in (q, k_pool, v_pool, tab, cu_t, used)]
+    max_q, max_k = max(n for n, _, _ in PAGED_SEGMENTS), max(k for _, k, _ in PAGED_SEGMENTS)
+    out, lse = backend.forward_paged(q, k_pool, v_pool, tab, cu_t, used, max_q, max_k, SCALE, causal)
+    _assert_result("paged forward out", out, q, (t, h, HEAD_DIM), _value_dtypes(dtype))
+    _assert_result("paged forward lse", lse, q, (h, t), (accumulator_dtype(dtype),))
+    ref_out = torch.zeros((t, h, HEAD_DIM), dtype=torch.float64)
+    ref_lse = torch.full((h, t), -math.inf, dtype=torch.float64)
+    for (n, keys, blocks), c0 in zip(PAGED_SEGMENTS, cu):
+        if keys == 0:
+            continue
+        k_rows, v_rows = (x[list(blocks)].flatten(0, 1)[None, :keys] for x in (k_pool, v_pool))
+        for m in range(n):
+            seen = keys - n + m + 1 if causal else keys
+            row = q[None, c0 + m : c0 + m + 1]
+            o, lrow = reference_attention(row, k_rows[:, :seen], v_rows[:, :seen], "none", SCALE)
+            ref_out[c0 + m], ref_lse[:, c0 + m] = o[0, 0], lrow[0, :, 0]
+    what = f"({'causal' if causal else 'full'}, {heads}, segments {PAGED_SEGMENTS})"
+    assert_close(f"paged forward out {what}", out, ref_out, dtype)
+    assert_natural_log("paged forward lse", lse, ref_lse)
+    assert_close(f"paged forward lse {what}", lse, ref_lse, dtype)
+    empty = slice(cu[1], cu[2])
+    if out[empty].count_nonzero() > 0:
+        raise AssertionError("paged forward out: a segment without keys must give an all-zero output")
+    _assert_unchanged("paged forward", inputs, [q, k_pool, v_pool, tab, cu_t, used])
+
+
 # ---------------------------------------------------------------------------------------------- score mods
 
 SOFTCAP = 0.9
@@ -735,6 +794,10 @@ def cases(backend: Backend) -> list[Case]:
             for heads in HEADS if ends == "inner" else ("gqa",):
                 shape = {"dtype": dtype, "ends": ends, "heads": heads}
                 out.append(_case(f"range-{d}-{ends}-{heads}", check_forward_range, **shape))
+        # A paged cache's local partial: forward_paged over blocks of a pool, block table and lengths on the device.
+        for causal, heads in ((False, "mha"), (False, "gqa"), (True, "gqa")):
+            kind = "causal" if causal else "full"
+            out.append(_case(f"paged-{d}-{kind}-{heads}", check_forward_paged, dtype=dtype, causal=causal, heads=heads))
         for world_size in (2, 3):
             for causal, balance, needs in RING_LAYOUTS:
                 if all(m in backend.masks for m in needs):
