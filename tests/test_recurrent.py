@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import xcp
-from xcp.recurrent import Decay, DeltaRule, causal_conv, plan_pieces, state_passing
+from xcp.recurrent import Decay, DeltaRule, causal_conv, last_inputs, plan_pieces, state_passing
 from xcp.testing.recurrent_sanitizer import delta_rule as delta_kernel
 from xcp.testing.recurrent_sanitizer import per_document as whole
 from xcp.testing.recurrent_sanitizer import short_conv as depthwise
@@ -172,6 +172,24 @@ def test_causal_conv_matches_the_whole_sequence(world, balance, cu):
     close("out", xcp.unshard([res[0] for res in results], **place), out.detach())
     close("grad of x", xcp.unshard([res[1] for res in results], **place), rx.grad)
     close("grad of weight", sum(res[2] for res in results), rw.grad)
+
+
+@pytest.mark.parametrize(("world", "balance"), [(2, "zigzag"), (3, "contiguous"), (4, "zigzag")])
+def test_last_inputs_are_the_whole_sequences_on_every_rank(world, balance):
+    """The sequence's last ``count`` inputs on every rank: fewer than a piece holds, more than the last piece
+    holds (zigzag's chunks of 2 tokens), and more than the sequence (zeros before its start)."""
+    seq = 4 * world
+    x = torch.randn(B, C, seq, dtype=torch.float64)  # a convolution's inputs, sequence last
+    for count in (1, 3, seq + 2):
+        want = torch.nn.functional.pad(x, (max(count - seq, 0), 0))[..., -count:]
+        results = xcp.LocalWorld(world, timeout=30).run(
+            lambda group, n=count: last_inputs(xcp.shard(x, world, group.rank(), balance=balance, dim=2), n,
+                                               group=group, balance=balance, seq_dim=2)
+        )  # fmt: skip
+        for got in results:
+            assert torch.equal(got, want), count
+    with pytest.raises(ValueError, match="count: expected an integer >= 1"):
+        last_inputs(x, 0)
 
 
 def test_pieces_in_global_order_with_resets():

@@ -218,15 +218,71 @@ def test_stripe_and_ulysses_are_refused_by_the_layer():
         xcp.LocalWorld(2).run(rank, "zigzag", 2)
 
 
-def test_generate_over_ranks_is_refused_naming_the_layer():
-    model = xt.prepare(build(_configs()["qwen3_next"]())).eval()
-    ids = torch.randint(3, VOCAB, (1, 8))
-    with pytest.raises(RuntimeError, match="Qwen3NextGatedDeltaNet: xcp.integrations.transformers.generate does not"):
-        xcp.LocalWorld(2).run(lambda group: xt.generate(model, ids, group=group, max_new_tokens=2, do_sample=False))
-
-
 def test_generate_over_ranks_is_refused_for_an_inline_recurrence():
     model = xt.prepare(build(_configs()["recurrent_gemma"]())).eval()
     ids = torch.randint(3, VOCAB, (1, 8))
     with pytest.raises(RuntimeError, match="RecurrentGemmaRecurrentBlock: xcp.integrations.transformers.generate over"):
         xcp.LocalWorld(2).run(lambda group: xt.generate(model, ids, group=group, max_new_tokens=2, do_sample=False))
+
+
+NEW = 5
+GENERATE = [
+    ("qwen3_next", 2, "zigzag", 13),
+    ("qwen3_next", 3, "contiguous", 17),
+    ("mamba2", 4, "zigzag", 21),
+    ("mamba", 3, "contiguous", 14),
+    ("lfm2_moe", 2, "zigzag", 11),
+]
+
+
+def _recording(model):
+    """``model`` and the list its LM head appends each forward's last float64 logits to."""
+    steps = []
+    model.get_output_embeddings().register_forward_hook(lambda m, a, out: steps.append(out[:, -1].detach().clone()))
+    return model, steps
+
+
+def _states(cache):
+    """Every recurrent layer's (conv states, recurrent states) in a transformers cache."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return [
+        (layer.conv_states, layer.recurrent_states)
+        for layer in cache.layers
+        if isinstance(layer, LinearAttentionCacheLayerMixin)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kind", "world", "balance", "prompt"), GENERATE, ids=[f"{k}-P{w}-{b}-L{n}" for k, w, b, n in GENERATE]
+)
+def test_generate_equals_one_device(kind, world, balance, prompt, full_precision):
+    """xt.generate over ``world`` virtual ranks against the model's own generate (greedy): tokens equal, every
+    step's float64 logits and every recurrent layer's conv and recurrent state (whole, on every rank) to 1e-9.
+    The prompt: a ring prefix the balance splits, then tokens one at a time."""
+    full_precision(kind)
+    config = _configs()[kind]()
+    model = build(config).eval()
+    reference, want_steps = _recording(build(config, "eager").eval())
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(3, VOCAB, (1, prompt), generator=torch.Generator().manual_seed(prompt))
+    kw = dict(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    want = reference.generate(ids, **kw)
+    copies = [_recording(xt.prepare(copy.deepcopy(model))) for _ in range(world)]
+
+    def rank(group):
+        m, steps = copies[group.rank()]
+        return xt.generate(m, ids, group=group, balance=balance, **kw), steps
+
+    expected_states = _states(want.cache)
+    assert expected_states
+    for out, steps in xcp.LocalWorld(world).run(rank):
+        assert torch.equal(out.sequences, want.sequences)
+        got_steps = steps[-len(want_steps) :]  # the prompt's ring prefix and its tokens one at a time before
+        assert max(rel(a, b) for a, b in zip(got_steps, want_steps)) <= TOL
+        assert all(torch.allclose(a, b, rtol=1e-6) for a, b in zip(out.logits, want.logits))
+        for (conv, state), (want_conv, want_state) in zip(_states(out.cache), expected_states, strict=True):
+            for got, expected in [*zip(conv.values(), want_conv.values()), *zip(state.values(), want_state.values())]:
+                assert (got is None) == (expected is None)
+                if got is not None:
+                    assert rel(got, expected) <= TOL

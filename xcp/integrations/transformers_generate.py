@@ -44,6 +44,12 @@ from ..context import Context
 from ..inference.cache import KVCache
 from ..plugins import select_backend
 from . import decoding
+from .transformers_unchangeable import Unchangeable
+
+try:  # transformers with linear-attention cache layers (5.x): recurrent layers keep their states whole
+    from .transformers_states import ShardedStates
+except ImportError:  # pragma: no cover - older transformers: no recurrent layer in the cache
+    ShardedStates = None  # type: ignore[assignment,misc]
 
 SAMPLING = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 """The generation options that shape the sampling distribution (transformers' logits warpers), which
@@ -158,7 +164,7 @@ class _Step:
         return next((i for i, (k, v) in enumerate(self.calls) if k() is key and v() is value), None)
 
 
-class ShardedLayer(CacheLayerMixin):
+class ShardedLayer(Unchangeable, CacheLayerMixin):
     r"""One layer's transformers cache over :class:`xcp.KVCache`\ s: ``update`` returns the new keys and
     values as they came (so that the attention function sees keys as long as its queries), and the
     attention that follows keeps what it is handed (:meth:`ShardedCache.attention`): the keys and values
@@ -172,7 +178,7 @@ class ShardedLayer(CacheLayerMixin):
     supports_early_init = False
 
     def __init__(self, make: Callable[[], KVCache], sliding: bool, latent: Latent | None = None) -> None:
-        super().__init__()
+        CacheLayerMixin.__init__(self)  # by name: a hybrid layer's other base (ShardedStates) takes other arguments
         self.make = make
         self.kvs = [make()]
         self.is_sliding = sliding
@@ -242,23 +248,49 @@ class ShardedLayer(CacheLayerMixin):
         copied.ring = self.ring
         return copied
 
-    def _cannot(self, what: str) -> None:
-        raise NotImplementedError(f"{what}: not supported by xcp's sharded KV cache (each rank holds only its share)")
 
-    def crop(self, tokens_to_remove: int) -> None:
-        self._cannot("crop")
+if ShardedStates is not None:
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._cannot("reorder_cache (beam search)")
+    class ShardedHybrid(ShardedLayer, ShardedStates):  # type: ignore[misc]  # device: None until initialized
+        """A layer with a recurrent mixer beside attention (transformers' ``hybrid`` layer type: Falcon-H1,
+        Zamba2's hybrid layers): the sharded keys and values of :class:`ShardedLayer` and the whole states of
+        :class:`ShardedStates`; its length is that of its keys and values."""
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._cannot("batch_repeat_interleave")
+        def __init__(
+            self,
+            make: Callable[[], KVCache],
+            sliding: bool,
+            latent: Latent | None,
+            group: Any,
+            balance: str,
+            states: int,
+        ) -> None:
+            ShardedStates.__init__(self, group, balance, states)
+            ShardedLayer.__init__(self, make, sliding, latent)
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._cannot("batch_select_indices")
+        def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+            """The attention's (keys and values, positional) or the states' (keywords)."""
+            if args:
+                ShardedLayer.lazy_initialization(self, *args)
+            else:
+                ShardedStates.lazy_initialization(self, **kwargs)
 
-    def reset(self) -> None:
-        self._cannot("reset")
+        def advance(self, tokens: int) -> None:
+            """The keys and values count this layer's tokens."""
+
+        def __deepcopy__(self, memo: dict) -> ShardedHybrid:
+            if self.step is not None or any(kv.seq_len for kv in self.kvs) or any(self.has_previous_state.values()):
+                self._cannot("copying a layer that holds tokens")
+            return ShardedHybrid(
+                self.make, self.is_sliding, self.latent, self.group, self.balance, self.number_of_states
+            )
+
+
+STATES = ("linear_attention", "conv")
+"""transformers' layer types of a recurrent layer alone: its slot keeps states (:class:`ShardedStates`)."""
+
+HYBRID = ("hybrid", "hybrid_sliding")
+"""transformers' layer types of a recurrent mixer beside attention (:class:`ShardedHybrid`)."""
 
 
 class ShardedCache(Cache):
@@ -276,12 +308,18 @@ class ShardedCache(Cache):
             * text.num_hidden_layers
         )
         latents = Latent.of(model)
-        self.sharded: list[ShardedLayer] = []
+        states = int(getattr(text, "number_of_conv_states", 1) or 1)
+        self.sharded: list[Any] = []
         for i, t in enumerate(types):
             latent = latents.get(i)
             width = None if latent is None else latent.values_in_keys
             make = functools.partial(KVCache, group, balance, capacity, values_in_keys=width)
-            self.sharded.append(ShardedLayer(make, t == "sliding_attention", latent))
+            if ShardedStates is not None and t in STATES:
+                self.sharded.append(ShardedStates(group, balance, states))
+            elif ShardedStates is not None and t in HYBRID:
+                self.sharded.append(ShardedHybrid(make, t == "hybrid_sliding", latent, group, balance, states))
+            else:
+                self.sharded.append(ShardedLayer(make, t == "sliding_attention", latent))
         super().__init__(layers=list(self.sharded))
         self.ring = False
         # a slot past the config's layers (HRM writes layer_idx + an offset per cycle): transformers' Cache
@@ -300,16 +338,34 @@ class ShardedCache(Cache):
         for layer in self.layers:
             cast(ShardedLayer, layer).ring = on
 
+    @property
+    def has_states(self) -> bool:
+        """Whether a layer keeps a recurrent mixer's states."""
+        return ShardedStates is not None and any(isinstance(layer, ShardedStates) for layer in self.layers)
+
+    def advance(self, layer_idx: int, tokens: int) -> None:
+        """The recurrent mixer of layer ``layer_idx`` ran over ``tokens`` more tokens of the sequence (the
+        prepared mixer tells, :mod:`xcp.integrations.transformers_recurrent`): the count ``get_seq_length``
+        gives of a layer without keys and values."""
+        layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else None
+        if ShardedStates is None or not isinstance(layer, ShardedStates):
+            raise ValueError(
+                f"layer_idx: expected the slot of a recurrent layer in xcp's generate cache (layer types "
+                f"{STATES + HYBRID}); got {layer_idx}, a {type(layer).__name__}"
+            )
+        layer.advance(tokens)
+
     def _layer_of(self, module: Any, key: torch.Tensor, value: torch.Tensor, who: str) -> ShardedLayer:
         """The layer whose update returned ``key`` or ``value`` (a layer's own slot, another's that it
         shares, or the slot the model chose, e.g. ``layer_idx + offset``); else the layer updated last when
         attention got that update's tokens transformed (the same number of them)."""
-        layers = [cast(ShardedLayer, layer) for layer in self.layers]
         own = getattr(module, "layer_idx", None)
-        if isinstance(own, int) and 0 <= own < len(layers):  # the common case first: the module's own slot
-            step = layers[own].step
-            if layers[own].latent is None and step is not None and step.returned_any(key, value):
-                return layers[own]
+        if isinstance(own, int) and 0 <= own < len(self.layers):  # the common case first: the module's own slot
+            mine = self.layers[own]
+            if isinstance(mine, ShardedLayer) and mine.latent is None and mine.step is not None:
+                if mine.step.returned_any(key, value):
+                    return mine
+        layers = [layer for layer in self.layers if isinstance(layer, ShardedLayer)]  # not a recurrent layer's states
         for layer in layers:
             if layer.latent is not None and layer.latent.module is module:  # its update had the latents
                 return layer
@@ -483,6 +539,18 @@ def _decoder_of(model: Any) -> Any:
     return inner if base is model and isinstance(inner, torch.nn.Module) else base
 
 
+def _one_by_one(model: Any, cache: ShardedCache, name: str, input_ids: torch.Tensor, start: int) -> None:
+    """The prompt's tokens from ``start`` to its last but one, one at a time, through the model on every rank
+    (what generate would run as one chunk): a recurrent mixer goes on from its cached state one token at a
+    time (Mamba's selective scan takes no initial state, so transformers' Mamba mixers ignore the state over
+    a chunk), and generate then runs the prompt's last token, as it runs every new one."""
+    decoder = _decoder_of(model)
+    with torch.no_grad():
+        for t in range(start, input_ids.shape[1] - 1):
+            position = torch.full((input_ids.shape[0], 1), t, dtype=torch.long, device=input_ids.device)
+            decoder(input_ids=input_ids[:, t : t + 1], position_ids=position, use_cache=True, **{name: cache})
+
+
 def generate(model: Any, input_ids: torch.Tensor, group: Any, max_new_tokens: int, balance: str, options: dict) -> Any:
     """:func:`xcp.integrations.transformers.generate`, ``options`` its ``**generate_kwargs`` (not mutated)."""
     generate_kwargs = dict(options)
@@ -514,6 +582,8 @@ def generate(model: Any, input_ids: torch.Tensor, group: Any, max_new_tokens: in
                     )
             finally:
                 cache.set_ring(False)
+            if cache.has_states:
+                _one_by_one(model, cache, name, input_ids, ring)
         out = model.generate(
             input_ids,
             generation_config=_greedy_config(config),

@@ -54,12 +54,12 @@ def _running(run: _Run) -> Iterator[None]:
 
 
 def _no_carry(run: _Run, name: str, value: Any) -> None:
-    """Refuse a state carried in from a cache under a context of more than one rank (generation is not
-    context-parallel for these layers yet)."""
+    """Refuse a state carried in from a cache of the caller's under a context of more than one rank (state
+    passing starts the sequence from a zero state; xcp's generate keeps the states of its own cache)."""
     if value is not None:
         raise NotImplementedError(
-            f"{run.layer}: {name} from a cache under an xcp.context of more than one rank is not supported "
-            "yet (generation of recurrent layers runs on a world of one rank)"
+            f"{run.layer}: {name} from a cache under an xcp.context of more than one rank is not supported (the "
+            "ranks' shards start the sequence; to go on from a prompt, use xcp.integrations.transformers.generate)"
         )
 
 
@@ -243,15 +243,29 @@ def _cp_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if ctx.world_size == 1:
         return forward(self, *args, **kwargs)
     layer = type(self).__name__
-    if any(type(a).__name__ == "ShardedCache" for a in (*args, *kwargs.values())):
-        raise NotImplementedError(
-            f"{layer}: xcp.integrations.transformers.generate does not serve recurrent layers yet (their "
-            "state would have to be kept whole on every rank after the prompt); generate on one rank"
-        )
+    cache = next((a for a in (*args, *kwargs.values()) if type(a).__name__ == "ShardedCache"), None)
+    if cache is not None and not cache.ring:  # xcp's generate after the prompt: the same tokens on every rank
+        out = forward(self, *args, **kwargs)  # the model's own kernels on the whole states, no state passing
+        cache.advance(self.layer_idx, _tokens(layer, args, kwargs))
+        return out
     if ctx.ulysses != 1:
         raise NotImplementedError(f"{layer}: ulysses > 1 with recurrent layers is not supported; got {ctx.ulysses}")
     with _running(_Run(ctx.group, check_recurrent_balance(ctx.balance), layer)):
-        return forward(self, *args, **kwargs)
+        out = forward(self, *args, **kwargs)
+    if cache is not None:  # the prompt's ring prefix: the states kept are the whole sequence's (final, last inputs)
+        cache.advance(self.layer_idx, _tokens(layer, args, kwargs) * ctx.world_size)
+    return out
+
+
+def _tokens(layer: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The number of tokens a mixer's call runs over (``hidden_states`` ``[B, T, D]``)."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise ValueError(
+            f"{layer}: hidden_states: expected [batch, tokens, hidden] as the mixer's first input; got {got}"
+        )
+    return int(hidden.shape[1])
 
 
 def _adapt(module: torch.nn.Module) -> None:

@@ -2,10 +2,11 @@
 
 :func:`state_passing` runs a layer's chunk kernel over a sharded sequence exactly (two passes around one
 all-gather of per-piece state summaries); :func:`causal_conv` runs a causal convolution with the halo
-each piece needs. See docs/hybrid.md.
+each piece needs; :func:`last_inputs` gives every rank the sequence's last inputs (a convolution's cache
+after a prompt). See docs/hybrid.md.
 """
 
-from .conv import causal_conv
+from .conv import causal_conv, last_inputs
 from .layout import RECURRENT_BALANCES, Piece, check_recurrent_balance, plan_pieces
 from .state import Decay, DeltaRule, Kernel, Transition, state_passing
 
@@ -17,6 +18,7 @@ __all__ = [
     "Piece",
     "Transition",
     "causal_conv",
+    "last_inputs",
     "check_recurrent_balance",
     "plan_pieces",
     "state_passing",

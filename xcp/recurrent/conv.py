@@ -44,26 +44,19 @@ def causal_conv(
     """
     if not isinstance(width, int) or isinstance(width, bool) or width < 1:
         raise ValueError(f"width: expected an integer >= 1 (the convolution's kernel size); got {width!r}")
-    comm = resolve_group(group)
-    size, rank = comm.size(), comm.rank()
-    check_world(size, rank)
-    pieces, mine = held_pieces("x", x.shape[seq_dim], seq_dim, size, rank, balance, cu_seqlens)
     halo = width - 1
-    xs = x.movedim(seq_dim, 0)
-    gathered = None
-    if halo and size > 1:
-        tails = [_tail(xs, p, halo) for p in mine]
-        n = most_pieces(pieces, size)
-        if handoff is not None:
-            check_handoff(handoff)
-        gathered = gather_differentiable(comm, select_backend(device, x.device.type), handoff, tails, n, "halo")
+    xs, pieces, mine, rank, gathered = _exchange_tails(x, halo, group, balance, cu_seqlens, seq_dim, device, handoff)
     starts = sorted(set(cu_seqlens) if cu_seqlens is not None else {0})
     outs = []
     for piece in mine:
         for i, (a, b) in enumerate(piece.segments):
             part = xs[piece.local + a - piece.start : piece.local + b - piece.start]
             if halo:
-                before = _halo(xs, gathered, pieces, rank, piece, halo, starts) if i == 0 and piece.carries_in else None
+                before = (
+                    _halo(xs, gathered, pieces, rank, piece.start, halo, starts)
+                    if i == 0 and piece.carries_in
+                    else None
+                )
                 if before is None:
                     before = part.new_zeros((halo, *part.shape[1:]))
                 part = torch.cat((before, part))
@@ -71,6 +64,58 @@ def causal_conv(
             outs.append(y[halo:])
     out = (outs[0] if len(outs) == 1 else torch.cat(outs)).movedim(0, seq_dim)
     return out if gathered is None else tie(out, gathered)
+
+
+def last_inputs(
+    x: torch.Tensor,
+    count: int,
+    group: Any = None,
+    balance: str = DEFAULT_BALANCE,
+    seq_dim: int = 1,
+    device: str | None = None,
+    handoff: str | None = None,
+) -> torch.Tensor:
+    """The last ``count`` inputs of the whole sequence whose shard ``x`` is (zeros before its start), on every
+    rank: what a causal convolution's cache keeps after a prompt, to go on one token at a time. They live on
+    the owners of the last pieces (contiguous: the last rank; zigzag: rank 0's second chunk); every piece's
+    last ``count`` inputs travel in one all-gather. ``device`` and ``handoff`` as :func:`causal_conv`'s."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ValueError(f"count: expected an integer >= 1 (how many of the last inputs); got {count!r}")
+    xs, pieces, _, rank, gathered = _exchange_tails(x, count, group, balance, None, seq_dim, device, handoff)
+    out = _halo(xs, gathered, pieces, rank, pieces[-1].stop, count, [0]).movedim(0, seq_dim)
+    return out if gathered is None else tie(out, gathered)
+
+
+def _exchange_tails(
+    x: torch.Tensor,
+    count: int,
+    group: Any,
+    balance: str,
+    cu_seqlens: Sequence[int] | None,
+    seq_dim: int,
+    device: str | None,
+    handoff: str | None,
+) -> tuple[torch.Tensor, Sequence[Piece], list[Piece], int, torch.Tensor | None]:
+    """``x`` sequence-first, the pieces (all, this rank's), this rank, and every rank's pieces' last ``count``
+    inputs gathered in one all-gather (None: nothing to exchange, ``count`` 0 or a world of one)."""
+    comm = resolve_group(group)
+    size, rank = comm.size(), comm.rank()
+    check_world(size, rank)
+    pieces, mine = held_pieces("x", x.shape[seq_dim], seq_dim, size, rank, balance, cu_seqlens)
+    xs = x.movedim(seq_dim, 0)
+    if not count or size == 1:
+        return xs, pieces, mine, rank, None
+    if handoff is not None:
+        check_handoff(handoff)
+    tails = [_tail(xs, p, count) for p in mine]
+    backend = select_backend(device, x.device.type)
+    return (
+        xs,
+        pieces,
+        mine,
+        rank,
+        gather_differentiable(comm, backend, handoff, tails, most_pieces(pieces, size), "halo"),
+    )
 
 
 def _tail(xs: torch.Tensor, piece: Piece, halo: int) -> torch.Tensor:
@@ -88,15 +133,16 @@ def _halo(
     gathered: torch.Tensor | None,
     pieces: Sequence[Piece],
     rank: int,
-    piece: Piece,
+    start: int,
     halo: int,
     starts: Sequence[int],
 ) -> torch.Tensor:
-    """The ``halo`` inputs before ``piece``: from the pieces before it, zeros before its document's start."""
-    doc_start = starts[bisect_right(starts, piece.start - 1) - 1]
+    """The ``halo`` inputs before global position ``start``: from the pieces holding them, zeros before its
+    document's start."""
+    doc_start = starts[bisect_right(starts, start - 1) - 1]
     first = [p.start for p in pieces]
     rows = []
-    for t in range(piece.start - halo, piece.start):
+    for t in range(start - halo, start):
         if t < doc_start:
             rows.append(xs.new_zeros(xs.shape[1:]))
             continue
