@@ -458,10 +458,44 @@ class FakeAten:
         assert all(0 <= c and 0 <= n <= max_k and c + n <= k.shape[0] for c, n in zip(kb, lengths)), (kb, lengths)
         return [(slice(a, b), slice(c, c + n)) for a, b, c, n in zip(qb, qb[1:], kb, lengths)]
 
+    def _paged_forward(self, q, k, v, cq, max_q, max_k, is_causal, scale, seqused_k, block_table):
+        """The paged form, as torch's ``mha_varlen_fwd`` checks it: pools [N, block_size, Hkv, D] with blocks of a
+        multiple of 256 rows and v shaped like k, an int32 table [B, max_blocks] with a contiguous last dim,
+        seqused_k int32 [B]; with max_q == 1 under GQA it reads q as one query per segment (its reshape needs
+        T == B). Segment i's keys are its first seqused_k[i] rows through the table; rows without keys +inf."""
+        assert q.dim() == 3 and q.is_contiguous() and k.dim() == 4 and k.shape == v.shape, "paged pools [N, bs, H, D]"
+        assert k.stride(-1) == 1 and v.stride(-1) == 1 and k.shape[-1] == q.shape[-1]
+        assert k.shape[1] % 256 == 0, "Paged KV cache block size must be divisible by 256"
+        assert block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.stride(-1) == 1
+        assert seqused_k is not None and seqused_k.dtype == torch.int32 and seqused_k.is_contiguous()
+        b, bs = block_table.shape[0], k.shape[1]
+        assert cq.shape == (b + 1,) and seqused_k.shape == (b,)
+        if max_q == 1 and q.shape[1] > k.shape[2]:
+            assert q.shape[0] == b, "flash's one-query GQA path reshapes q to [B, Hkv, groups, D]"
+        qb, used, table = cq.tolist(), seqused_k.tolist(), block_table.tolist()
+        assert all(0 <= n <= max_k for n in used) and all(b1 - a <= max_q for a, b1 in zip(qb, qb[1:]))
+        self.calls.append(("flash_paged_fwd", q.shape[0], bs, k.shape[2], is_causal, b))
+        out = torch.empty(q.shape, dtype=q.dtype)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
+        for a, b1, n, row in zip(qb, qb[1:], used, table):
+            rows = [row[j // bs] * bs + j % bs for j in range(n)]
+            keys = [x.flatten(0, 1)[rows].transpose(0, 1).unsqueeze(0) for x in (k, v)]
+            seg_q = q[a:b1].transpose(0, 1).unsqueeze(0)
+            o, seg_lse = _bhsd_attention(seg_q, *keys, self._mask(b1 - a, n, is_causal, True), scale)
+            out[a:b1] = torch.where(seg_lse[0].transpose(0, 1).unsqueeze(-1) == NEG_INF, math.nan,
+                                    o[0].transpose(0, 1)).to(q.dtype)  # fmt: skip
+            lse[:, a:b1] = torch.where(seg_lse[0] == NEG_INF, math.inf, seg_lse[0]).float()
+        return out, lse, torch.zeros(2, dtype=torch.uint64), torch.zeros((), dtype=torch.uint64), torch.empty(0)
+
     def _flash_attention_forward(
         self, q, k, v, cq, ck, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None,
-        window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None,
+        window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None, block_table=None,
+        num_splits=None,
     ):  # fmt: skip
+        if block_table is not None:
+            assert dropout_p == 0.0 and not return_debug_mask and window_size_left is None and alibi_slopes is None
+            assert ck.dtype == torch.int32 and ck.shape == cq.shape
+            return self._paged_forward(q, k, v, cq, max_q, max_k, is_causal, scale, seqused_k, block_table)
         self._packed(q, k, v)
         self._one_head_dim(q, k, v)
         assert q.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0.0 and not return_debug_mask
@@ -923,6 +957,132 @@ def test_varlen_conformance_catches_a_broken_kernel(monkeypatch, fake, check, kw
     monkeypatch.setattr(kernels, "ATEN", fake())
     with pytest.raises(AssertionError, match=message):
         check(backend, torch.bfloat16, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- paged pools
+PAGED_CASES = {  # name: (block size, H, Hkv, [(queries, keys, blocks)], causal)
+    "decode-gqa": (256, 4, 2, [(1, 300, [3, 0]), (1, 0, []), (1, 256, [1])], False),
+    "chunk-and-decodes-causal": (256, 4, 2, [(3, 700, [2, 4, 1]), (1, 5, [0]), (0, 9, [5])], True),
+    "mha-512": (512, 2, 2, [(2, 600, [1, 0]), (1, 1, [2])], False),
+}
+
+
+def _paged_inputs(block, h, hkv, segments, dtype, seed=0):
+    """q [T, H, D], the pools (6 blocks, random tokens in every row), and the int32 table (padded with block 5,
+    never listed: a kernel reading past a segment's length mixes its tokens in), cu_q and seqused_k."""
+    g = torch.Generator().manual_seed(seed)
+    t = sum(n for n, _, _ in segments)
+    q = torch.randn(t, h, 16, generator=g, dtype=torch.float64).to(dtype)
+    k_pool, v_pool = (torch.randn(6, block, hkv, 16, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+    width = max(len(blocks) for _, _, blocks in segments)
+    table = torch.tensor([blocks + [5] * (width - len(blocks)) for _, _, blocks in segments], dtype=torch.int32)
+    cu = torch.tensor([0] + [sum(n for n, _, _ in segments[: i + 1]) for i in range(len(segments))], dtype=torch.int32)
+    used = torch.tensor([n for _, n, _ in segments], dtype=torch.int32)
+    bounds = (max(n for n, _, _ in segments), max(n for _, n, _ in segments))
+    return (q, k_pool, v_pool, table, cu, used), bounds
+
+
+def _paged_reference(q, k_pool, v_pool, segments, causal, scale):
+    """float64 attention of each segment's queries over its first rows gathered by hand (bottom-right causal)."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full((q.shape[1], q.shape[0]), NEG_INF, dtype=torch.float64)
+    at = 0
+    for n, keys, blocks in segments:
+        k, v = (x[blocks].flatten(0, 1)[None, :keys].double() if blocks else x[:0, 0][None].double()
+                for x in (k_pool, v_pool))  # fmt: skip
+        mask = torch.ones(n, keys, dtype=torch.bool).tril(keys - n) if causal else None
+        o, seg_lse = math_forward(q[None, at : at + n].double(), k, v, "none", scale, allowed=mask)
+        out[at : at + n], lse[:, at : at + n] = o[0], seg_lse[0]
+        at += n
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", list(VARLEN_TOL))
+@pytest.mark.parametrize("case", list(PAGED_CASES))
+def test_forward_paged_is_one_flash_call_reading_the_blocks_in_place(monkeypatch, dtype, case):
+    """One aten flash varlen call with block_table and seqused_k: the pools as they are (no gather, GQA native),
+    the host reading no value; against float64 attention on each segment's rows gathered by hand and the base
+    class's gather. A segment without keys is out 0 and lse -inf, never NaN (the stand-in leaves NaN there)."""
+    block, h, hkv, segments, causal = PAGED_CASES[case]
+    backend, fake = _cpu_backend(monkeypatch)
+    fake.on_device = False
+    args, (max_q, max_k) = _paged_inputs(block, h, hkv, segments, dtype, seed=block + len(segments))
+    before = [x.clone() for x in args]
+    assert backend.paged_in_place(*args[:3])
+    monkeypatch.setattr(xcp.Backend, "forward_paged", lambda *a, **k: pytest.fail("the gather ran"))
+    with _host_reads_refused(_PagedAten(fake)):
+        out, lse = backend.forward_paged(*args, max_q, max_k, 0.3, causal)
+    monkeypatch.undo()
+    assert out.shape == args[0].shape and out.dtype == dtype and lse.shape == (h, args[0].shape[0])
+    assert lse.dtype == torch.float32 and not out.isnan().any()
+    assert [c[0] for c in fake.calls] == ["flash_paged_fwd"]
+    ref_out, ref_lse = _paged_reference(*args[:3], segments, causal, 0.3)
+    _close("out", out, ref_out, VARLEN_TOL[dtype])
+    _close("lse", lse, ref_lse, VARLEN_TOL[dtype])
+    gathered = xcp.Backend.forward_paged(backend, *args, max_q, max_k, 0.3, causal)
+    _close("out vs the gather", out, gathered[0], VARLEN_TOL[dtype])
+    for x, y in zip(args, before):
+        assert torch.equal(x, y)
+
+
+class _PagedAten:
+    """Marks the stand-in's op as the device's side (its reads of the lengths are the kernel's)."""
+
+    def __init__(self, fake):
+        self.fake = fake
+        self.on_device = False
+        original = fake._paged_forward
+
+        def on_device(*a, **k):
+            self.on_device = True
+            try:
+                return original(*a, **k)
+            finally:
+                self.on_device = False
+
+        fake._paged_forward = on_device
+
+
+@pytest.mark.parametrize(
+    "why,dtype,block,hkv,dv,kwargs",
+    [
+        ("blocks of 16 rows", torch.bfloat16, 16, 2, 16, {}),
+        ("blocks of 128 rows", torch.float16, 128, 2, 16, {}),
+        ("float32", torch.float32, 256, 2, 16, {}),
+        ("values of another head dim", torch.bfloat16, 256, 2, 8, {}),
+        ('gqa="repeat" would copy the pool', torch.bfloat16, 256, 2, 16, {"gqa": "repeat"}),
+    ],
+)
+def test_forward_paged_gathers_where_flash_paged_does_not_serve(monkeypatch, why, dtype, block, hkv, dv, kwargs):
+    backend, fake = _cpu_backend(monkeypatch, **kwargs)
+    (q, k_pool, v_pool, table, cu, used), (max_q, max_k) = _paged_inputs(
+        block, 4, hkv, [(1, 20, [1, 3]), (2, 5, [0])], dtype
+    )  # fmt: skip
+    v_pool = v_pool[..., :dv]
+    assert not backend.paged_in_place(q, k_pool, v_pool), why
+    got = backend.forward_paged(q, k_pool, v_pool, table, cu, used, max_q, max_k, 0.3)
+    want = xcp.Backend.forward_paged(backend, q, k_pool, v_pool, table, cu, used, max_q, max_k, 0.3)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and fake.calls == []
+
+
+def test_forward_paged_keeps_flash_off_its_one_query_path_when_a_segment_has_no_query(monkeypatch):
+    """max_q 1 with a segment without queries (T < B): flash's GQA path would read q as one query per segment,
+    so the call goes with max_q 2 (the stand-in asserts T == B on that path)."""
+    backend, fake = _cpu_backend(monkeypatch)
+    args, _ = _paged_inputs(256, 4, 2, [(1, 10, [0]), (0, 4, [1]), (1, 3, [2])], torch.bfloat16)
+    out, lse = backend.forward_paged(*args, 1, 10, 0.3)
+    ref_out, ref_lse = _paged_reference(*args[:3], [(1, 10, [0]), (0, 4, [1]), (1, 3, [2])], False, 0.3)
+    _close("out", out, ref_out, VARLEN_TOL[torch.bfloat16])
+    assert fake.calls == [("flash_paged_fwd", 2, 256, 2, False, 3)]
+
+
+PAGED_CONFORMANCE = [c for c in conformance.cases(CUDABackend()) if c.id.startswith("paged-")]
+
+
+@pytest.mark.parametrize("case", PAGED_CONFORMANCE, ids=str)
+def test_paged_conformance_on_the_stand_in(monkeypatch, case):
+    backend, _ = _cpu_backend(monkeypatch)
+    case.run(backend)
 
 
 # ---------------------------------------------------------------------------------------------- storage range

@@ -403,7 +403,9 @@ class CUDABackend(FusedKernelBackend):
         common: Callable[[Callable[..., Any]], Callable[..., Any]]
         if backward:
             op, repeated, common = (
-                kernels.flash_varlen_backward, kernels.with_repeated_kv_backward, kernels.with_common_head_dim_backward
+                kernels.flash_varlen_backward,
+                kernels.with_repeated_kv_backward,
+                kernels.with_common_head_dim_backward,
             )
         else:
             op, repeated, common = kernels.flash_varlen_forward, kernels.with_repeated_kv, kernels.with_common_head_dim
@@ -427,6 +429,32 @@ class CUDABackend(FusedKernelBackend):
         if self.kv_groups(q, k) > 1:  # gqa="repeat": the storage repeated per query head
             op = kernels.with_repeated_kv(op)
         return op(q, k, v, lo, hi, scale, self._range_launcher(q))
+
+    def paged_in_place(self, q, k_pool, v_pool) -> bool:
+        """Whether :meth:`forward_paged` reads these pools in place: the flash op serves q (fp16/bf16, head dim a
+        multiple of 8 up to 256, sm80+), v has q's head dim, the blocks hold a multiple of 256 rows
+        (:data:`kernels.PAGED_BLOCK_MULTIPLE`) and GQA is native (``gqa="repeat"`` would copy the pool)."""
+        if q.dim() != 3 or k_pool.dim() != 4 or v_pool.dim() != 4:
+            return False
+        native = self.gqa == "native" or q.shape[1] == k_pool.shape[2]
+        return (
+            native
+            and v_pool.shape[-1] == q.shape[-1] == k_pool.shape[-1]
+            and k_pool.stride(-1) == 1
+            and v_pool.stride(-1) == 1
+            and kernels.paged_block_served(k_pool.shape[1])
+            and self.kernel_for(q, v_pool) == kernels.FLASH
+        )
+
+    def forward_paged(self, q, k_pool, v_pool, block_table, cu_q, seqused_k, max_q, max_k, scale, causal=False):
+        """One aten flash varlen call with ``block_table`` and ``seqused_k`` where :meth:`paged_in_place` holds
+        (:func:`kernels.flash_paged_forward`: no block copied, GQA native, nothing read on the host, capturable);
+        else the base class's gather and math. The choice depends on shapes, dtypes and the GPU alone, so a
+        captured graph replays the same kernels whatever the lengths."""
+        if not self.paged_in_place(q, k_pool, v_pool):
+            return super().forward_paged(q, k_pool, v_pool, block_table, cu_q, seqused_k, max_q, max_k, scale, causal)
+        return kernels.flash_paged_forward(q, k_pool, v_pool, block_table, cu_q, seqused_k, max_q, max_k, scale,
+                                           causal)  # fmt: skip
 
     def _range_launcher(self, q: torch.Tensor) -> kernels.Launcher | None:
         """The launcher of :func:`kernels.flash_range_forward`'s two Triton kernels (its lengths and its empty

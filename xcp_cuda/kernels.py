@@ -571,6 +571,46 @@ def flash_range_forward(
     return out.reshape(b, t, h, d), lse.reshape(h, b, t).transpose(0, 1)
 
 
+# ---------------------------------------------------------------------------------------------- flash paged
+PAGED_BLOCK_MULTIPLE = 256
+"""FlashAttention-2's paged form (the flash varlen op with ``block_table``) takes blocks whose size is a multiple
+of 256 rows: ``mha_varlen_fwd`` in torch's ``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``
+checks ``page_block_size % 256 == 0`` ("Paged KV cache block size must be divisible by 256"), as flash-attn's
+own ``csrc/flash_attn/flash_api.cpp`` does; it also requires v of k's head dim and shape."""
+
+
+def paged_block_served(block_size: int) -> bool:
+    """Whether the flash op's paged form takes blocks of ``block_size`` rows (:data:`PAGED_BLOCK_MULTIPLE`)."""
+    return block_size > 0 and block_size % PAGED_BLOCK_MULTIPLE == 0
+
+
+def flash_paged_forward(
+    q, k_pool, v_pool, block_table, cu_q, seqused_k, max_q: int, max_k: int, scale: float, causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed queries q [T, H, D] of B segments against the first ``seqused_k[i]`` rows of each segment's blocks
+    of the pools [N, block_size, Hkv, D], in one aten flash varlen call with ``block_table``: the blocks read in
+    place, GQA native, the lengths and the table on the device (nothing read on the host). Returns out [T, H, D]
+    in q's dtype and lse float32 [H, T]; flash's rows without keys (lse +inf) come back 0 and -inf.
+
+    Flash runs a call whose ``max_q`` is 1 under GQA with the query heads of a KV head as rows, reading q as one
+    query per segment; a call with segments without queries (T != B) goes with ``max_q`` 2 (an upper bound
+    still), which keeps that path off."""
+    t, h, d = q.shape
+    b = block_table.shape[0]
+    if max_q == 1 and t != b:
+        max_q = 2
+    cum_k = torch.zeros(b + 1, dtype=torch.int32, device=q.device)  # not read: seqused_k gives the lengths
+    res = ATEN._flash_attention_forward(
+        q.contiguous(), k_pool, v_pool, cu_q, cum_k, max_q, max_k, 0.0, causal, False, scale=scale,
+        seqused_k=seqused_k, block_table=block_table,
+    )  # fmt: skip
+    out, lse = res[0], _packed_lse(res[1], h, t)
+    blind = lse == math.inf  # a segment without keys (seqused_k 0), or a causal row before its first key
+    lse = lse.masked_fill(blind, -math.inf)
+    out = out.masked_fill(blind.transpose(0, 1).unsqueeze(-1), 0.0)
+    return out, lse
+
+
 # ---------------------------------------------------------------------------------------------- flash_attn
 def flash_attn_forward(module: Any, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The flash-attn package's forward: out [B, Sq, H, D] in q's dtype, lse float32 [B, H, Sq]; GQA native."""
