@@ -6,8 +6,8 @@ The families' torch kernels compute in float32 whatever the model's dtype (``.to
 difference left is the state passing's, and the tolerance is float64's (1e-9 relative to the largest of each).
 Families: Qwen3-Next (gated delta), Mamba2, Mamba and Jamba (selective scan), Kimi Linear (KDA), Falcon-H1
 and Zamba2 (Mamba2 mixers beside attention), Zamba (a selective scan per Mamba head), LFM2-MoE and LFM3 (short
-convolutions), MiniMax (lightning attention) and RecurrentGemma (RG-LRU),
-inline in their mixers (xcp/integrations/transformers_inline.py).
+convolutions), MiniMax (lightning attention), RecurrentGemma (RG-LRU) and
+RWKV (WKV, token shift), inline in their mixers (xcp/integrations/transformers_inline.py).
 """
 
 from __future__ import annotations
@@ -78,6 +78,10 @@ def _configs():
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, lru_width=32, attention_window_size=8, conv1d_width=4,
             block_types=["recurrent", "attention"],
+        ),
+        "rwkv": lambda: t.RwkvConfig(
+            vocab_size=VOCAB, context_length=64, hidden_size=32, attention_hidden_size=32, intermediate_size=64,
+            num_hidden_layers=2,
         ),
         "mamba": lambda: t.MambaConfig(
             vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4
@@ -152,6 +156,7 @@ CASES = [
     ("lfm3", 2, "contiguous"),
     ("minimax", 3, "zigzag"),
     ("recurrent_gemma", 2, "zigzag"),
+    ("rwkv", 4, "contiguous"),
     ("mamba", 3, "contiguous"),
     ("jamba", 2, "zigzag"),
 ]
@@ -286,3 +291,15 @@ def test_generate_equals_one_device(kind, world, balance, prompt, full_precision
                 assert (got is None) == (expected is None)
                 if got is not None:
                     assert rel(got, expected) <= TOL
+
+
+def test_a_carried_state_is_refused_over_ranks():
+    model = xt.prepare(build(_configs()["rwkv"]())).eval()  # in eval RWKV keeps a state unless use_cache=False
+    ids = torch.randint(3, VOCAB, (1, 8))
+
+    def rank(group):
+        with xcp.context(group), torch.no_grad():
+            model(input_ids=xcp.shard(ids, 2, group.rank()))
+
+    with pytest.raises(RuntimeError, match=r"RwkvSelfAttention: state \(use_cache=True\) under an xcp.context of more"):
+        xcp.LocalWorld(2).run(rank)

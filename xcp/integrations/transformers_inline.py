@@ -15,7 +15,8 @@ from __future__ import annotations
 import sys
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,8 +50,8 @@ class Run:
         """A state from a cache (a continued sequence) has no place in state passing, which starts at zero."""
         if value is not None:
             raise NotImplementedError(
-                f"{self.layer}: {what} from a cache under an xcp.context of more than one rank is not supported "
-                "(state passing starts the sequence from a zero state); run the whole sequence at once"
+                f"{self.layer}: {what} under an xcp.context of more than one rank is not supported (state passing "
+                "starts the sequence from a zero state): pass use_cache=False and the whole sequence at once"
             )
 
 
@@ -134,7 +135,7 @@ def _minimax(self: Any, run: Run, hidden_states: torch.Tensor, position_embeddin
     mixer's own; the recurrence through state passing (the state decays by ``exp(-slope)`` per token)."""
     run.refuse_documents(kwargs)
     if cache is not None:
-        run.refuse_carried("the linear attention state", cache.get_linear_cache(self.layer_idx))
+        run.refuse_carried("a linear attention state from the cache", cache.get_linear_cache(self.layer_idx))
     batch, length, _ = hidden_states.shape
     heads, dim = self.num_attention_heads, self.head_dim
     qkv = self.act_fn(self.qkv_proj(hidden_states))
@@ -177,6 +178,34 @@ class _Active(threading.local):
 _active = _Active()
 
 
+@contextmanager
+def _running(run: Run) -> Iterator[None]:
+    before, _active.run = _active.run, run
+    try:
+        yield
+    finally:
+        _active.run = before
+
+
+def _with_halo(module: torch.nn.Module, width: int, seq_dim: int) -> None:
+    """Make ``module`` (a causal convolution or token shift along ``seq_dim`` over a window of ``width``
+    tokens; its output's first positions are the causal ones) take its halo under a run: its own forward
+    on each piece with the ``width - 1`` tokens before it, keeping as many outputs as it was given."""
+    forward = type(module).forward
+
+    def halo_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        run = _active.run
+        if run is None:
+            return forward(self, x)
+
+        def causal(part: torch.Tensor) -> torch.Tensor:
+            return forward(self, part).narrow(seq_dim, 0, part.shape[seq_dim])
+
+        return causal_conv(causal, x, width, group=run.group, balance=run.balance, seq_dim=seq_dim)
+
+    module.forward = types.MethodType(halo_forward, module)
+
+
 def _recurrent_gemma(self: Any, run: Run, input_states: torch.Tensor, position_ids: torch.Tensor,
                      attention_mask: Any = None, use_cache: bool = True, **kwargs: Any) -> Any:  # fmt: skip
     """``RecurrentGemmaRecurrentBlock.forward`` over the ranks: the block's own code, without its cache (its
@@ -184,11 +213,8 @@ def _recurrent_gemma(self: Any, run: Run, input_states: torch.Tensor, position_i
     :func:`_adapt_recurrent_gemma` running through state passing and halos. The RG-LRU resets the state at
     position 0, which shard_batch's global positions give only the sequence's first token."""
     run.refuse_documents(kwargs)
-    before, _active.run = _active.run, run
-    try:
+    with _running(run):
         return type(self).forward(self, input_states, position_ids, attention_mask, use_cache=False, **kwargs)
-    finally:
-        _active.run = before
 
 
 def _rg_lru_scan(self: Any, hidden_states: torch.Tensor, recurrent_gate: torch.Tensor, reset: torch.Tensor,
@@ -211,30 +237,88 @@ def _rg_lru_scan(self: Any, hidden_states: torch.Tensor, recurrent_gate: torch.T
     )
 
 
-def _halo_conv(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A depthwise ``nn.Conv1d`` padded by ``width - 1`` on both sides, of which the caller keeps the first
-    ``L`` outputs (the causal ones): with its halo under a run, returning those ``L`` outputs."""
-    conv = type(self).forward
-    run = _active.run
-    if run is None:
-        return conv(self, x)
-    width = int(self.kernel_size[0])  # type: ignore[index]
-
-    def causal(part: torch.Tensor) -> torch.Tensor:
-        return conv(self, part)[..., : part.shape[-1]]
-
-    return causal_conv(causal, x, width, group=run.group, balance=run.balance, seq_dim=2)
-
-
 def _adapt_recurrent_gemma(module: torch.nn.Module) -> None:
     _adapt(module)
     rg_lru, conv = module.rg_lru, module.conv_1d
     rg_lru._rnn_scan = types.MethodType(_rg_lru_scan, rg_lru)  # type: ignore[union-attr]
-    conv.forward = types.MethodType(_halo_conv, conv)  # type: ignore[union-attr]
+    _with_halo(conv, int(conv.kernel_size[0]), seq_dim=2)  # type: ignore[index, union-attr, arg-type]
 
 
 FAMILIES["RecurrentGemmaRecurrentBlock"] = _recurrent_gemma
-ADAPTERS = {"RecurrentGemmaRecurrentBlock": _adapt_recurrent_gemma}
+
+
+# --------------------------------------------------------------------------------------------------------
+# RWKV: the WKV recurrence and token shift
+
+
+class RunningMax:
+    """The WKV state of RWKV as its kernel keeps it, ``[3, ...]``: a numerator and a denominator scaled by
+    ``exp(-max)``, and that running maximum ``max``; the true state ``(num, den) * exp(max)`` decays by
+    ``exp(w)`` per token and channel, so ``T`` is kept as its logarithm ``w L`` (``T h`` adds it to ``max``)
+    and two states add under their larger maximum, never leaving the kernel's scaled form (no overflow).
+
+    :param log_decay: ``log_decay(*inputs) -> w L`` of a stretch, broadcastable to ``max``.
+    """
+
+    def __init__(self, log_decay: Callable[..., torch.Tensor]) -> None:
+        self.log_decay = log_decay
+
+    def summarize(self, kernel: Any, inputs: Any, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        _, final = kernel(*inputs, initial_state=None, output_final_state=True, **kwargs)
+        return self.log_decay(*inputs).to(final.dtype), final
+
+    def apply(self, t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        num, den, top = h.unbind(0)
+        return torch.stack((num, den, top + t.to(h.dtype)))
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        top = torch.maximum(a[2], b[2])
+        scale_a, scale_b = torch.exp(a[2] - top), torch.exp(b[2] - top)
+        return torch.stack((a[0] * scale_a + b[0] * scale_b, a[1] * scale_a + b[1] * scale_b, top))
+
+
+def _rwkv_attention(self: Any, run: Run, hidden: torch.Tensor, state: Any = None, use_cache: bool = False) -> Any:
+    """``RwkvSelfAttention.forward`` over the ranks: its own token shift (with its halo) and projections, the
+    WKV recurrence through state passing with its module's torch kernel (``rwkv_linear_attention_cpu``:
+    the CUDA kernel's backward drops the initial state's gradient), the state ``[num, den, max]`` stacked."""
+    run.refuse_carried("state (use_cache=True)", state)
+    with _running(run):
+        receptance, key, value, _ = self.extract_key_value(hidden)
+    wkv = _modeling(self).rwkv_linear_attention_cpu
+    decay, first = self.time_decay, self.time_first
+
+    def kernel(k, v, initial_state=None, output_final_state=False):
+        given = None if initial_state is None else list(initial_state.unbind(0))
+        out, final = wkv(decay, first, k, v, state=given, return_state=True)
+        return out, torch.stack(final)
+
+    def log_decay(k, v):
+        return -torch.exp(decay.to(k.dtype)) * k.shape[1]
+
+    out, _ = state_passing(kernel, key, value, transition=RunningMax(log_decay), group=run.group, balance=run.balance)
+    return self.output(receptance * out), None
+
+
+def _rwkv_feed_forward(self: Any, run: Run, hidden: torch.Tensor, state: Any = None) -> Any:
+    """``RwkvFeedForward.forward`` over the ranks: its own code, its token shift taking its halo."""
+    run.refuse_carried("state (use_cache=True)", state)
+    with _running(run):
+        return type(self).forward(self, hidden)
+
+
+def _adapt_rwkv(module: torch.nn.Module) -> None:
+    _adapt(module)
+    _with_halo(module.time_shift, 2, seq_dim=1)  # type: ignore[arg-type]
+
+
+FAMILIES["RwkvSelfAttention"] = _rwkv_attention
+FAMILIES["RwkvFeedForward"] = _rwkv_feed_forward
+
+ADAPTERS = {
+    "RecurrentGemmaRecurrentBlock": _adapt_recurrent_gemma,
+    "RwkvSelfAttention": _adapt_rwkv,
+    "RwkvFeedForward": _adapt_rwkv,
+}
 """Families whose adapter does more than bind the forward (pieces swapped into the mixer's children)."""
 
 

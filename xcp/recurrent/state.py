@@ -42,6 +42,14 @@ class Transition(Protocol):
         """``T h``."""
 
 
+def _enter(transition: Transition, t: torch.Tensor, h: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``T h + S``. A transition whose state is kept in a scaled form (RWKV's numerator and denominator under a
+    running maximum) adds its own way: its optional method ``add(th, s)``."""
+    th = transition.apply(t, h)
+    add = getattr(transition, "add", None)
+    return th + s if add is None else add(th, s)
+
+
 class DeltaRule:
     """Delta-rule kernels (gated delta rule, KDA, DeltaNet): state ``[..., d_k, d_v]``, ``T`` a ``d_k x d_k``
     map per head acting on the state's rows. One kernel call gives both: the state's columns evolve apart,
@@ -241,7 +249,7 @@ def _fold(
             assert gathered is not None and t0 is not None and s0 is not None
             row = gathered[piece.owner, piece.index]
             t, s = row[: t0.numel()].view(t0.shape), row[t0.numel() :].view(s0.shape)
-        h = s if entering is None or piece.resets else transition.apply(t, entering) + s
+        h = s if entering is None or piece.resets else _enter(transition, t, entering, s)
     return incoming, (h if output_final_state else None), gathered
 
 
