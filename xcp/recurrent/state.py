@@ -12,6 +12,7 @@ gradient.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -71,8 +72,9 @@ class DeltaRule:
         args = list(inputs)
         args[self.value] = probe
         heads = v.shape[-2]
-        eye = torch.eye(d_k, dtype=v.dtype, device=v.device).expand(v.shape[0], heads, d_k, d_k)
-        start = torch.cat((v.new_zeros((v.shape[0], heads, d_k, d_v)), eye), dim=-1)
+        dtype = torch.promote_types(v.dtype, torch.float32)  # the kernels keep states in float32 at least
+        eye = torch.eye(d_k, dtype=dtype, device=v.device).expand(v.shape[0], heads, d_k, d_k)
+        start = torch.cat((eye.new_zeros((v.shape[0], heads, d_k, d_v)), eye), dim=-1)
         _, final = kernel(*args, initial_state=start, output_final_state=True, **kwargs)
         return final[..., d_v:], final[..., :d_v]
 
@@ -140,6 +142,85 @@ def state_passing(
     :returns: ``(out, final_state)``: this rank's outputs (sequence-major at ``seq_dim``) and the final
         state or None.
     """
+    passes = prepare_passes(
+        kernel, *inputs, transition=transition, group=group, balance=balance, cu_seqlens=cu_seqlens,
+        seq_dim=seq_dim, output_final_state=output_final_state, **kwargs,
+    )  # fmt: skip
+    backend = select_backend(device, inputs[0].device.type)
+    if handoff is not None:
+        check_handoff(handoff)
+    summaries = passes.summaries()
+    gathered = None
+    if passes.comm.size() > 1:
+        gathered = gather_differentiable(passes.comm, backend, handoff, passes.packed(summaries), passes.rows, "state")
+    incoming, final = passes.fold(summaries, gathered)
+    out = passes.outputs(incoming)
+    return (out if gathered is None else tie(out, gathered)), final
+
+
+@dataclass
+class Passes:
+    """State passing on one rank, step by step: :func:`state_passing` is ``summaries`` (pass 1), one
+    all-gather of ``packed`` (``rows`` per rank), ``fold`` and ``outputs`` (pass 2). Separate for callers
+    that run the exchange themselves (``xcp bench --recurrent`` on one GPU, whose virtual ranks cannot run
+    the exchange's backward inside autograd)."""
+
+    comm: Communicator
+    kernel: Kernel
+    inputs: Sequence[torch.Tensor]
+    transition: Transition
+    kwargs: dict[str, Any]
+    pieces: Sequence[Piece]
+    mine: Sequence[Piece]
+    seq_dim: int
+    output_final_state: bool
+
+    @property
+    def rows(self) -> int:
+        """The summaries every rank sends (padded to the most pieces a rank holds)."""
+        return most_pieces(self.pieces, self.comm.size())
+
+    def summaries(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Pass 1 (see :func:`_summaries`)."""
+        return _summaries(
+            self.kernel, self.inputs, self.transition, self.kwargs, self.pieces, self.mine, self.seq_dim,
+            self.output_final_state, self.comm.size(),
+        )  # fmt: skip
+
+    def packed(self, summaries: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> list[torch.Tensor]:
+        """The rows this rank sends: each summary flat (``T`` then ``S``), zeros for one left out."""
+        t0, s0 = next(x for x in summaries if x is not None)
+        return [s0.new_zeros(t0.numel() + s0.numel()) if x is None else _pack(x, s0.dtype) for x in summaries]
+
+    def fold(
+        self, summaries: Sequence[tuple[torch.Tensor, torch.Tensor] | None], gathered: torch.Tensor | None
+    ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+        """The state entering each of this rank's pieces (None: zero) and the final state if asked."""
+        return _fold(self.comm.rank(), self.transition, self.pieces, summaries, gathered, self.output_final_state)
+
+    def outputs(self, incoming: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """Pass 2: the kernel on each piece (segment by segment across documents) from its entering state."""
+        outs = []
+        for piece, h in zip(self.mine, incoming):
+            for i, segment in enumerate(piece.segments):
+                args, state = _cut(self.inputs, piece, segment, self.seq_dim), h if i == 0 else None
+                out, _ = self.kernel(*args, initial_state=state, output_final_state=False, **self.kwargs)
+                outs.append(out)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=self.seq_dim)
+
+
+def prepare_passes(
+    kernel: Kernel,
+    *inputs: torch.Tensor,
+    transition: Transition,
+    group: Any = None,
+    balance: str = DEFAULT_BALANCE,
+    cu_seqlens: Sequence[int] | None = None,
+    seq_dim: int = 1,
+    output_final_state: bool = False,
+    **kwargs: Any,
+) -> Passes:
+    """The arguments of :func:`state_passing` checked, and this rank's :class:`Passes`."""
     if "initial_state" in kwargs:
         raise ValueError(
             "initial_state: expected none (state passing starts every document from a zero state); got "
@@ -151,20 +232,7 @@ def state_passing(
     size, rank = comm.size(), comm.rank()
     check_world(size, rank)
     pieces, mine = held_pieces("inputs", _local_length(inputs, seq_dim), seq_dim, size, rank, balance, cu_seqlens)
-    backend = select_backend(device, inputs[0].device.type)
-    if handoff is not None:
-        check_handoff(handoff)
-    summaries = _summaries(kernel, inputs, transition, kwargs, pieces, mine, seq_dim, output_final_state, size)
-    incoming, final, gathered = _fold(comm, backend, handoff, transition, pieces, summaries, output_final_state)
-    outs = []
-    for piece, h in zip(mine, incoming):
-        for i, segment in enumerate(piece.segments):
-            state = h if i == 0 else None
-            args = _cut(inputs, piece, segment, seq_dim)
-            out, _ = kernel(*args, initial_state=state, output_final_state=False, **kwargs)
-            outs.append(out)
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=seq_dim)
-    return (out if gathered is None else tie(out, gathered)), final
+    return Passes(comm, kernel, inputs, transition, kwargs, pieces, mine, seq_dim, output_final_state)
 
 
 def _summaries(
@@ -215,23 +283,16 @@ def _cut(inputs: Sequence[torch.Tensor], piece: Piece, segment: tuple[int, int],
 
 
 def _fold(
-    comm: Communicator,
-    backend: Any,
-    handoff: str | None,
+    rank: int,
     transition: Transition,
     pieces: Sequence[Piece],
     summaries: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+    gathered: torch.Tensor | None,
     output_final_state: bool,
-) -> tuple[list[torch.Tensor | None], torch.Tensor | None, torch.Tensor | None]:
-    """The state entering each of this rank's pieces (None: zero), the final state if asked, and the
-    gathered summaries (None in a world of one). A summary left out (None) is sent as zeros."""
-    size, rank = comm.size(), comm.rank()
-    gathered = None
+) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+    """The state entering each of this rank's pieces (None: zero) and the final state if asked, from its
+    own summaries and the ``gathered`` ones (``[P, rows, numel]``; None in a world of one)."""
     t0, s0 = next((x for x in summaries if x is not None), (None, None))
-    if size > 1:
-        assert t0 is not None and s0 is not None
-        flat = [s0.new_zeros(t0.numel() + s0.numel()) if x is None else _pack(x, s0.dtype) for x in summaries]
-        gathered = gather_differentiable(comm, backend, handoff, flat, most_pieces(pieces, size), "state")
     last = len(pieces) if output_final_state else max(i for i, p in enumerate(pieces) if p.owner == rank) + 1
     incoming: list[torch.Tensor | None] = []
     h: torch.Tensor | None = None
@@ -250,7 +311,7 @@ def _fold(
             row = gathered[piece.owner, piece.index]
             t, s = row[: t0.numel()].view(t0.shape), row[t0.numel() :].view(s0.shape)
         h = s if entering is None or piece.resets else _enter(transition, t, entering, s)
-    return incoming, (h if output_final_state else None), gathered
+    return incoming, (h if output_final_state else None)
 
 
 def _pack(summary: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
