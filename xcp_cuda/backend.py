@@ -19,9 +19,10 @@ import torch
 from xcp.backends.base import add_into
 from xcp.backends.fused import FusedKernelBackend, backward_as_causal
 from xcp.kernels.math import math_backward, math_forward
+from xcp.kernels.recurrent import RecurrentKernel
 from xcp.settings import Setting
 
-from . import kernels
+from . import kernels, recurrent
 from . import settings as cuda_settings
 
 
@@ -98,6 +99,8 @@ class CUDABackend(FusedKernelBackend):
     :param causal_backward: run the backward of an unmasked cuDNN block whose values have another head dim
         (multi-head latent attention's 192/128) as causal calls (:func:`xcp.backends.fused.backward_as_causal`)
         where its squares have at least :data:`CAUSAL_BACKWARD_MIN` rows (default True).
+    :param use_fla: run recurrent layers on fla's Triton kernels where fla is installed
+        (:meth:`recurrent_kernels`, :mod:`xcp_cuda.recurrent`; default True).
     """
 
     name = "cuda"
@@ -123,8 +126,10 @@ class CUDABackend(FusedKernelBackend):
         pair_merge: bool | None = None,
         fast_launch: bool | None = None,
         causal_backward: bool | None = None,
+        use_fla: bool | None = None,
     ) -> None:
         super().__init__(gqa)
+        self.use_fla = _given(use_fla, cuda_settings.FLA)
         self.use_flash_attn = _given(use_flash_attn, cuda_settings.FLASH_ATTN)
         self.use_cudnn = _given(use_cudnn, cuda_settings.CUDNN)
         triton = importlib.util.find_spec("triton") is not None
@@ -137,6 +142,10 @@ class CUDABackend(FusedKernelBackend):
         self._flash_attn_error: str | None = None
         self._capabilities: dict[int, tuple[int, int]] = {}
         self._streams: dict[tuple, Any] = {}  # current_stream's Stream objects, by (stream_id, device, type)
+
+    def recurrent_kernels(self) -> dict[str, RecurrentKernel]:
+        """fla's Triton chunk kernels where fla is installed (:func:`xcp_cuda.recurrent.fla_kernels`), else none."""
+        return recurrent.fla_kernels() if self.use_fla else {}
 
     # ------------------------------------------------------------------ identity
     def available(self) -> tuple[bool, str]:

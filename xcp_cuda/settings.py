@@ -58,5 +58,14 @@ CAUSAL_BACKWARD = Setting(
     READ_AT_CONSTRUCTION,
 )
 
-ALL: tuple[Setting, ...] = (GQA, FLASH_ATTN, CUDNN, FUSED_MERGE, PAIR_MERGE, FAST_LAUNCH, CAUSAL_BACKWARD)
+FLA = Setting(
+    "XCP_CUDA_FLA",
+    "flag",
+    True,
+    "0: recurrent layers run the models' own torch kernels, never fla's Triton kernels where fla is installed "
+    "(for comparisons); constructor argument use_fla=",
+    READ_AT_CONSTRUCTION,
+)
+
+ALL: tuple[Setting, ...] = (GQA, FLASH_ATTN, CUDNN, FUSED_MERGE, PAIR_MERGE, FAST_LAUNCH, CAUSAL_BACKWARD, FLA)
 """Every setting of the CUDA backend, in the order ``xcp backends --settings`` lists them."""

@@ -8,7 +8,8 @@ required device primitives  identity (``name``, ``device_type``, ``dist_backend`
 optional fast paths         ``whole_attention``, ``forward_varlen`` / ``backward_varlen``, ``forward_range``,
                             ``forward_paged`` / ``paged_in_place``,
                             ``fused_merge_``, ``fused_merge_pair_``, ``fused_add_``, ``fused_add_pair_``,
-                            ``fused_merge_partials_``, ``folds_pairs``, ``varlen_fillers``: the
+                            ``fused_merge_partials_``, ``folds_pairs``, ``varlen_fillers``,
+                            ``recurrent_kernels``: the
                             defaults are correct (not served, or one block call per segment), only slower.
 tool hooks                  ``new_graph``, ``capture_graph``, ``memory_stats``, ``reset_peak_memory``,
                             ``settings``: used by the CLI, the bench and the tests, never by the ring.
@@ -32,6 +33,7 @@ from torch import Tensor
 
 from ..kernels.math import SCORE_MODS, Alibi, math_backward, math_forward, math_forward_paged, math_forward_range
 from ..kernels.merge import NEG_INF, accumulator_dtype
+from ..kernels.recurrent import RecurrentKernel
 from ..lifetime import HANDOFF_POLICIES
 from ..schedule import MASKS
 from ..settings import Setting
@@ -48,7 +50,7 @@ REQUIRED_PRIMITIVES = (
 FAST_PATHS = (
     "whole_attention", "forward_varlen", "backward_varlen", "forward_range", "forward_paged", "paged_in_place",
     "fused_merge_", "fused_merge_pair_", "fused_add_", "fused_add_pair_", "fused_merge_partials_", "folds_pairs",
-    "varlen_fillers",
+    "varlen_fillers", "recurrent_kernels",
 )  # fmt: skip
 """What a backend may override to run faster; the defaults are correct."""
 
@@ -522,6 +524,13 @@ class Backend:
             never NaN), or None when not served.
         """
         return None
+
+    def recurrent_kernels(self) -> dict[str, RecurrentKernel]:
+        """The chunk kernels this backend runs recurrent layers with, by recurrence
+        (:data:`xcp.kernels.recurrent.RECURRENCES`: name -> the kernel's convention); a recurrence left out
+        runs the models' own torch kernel (:func:`xcp.recurrent.recurrent_kernel`). Called when a kernel is
+        looked up: import the vendor package here, lazily, and leave out what it lacks. Default: none."""
+        return {}
 
     # ================================================================== tool hooks
     settings: tuple[Setting, ...] = ()

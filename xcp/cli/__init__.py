@@ -66,7 +66,24 @@ def _cmd_backends(args) -> int:
     for r in rows:
         if r.kernel != "-":
             print(f"{r.name} kernel: {r.kernel}")
+    _print_recurrent_kernels()
     return 0
+
+
+def _print_recurrent_kernels() -> None:
+    """Which kernel runs each recurrence (xcp.recurrent) on each backend: its own, else the models' torch one."""
+    from ..plugins import list_backends
+    from ..recurrent.kernels import kernel_labels
+
+    print()
+    for backend in list_backends():
+        try:
+            labels = kernel_labels(backend)
+        except Exception as exc:  # noqa: BLE001 - a plugin's broken hook is reported, not fatal here
+            print(f"{backend.name} recurrent kernels: unknown ({type(exc).__name__}: {exc})")
+            continue
+        for recurrence, label in labels.items():
+            print(f"{backend.name} recurrent {recurrence}: {label}")
 
 
 # the sanitizer's defaults: a problem small enough to check every access of every rank
