@@ -6,8 +6,8 @@ The families' torch kernels compute in float32 whatever the model's dtype (``.to
 difference left is the state passing's, and the tolerance is float64's (1e-9 relative to the largest of each).
 Families: Qwen3-Next (gated delta), Mamba2, Mamba and Jamba (selective scan), Kimi Linear (KDA), Falcon-H1
 and Zamba2 (Mamba2 mixers beside attention), Zamba (a selective scan per Mamba head), LFM2-MoE and LFM3 (short
-convolutions), MiniMax (lightning attention), RecurrentGemma (RG-LRU) and
-RWKV (WKV, token shift), inline in their mixers (xcp/integrations/transformers_inline.py).
+convolutions), MiniMax (lightning attention), RecurrentGemma (RG-LRU),
+RWKV (WKV, token shift) and Zaya (CCA's convolution and delayed values), inline in their mixers (xcp/integrations/transformers_inline.py).
 """
 
 from __future__ import annotations
@@ -83,6 +83,11 @@ def _configs():
             vocab_size=VOCAB, context_length=64, hidden_size=32, attention_hidden_size=32, intermediate_size=64,
             num_hidden_layers=2,
         ),
+        "zaya": lambda: t.ZayaConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=1, router_hidden_size=16,
+            attention_bias=True, cca_time0=3, cca_time1=2, sliding_window=8, layer_types=["hybrid", "hybrid_sliding"],
+        ),  # a bias: the delayed value before the sequence is v_proj_delayed(0); a halo of 3 = 2 + 1
         "mamba": lambda: t.MambaConfig(
             vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4
         ),
@@ -157,6 +162,7 @@ CASES = [
     ("minimax", 3, "zigzag"),
     ("recurrent_gemma", 2, "zigzag"),
     ("rwkv", 4, "contiguous"),
+    ("zaya", 3, "zigzag"),
     ("mamba", 3, "contiguous"),
     ("jamba", 2, "zigzag"),
 ]

@@ -1,7 +1,8 @@
 """transformers' recurrent layers whose recurrence is written inline in the mixer's forward, made
 context-parallel: adapters in :func:`prepare`'s registry.
 
-These mixers (MiniMax's lightning attention, ...) call no module-level kernel a dispatcher could swap
+These mixers (MiniMax's lightning attention, RecurrentGemma's RG-LRU, RWKV's WKV and token shift, ZAYA's
+CCA projection) call no module-level kernel a dispatcher could swap
 (:mod:`xcp.integrations.transformers_recurrent`), so each family has here its recurrence as a chunk kernel
 of the ``initial_state`` / ``output_final_state`` convention and a forward that runs the mixer's own
 projections around it, the kernel through :func:`xcp.recurrent.state_passing` (and short convolutions
@@ -313,6 +314,66 @@ def _adapt_rwkv(module: torch.nn.Module) -> None:
 
 FAMILIES["RwkvSelfAttention"] = _rwkv_attention
 FAMILIES["RwkvFeedForward"] = _rwkv_feed_forward
+
+# --------------------------------------------------------------------------------------------------------
+# ZAYA: the CCA projection's causal convolution over queries and keys, and its delayed values
+
+
+class _Before:
+    """What ZAYA's CCA projection reads from a cache to go on from earlier tokens, for one piece: its
+    convolution's last inputs (``[B, C, K]``) and the previous token's delayed value (``[B, C_v]``).
+    Updates are not kept (no cache over ranks)."""
+
+    def __init__(self, conv: torch.Tensor, value: torch.Tensor) -> None:
+        self.conv, self.value = conv, value
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.conv
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.value
+
+    def update_conv_state(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def update_recurrent_state(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def _zaya_cca(self: Any, run: Run, hidden_states: torch.Tensor, cache: Any = None,
+              conv_mask: torch.Tensor | None = None) -> Any:  # fmt: skip
+    """``ZayaCCAProjection.forward`` over the ranks: its own code on each piece, handed (as from a cache) the
+    ``K`` query/key projections before the piece (zeros before the sequence, as its own padding) and the
+    previous token's delayed value (before the sequence ``v_proj_delayed(0)``, as its own), which travel as
+    the halo of :func:`xcp.recurrent.causal_conv` over ``[hidden | q, k projections | delayed value
+    without its bias]`` (the bias added after, so that a zero halo gives ``v_proj_delayed(0)``)."""
+    run.refuse_carried("a cache (use_cache=True)", cache)
+    if conv_mask is not None:  # applied here, before the projections the halo carries
+        hidden_states = hidden_states * conv_mask[:, :, None].to(hidden_states.dtype)
+    forward = type(self).forward
+    taps = self.conv_kernel_size
+    halo = max(taps, 1)  # the delayed value needs the previous token even without a convolution
+    delayed, bias = self.v_proj_delayed.weight, self.v_proj_delayed.bias
+    qk = torch.cat((self.q_proj(hidden_states), self.k_proj(hidden_states)), dim=-1)
+    sizes = [hidden_states.shape[-1], qk.shape[-1], delayed.shape[0]]
+    x = torch.cat((hidden_states, qk, torch.nn.functional.linear(hidden_states, delayed)), dim=-1)
+    shapes: list[torch.Size] = []
+
+    def conv(part: torch.Tensor) -> torch.Tensor:
+        hidden, before_qk, before_v = part.split(sizes, dim=-1)
+        value = before_v[:, halo - 1] if bias is None else before_v[:, halo - 1] + bias
+        before = _Before(before_qk[:, halo - taps : halo].transpose(1, 2), value)
+        outs = forward(self, hidden[:, halo:], before)
+        shapes[:] = [o.shape[2:] for o in outs]
+        out = torch.cat([o.flatten(2) for o in outs], dim=-1)
+        return torch.cat((out.new_zeros((out.shape[0], halo, out.shape[-1])), out), dim=1)
+
+    out = causal_conv(conv, x, halo + 1, group=run.group, balance=run.balance)
+    parts = out.split([shape.numel() for shape in shapes], dim=-1)
+    return tuple(p.reshape(*p.shape[:2], *shape) for p, shape in zip(parts, shapes))
+
+
+FAMILIES["ZayaCCAProjection"] = _zaya_cca
 
 ADAPTERS = {
     "RecurrentGemmaRecurrentBlock": _adapt_recurrent_gemma,
