@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "xcp.inference.partials": 5,
     "xcp.inference.cache": 5,
     "xcp.inference.paged": 5,
+    "xcp.inference.paged_decode": 5,
     # 5: the hybrid all-to-all around the ring
     "xcp.hybrid": 5,
     # 5: state passing and halos of recurrent layers (their exchanges are the communicators')

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .hookspecs import hookimpl
     from .inference.cache import KVCache
     from .inference.paged import PagedKVCache
+    from .inference.paged_decode import PagedDecode
     from .inference.partials import combine
     from .lifetime import BufferLedger, track_buffers
     from .padding import pad_to_balance
@@ -34,6 +35,7 @@ _EXPORTS = {
     "CommTimeout": "comm",
     "KVCache": "inference.cache",
     "PagedKVCache": "inference.paged",
+    "PagedDecode": "inference.paged_decode",
     "combine": "inference.partials",
     "Communicator": "comm",
     "LocalGroup": "comm",
@@ -69,6 +71,7 @@ __all__ = [
     "CommTimeout",
     "KVCache",
     "PagedKVCache",
+    "PagedDecode",
     "Communicator",
     "LocalGroup",
     "LocalWorld",

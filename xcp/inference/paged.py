@@ -157,12 +157,26 @@ class PagedKVCache:
         layout = check_paged_kv(k, v, self._layout, self.values_in_keys)
         self._refuse_capture("append", k.device)
         ids, cu = check_seq_batch(seq_ids, cu_seqlens, k.shape[0], "k.shape[0]")
-        grows = [self._seqs[i].length if i in self._seqs else 0 for i in ids]
-        self._check_fits(ids, cu, grows)
+        rows, sources = self._place(ids, cu)  # refuses a step some rank cannot hold before anything is allocated
         if layout is not None and self._k is None:
             self._allocate(layout)
-        rows: list[int] = []  # the pool rows (block * block_size + offset) of this rank's new tokens
-        sources: list[int] = []  # their rows in k and v
+        if rows:
+            assert self._k is not None and self._v is not None
+            where = torch.tensor(rows, dtype=torch.int64, device=k.device)
+            which = torch.tensor(sources, dtype=torch.int64, device=k.device)
+            self._k.view(-1, *self._k.shape[2:]).index_copy_(0, where, k.index_select(0, which))
+            if v is not None:
+                self._v.view(-1, *self._v.shape[2:]).index_copy_(0, where, v.index_select(0, which))
+
+    def _place(self, ids: tuple, cu: tuple[int, ...]) -> tuple[list[int], list[int]]:
+        """Plan an append of rows ``cu[i]:cu[i + 1]`` to sequence ``ids[i]`` (every rank's blocks counted first,
+        the step refused on every rank where some pool cannot hold it), give the sequences their blocks and
+        lengths, and return the pool rows (``block * block_size + offset``) of this rank's new tokens and their
+        rows in the appended batch. Writes no tensor."""
+        grows = [self._seqs[i].length if i in self._seqs else 0 for i in ids]
+        self._check_fits(ids, cu, grows)
+        rows: list[int] = []
+        sources: list[int] = []
         for seq_id, start, n, c0 in zip(ids, grows, (b - a for a, b in zip(cu, cu[1:])), cu):
             seq = self._seqs.setdefault(seq_id, _Sequence())
             self._grow(seq, start + n)
@@ -173,13 +187,13 @@ class PagedKVCache:
                 sources.extend(range(c0 + first - start, c0 + first - start + count))
                 seq.runs = cache_plan.extend(seq.runs, first, count)
             seq.length = start + n
-        if rows:
-            assert self._k is not None and self._v is not None
-            where = torch.tensor(rows, dtype=torch.int64, device=k.device)
-            which = torch.tensor(sources, dtype=torch.int64, device=k.device)
-            self._k.view(-1, *self._k.shape[2:]).index_copy_(0, where, k.index_select(0, which))
-            if v is not None:
-                self._v.view(-1, *self._v.shape[2:]).index_copy_(0, where, v.index_select(0, which))
+        return rows, sources
+
+    @property
+    def sink_block(self) -> int:
+        """The pool's one block past ``num_blocks``: never any sequence's, the target of writes that must land in
+        no live block (a padded row of a captured decode step, :class:`xcp.PagedDecode`)."""
+        return self._num_blocks
 
     def free(self, seq_id: Hashable) -> None:
         """Forget sequence ``seq_id``: its blocks go back to the pool (every rank's, as every rank counts them)."""
@@ -217,7 +231,7 @@ class PagedKVCache:
 
     def _allocate(self, layout: CacheLayout) -> None:
         _, h, d, dtype, device, dv = layout
-        shape = (self._num_blocks, self.block_size, h)
+        shape = (self._num_blocks + 1, self.block_size, h)  # + the sink block (sink_block)
         self._k = torch.zeros((*shape, d), dtype=dtype, device=device)  # zeroed: a block's unused rows stay finite
         self._v = self._k[..., :dv] if self.values_in_keys is not None else torch.zeros((*shape, dv), dtype=dtype,
                                                                                          device=device)  # fmt: skip

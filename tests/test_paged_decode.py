@@ -1,0 +1,220 @@
+"""xcp.PagedDecode: a ragged decode step planned on the host, run by device ops alone, over virtual ranks.
+
+Requests join (a prompt appended to the cache), decode one token a step and leave (their blocks freed); every
+step's output on every rank is checked against float64 attention over the request's whole history (no xcp
+code). On the CPU the step runs with the host's reads of tensor values refused and its inputs in buffers kept
+from one step of a padded size to the next, as a captured graph has them; on CUDA the same workload runs
+captured once per padded size and replayed, against the same steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import threading
+
+import pytest
+import torch
+
+import xcp
+from xcp.comm import LocalWorld
+from xcp.inference.paged_decode import decode_padding, padded_sizes
+
+H, HKV, D = 4, 2, 8
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__")
+_guard = threading.local()
+
+
+@contextlib.contextmanager
+def _no_host_reads():
+    """Within (on this thread): a Python read of any tensor's value fails, as it would freeze into a graph."""
+    _guard.on = True
+    try:
+        yield
+    finally:
+        _guard.on = False
+
+
+@pytest.fixture
+def refuse_host_reads(monkeypatch):
+    for name in HOST_READS:
+        real = getattr(torch.Tensor, name)
+
+        def refusing(self, *args, _real=real, _name=name, **kwargs):
+            assert not getattr(_guard, "on", False), f"the step read a tensor's value on the host ({_name})"
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, refusing)
+
+
+def _workload(seed: int, steps: int, max_batch: int, prompt_max: int = 9):
+    """Per step: (requests leaving before it, requests joining with their prompt length, the requests that
+    decode): a request decodes 1 to 9 tokens and leaves; joins keep at most ``max_batch`` active."""
+    rng = random.Random(seed)
+    active: dict[int, int] = {}  # id -> tokens still to decode
+    plan, next_id = [], 0
+    for _ in range(steps):
+        leave = [i for i, left in active.items() if left == 0]
+        for i in leave:
+            del active[i]
+        join = []
+        while len(active) < max_batch and (not active or rng.random() < 0.4):
+            join.append((next_id, rng.randint(1, prompt_max)))
+            active[next_id] = rng.randint(1, 9)
+            next_id += 1
+        decoding = list(active)
+        rng.shuffle(decoding)
+        for i in decoding:
+            active[i] -= 1
+        plan.append((leave, join, decoding))
+    return plan, next_id
+
+
+def _tokens(n_ids: int, length: int, seed: int, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(length, h, D, generator=g, dtype=torch.float64).to(dtype) for h in (H, HKV, HKV)]
+            for _ in range(n_ids)]  # fmt: skip
+
+
+def _reference(tokens, plan, max_len):
+    """float64 attention of each decoding request's newest query over its whole history, per step."""
+    lengths: dict[int, int] = {}
+    wants = []
+    for leave, join, decoding in plan:
+        for i in leave:
+            del lengths[i]
+        for i, n in join:
+            lengths[i] = n
+        rows = []
+        for i in decoding:
+            n = lengths[i] = lengths[i] + 1
+            q, k, v = (x[:n].double() for x in tokens[i])
+            k, v = (x.repeat_interleave(H // HKV, 1) for x in (k, v))
+            p = torch.softmax(torch.einsum("hd,shd->hs", q[n - 1], k) / math.sqrt(D), -1)
+            rows.append(torch.einsum("hs,shd->hd", p, v))
+        wants.append(torch.stack(rows))
+    return wants
+
+
+def _rank(group, tokens, plan, *, block_size, num_blocks, max_batch, max_len, dtype, sizes=None):
+    cache = xcp.PagedKVCache(group, num_blocks=num_blocks, block_size=block_size)
+    decode = None
+    lengths: dict[int, int] = {}
+    outs, buffers, statics = [], None, {}
+    for leave, join, decoding in plan:
+        for i in leave:
+            cache.free(i)
+            del lengths[i]
+        if join:
+            ids = [i for i, _ in join]
+            cu = [0]
+            for _, n in join:
+                cu.append(cu[-1] + n)
+            k, v = (torch.cat([tokens[i][j][:n] for i, n in join]) for j in (1, 2))
+            cache.append(ids, k, v, cu)
+            lengths.update(join)
+        if decode is None:
+            decode = xcp.PagedDecode(cache, max_batch=max_batch, max_len=max_len, sizes=sizes)
+        batch = decode.plan(decoding)
+        if buffers is None:
+            buffers = {name: t.data_ptr() for name, t in decode._buffers.items()}
+        q, k, v = (torch.stack([tokens[i][j][lengths[i]] for i in decoding]) for j in range(3))
+        static = statics.setdefault(batch, decode_padding(batch, q, k, v))  # a graph's inputs: kept per size
+        for x, new in zip(static, decode_padding(batch, q, k, v)):
+            x.copy_(new)
+        with _no_host_reads():
+            out = decode.step(*static)
+        assert out.shape == (batch, H, D) and not out.isnan().any()
+        assert torch.equal(out[len(decoding) :], torch.zeros_like(out[len(decoding) :]))  # padded rows: 0
+        outs.append(out[: len(decoding)].clone())
+        for i in decoding:
+            lengths[i] += 1
+    assert {name: t.data_ptr() for name, t in decode._buffers.items()} == buffers  # made once, updated in place
+    held = sum(len(cache.block_table(i)) for i in cache.seq_ids())
+    return outs, cache.free_blocks + held == cache.num_blocks
+
+
+@pytest.mark.parametrize("world,block_size", [(1, 4), (3, 4), (2, 256)])
+def test_paged_decode_matches_float64_with_requests_joining_and_leaving(refuse_host_reads, world, block_size):
+    steps, max_batch, max_len = 40, 6, 24
+    plan, n_ids = _workload(world * 7 + block_size, steps, max_batch)
+    tokens = _tokens(n_ids, max_len, seed=world)
+    with LocalWorld(world) as w:
+        results = w.run(lambda g: _rank(g, tokens, plan, block_size=block_size, num_blocks=64, max_batch=max_batch,
+                                        max_len=max_len, dtype=torch.float64))  # fmt: skip
+    wants = _reference(tokens, plan, max_len)
+    for outs, pool_ok in results:
+        assert pool_ok
+        for step, (got, want) in enumerate(zip(outs, wants)):
+            torch.testing.assert_close(got, want, atol=1e-10, rtol=0, msg=f"step {step}")
+        for got, first in zip(outs, results[0][0]):
+            assert torch.equal(got, first)  # the same on every rank
+
+
+def test_padded_rows_write_only_the_sink_and_come_out_zero():
+    """A step of 3 requests padded to 4: the pool changes only at the new tokens' slots on the rank that keeps
+    each (position 5 of 2 ranks: rank 1) and in the sink block (the padded row's huge key and value, and the
+    tokens another rank keeps); the padded row is exactly 0, nothing NaN."""
+    tokens = _tokens(3, 12, seed=3)
+
+    def rank(group):
+        cache = xcp.PagedKVCache(group, num_blocks=8, block_size=4)
+        cache.append([0, 1, 2], *(torch.cat([tokens[i][j][:5] for i in range(3)]) for j in (1, 2)), [0, 5, 10, 15])
+        decode = xcp.PagedDecode(cache, max_batch=4, max_len=12)
+        before = [cache.local_len(i) for i in range(3)]
+        assert decode.plan([2, 0, 1]) == 4
+        q, k, v = decode_padding(4, *(torch.stack([tokens[i][j][5] for i in (2, 0, 1)]) for j in range(3)))
+        k[3], v[3], q[3] = 1e30, -1e30, 7.0  # a padded row: finite garbage
+        pool_k, pool_v = cache._k.clone(), cache._v.clone()
+        out = decode.step(q, k, v)
+        changed = (cache._k != pool_k).flatten(2).any(-1) | (cache._v != pool_v).flatten(2).any(-1)
+        written = {(int(b), int(r)) for b, r in changed.nonzero()}
+        new_rows = {
+            (cache.block_table(i)[j // 4], j % 4) for i in range(3) for j in range(before[i], cache.local_len(i))
+        }
+        return out, written, new_rows, cache.sink_block
+
+    with LocalWorld(2) as w:
+        results = w.run(rank)
+    for r, (out, written, new_rows, sink) in enumerate(results):
+        assert torch.equal(out[3], torch.zeros_like(out[3])) and not out.isnan().any()
+        assert len(new_rows) == (3 if r == 1 else 0)
+        assert {(b, row) for b, row in written if b != sink} == new_rows
+        assert any(b == sink for b, _ in written)  # the padded row went there
+
+
+def test_paged_decode_refuses_what_it_cannot_do():
+    tokens = _tokens(3, 8, seed=1)
+    cache = xcp.PagedKVCache(num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="cache: expected a pool that holds tokens"):
+        xcp.PagedDecode(cache, max_batch=2, max_len=8).plan(["a"])
+    cache.append(["a", "b"], torch.cat([tokens[0][1][:4], tokens[1][1][:4]]),
+                 torch.cat([tokens[0][2][:4], tokens[1][2][:4]]), [0, 4, 8])  # fmt: skip
+    decode = xcp.PagedDecode(cache, max_batch=2, max_len=5)
+    with pytest.raises(RuntimeError, match=r"step: expected a plan first"):
+        decode.step(*decode_padding(1, tokens[0][0][:1], tokens[0][1][:1], tokens[0][2][:1]))
+    with pytest.raises(KeyError, match="seq_id: expected a sequence the cache holds; got 'zz'"):
+        decode.plan(["zz"])
+    with pytest.raises(ValueError, match="seq_ids: expected 1 to max_batch = 2 requests; got 3"):
+        decode.plan(["a", "b", "c"])
+    with pytest.raises(ValueError, match="seq_ids: expected distinct ids"):
+        decode.plan(["a", "a"])
+    with pytest.raises(ValueError, match="num_blocks: expected a pool that holds the step"):
+        decode.plan(["a", "b"])  # both need a third block
+    assert cache.seq_len("a") == 4 and cache.free_blocks == 0  # refused: nothing changed
+    cache.free("b")
+    assert decode.plan(["a"]) == 1
+    with pytest.raises(ValueError, match=r"q: expected \[1, 4, 8\] torch.float64 on cpu .*; got \[2, 4, 8\]"):
+        decode.step(tokens[0][0][:2], tokens[0][1][:1], tokens[0][2][:1])
+    with pytest.raises(
+        ValueError, match=r"k: expected \[1, 2, 8\] torch.float64 on cpu .*; got \[1, 2, 8\] torch.float32"
+    ):
+        decode.step(tokens[0][0][:1], tokens[0][1][:1].float(), tokens[0][2][:1])
+    with pytest.raises(ValueError, match="max_len: expected every request to stay within PagedDecode"):
+        decode.plan(["a"])  # a would reach 6 > max_len 5
+    with pytest.raises(ValueError, match="sizes: expected ascending distinct sizes"):
+        xcp.PagedDecode(cache, max_batch=4, max_len=8, sizes=(2, 1, 4))
+    with pytest.raises(ValueError, match="max_batch: expected a positive integer; got 0"):
+        xcp.PagedDecode(cache, max_batch=0, max_len=8)
+    assert padded_sizes(6) == (1, 2, 4, 6) and padded_sizes(1) == (1,)
