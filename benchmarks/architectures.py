@@ -4,11 +4,12 @@ For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` that builds tin
 (float64, random weights, no download):
 
 - **training**: the recipe of docs/integrations.md (``register()``, ``attn_implementation="xcp"``,
-  ``prepare``, ``shard_batch``, ``model_kwargs()``) on 4 virtual ranks (zigzag) against a model built anew
+  ``prepare``, ``shard_batch``, ``model_kwargs()``) on 4 virtual ranks (zigzag; ``--world``, ``--balance``)
+  against a model built anew
   with eager attention and the same weights on one device: logits, loss and every parameter gradient,
   each relative to its largest entry, within ``--tol``;
-- **generate**: ``xt.generate`` on 4 virtual ranks against the reference's own greedy ``generate``: the
-  same tokens.
+- **generate**: ``xt.generate`` on the same ranks against the reference's own greedy ``generate``: the
+  same tokens, and every step's logits within ``--tol``.
 
 A refusal (``prepare``, the build, or a ValueError of xcp at run time) is printed with its reason; anything
 else that differs or raises is a FAIL. Not part of CI (minutes on 2 cores): run it in batches::
@@ -34,8 +35,7 @@ import torch
 
 import xcp
 
-P = 4
-S = 32
+S = 8  # training tokens per rank
 PROMPT, NEW = 13, 4
 
 SMALL = {
@@ -128,6 +128,40 @@ def _zamba(kw: dict[str, Any]) -> None:  # its hybrid layers share one block: tw
     kw.pop("layer_types", None)
 
 
+def _bamba(kw: dict[str, Any]) -> None:  # its default is Mamba layers alone (transformers' own generate fails)
+    kw.update(attn_layer_indices=[1], num_hidden_layers=2)
+
+
+def _jamba(kw: dict[str, Any]) -> None:  # a Mamba layer, then an attention layer (its default: one in 8)
+    kw.update(attn_layer_period=2, attn_layer_offset=1, num_hidden_layers=2)
+
+
+def _mamba2(kw: dict[str, Any]) -> None:  # heads x head_dim = 2 x hidden_size
+    kw.update(num_heads=8, chunk_size=8)
+
+
+def _falcon_h1(kw: dict[str, Any]) -> None:  # the Mamba heads fill the intermediate size
+    kw.update(mamba_d_ssm=128, mamba_chunk_size=8)
+
+
+def _zamba2(kw: dict[str, Any]) -> None:  # a Mamba layer, then a hybrid one (Mamba beside the shared attention)
+    kw.update(layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1], num_hidden_layers=2)
+    kw.update(n_mamba_heads=8, mamba_headdim=16, chunk_size=8, attention_head_dim=16)
+    kw.pop("layer_types", None)
+
+
+def _lfm2_moe(kw: dict[str, Any]) -> None:  # a short-convolution layer, then attention (the first one dense)
+    kw.update(layer_types=["conv", "full_attention"], num_hidden_layers=2, num_dense_layers=1)
+
+
+def _kimi_linear(kw: dict[str, Any]) -> None:  # its default 32 KDA heads of 128 outgrow a small machine
+    kw.update(linear_num_heads=4, linear_head_dim=16)
+
+
+def _granitemoehybrid(kw: dict[str, Any]) -> None:  # its default's first layers are Mamba layers alone
+    kw.update(layer_types=["mamba", "attention"], num_hidden_layers=2)
+
+
 def _zaya(kw: dict[str, Any]) -> None:  # ZAYA routes each token to one expert only
     kw.update(num_experts_per_tok=1)
 
@@ -146,6 +180,14 @@ FIXUPS = {
     "lfm2": _lfm2,
     "zamba": _zamba,
     "zaya": _zaya,
+    "bamba": _bamba,
+    "mamba2": _mamba2,
+    "falcon_h1": _falcon_h1,
+    "zamba2": _zamba2,
+    "lfm2_moe": _lfm2_moe,
+    "kimi_linear": _kimi_linear,
+    "granitemoehybrid": _granitemoehybrid,
+    "jamba": _jamba,
     "hrm_text": _hrm,
     "dory": _dory,
     "gemma3n_text": _gemma3n,
@@ -236,7 +278,7 @@ def float64_loss(logits, labels=None, vocab_size=None, num_items_in_batch=None, 
 
 
 def train_check(model: Any, reference: Any, ids: torch.Tensor) -> str | None:
-    """None when training over P ranks equals one device; else what differs."""
+    """None when training over ``--world`` ranks equals one device; else what differs."""
     from xcp.integrations import transformers as xt
 
     for m in (model, reference):
@@ -247,14 +289,14 @@ def train_check(model: Any, reference: Any, ids: torch.Tensor) -> str | None:
     out.loss.backward()
 
     def rank(group):
-        with xcp.context(group):
+        with xcp.context(group, balance=ARGS.balance):
             batch = xt.shard_batch(ids, labels=ids)
             got = model(**batch.model_kwargs())
             got.loss.backward()
             return got.logits.detach(), got.loss.detach()
 
-    results = xcp.LocalWorld(P).run(rank)
-    logits = xcp.unshard([r[0] for r in results])
+    results = xcp.LocalWorld(ARGS.world).run(rank)
+    logits = xcp.unshard([r[0] for r in results], balance=ARGS.balance)
     errors = {"logits": rel(logits, out.logits.detach()), "loss": rel(sum(r[1] for r in results), out.loss.detach())}
     ref_params = dict(reference.named_parameters())
     grads = [r.grad for r in ref_params.values() if r.grad is not None]
@@ -281,14 +323,20 @@ def generate_check(model: Any, reference: Any, vocab: int) -> str | None:
     model.eval()
     reference.eval()
     kw = {"max_new_tokens": NEW, "do_sample": False, "min_new_tokens": NEW}
+    kw.update(return_dict_in_generate=True, output_logits=True)
     try:
         with torch.no_grad():
             expected = reference.generate(ids, **kw)
     except Exception as exc:  # noqa: BLE001 - nothing to compare with
         return f"not compared: the model's own generate fails ({type(exc).__name__}: {str(exc)[:120]})"
-    got = xcp.LocalWorld(P).run(lambda group: xt.generate(model, ids, group=group, **kw))
-    if not torch.equal(got[0], expected):
-        return f"generate tokens differ: {got[0][0, PROMPT:].tolist()} vs {expected[0, PROMPT:].tolist()}"
+    got = xcp.LocalWorld(ARGS.world).run(lambda group: xt.generate(model, ids, group=group, balance=ARGS.balance, **kw))
+    for out in got:
+        tokens, want = out.sequences[0, PROMPT:].tolist(), expected.sequences[0, PROMPT:].tolist()
+        if tokens != want:
+            return f"generate tokens differ: {tokens} vs {want}"
+        worst = max(rel(a, b) for a, b in zip(out.logits, expected.logits, strict=True))
+        if not worst <= ARGS.tol:
+            return f"generate logits differ: {worst:.2g}"
     return None
 
 
@@ -331,7 +379,7 @@ def survey(model_type: str) -> tuple[str, str]:
         reference = build(config, "eager")
         vocab = int(config.get_text_config(decoder=True).vocab_size)
         with torch.no_grad():  # the tiny config works on one device
-            reference(input_ids=torch.randint(3, vocab, (1, S)), use_cache=False)
+            reference(input_ids=torch.randint(3, vocab, (1, S * ARGS.world)), use_cache=False)
     except Exception as exc:  # noqa: BLE001 - not buildable tiny: outside the survey
         return "unbuildable", f"{type(exc).__name__}: {str(exc)[:160]}"
     if ARGS.full_precision:
@@ -343,7 +391,7 @@ def survey(model_type: str) -> tuple[str, str]:
         xt.prepare(model)
         reference.load_state_dict(model.state_dict())
         torch.manual_seed(2)
-        ids = torch.randint(3, vocab, (1, S))
+        ids = torch.randint(3, vocab, (1, S * ARGS.world))  # split by every balance over --world ranks
         stage = "train"
         problem = train_check(model, reference, ids)
         if problem is not None:
@@ -408,6 +456,8 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--only", default="", help="comma-separated model types")
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--stop", type=int, default=math.inf)  # type: ignore[arg-type]
+    parser.add_argument("--world", type=int, default=4, help="virtual ranks")
+    parser.add_argument("--balance", default="zigzag", help="the context's balance (training and generate)")
     parser.add_argument("--tol", type=float, default=1e-6, help="relative to the largest entry (float64)")
     parser.add_argument(
         "--full-precision", action="store_true",

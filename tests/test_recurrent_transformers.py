@@ -6,8 +6,9 @@ The families' torch kernels compute in float32 whatever the model's dtype (``.to
 difference left is the state passing's, and the tolerance is float64's (1e-9 relative to the largest of each).
 Families: Qwen3-Next (gated delta), Mamba2, Mamba and Jamba (selective scan), Kimi Linear (KDA), Falcon-H1
 and Zamba2 (Mamba2 mixers beside attention), Zamba (a selective scan per Mamba head), LFM2-MoE and LFM3 (short
-convolutions), MiniMax (lightning attention), RecurrentGemma (RG-LRU),
-RWKV (WKV, token shift) and Zaya (CCA's convolution and delayed values), inline in their mixers (xcp/integrations/transformers_inline.py).
+convolutions), MiniMax (lightning attention), RecurrentGemma (RG-LRU), RWKV (WKV, token shift) and Zaya (CCA's
+convolution and delayed values), inline in their mixers (xcp/integrations/transformers_inline.py).
+Generation (xt.generate) against the model's own: Qwen3-Next, Mamba2, Mamba, LFM2-MoE.
 """
 
 from __future__ import annotations
@@ -276,7 +277,7 @@ def test_generate_equals_one_device(kind, world, balance, prompt, full_precision
     model = build(config).eval()
     reference, want_steps = _recording(build(config, "eager").eval())
     reference.load_state_dict(model.state_dict())
-    ids = torch.randint(3, VOCAB, (1, prompt), generator=torch.Generator().manual_seed(prompt))
+    ids = torch.randint(3, VOCAB, (2, prompt), generator=torch.Generator().manual_seed(prompt))  # a batch of two
     kw = dict(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_logits=True)
     want = reference.generate(ids, **kw)
     copies = [_recording(xt.prepare(copy.deepcopy(model))) for _ in range(world)]
@@ -309,3 +310,22 @@ def test_a_carried_state_is_refused_over_ranks():
 
     with pytest.raises(RuntimeError, match=r"RwkvSelfAttention: state \(use_cache=True\) under an xcp.context of more"):
         xcp.LocalWorld(2).run(rank)
+
+
+def test_generate_of_a_left_padded_batch_equals_one_device(full_precision):
+    """A ragged batch (left padding) through xt.generate (its rows one at a time) against the model's own
+    generate with the mask, which keeps the padding out of the recurrent states."""
+    full_precision("qwen3_next")
+    config = _configs()["qwen3_next"]()
+    model = build(config).eval()
+    reference = build(config, "eager").eval()
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(3, VOCAB, (2, 13), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    ids[mask == 0] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    want = reference.generate(ids, **kw)
+    copies = [xt.prepare(copy.deepcopy(model)) for _ in range(2)]
+    for got in xcp.LocalWorld(2).run(lambda group: xt.generate(copies[group.rank()], ids, group=group, **kw)):
+        assert torch.equal(got, want)
