@@ -45,9 +45,13 @@ def test_sanitize_recurrent_command(capsys, monkeypatch):
 def test_bench_recurrent_checks_then_times(capsys):
     pytest.importorskip("transformers", reason="needs transformers")
     assert main(["bench", "--recurrent", "--seqs", "64", "--worlds", "2", "--heads", "2", "--head-dim", "8",
-                 "--reps", "1", "--warmup", "0"]) == 0  # fmt: skip
+                 "--reps", "1", "--warmup", "0", "--stack"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert out.count(" ok (largest error") == 2, out
+    assert out.count(" ok (largest error") == 4, out  # two layers, forward and forward+backward
+    assert out.count("(pass 1 ") == 4 and out.count("exchange bwd ") == 2, out  # where the time goes
+    assert "transformers torch_chunk_gated_delta_rule (torch)" in out and "ok (attention error" in out, out
+    assert main(["bench", "--stack"]) == 2
+    assert "--stack: expected only with --recurrent" in capsys.readouterr().err
 
 
 def test_plan_recurrent_bytes_do_not_grow_with_the_sequence(capsys):

@@ -112,6 +112,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(REPLAY_FLAG, action="store_true", help=REPLAY_HELP)
     p.add_argument(recurrent.FLAG, action="store_true", help=recurrent.HELP)
+    p.add_argument(recurrent.STACK_FLAG, action="store_true", help=recurrent.STACK_HELP)
     p.add_argument(
         decode_flags.FLAG, action="store_true",
         help="instead of the ring figures: a decode step over a sharded KV cache (xcp.KVCache with capacity) of L "
@@ -279,6 +280,8 @@ def command(args: argparse.Namespace) -> int:
         return distributed.command(args)
     if args.recurrent:
         return recurrent.command(args)
+    if args.stack:
+        raise ValueError(f"{recurrent.STACK_FLAG}: expected only with {recurrent.FLAG}; got it without")
     device_note = default_device(args)
     backend, _ = tool_backend(args.device, 0)  # an unknown or unusable backend: the error and the table, first
     _decode_args(args)

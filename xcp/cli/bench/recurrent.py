@@ -1,14 +1,18 @@
-"""``xcp bench --recurrent``: recurrent layers through :func:`xcp.recurrent.state_passing` over P virtual ranks
-against the same kernel on the whole sequence on one device.
+"""``xcp bench --recurrent``: recurrent layers through state passing over P virtual ranks against the same
+kernel on the whole sequence on one device, each checked first (outputs and every input's gradient).
 
-Two layers, with transformers' torch kernels (the families' own CPU reference): a gated delta rule
-(``torch_chunk_gated_delta_rule``, Qwen3-Next's) and a Mamba2 SSD scan (``mamba2_chunk_scan``). Per (layer,
-S, P): the ranks' outputs (and, with backward, every input's gradient) are checked against the whole
-sequence's first; then the forward, and the forward with its backward, are timed. The P ranks run in a
-cooperative LocalWorld (one rank at a time), so the world's wall time over P is one rank's work; the ratio
-to the whole-sequence kernel's time is about 2/P for a decay (pass 1 and pass 2 over 1/P of the sequence)
-and (2 + d_k/d_v)/P for a delta rule (its pass 1 runs d_v + d_k value columns), plus the fold and the
-chunk kernels' own cost of shorter sequences.
+Two layers, with the kernels :func:`xcp.recurrent.recurrent_kernel` picks on the device (CUDA: fla's Triton
+kernels where installed; else the models' own torch kernels): a gated delta rule (Qwen3-Next's) and a
+Mamba2 SSD scan. With ``--stack``, also a Qwen3-Next-shaped block stack: three gated-delta layers to one
+causal attention layer (16 query heads, 2 KV heads, head dim 256) through xcp's ring.
+
+The ranks run as :class:`xcp.cli.bench.virtual.VirtualRing`'s do: one thread and stream each on one device
+(the CPU: one rank at a time), so the world's wall time over the whole-sequence kernel's is the cost of the
+P ranks' work beside one device doing all of it (1.0: no overhead). The exchange runs outside autograd
+(:class:`xcp.recurrent.state.Passes`): on a GPU, virtual ranks cannot run a collective inside autograd's
+backward (one device thread for all ranks); real ranks run :func:`xcp.recurrent.state_passing` as it is.
+The breakdown (pass 1, the exchange, pass 2, and the backward's three) is a second run, one rank at a time
+with the device drained between steps: each step's time summed over the ranks, as shares of that run.
 """
 
 from __future__ import annotations
@@ -17,134 +21,309 @@ import argparse
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ...api import shard, unshard
 from ...comm import LocalWorld
-from ...recurrent import Decay, DeltaRule, Transition, state_passing
+from ...kernels.recurrent import RecurrentKernel
+from ...recurrent import Transition
+from ...recurrent.exchange import gather, scatter_sum
+from ...recurrent.kernels import recurrent_kernel, transition
+from ...recurrent.state import prepare_passes
+from ..common import DTYPES, Clock, default_device, tool_backend, whole_kernel
+from .virtual import VirtualRing
 
 FLAG = "--recurrent"
+STACK_FLAG = "--stack"
 HELP = (
-    "instead of the ring figures: a gated delta rule and a Mamba2 scan (transformers' torch kernels) through "
-    "xcp.recurrent.state_passing over each of --worlds virtual ranks, forward and forward+backward, against the "
-    "same kernel on the whole sequence (checked first); --seqs, --heads (default 4), --head-dim (default 64), "
-    "--reps, --warmup"
+    "instead of the ring figures: a gated delta rule and a Mamba2 scan through xcp.recurrent's state passing over "
+    "each of --worlds virtual ranks, forward and forward+backward, against the same kernel on the whole sequence "
+    "(checked first), with where the time goes (pass 1, exchange, pass 2); the kernels xcp backends names for the "
+    "device (CUDA: fla's where installed). --seqs, --heads, --head-dim (default 16 x 128 on a device, 4 x 64 on the "
+    "CPU; Mamba2: twice the heads of half the dim, d_state = --head-dim), --dtype, --reps, --warmup"
 )
+STACK_HELP = (
+    f"with {FLAG}: also a Qwen3-Next-shaped block stack, 3 gated-delta layers to 1 causal attention layer (16/2 heads "
+    "of 256, xcp's ring), over the same ranks against the same layers on the whole sequence"
+)
+PHASES = ("pass 1", "exchange", "pass 2", "pass 2 bwd", "exchange bwd", "pass 1 bwd")
 
 
-def _layers(heads: int, dim: int) -> dict[str, tuple[Callable[..., Any], Transition, Callable[[int], list]]]:
-    try:
-        from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
-        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
-    except ImportError as exc:
-        raise ValueError(
-            f"{FLAG}: expected transformers installed (its torch kernels are the layers timed); got {exc}"
-        ) from exc
-    a_log = -torch.rand(heads)
+@dataclass
+class Layer:
+    """One recurrent layer of the bench: its kernel, transition, inputs and keyword arguments."""
 
-    def delta(q, k, v, g, beta, initial_state=None, output_final_state=False):
-        final = output_final_state
-        return torch_chunk_gated_delta_rule(
-            q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=final, use_qk_l2norm_in_kernel=True
-        )
-
-    def delta_inputs(s: int) -> list[torch.Tensor]:
-        return [torch.randn(1, s, heads, dim), torch.randn(1, s, heads, dim), torch.randn(1, s, heads, dim),
-                -torch.rand(1, s, heads) * 0.1, torch.rand(1, s, heads)]  # fmt: skip
-
-    def ssd(x, dt, b, c, initial_state=None, output_final_state=False):
-        return mamba2_chunk_scan(
-            x, dt, a_log, b, c, chunk_size=64, initial_states=initial_state, return_final_states=True
-        )
-
-    def ssd_decay(x, dt, b, c):
-        return torch.exp((a_log * dt).sum(dim=1))[..., None, None]
-
-    def ssd_inputs(s: int) -> list[torch.Tensor]:
-        return [torch.randn(1, s, heads, dim), torch.rand(1, s, heads) * 0.1, torch.randn(1, s, 1, dim),
-                torch.randn(1, s, 1, dim)]  # fmt: skip
-
-    return {
-        f"gated delta ({heads} heads, d_k = d_v = {dim})": (delta, DeltaRule(value=2), delta_inputs),
-        f"mamba2 ({heads} heads, head_dim = d_state = {dim})": (ssd, Decay(ssd_decay), ssd_inputs),
-    }
+    name: str
+    kernel: RecurrentKernel
+    transition: Transition
+    inputs: list[torch.Tensor]
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def _median(fn: Callable[[], Any], warmup: int, reps: int) -> float:
+def _gated_delta(seq: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> Layer:
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device)
+
+    inputs = [r(1, seq, heads, dim).to(dtype), r(1, seq, heads, dim).to(dtype), r(1, seq, heads, dim).to(dtype),
+              F.logsigmoid(r(1, seq, heads) + 4.0), torch.rand(1, seq, heads, device=device).to(dtype)]  # fmt: skip
+    kernel = recurrent_kernel("gated_delta_rule", device)
+    name = f"gated delta ({heads} heads, d_k = d_v = {dim})"
+    return Layer(name, kernel, transition("gated_delta_rule"), inputs, {"use_qk_l2norm_in_kernel": True})
+
+
+def _mamba2(seq: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> Layer:
+    h, p, n = 2 * heads, max(dim // 2, 1), dim
+    x = torch.randn(1, seq, h, p, device=device).to(dtype)
+    dt = F.softplus(torch.randn(1, seq, h, device=device) - 3.0)
+    b, c = (torch.randn(1, seq, 1, n, device=device).to(dtype) for _ in range(2))
+    a = -torch.rand(h, device=device) - 0.5
+    name = f"mamba2 ({h} heads of {p}, d_state = {n})"
+    return Layer(name, recurrent_kernel("mamba2", device), transition("mamba2"), [x, dt, b, c], {"A": a})
+
+
+class VirtualStates:
+    """P virtual ranks running one layer's state passing, each a thread with its own stream (the CPU: one
+    rank at a time), on pre-sharded inputs; the exchange outside autograd (see the module's docstring)."""
+
+    def __init__(self, backend: Any, layer: Layer, world: int, dout: torch.Tensor) -> None:
+        self.backend, self.layer, self.world_size = backend, layer, world
+        self.device = layer.inputs[0].device
+        self.cooperative = self.device.type == "cpu"
+        self.world = LocalWorld(world, device=self.device, cooperative=self.cooperative)
+        self.shards = [[shard(x, world, r) for x in layer.inputs] for r in range(world)]
+        self.douts = [shard(dout, world, r) for r in range(world)]
+        self.streams = [backend.new_stream(self.device) for _ in range(world)]
+
+    def close(self) -> None:
+        self.world.close()
+
+    def run(self, backward: bool, steps: dict[str, float] | None = None) -> list[Any]:
+        """One forward (and backward) of every rank; with ``steps``, one rank at a time, each step's time
+        (the device drained around it) added into ``steps``."""
+        main = self.backend.current_stream(self.device)
+        world = self.world
+        if steps is not None:
+            world = LocalWorld(self.world_size, device=self.device, cooperative=True)
+        try:
+            results = world.run(self._rank, backward, main, steps)
+        finally:
+            if world is not self.world:
+                world.close()
+        for stream, _, _ in results:
+            self.backend.wait_stream(main, stream)
+        return results
+
+    def _rank(self, group: Any, backward: bool, main: Any, steps: dict[str, float] | None) -> Any:
+        be, rank = self.backend, group.rank()
+        stream = self.streams[rank]
+        be.wait_stream(stream, main)
+        inputs = [x.detach().requires_grad_(backward and x.is_floating_point()) for x in self.shards[rank]]
+        lap = _Lap(be, self.device, steps)
+        with be.stream_context(stream), torch.enable_grad() if backward else torch.no_grad():
+            passes = prepare_passes(self.layer.kernel.fn, *inputs, transition=self.layer.transition, group=group,
+                                    **self.layer.kwargs)  # fmt: skip
+            if passes.comm.size() == 1:
+                return self._alone(passes, inputs, backward, stream)
+            summaries = passes.summaries()
+            lap("pass 1")
+            sent = passes.packed(summaries)
+            gathered = gather(passes.comm, be, None, [s.detach() for s in sent], passes.rows, "state")
+            lap("exchange")
+            leaf = gathered.requires_grad_(backward)
+            own = [None if x is None else _view(leaf[rank, i], x) for i, x in enumerate(summaries)]
+            incoming, _ = passes.fold(own, leaf)
+            out = passes.outputs(incoming)
+            lap("pass 2")
+            grads = None
+            if backward:
+                out.backward(self.douts[rank])
+                lap("pass 2 bwd")
+                dleaf = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                mine = scatter_sum(passes.comm, be, None, dleaf, "dstate")
+                lap("exchange bwd")
+                needed = [(s, mine[i]) for i, s in enumerate(sent) if s.requires_grad]
+                if needed:
+                    torch.autograd.backward([s for s, _ in needed], [g for _, g in needed])
+                lap("pass 1 bwd")
+                grads = [x.grad for x in inputs]
+        return stream, out.detach(), grads
+
+
+    def _alone(self, passes: Any, inputs: list[torch.Tensor], backward: bool, stream: Any) -> Any:
+        """A world of one: the kernel alone (nothing to exchange)."""
+        out = passes.outputs([None])
+        if backward:
+            out.backward(self.douts[0])
+        return stream, out.detach(), [x.grad for x in inputs] if backward else None
+
+
+def _view(row: torch.Tensor, summary: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's own summary read back from the gathered rows (so its gradient, too, goes through them)."""
+    t, s = summary
+    return row[: t.numel()].view(t.shape), row[t.numel() :].view(s.shape)
+
+
+class _Lap:
+    """Adds the time since the last lap to ``steps[name]`` (the device drained first); nothing without steps."""
+
+    def __init__(self, backend: Any, device: torch.device, steps: dict[str, float] | None) -> None:
+        self.backend, self.device, self.steps = backend, device, steps
+        self.last = self._now()
+
+    def _now(self) -> float:
+        if self.steps is None:
+            return 0.0
+        self.backend.synchronize(self.device)
+        return time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        if self.steps is None:
+            return
+        now = self._now()
+        self.steps[name] = self.steps.get(name, 0.0) + now - self.last
+        self.last = now
+
+
+def _whole(layer: Layer, dout: torch.Tensor, backward: bool) -> tuple[torch.Tensor, list[Any] | None]:
+    with torch.enable_grad() if backward else torch.no_grad():
+        leaves = [x.detach().requires_grad_(backward and x.is_floating_point()) for x in layer.inputs]
+        out, _ = layer.kernel.fn(*leaves, **layer.kwargs)
+        if not backward:
+            return out, None
+        out.backward(dout)
+    return out.detach(), [x.grad for x in leaves]
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+
+
+def _errors(results: list[Any], whole_out: torch.Tensor, whole_grads: list[Any] | None) -> float:
+    errors = [_rel(unshard([r[1] for r in results]), whole_out)]
+    for i, g in enumerate(whole_grads or []):
+        if g is not None:
+            errors.append(_rel(unshard([r[2][i] for r in results]), g))
+    return max(errors)
+
+
+def _median(clock: Callable[[Callable[[], Any]], float], fn: Callable[[], Any], warmup: int, reps: int) -> float:
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(clock(fn) for _ in range(reps))
 
 
-def _row(name: str, kernel: Callable[..., Any], transition: Transition, whole: list[torch.Tensor], p: int,
-         warmup: int, reps: int) -> tuple[float, float, float]:  # fmt: skip
-    """Check, then time one rank's forward and forward+backward over P; returns (largest error, fwd, f+b)."""
-    leaves = [x.clone().requires_grad_() for x in whole]
-    expected, _ = kernel(*leaves)
-    dout = torch.randn_like(expected)
-    expected.backward(dout)
-    world = LocalWorld(p, cooperative=True)
+def _tolerance(dtype: torch.dtype) -> float:
+    """bf16/fp16 kernels round their inputs, outputs and chunk products in another order than one scan's; float32
+    keeps about 1e-6 of the largest value through the fold."""
+    return 5e-2 if dtype in (torch.bfloat16, torch.float16) else 2e-3
 
-    def rank(group: Any, backward: bool) -> Any:
-        r = group.rank()
-        local = [shard(x, p, r).requires_grad_(backward) for x in whole]
-        out, _ = state_passing(kernel, *local, transition=transition, group=group)
-        if backward:
-            out.backward(shard(dout, p, r))
-            return out.detach(), [x.grad for x in local]
-        return out, None
 
+def layer_row(backend: Any, clock: Any, layer: Layer, world: int, warmup: int, reps: int) -> dict[str, Any]:
+    """Check, then time one layer over ``world`` virtual ranks against its kernel on the whole sequence."""
+    gen_out, _ = _whole(layer, torch.empty(0), False)
+    dout = torch.randn_like(gen_out)
+    del gen_out
+    ranks = VirtualStates(backend, layer, world, dout)
+    row: dict[str, Any] = {"layer": layer.name, "seq": layer.inputs[0].shape[1], "world": world}
     try:
-        got = world.run(rank, True)
-        errors = [_rel(unshard([g[0] for g in got]), expected.detach())]
-        errors += [_rel(unshard([g[1][i] for g in got]), leaf.grad) for i, leaf in enumerate(leaves)]
-        fwd = _median(lambda: world.run(rank, False), warmup, reps) / p
-        fb = _median(lambda: world.run(rank, True), warmup, reps) / p
+        for mode, backward in (("fwd", False), ("fwd_bwd", True)):
+            whole_out, whole_grads = _whole(layer, dout, backward)
+            row[f"{mode}_error"] = _errors(ranks.run(backward), whole_out, whole_grads)
+            del whole_out, whole_grads
+            whole = functools.partial(_whole, layer, dout, backward)
+            ours = functools.partial(ranks.run, backward)
+            row[f"{mode}_whole_s"] = _median(clock.time, whole, warmup, reps)
+            row[f"{mode}_ranks_s"] = _median(clock.time, ours, warmup, reps)
+            steps: dict[str, float] = {}
+            ranks.run(backward, steps)
+            row[f"{mode}_steps"] = steps
     finally:
-        world.close()
-    return max(errors), fwd, fb
+        ranks.close()
+    row["ok"] = max(row["fwd_error"], row["fwd_bwd_error"]) <= _tolerance(layer.inputs[0].dtype)
+    return row
 
 
-def _forward_backward(kernel: Callable[..., Any], inputs: list[torch.Tensor], dout: torch.Tensor) -> None:
-    kernel(*inputs)[0].backward(dout)
+def attention_row(backend: Any, clock: Any, seq: int, world: int, dtype: torch.dtype, device: torch.device,
+                  warmup: int, reps: int) -> dict[str, Any]:  # fmt: skip
+    """The stack's attention layer (16/2 heads of 256, causal) through xcp's ring over ``world`` virtual ranks
+    against the backend's kernel on the whole sequence, forward+backward."""
+    q = torch.randn(1, seq, 16, 256, device=device, dtype=dtype)
+    k, v = (torch.randn(1, seq, 2, 256, device=device, dtype=dtype) for _ in range(2))
+    full = (q, k, v, torch.randn_like(q))
+    ring = VirtualRing(backend, world, full, True, "zigzag")
+    out, _ = whole_kernel(backend, full, True, False)
+    error = _rel(unshard([r[1] for r in ring.run(False)], **ring.place), out)
+    del out
+    whole = _median(clock.time, lambda: whole_kernel(backend, full, True, True), warmup, reps)
+    row = {"error": error, "whole_s": whole, "ranks_s": _median(clock.time, lambda: ring.run(True), warmup, reps)}
+    ring.world.close()
+    return row
 
 
-def _rel(got: torch.Tensor, want: Any) -> float:
-    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+def _format_steps(steps: dict[str, float]) -> str:
+    total = sum(steps.values()) or 1.0
+    return ", ".join(f"{name} {100 * steps[name] / total:.0f}%" for name in PHASES if name in steps)
 
 
 def command(args: argparse.Namespace) -> int:
-    heads, dim = args.heads or 4, args.head_dim or 64
-    seqs = args.seqs or [2048]
+    note = default_device(args)
+    backend, device = tool_backend(args.device, 0)
+    on_cpu = device.type == "cpu"
+    heads, dim = int(args.heads or (4 if on_cpu else 16)), int(args.head_dim or (64 if on_cpu else 128))
+    dtype = DTYPES[args.dtype or ("float32" if on_cpu else "bfloat16")]
+    seqs = args.seqs or ([2048] if on_cpu else [262144])
     warmup, reps = max(args.warmup, 0), args.reps
+    print(f"xcp bench {FLAG}: {device} ({note or 'device ' + str(args.device)}), {str(dtype).removeprefix('torch.')}; "
+          "ranks: the P virtual ranks' wall time on this one device; ratio: ranks / whole (1.00: no overhead); "
+          "median of --reps")  # fmt: skip
     failed = False
-    print(f"xcp bench {FLAG}: cpu, float32, one rank's work (a cooperative LocalWorld's wall time / P) over the "
-          "whole-sequence kernel's; median of --reps")  # fmt: skip
-    print(f"{'layer':44s} {'S':>6s} {'P':>3s} {'whole fwd':>10s} {'rank fwd':>10s} {'ratio':>6s} "
-          f"{'whole f+b':>10s} {'rank f+b':>10s} {'ratio':>6s} {'2/P':>5s}  check")  # fmt: skip
-    for name, (kernel, transition, make) in _layers(heads, dim).items():
-        for s in seqs:
-            whole = make(s)
-            leaves = [x.clone().requires_grad_() for x in whole]
-            dout = torch.randn_like(kernel(*whole)[0])
-            fwd = _median(functools.partial(kernel, *whole), warmup, reps)
-            fb = _median(functools.partial(_forward_backward, kernel, leaves, dout), warmup, reps)
+    gdr: dict[tuple[int, int], dict[str, Any]] = {}
+    for make in (_gated_delta, _mamba2):
+        for seq in seqs:
+            layer = make(seq, heads, dim, dtype, device)
+            print(f"{layer.name}: {layer.kernel.label}")
             for p in args.worlds:
-                if s % (2 * p):
-                    print(f"{name:44s} {s:6d} {p:3d}  skipped: S not a multiple of 2P")
+                if seq % (2 * p):
+                    print(f"  S {seq} P {p}: skipped (S not a multiple of 2P)")
                     continue
-                error, rank_fwd, rank_fb = _row(name, kernel, transition, whole, p, warmup, reps)
-                ok = error <= 1e-3  # float32 kernels, the state folded in another order than one scan's
-                failed |= not ok
-                print(f"{name:44s} {s:6d} {p:3d} {fwd * 1e3:8.1f}ms {rank_fwd * 1e3:8.1f}ms {rank_fwd / fwd:6.2f} "
-                      f"{fb * 1e3:8.1f}ms {rank_fb * 1e3:8.1f}ms {rank_fb / fb:6.2f} {2 / p:5.2f}  "
-                      f"{'ok' if ok else 'FAILED'} (largest error {error:.1e})", flush=True)  # fmt: skip
+                row = layer_row(backend, Clock(backend, device), layer, p, warmup, reps)
+                failed |= not row["ok"]
+                if make is _gated_delta:
+                    gdr[(seq, p)] = row
+                for mode in ("fwd", "fwd_bwd"):
+                    whole, ours = row[f"{mode}_whole_s"], row[f"{mode}_ranks_s"]
+                    print(f"  S {seq:>8d} P {p:>2d} {mode:>7s}: whole {whole * 1e3:9.1f} ms  ranks {ours * 1e3:9.1f} ms"
+                          f"  ratio {ours / whole:5.2f}  ({_format_steps(row[mode + '_steps'])})  "
+                          f"{'ok' if row['ok'] else 'FAILED'} (largest error {row[mode + '_error']:.1e})",
+                          flush=True)  # fmt: skip
+            del layer
+    if getattr(args, "stack", False):
+        failed |= _stack(args, backend, device, dtype, seqs, gdr, warmup, reps)
     return 1 if failed else 0
+
+
+def _stack(args: argparse.Namespace, backend: Any, device: torch.device, dtype: torch.dtype, seqs: Sequence[int],
+           gdr: dict[tuple[int, int], dict[str, Any]], warmup: int, reps: int) -> bool:  # fmt: skip
+    """The block stack's line per (S, P): 3 gated-delta layers (their rows above) and 1 attention layer."""
+    failed = False
+    print("block stack (3 gated delta : 1 causal attention of 16/2 heads x 256), fwd+bwd:")
+    for seq in seqs:
+        for p in args.worlds:
+            if (seq, p) not in gdr:
+                continue
+            att = attention_row(backend, Clock(backend, device), seq, p, dtype, device, warmup, reps)
+            ok = att["error"] <= _tolerance(dtype) and gdr[(seq, p)]["ok"]
+            failed |= not ok
+            whole = 3 * gdr[(seq, p)]["fwd_bwd_whole_s"] + att["whole_s"]
+            ours = 3 * gdr[(seq, p)]["fwd_bwd_ranks_s"] + att["ranks_s"]
+            print(f"  S {seq:>8d} P {p:>2d}: whole {whole * 1e3:9.1f} ms  ranks {ours * 1e3:9.1f} ms  ratio "
+                  f"{ours / whole:5.2f}  (attention: whole {att['whole_s'] * 1e3:.1f} ms, ring "
+                  f"{att['ranks_s'] * 1e3:.1f} ms)  {'ok' if ok else 'FAILED'} (attention error {att['error']:.1e})",
+                  flush=True)  # fmt: skip
+    return failed
+
