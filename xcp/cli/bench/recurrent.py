@@ -153,7 +153,6 @@ class VirtualStates:
                 grads = [x.grad for x in inputs]
         return stream, out.detach(), grads
 
-
     def _alone(self, passes: Any, inputs: list[torch.Tensor], backward: bool, stream: Any) -> Any:
         """A world of one: the kernel alone (nothing to exchange)."""
         out = passes.outputs([None])
@@ -326,4 +325,3 @@ def _stack(args: argparse.Namespace, backend: Any, device: torch.device, dtype: 
                   f"{att['ranks_s'] * 1e3:.1f} ms)  {'ok' if ok else 'FAILED'} (attention error {att['error']:.1e})",
                   flush=True)  # fmt: skip
     return failed
-
