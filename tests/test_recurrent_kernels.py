@@ -86,3 +86,32 @@ def test_a_backends_own_kernel_is_picked_and_listed(capsys):
 def test_an_unknown_recurrence_is_refused():
     with pytest.raises(ValueError, match="recurrence: expected one of gated_delta_rule, kda, simple_gla, mamba2; got"):
         recurrent_kernel("gla")
+
+
+def test_fla_named_kernels_in_a_modeling_module_are_served():
+    """A mixer module holding fla's ``chunk_gated_delta_rule`` (fla's positional order: scale, initial_state,
+    output_final_state after beta) is served by the dispatchers: under a context, state passing over the
+    ranks; exact against the kernel on the whole sequence, final state included (float64 reference kernel)."""
+    from xcp.integrations import transformers_recurrent as tr
+    from xcp.testing.recurrent_sanitizer import delta_rule
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, **kw):
+        assert scale == 0.5 and not kw, (scale, kw)  # what the caller passed, positionally, reaches the kernel
+        return delta_rule(q * scale, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state)
+
+    assert "chunk_gated_delta_rule" in tr.KERNELS and "chunk_kda" in tr.KERNELS
+    dispatch = tr._dispatcher(chunk_gated_delta_rule, tr.KERNELS["chunk_gated_delta_rule"])
+    gen = torch.Generator().manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, v, k = r(1, 12, 2, 3), r(1, 12, 2, 4), F.normalize(r(1, 12, 2, 3), dim=-1)
+    g, beta = -r(1, 12, 2).abs() * 0.3, r(1, 12, 2).sigmoid()
+    want, want_final = chunk_gated_delta_rule(q, k, v, g, beta, 0.5, None, True)
+
+    def rank(group):
+        local = [xcp.shard(t, 2, group.rank()) for t in (q, k, v, g, beta)]
+        with tr._running(tr._Run(group, "zigzag", "FlaMixer")):
+            return dispatch(*local, 0.5, None, True)
+
+    got = xcp.LocalWorld(2).run(rank)
+    assert rel(xcp.unshard([o for o, _ in got]), want) < 1e-12
+    assert all(rel(final, want_final) < 1e-12 for _, final in got)

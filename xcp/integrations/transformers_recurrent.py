@@ -72,11 +72,17 @@ def _cu(run: _Run, kwargs: dict[str, Any]) -> None:
             )
 
 
-def _delta(original: Callable[..., Any], run: _Run, query, key, value, g, beta, *args, **kwargs):
+_TORCH_DELTA = ("chunk_size", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
+_FLA_DELTA = ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
+"""The positional arguments after ``beta``: transformers' torch kernels', and fla's ``chunk_gated_delta_rule``
+and ``chunk_kda``'s (the names a modeling module holds where it imports fla's kernels itself)."""
+
+
+def _delta(original: Callable[..., Any], run: _Run, query, key, value, g, beta, *args, _names=_TORCH_DELTA, **kwargs):
     """``torch_chunk_gated_delta_rule`` / ``chunk_kimi_delta_attention`` (q, k, v, g, beta, chunk_size,
-    initial_state, output_final_state, use_qk_l2norm_in_kernel) through state passing."""
-    names = ("chunk_size", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
-    kwargs.update(zip(names, args))
+    initial_state, output_final_state, use_qk_l2norm_in_kernel), or fla's kernels of those (``_names``:
+    :data:`_FLA_DELTA`), through state passing. fla's state is [N, H, K, V] float32, DeltaRule's layout."""
+    kwargs.update(zip(_names, args))
     _no_carry(run, "initial_state", kwargs.pop("initial_state", None))
     _cu(run, kwargs)
     final = bool(kwargs.pop("output_final_state", False))
@@ -195,6 +201,8 @@ def _unfused(original: Callable[..., Any], run: _Run, *args, **kwargs):
 KERNELS: dict[str, Callable[..., Any]] = {
     "torch_chunk_gated_delta_rule": _delta,
     "chunk_kimi_delta_attention": _delta,
+    "chunk_gated_delta_rule": functools.partial(_delta, _names=_FLA_DELTA),
+    "chunk_kda": functools.partial(_delta, _names=_FLA_DELTA),
     "mamba2_chunk_scan": _mamba2,
     "mamba2_split_conv1d_scan_combined": _unfused,
     "mamba_selective_scan": _selective_scan,
