@@ -248,13 +248,12 @@ def _cp_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     its class's forward, whose kernels pass state under a context of more than one rank."""
     forward = type(self).forward
     ctx = current()
-    if ctx.world_size == 1:
-        return forward(self, *args, **kwargs)
     layer = type(self).__name__
     cache = next((a for a in (*args, *kwargs.values()) if type(a).__name__ == "ShardedCache"), None)
-    if cache is not None and not cache.ring:  # xcp's generate after the prompt: the same tokens on every rank
-        out = forward(self, *args, **kwargs)  # the model's own kernels on the whole states, no state passing
-        cache.advance(self.layer_idx, _tokens(layer, args, kwargs))
+    if ctx.world_size == 1 or (cache is not None and not cache.ring):  # one rank, or xcp's generate after the
+        out = forward(self, *args, **kwargs)  # prompt: the model's own kernels on the whole states, every rank alike
+        if cache is not None:  # xcp's generate cache counts the tokens its recurrent layers have seen
+            cache.advance(self.layer_idx, _tokens(layer, args, kwargs))
         return out
     if ctx.ulysses != 1:
         raise NotImplementedError(f"{layer}: ulysses > 1 with recurrent layers is not supported; got {ctx.ulysses}")
