@@ -229,6 +229,92 @@ def test_descriptions_at_the_edges_of_each_field():
 def test_a_disagreement_names_only_the_fields_that_differ():
     q, k, v, _ = random_inputs(1, 12, 4, 2, 8, seed=5)
     rows = [agreement.fingerprint(q, k, v, causal, "zigzag", 0.5) for causal in (True, True, False)]
+    assert agreement.disagreement(rows[:1]) is None  # a group of one agrees with itself
     message = agreement.disagreement(rows)
     assert "causal (ranks 0, 1: True; rank 2: False)" in message
     assert not any(f"{field} (" in message for field in agreement.FIELDS if field != "causal")
+
+
+def test_shapes_carry_the_global_length_under_a_document_balance_only():
+    """document_zigzag's shards may differ by a token: ranks holding 5 and 4 of 9 tokens agree, and a real
+    difference (the heads) names each rank's shape with the global length 9. Under zigzag the shards are
+    equal, and the message names each rank's own shard shape, as the rank passed it."""
+    docs = (0, 3, 9)
+
+    def shards(lengths, heads):
+        return [
+            [torch.zeros(1, n, h, 8), torch.zeros(1, n, 2, 8), torch.zeros(1, n, 2, 8)] for n, h in zip(lengths, heads)
+        ]
+
+    def rows(balance, lengths, heads):
+        return [agreement.fingerprint(*s, True, balance, 0.5, docs) for s in shards(lengths, heads)]
+
+    assert agreement.disagreement(rows("document_zigzag", (5, 4), (4, 4))) is None
+    message = agreement.disagreement(rows("document_zigzag", (5, 4), (4, 2)))
+    assert "q.shape (rank 0: (1, 9, 4, 8); rank 1: (1, 9, 2, 8))" in message
+    assert "k.shape" not in message  # equal but for the token the balance allows
+    message = agreement.disagreement(rows("zigzag", (3, 3, 3), (4, 4, 2)))
+    assert "q.shape (ranks 0, 1: (1, 3, 4, 8); rank 2: (1, 3, 2, 8))" in message
+
+
+def test_process_ranks_share_one_agreed_set_per_group_membership():
+    """A rank that is a process (torch.distributed) calls from several threads: they share the group's agreed
+    set, so a configuration is checked once per process; a group of other members checks it afresh (its
+    ranks have agreed on nothing yet)."""
+    import threading
+
+    class ProcessRank:
+        ranks_are_threads = False
+
+        def __init__(self, members):
+            self.members = members
+
+        def rank_store(self):
+            raise AssertionError("a process rank's set is per group membership, not per thread")
+
+    sets = []
+    threads = [threading.Thread(target=lambda: sets.append(agreement.agreed_set(ProcessRank((0, 1))))) for _ in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert sets[0] is sets[1] is agreement.agreed_set(ProcessRank((0, 1)))
+        assert agreement.agreed_set(ProcessRank((0, 2))) is not sets[0]
+    finally:
+        for members in ((0, 1), (0, 2)):
+            agreement._process_agreed.pop(members, None)
+
+
+def test_every_rank_gathers_every_fingerprint_in_p_minus_1_hops():
+    """The check costs each rank P - 1 small messages, once per configuration, and gives every rank the rows
+    of all ranks in rank order."""
+    hops: list[int] = []
+
+    def fn(group):
+        class Counting:
+            def __getattr__(self, name):
+                return getattr(group, name)
+
+            def exchange(self, *args, **kwargs):
+                hops.append(group.rank())
+                return group.exchange(*args, **kwargs)
+
+        return agreement.ring_gather(Counting(), CPUBackend(), torch.tensor([group.rank(), 7]))
+
+    assert _run(4, fn) == [[[r, 7] for r in range(4)]] * 4
+    assert sorted(hops) == [r for r in range(4) for _ in range(3)]
+
+
+def test_a_new_local_world_has_agreed_on_nothing():
+    """Virtual ranks keep their agreed set per world: a configuration agreed in one LocalWorld is checked
+    again in the next, so ranks of the new world that disagree are all told so (none skips the check while
+    its peers wait in it)."""
+    kw = _base(0)
+    assert all(not isinstance(r, str) for r in _run(2, lambda group: _call(group, kw)))
+
+    def fn(group):
+        return _call(group, kw if group.rank() == 0 else dict(kw, causal=False))
+
+    results = _run(2, fn)
+    assert all(isinstance(r, str) and "causal (rank 0: True; rank 1: False)" in r for r in results), results

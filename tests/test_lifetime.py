@@ -234,6 +234,34 @@ def test_workspace_keeps_at_most_its_capacity():
     assert ws.nbytes() == 0 and ws.ready is None
 
 
+def test_a_rank_keeps_the_slots_of_its_four_latest_shapes():
+    """docs/lifetime.md: the workspace keeps at most four keys, least recently used dropped first. After
+    forward calls of five head dims on each rank, the four latest reuse their slots and the first, dropped,
+    allocates again: the memory a rank holds between calls stays bounded, and a working set of four shapes
+    allocates nothing."""
+    world = 3
+    dims = (2, 3, 4, 5, 6)
+
+    def rank(g):
+        cfg = RingConfig(g, CPUBackend(), True, 0.5)
+        shards = {d: [xcp.shard(x, world, g.rank()) for x in inputs(world, dim=d)[:3]] for d in dims}
+
+        def allocations(d):
+            with track_buffers() as led:
+                ring_forward(*shards[d], cfg)
+            return led.allocations
+
+        for d in dims:
+            allocations(d)
+        held = len(lifetime.workspace(g)._sets)
+        return held, [allocations(d) for d in reversed(dims[1:])], allocations(dims[0])
+
+    for held, reused, dropped in LocalWorld(world).run(rank):
+        assert held == 4
+        assert reused == [0, 0, 0, 0]
+        assert dropped == 2  # the two KV slots of the first shape, made anew
+
+
 @pytest.mark.parametrize("handoff", ["event", "none", "clone"])
 def test_handoff_policies_keep_the_numbers(handoff):
     tensors, results = run_ring(3, handoff=handoff)

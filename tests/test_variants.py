@@ -206,6 +206,28 @@ def test_ranks_that_differ_in_a_variant_are_told_which():
         assert message is not None and "softcap (rank 0: 30.0; rank 1: 50.0)" in message
 
 
+def test_ranks_of_the_hybrid_that_differ_in_their_slopes_are_told_which():
+    """Under ulysses=U the slopes reach the agreement beside the call's spec: rank 1 passing them in another
+    dtype is named, on every rank, before any head group exchanges."""
+    q, k, v, _ = inputs(0)
+    slopes = torch.linspace(0.1, 0.5, q.shape[2])
+
+    def body(group):
+        r = group.rank()
+        local = [xcp.shard(x, 2, r, ulysses=2) for x in (q, k, v)]
+        mine = slopes if r == 0 else slopes.double()
+        try:
+            xcp.attention(*local, group=group, causal=True, ulysses=2, alibi_slopes=mine)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    for message in xcp.LocalWorld(2, timeout=20).run(body):
+        assert (
+            message is not None and "alibi_slopes (rank 0: '[4] torch.float32'; rank 1: '[4] torch.float64')" in message
+        )
+
+
 # ------------------------------------------------------------------------------------------- KV cache
 
 
