@@ -8,7 +8,7 @@ Families: Qwen3-Next (gated delta), Mamba2, Mamba and Jamba (selective scan), Ki
 and Zamba2 (Mamba2 mixers beside attention), Zamba (a selective scan per Mamba head), LFM2-MoE and LFM3 (short
 convolutions), MiniMax (lightning attention), RecurrentGemma (RG-LRU), RWKV (WKV, token shift) and Zaya (CCA's
 convolution and delayed values), inline in their mixers (xcp/integrations/transformers_inline.py).
-Generation (xt.generate) against the model's own: Qwen3-Next, Mamba2, Mamba, LFM2-MoE.
+Generation (xt.generate) against the model's own: Qwen3-Next, Mamba2, Mamba, LFM2-MoE, Zaya.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _configs():
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=1, router_hidden_size=16,
             attention_bias=True, cca_time0=3, cca_time1=2, sliding_window=8, layer_types=["hybrid", "hybrid_sliding"],
-        ),  # a bias: the delayed value before the sequence is v_proj_delayed(0); a halo of 3 = 2 + 1
+        ),  # biases (PERTURBED): the delayed value before the sequence is v_proj_delayed(0); a halo of 3 = 2 + 1
         "mamba": lambda: t.MambaConfig(
             vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4
         ),
@@ -138,11 +138,23 @@ def full_precision(monkeypatch):
     return patch
 
 
+PERTURBED = {"zaya"}
+"""Families whose zero-initialised parameters are made random: ZAYA's qk_norm temperature 0 makes attention
+uniform whatever its queries and keys (its convolution's halo would go unchecked), its biases 0 hide the
+delayed value before the sequence (v_proj_delayed(0))."""
+
+
 def build(config, impl="xcp"):
     torch.manual_seed(0)
-    return t.AutoModelForCausalLM.from_config(
+    model = t.AutoModelForCausalLM.from_config(
         copy.deepcopy(config), attn_implementation=impl, dtype=torch.float64, experts_implementation="eager"
     )
+    if config.model_type in PERTURBED:
+        with torch.no_grad():
+            for p in model.parameters():
+                if not p.any():
+                    p.normal_(0, 0.5)
+    return model
 
 
 def rel(a, b):
@@ -245,6 +257,7 @@ GENERATE = [
     ("mamba", 3, "contiguous", 14),
     ("lfm2_moe", 2, "zigzag", 11),
     ("mamba2", 1, "zigzag", 9),  # a world of one: the cache counts the prompt's tokens (no attention layer does)
+    ("zaya", 3, "zigzag", 14),
 ]
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..context import current
-from ..recurrent import Decay, causal_conv, check_recurrent_balance, state_passing
+from ..recurrent import Decay, causal_conv, check_recurrent_balance, last_inputs, state_passing
 from . import decoding
 from .transformers_prepare import register_layer
 
@@ -56,6 +56,12 @@ class Run:
             )
 
 
+def _prompt(cache: Any) -> bool:
+    """Whether ``cache`` is xcp's generate cache during the prompt's ring prefix (where a family of
+    :data:`GENERATES` keeps the whole sequence's states in it)."""
+    return cache is not None and type(cache).__name__ == "ShardedCache" and bool(cache.ring)
+
+
 ContextParallel = Callable[..., Any]
 """``forward(module, run, *args, **kwargs)``: a mixer's forward over the context's ranks."""
 
@@ -70,7 +76,11 @@ def _forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if ctx.world_size == 1:
         return type(self).forward(self, *args, **kwargs)
     layer = type(self).__name__
-    if decoding.current() is not None:
+    cache = next((a for a in (*args, *kwargs.values()) if type(a).__name__ == "ShardedCache"), None)
+    if cache is not None and layer in GENERATES and not cache.ring:
+        # xcp's generate after the prompt's ring prefix: the same tokens on every rank, the states whole
+        return type(self).forward(self, *args, **kwargs)
+    if decoding.current() is not None and (cache is None or layer not in GENERATES):
         raise NotImplementedError(
             f"{layer}: xcp.integrations.transformers.generate over more than one rank does not serve this "
             "recurrent layer yet (its state would have to be kept whole on every rank after the prompt); "
@@ -347,7 +357,7 @@ def _zaya_cca(self: Any, run: Run, hidden_states: torch.Tensor, cache: Any = Non
     previous token's delayed value (before the sequence ``v_proj_delayed(0)``, as its own), which travel as
     the halo of :func:`xcp.recurrent.causal_conv` over ``[hidden | q, k projections | delayed value
     without its bias]`` (the bias added after, so that a zero halo gives ``v_proj_delayed(0)``)."""
-    run.refuse_carried("a cache (use_cache=True)", cache)
+    run.refuse_carried("a cache (use_cache=True)", None if _prompt(cache) else cache)
     if conv_mask is not None:  # applied here, before the projections the halo carries
         hidden_states = hidden_states * conv_mask[:, :, None].to(hidden_states.dtype)
     forward = type(self).forward
@@ -370,10 +380,20 @@ def _zaya_cca(self: Any, run: Run, hidden_states: torch.Tensor, cache: Any = Non
 
     out = causal_conv(conv, x, halo + 1, group=run.group, balance=run.balance)
     parts = out.split([shape.numel() for shape in shapes], dim=-1)
+    if cache is not None:  # xcp's generate, the prompt's ring prefix: the whole sequence's states, on every rank
+        if taps:
+            cache.update_conv_state(qk.transpose(1, 2), self.layer_idx, conv_kernel_size=taps)
+        last = last_inputs(self.v_proj_delayed(hidden_states), 1, group=run.group, balance=run.balance)
+        cache.update_recurrent_state(last[:, 0], self.layer_idx)
     return tuple(p.reshape(*p.shape[:2], *shape) for p, shape in zip(parts, shapes))
 
 
 FAMILIES["ZayaCCAProjection"] = _zaya_cca
+
+GENERATES = frozenset({"ZayaCCAProjection"})
+"""The families whose states xcp's generate keeps whole on every rank (in its cache, as transformers' own
+cache layers keep them): their forward fills them from the prompt's ring prefix; after it they run their
+own forward on every rank."""
 
 ADAPTERS = {
     "RecurrentGemmaRecurrentBlock": _adapt_recurrent_gemma,
