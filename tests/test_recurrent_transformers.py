@@ -343,3 +343,20 @@ def test_generate_of_a_left_padded_batch_equals_one_device(full_precision):
     copies = [xt.prepare(copy.deepcopy(model)) for _ in range(2)]
     for got in xcp.LocalWorld(2).run(lambda group: xt.generate(copies[group.rank()], ids, group=group, **kw)):
         assert torch.equal(got, want)
+
+
+def test_the_generate_cache_of_recurrent_layers_refuses_what_it_cannot_follow():
+    from xcp.integrations.transformers_generate import ShardedCache
+
+    cache = ShardedCache(_configs()["qwen3_next"](), None, "zigzag")  # layer 0 linear attention, layer 1 full
+    assert [type(layer).__name__ for layer in cache.layers] == ["ShardedStates", "ShardedLayer"]
+    with pytest.raises(NotImplementedError, match="crop: not supported by xcp's generate cache of a recurrent layer"):
+        cache.crop(-1)  # what generate's assisted decoding would ask
+    with pytest.raises(NotImplementedError, match=r"reorder_cache \(beam search\): not supported by xcp's generate"):
+        cache.layers[0].reorder_cache(torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError, match="layer_idx: expected the slot of a recurrent layer .*got 1, a ShardedLayer"):
+        cache.advance(1, 4)
+    with pytest.raises(ValueError, match="cache.update: expected no keys and values for a recurrent layer"):
+        cache.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), 0)
+    hybrid = ShardedCache(_configs()["falcon_h1"](), None, "zigzag")  # Mamba beside attention in every layer
+    assert [type(layer).__name__ for layer in hybrid.layers] == ["ShardedHybrid", "ShardedHybrid"]
