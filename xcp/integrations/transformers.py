@@ -856,9 +856,11 @@ def generate(
     (leaving at least one token) is prefilled through the ring, each rank keeping its shard of every layer's
     keys and values (one :class:`xcp.KVCache` per layer); the rest of the prompt goes in as one chunk and
     then every new token runs through the whole model on every rank, attention combining the ranks'
-    partials (one collective per layer and step). Rank 0 chooses each token (greedy, or sampled with its
-    default generator: ``torch.manual_seed`` before the call seeds it as on one device) and every rank
-    takes it, so the ranks never drift apart.
+    partials (one collective per layer and step). Recurrent layers (after :func:`prepare`) run the prefix
+    with state passing and keep their states whole on every rank, advanced by every rank without
+    communication; for such models the rest of the prompt goes in one token at a time (docs/hybrid.md).
+    Rank 0 chooses each token (greedy, or sampled with its default generator: ``torch.manual_seed`` before
+    the call seeds it as on one device) and every rank takes it, so the ranks never drift apart.
 
     :param group: the ranks that share the cache (a ProcessGroup, a LocalWorld group, None: the default
         process group or a world of one), as for :func:`xcp.attention`.

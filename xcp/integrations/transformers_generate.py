@@ -14,7 +14,12 @@ How a call runs, on every rank of the group:
    function asks :meth:`ShardedCache.attention`, which finds the layer by the tensors its update returned),
    so models that transform keys and values after the cache, write another slot or read another layer's
    keys attend over what they would with transformers' own cache;
-4. the token of each step is rank 0's choice, passed to every rank (:class:`RankZeroChooses`), so ranks
+4. a recurrent layer (a ``linear_attention``, ``conv`` or ``hybrid`` layer type) keeps its conv and
+   recurrent states whole on every rank (:class:`ShardedStates`): the ring prefix runs it through state
+   passing, whose final state is the whole prefix's on every rank; a model with such layers then runs the
+   rest of the prompt but its last token one token at a time (:func:`_one_by_one`), and every rank advances
+   the states with the model's own kernels on the same tokens;
+5. the token of each step is rank 0's choice, passed to every rank (:class:`RankZeroChooses`), so ranks
    never drift apart: neither by sampling each with its own random numbers, nor by a greedy tie that
    rounding breaks differently on two ranks.
 
