@@ -11,8 +11,9 @@ The ranks run as :class:`xcp.cli.bench.virtual.VirtualRing`'s do: one thread and
 P ranks' work beside one device doing all of it (1.0: no overhead). The exchange runs outside autograd
 (:class:`xcp.recurrent.state.Passes`): on a GPU, virtual ranks cannot run a collective inside autograd's
 backward (one device thread for all ranks); real ranks run :func:`xcp.recurrent.state_passing` as it is.
-The breakdown (pass 1, the exchange, pass 2, and the backward's three) is a second run, one rank at a time
-with the device drained between steps: each step's time summed over the ranks, as shares of that run.
+The breakdown (pass 1, pass 2, their backwards, the exchanges) is a second run, one rank at a time with the
+device drained between steps: each kernel step's time summed over the ranks, and the exchanges' as the rest
+of that run's wall time (a rank waiting in one lets the others run), as shares of the run.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ STACK_HELP = (
     f"with {FLAG}: also a Qwen3-Next-shaped block stack, 3 gated-delta layers to 1 causal attention layer (16/2 heads "
     "of 256, xcp's ring), over the same ranks against the same layers on the whole sequence"
 )
-PHASES = ("pass 1", "exchange", "pass 2", "pass 2 bwd", "exchange bwd", "pass 1 bwd")
+PHASES = ("pass 1", "pass 2", "pass 2 bwd", "pass 1 bwd", "exchange")
+"""Where a rank's time goes: its kernels' steps, then the exchanges (forward and backward) and the waits for
+the other ranks around them."""
 
 
 @dataclass
@@ -109,6 +112,8 @@ class VirtualStates:
         world = self.world
         if steps is not None:
             world = LocalWorld(self.world_size, device=self.device, cooperative=True)
+            self.backend.synchronize(self.device)
+            start = time.perf_counter()
         try:
             results = world.run(self._rank, backward, main, steps)
         finally:
@@ -116,6 +121,10 @@ class VirtualStates:
                 world.close()
         for stream, _, _ in results:
             self.backend.wait_stream(main, stream)
+        if steps is not None:
+            # a rank waiting in an exchange lets the others run: the exchanges' time is the rest of the run's
+            self.backend.synchronize(self.device)
+            steps["exchange"] = time.perf_counter() - start - sum(v for k, v in steps.items() if k != "exchange")
         return results
 
     def _rank(self, group: Any, backward: bool, main: Any, steps: dict[str, float] | None) -> Any:
@@ -133,7 +142,7 @@ class VirtualStates:
             lap("pass 1")
             sent = passes.packed(summaries)
             gathered = gather(passes.comm, be, None, [s.detach() for s in sent], passes.rows, "state")
-            lap("exchange")
+            lap("exchange")  # replaced by the run's remainder (see run)
             leaf = gathered.requires_grad_(backward)
             own = [None if x is None else _view(leaf[rank, i], x) for i, x in enumerate(summaries)]
             incoming, _ = passes.fold(own, leaf)
@@ -145,7 +154,7 @@ class VirtualStates:
                 lap("pass 2 bwd")
                 dleaf = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 mine = scatter_sum(passes.comm, be, None, dleaf, "dstate")
-                lap("exchange bwd")
+                lap("exchange")
                 needed = [(s, mine[i]) for i, s in enumerate(sent) if s.requires_grad]
                 if needed:
                     torch.autograd.backward([s for s, _ in needed], [g for _, g in needed])
