@@ -6,8 +6,8 @@ The families' torch kernels compute in float32 whatever the model's dtype (``.to
 difference left is the state passing's, and the tolerance is float64's (1e-9 relative to the largest of each).
 Families: Qwen3-Next (gated delta), Mamba2, Mamba and Jamba (selective scan), Kimi Linear (KDA), Falcon-H1
 and Zamba2 (Mamba2 mixers beside attention), Zamba (a selective scan per Mamba head), LFM2-MoE and LFM3 (short
-convolutions), MiniMax (lightning attention), RecurrentGemma (RG-LRU), RWKV (WKV, token shift) and Zaya (CCA's
-convolution and delayed values), inline in their mixers (xcp/integrations/transformers_inline.py).
+convolutions), MiniMax (lightning attention), RecurrentGemma (RG-LRU), RWKV (WKV, token shift), Zaya (CCA's
+convolution and delayed values) and xLSTM (mLSTM), inline in their mixers (xcp/integrations/transformers_inline.py).
 Generation (xt.generate) against the model's own: Qwen3-Next, Mamba2, Mamba, LFM2-MoE, Zaya.
 """
 
@@ -89,6 +89,10 @@ def _configs():
             head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=1, router_hidden_size=16,
             attention_bias=True, cca_time0=3, cca_time1=2, sliding_window=8, layer_types=["hybrid", "hybrid_sliding"],
         ),  # biases (PERTURBED): the delayed value before the sequence is v_proj_delayed(0); a halo of 3 = 2 + 1
+        "xlstm": lambda: t.xLSTMConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=4, chunk_size=4, ffn_proj_factor=2.0,
+            ffn_round_up_to_multiple_of=16, autocast_kernel_dtype="float32", inference_state_dtype="float32",
+        ),  # float32: float64 under full_precision; chunks of 4 within zigzag's pieces (a remainder: step by step)
         "mamba": lambda: t.MambaConfig(
             vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4
         ),
@@ -176,6 +180,7 @@ CASES = [
     ("recurrent_gemma", 2, "zigzag"),
     ("rwkv", 4, "contiguous"),
     ("zaya", 3, "zigzag"),
+    ("xlstm", 3, "zigzag"),
     ("mamba", 3, "contiguous"),
     ("jamba", 2, "zigzag"),
 ]
@@ -360,3 +365,10 @@ def test_the_generate_cache_of_recurrent_layers_refuses_what_it_cannot_follow():
         cache.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), 0)
     hybrid = ShardedCache(_configs()["falcon_h1"](), None, "zigzag")  # Mamba beside attention in every layer
     assert [type(layer).__name__ for layer in hybrid.layers] == ["ShardedHybrid", "ShardedHybrid"]
+
+
+def test_generate_over_ranks_is_refused_for_xlstm():
+    model = xt.prepare(build(_configs()["xlstm"]())).eval()
+    ids = torch.randint(3, VOCAB, (1, 8))
+    with pytest.raises(RuntimeError, match="xLSTMModel: xcp.integrations.transformers.generate over more than one"):
+        xcp.LocalWorld(2).run(lambda group: xt.generate(model, ids, group=group, max_new_tokens=2, do_sample=False))

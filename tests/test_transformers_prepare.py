@@ -129,9 +129,18 @@ def test_doge_dynamic_mask_and_recurrent_layers_are_refused_saying_what_they_are
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"DogeAttention: adds a learned dynamic mask"):
         xt.prepare(doge)
-    rwkv = build(transformers.RwkvConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2))
-    with pytest.raises(ValueError, match=r"RwkvSelfAttention: mixes the sequence outside attention.*not yet supported"):
-        xt.prepare(rwkv)  # Mamba's layers, refused here before, are adapted now (tests/test_recurrent_transformers.py)
+
+    class ToyShortConv(torch.nn.Module):  # named like a recurrent mixer, of a family no adapter serves
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv1d(8, 8, 4, groups=8, padding=3)
+
+    # transformers' recurrent families (RWKV, refused here before) are adapted now (test_recurrent_transformers.py)
+    with pytest.raises(ValueError, match=r"ToyShortConv: mixes the sequence outside attention \(a recurrence or conv"):
+        xt.prepare(torch.nn.Sequential(ToyShortConv()))
+    depthwise = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Conv1d(8, 8, 4, groups=8))
+    with pytest.raises(ValueError, match=r"Conv1d \(1\): mixes the sequence outside attention \(a convolution over"):
+        xt.prepare(depthwise)
 
 
 def test_an_adapter_overrides_a_refusal_and_replaces_or_changes_modules():

@@ -1,14 +1,15 @@
 """transformers' recurrent layers whose recurrence is written inline in the mixer's forward, made
 context-parallel: adapters in :func:`prepare`'s registry.
 
-These mixers (MiniMax's lightning attention, RecurrentGemma's RG-LRU, RWKV's WKV and token shift, ZAYA's
-CCA projection) call no module-level kernel a dispatcher could swap
-(:mod:`xcp.integrations.transformers_recurrent`), so each family has here its recurrence as a chunk kernel
-of the ``initial_state`` / ``output_final_state`` convention and a forward that runs the mixer's own
-projections around it, the kernel through :func:`xcp.recurrent.state_passing` (and short convolutions
-through :func:`xcp.recurrent.causal_conv`). The adapter binds a forward to each mixer instance that takes
-this path only under an :func:`xcp.context` of more than one rank; anywhere else the mixer's own forward
-runs unchanged. tests/test_recurrent_inline.py checks each family against the model on one device.
+These mixers (MiniMax's lightning attention, RecurrentGemma's RG-LRU, RWKV's WKV and token shift, ZAYA's CCA
+projection, xLSTM's mLSTM, whose backend the layer calls as a module) call no module-level kernel a dispatcher
+could swap (:mod:`xcp.integrations.transformers_recurrent`), so each family has here its recurrence as a chunk
+kernel of the ``initial_state`` / ``output_final_state`` convention (its own method or function where it has one
+with an initial state) and a forward that runs the mixer's own code around it, the kernel through
+:func:`xcp.recurrent.state_passing` (and short convolutions through :func:`xcp.recurrent.causal_conv`). The
+adapter binds a forward to each mixer instance that takes this path only under an :func:`xcp.context` of more
+than one rank; anywhere else the mixer's own forward runs unchanged. tests/test_recurrent_transformers.py checks
+each family against the model on one device.
 """
 
 from __future__ import annotations
@@ -263,35 +264,41 @@ FAMILIES["RecurrentGemmaRecurrentBlock"] = _recurrent_gemma
 
 
 class RunningMax:
-    """The WKV state of RWKV as its kernel keeps it, ``[3, ...]``: a numerator and a denominator scaled by
-    ``exp(-max)``, and that running maximum ``max``; the true state ``(num, den) * exp(max)`` decays by
-    ``exp(w)`` per token and channel, so ``T`` is kept as its logarithm ``w L`` (``T h`` adds it to ``max``)
-    and two states add under their larger maximum, never leaving the kernel's scaled form (no overflow).
+    """A state kept as its kernel keeps it, ``[..., n + 1]``: ``n`` values scaled by ``exp(-max)`` and that
+    running maximum ``max`` last (RWKV's WKV numerator and denominator; xLSTM's mLSTM memory and normalizer).
+    The true values ``x * exp(max)`` decay by ``T`` per stretch, kept as its logarithm (``T h`` adds it to
+    ``max``); two states add under their larger maximum, never leaving the scaled form (no overflow).
 
-    :param log_decay: ``log_decay(*inputs) -> w L`` of a stretch, broadcastable to ``max``.
+    :param log_decay: ``log_decay(*inputs) -> log T`` of a stretch, broadcastable to ``[..., 1]``.
+    :param identity: ``identity(*inputs) -> state`` that adds nothing (``max`` far below any), where the
+        kernel given no initial state starts elsewhere (xLSTM: ``max`` 0; then ``start`` is that state).
     """
 
-    def __init__(self, log_decay: Callable[..., torch.Tensor]) -> None:
-        self.log_decay = log_decay
+    def __init__(
+        self, log_decay: Callable[..., torch.Tensor], identity: Callable[..., torch.Tensor] | None = None
+    ) -> None:
+        self.log_decay, self.identity = log_decay, identity
+        if identity is not None:
+            self.start = torch.zeros_like  # the kernel's own start: zeros, max 0
 
     def summarize(self, kernel: Any, inputs: Any, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        _, final = kernel(*inputs, initial_state=None, output_final_state=True, **kwargs)
+        given = None if self.identity is None else self.identity(*inputs)
+        _, final = kernel(*inputs, initial_state=given, output_final_state=True, **kwargs)
         return self.log_decay(*inputs).to(final.dtype), final
 
     def apply(self, t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        num, den, top = h.unbind(0)
-        return torch.stack((num, den, top + t.to(h.dtype)))
+        return torch.cat((h[..., :-1], h[..., -1:] + t.to(h.dtype)), dim=-1)
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        top = torch.maximum(a[2], b[2])
-        scale_a, scale_b = torch.exp(a[2] - top), torch.exp(b[2] - top)
-        return torch.stack((a[0] * scale_a + b[0] * scale_b, a[1] * scale_a + b[1] * scale_b, top))
+        top = torch.maximum(a[..., -1:], b[..., -1:])
+        scaled = a[..., :-1] * torch.exp(a[..., -1:] - top) + b[..., :-1] * torch.exp(b[..., -1:] - top)
+        return torch.cat((scaled, top), dim=-1)
 
 
 def _rwkv_attention(self: Any, run: Run, hidden: torch.Tensor, state: Any = None, use_cache: bool = False) -> Any:
     """``RwkvSelfAttention.forward`` over the ranks: its own token shift (with its halo) and projections, the
     WKV recurrence through state passing with its module's torch kernel (``rwkv_linear_attention_cpu``:
-    the CUDA kernel's backward drops the initial state's gradient), the state ``[num, den, max]`` stacked."""
+    the CUDA kernel's backward drops the initial state's gradient), the state ``[..., (num, den, max)]``."""
     run.refuse_carried("state (use_cache=True)", state)
     with _running(run):
         receptance, key, value, _ = self.extract_key_value(hidden)
@@ -299,12 +306,12 @@ def _rwkv_attention(self: Any, run: Run, hidden: torch.Tensor, state: Any = None
     decay, first = self.time_decay, self.time_first
 
     def kernel(k, v, initial_state=None, output_final_state=False):
-        given = None if initial_state is None else list(initial_state.unbind(0))
+        given = None if initial_state is None else list(initial_state.unbind(-1))
         out, final = wkv(decay, first, k, v, state=given, return_state=True)
-        return out, torch.stack(final)
+        return out, torch.stack(final, dim=-1)
 
     def log_decay(k, v):
-        return -torch.exp(decay.to(k.dtype)) * k.shape[1]
+        return (-torch.exp(decay.to(k.dtype)) * k.shape[1])[:, None]
 
     out, _ = state_passing(kernel, key, value, transition=RunningMax(log_decay), group=run.group, balance=run.balance)
     return self.output(receptance * out), None
@@ -395,13 +402,98 @@ GENERATES = frozenset({"ZayaCCAProjection"})
 cache layers keep them): their forward fills them from the prompt's ring prefix; after it they run their
 own forward on every rank."""
 
+# --------------------------------------------------------------------------------------------------------
+# xLSTM: the mLSTM's memory and normalizer under a running maximum
+
+
+def _xlstm(self: Any, run: Run, x: torch.Tensor, state: Any = None) -> Any:
+    """``xLSTMLayer.forward`` over the ranks: its own code, its backend's kernel (swapped in by
+    :func:`_adapt_xlstm`) through state passing."""
+    run.refuse_carried("state (use_cache=True)", state)
+    with _running(run):
+        return type(self).forward(self, x)
+
+
+def _mlstm(self: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, igate: torch.Tensor,
+           fgate: torch.Tensor, c_initial: Any = None, n_initial: Any = None, m_initial: Any = None,
+           return_last_states: bool | None = None, mode: Any = None) -> Any:  # fmt: skip
+    """``xLSTMBackend.forward`` (q, k ``[B, H, L, d_qk]``, v ``[B, H, L, d_v]``, gates ``[B, H, L]``) through
+    state passing under a run: the memory ``C``, normalizer ``n`` and running maximum ``m`` packed as
+    ``[B, H, d_qk d_v + d_qk + 1]`` (:class:`RunningMax`); a stretch decays them by ``exp(Σ logsigmoid(f))``.
+    The kernel's outputs read ``m`` (its ``eps``), so the state entering a piece carries the maximum one
+    device would have there: the fold starts from the kernel's own start (``m`` 0) and sums from the identity
+    (``m`` far below). A piece whose length the "train" mode's chunks do not divide (or the mode
+    "train_with_padding", which returns no last state) runs the "inference" mode: the same chunkwise kernel,
+    the remainder step by step. Returns the outputs and no final state (none is asked under a run)."""
+    forward = type(self).forward
+    run = _active.run
+    if run is None:
+        return forward(self, query, key, value, igate, fgate, c_initial, n_initial, m_initial, return_last_states, mode)
+    given = next((s for s in (c_initial, n_initial, m_initial) if s is not None), None)
+    run.refuse_carried("an initial mLSTM state", given)
+    d_qk, d_v = query.shape[-1], value.shape[-1]
+
+    def kernel(q, k, v, i, f, initial_state=None, output_final_state=False):
+        c = n = m = None
+        if initial_state is not None:
+            c = initial_state[..., : d_qk * d_v].unflatten(-1, (d_qk, d_v))
+            n, m = initial_state[..., d_qk * d_v : -1], initial_state[..., -1:]
+        how = mode or self.config.mode
+        if how != "inference" and (how != "train" or q.shape[2] % self.config.chunk_size):
+            how = "inference"  # the same kernels for any length, with the last states
+        h, (c, n, m) = forward(self, q, k, v, i, f, c, n, m, return_last_states=True, mode=how)
+        return h, torch.cat((c.flatten(-2).to(n.dtype), n, m.to(n.dtype)), dim=-1)
+
+    def log_decay(q, k, v, i, f):
+        return torch.nn.functional.logsigmoid(f).sum(dim=-1, keepdim=True)
+
+    def identity(q, k, v, i, f):
+        zeros = q.new_zeros((*q.shape[:2], d_qk * d_v + d_qk))
+        return torch.cat((zeros, zeros.new_full((*q.shape[:2], 1), -1e30)), dim=-1)
+
+    out, _ = state_passing(
+        kernel, query, key, value, igate, fgate, transition=RunningMax(log_decay, identity), group=run.group,
+        balance=run.balance, seq_dim=2,
+    )  # fmt: skip
+    return out, None
+
+
+def _adapt_xlstm(module: torch.nn.Module) -> None:
+    _adapt(module)
+    backend = module.mlstm_backend
+    backend.forward = types.MethodType(_mlstm, backend)  # type: ignore[union-attr]
+
+
+def _xlstm_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``xLSTMModel.forward``, refused under xcp's generate over more than one rank (it reads its states from
+    an ``xLSTMCache`` of its own before any layer runs); elsewhere the class's own."""
+    if current().world_size > 1 and decoding.current() is not None:
+        raise NotImplementedError(
+            f"{type(self).__name__}: xcp.integrations.transformers.generate over more than one rank does not serve "
+            "xLSTM (its mLSTM states live in an xLSTMCache of its own, outside xcp's cache); generate on one rank"
+        )
+    return type(self).forward(self, *args, **kwargs)
+
+
+def _adapt_xlstm_model(module: torch.nn.Module) -> None:
+    """The model (to refuse xcp's generate clearly) and, as its children are its adapter's, its layers."""
+    for layer in module.modules():
+        if type(layer).__name__ == "xLSTMLayer":
+            _adapt_xlstm(layer)
+    module.forward = types.MethodType(_xlstm_model, module)
+
+
+FAMILIES["xLSTMLayer"] = _xlstm
+
 ADAPTERS = {
     "RecurrentGemmaRecurrentBlock": _adapt_recurrent_gemma,
     "RwkvSelfAttention": _adapt_rwkv,
     "RwkvFeedForward": _adapt_rwkv,
+    "xLSTMLayer": _adapt_xlstm,
 }
 """Families whose adapter does more than bind the forward (pieces swapped into the mixer's children)."""
 
 
+register_layer("xLSTMModel", _adapt_xlstm_model, name="recurrent (inline): xLSTMModel")
 for _name in FAMILIES:
     register_layer(_name, ADAPTERS.get(_name, _adapt), name=f"recurrent (inline): {_name}")

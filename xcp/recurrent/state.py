@@ -45,7 +45,10 @@ class Transition(Protocol):
 
 def _enter(transition: Transition, t: torch.Tensor, h: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """``T h + S``. A transition whose state is kept in a scaled form (RWKV's numerator and denominator under a
-    running maximum) adds its own way: its optional method ``add(th, s)``."""
+    running maximum) adds its own way: its optional method ``add(th, s)``. One whose sequences start from a
+    state other than the sum's zero (xLSTM's running maximum starts at 0, not at minus infinity) says so
+    with its optional method ``start(s) -> state`` (``s`` a summary, for the shape): the fold enters the first
+    piece from it, as the kernel given no initial state does."""
     th = transition.apply(t, h)
     add = getattr(transition, "add", None)
     return th + s if add is None else add(th, s)
@@ -228,6 +231,11 @@ def prepare_passes(
         )
     if not inputs:
         raise ValueError("inputs: expected at least one per-token tensor; got none")
+    if cu_seqlens is not None and getattr(transition, "start", None) is not None:
+        raise ValueError(
+            "cu_seqlens: expected None with a transition whose sequences start from a state of their own "
+            f"({type(transition).__name__}.start): a document boundary inside a piece would start from zero"
+        )
     comm = resolve_group(group)
     size, rank = comm.size(), comm.rank()
     check_world(size, rank)
@@ -296,6 +304,7 @@ def _fold(
     last = len(pieces) if output_final_state else max(i for i, p in enumerate(pieces) if p.owner == rank) + 1
     incoming: list[torch.Tensor | None] = []
     h: torch.Tensor | None = None
+    start = getattr(transition, "start", None)
     for i, piece in enumerate(pieces[:last]):
         entering = h if piece.carries_in else None
         if piece.owner == rank:
@@ -310,6 +319,8 @@ def _fold(
             assert gathered is not None and t0 is not None and s0 is not None
             row = gathered[piece.owner, piece.index]
             t, s = row[: t0.numel()].view(t0.shape), row[t0.numel() :].view(s0.shape)
+        if entering is None and start is not None:  # the sequence's start (pass 2's kernel starts there itself)
+            entering = start(s)
         h = s if entering is None or piece.resets else _enter(transition, t, entering, s)
     return incoming, (h if output_final_state else None)
 
