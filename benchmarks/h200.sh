@@ -31,6 +31,10 @@
 #                               # backward of unmasked blocks (8K over 2 ranks: its squares of 2048 rows)
 #   benchmarks/h200.sh fillers  # varlen calls with filler segments: cuda tests, conformance varlen cases, the 128K
 #                               # longtail documents over 8 ranks, document_zigzag (one call a step) beside zigzag
+#   benchmarks/h200.sh serve    # paged, ragged decode: the paged tests (CPU stand-ins and cuda: PagedDecode replayed
+#                               # 200 steps = eager, allocations, CSAN on the combine), the paged conformance cases, the
+#                               # flash paged form probed at blocks of 16, 64, 256, 512, xcp bench --serve at the targets
+#                               # (32 requests 4K..256K, ~1.5M tokens, P 8, 32/8 heads, D 128, bf16; ~6 min)
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -330,6 +334,19 @@ recurrent)
   section "xcp bench --recurrent: 1M over 8 ranks"
   timeout 180 xcp bench --recurrent --seqs 1048576 --worlds 8 --reps 2 --warmup 1 2>&1 | tee "$out/recurrent_1m.txt"
   ;;
+serve)
+  section "paged decode tests: CPU stand-ins (forward_paged, PagedDecode) and cuda (replayed = eager, allocations, CSAN)"
+  timeout 180 python3 -m pytest -q -p no:cacheprovider --tb=short -rs tests/test_paged_cuda.py tests/test_paged_decode.py \
+    tests/test_cuda_backend.py -k "paged or Paged or sanitizer" 2>&1 | tail -25 | tee "$out/serve_tests.txt"
+  timeout 60 python3 -m xcp.testing --xcp-backend cuda -q -p no:cacheprovider -k paged 2>&1 | tail -3 \
+    | tee -a "$out/serve_tests.txt"
+  section "the flash varlen op's paged form: block sizes 16, 64, 256, 512 accepted? exact against float64?"
+  timeout 60 python3 benchmarks/paged_probe.py --blocks 16,64,256,512 2>&1 | tee "$out/serve_probe.txt"
+  section "xcp bench --serve: 32 requests 4K..256K (~1.5M tokens) over 8 ranks, 32/8 heads, D 128, bf16, blocks of 256"
+  timeout 300 xcp bench --serve --serve-requests 32 --serve-lengths 4096:262144:1500000 --serve-world 8 \
+    --serve-block 256 --serve-chunk 4096 --serve-steps 1000 --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 \
+    --warmup 2 --reps 7 --quiet --json "$out/serve.json" 2>&1 | tee "$out/serve.txt"
+  ;;
 mla-error)
   for low in 8192 1024; do
     section "bf16 error at 192/128 against float64 beside SDPA's, 8K over 2 ranks, causal backward from $low rows"
@@ -337,6 +354,6 @@ mla-error)
       | tee "$out/mla_error_$low.txt"
   done
   ;;
-*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench|decode|chunk|mla|mla-profile|mla-ring|fillers|mla-error|recurrent" >&2; exit 2 ;;
+*) echo "usage: $0 checks|bench|masks|window|perf|ulysses|rings|turns|quick|replay|pairs|renovated|renovated-bench|decode|chunk|mla|mla-profile|mla-ring|fillers|mla-error|recurrent|serve" >&2; exit 2 ;;
 esac
 section done

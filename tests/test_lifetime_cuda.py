@@ -82,7 +82,7 @@ def test_cuda_ring_matches_the_reference_with_each_handoff(handoff):
 
 CSAN_SCRIPT = textwrap.dedent(
     """
-    import sys, torch, torch.cuda._sanitizer as csan
+    import sys, torch
     sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
     import xcp, test_lifetime_cuda as t
     from xcp.lifetime import RingCall
@@ -91,14 +91,7 @@ CSAN_SCRIPT = textwrap.dedent(
         RingCall.comm_after_compute = lambda self: None  # the receive no longer waits for the compute
     if variant == "mutant" and what == "cache":  # the combine's hand-off dropped: M reads the partial unordered
         RingCall.hand_to_comm = lambda self, tensors, channel, ordered=False: list(tensors)
-    csan.enable_cuda_sanitizer()
-    run = xcp.LocalWorld.run
-    def run_sanitized(self, fn, *args):  # CSAN's dispatch mode is per thread: enter it in every rank
-        def body(g, *a):
-            with csan.cuda_sanitizer.dispatch:
-                return fn(g, *a)
-        return run(self, body, *args)
-    xcp.LocalWorld.run = run_sanitized
+    t.sanitize_every_rank()
     if what == "ring":
         peaks, errors = t.run_world(world, handoff)
         print("clean", peaks, max(errors))
@@ -106,6 +99,23 @@ CSAN_SCRIPT = textwrap.dedent(
         print("clean cache", t.run_cache_world(world, handoff))
     """
 )
+
+
+def sanitize_every_rank():
+    """PyTorch's CUDA sanitizer on, its dispatch mode (per thread) entered in every LocalWorld rank's thread."""
+    import torch.cuda._sanitizer as csan
+
+    csan.enable_cuda_sanitizer()
+    run = xcp.LocalWorld.run
+
+    def run_sanitized(self, fn, *args):
+        def body(g, *a):
+            with csan.cuda_sanitizer.dispatch:
+                return fn(g, *a)
+
+        return run(self, body, *args)
+
+    xcp.LocalWorld.run = run_sanitized
 
 
 def csan(handoff, variant, what="ring", world=4):

@@ -10,6 +10,7 @@ captured once per padded size and replayed, against the same steps run eagerly.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import random
 import threading
@@ -218,3 +219,45 @@ def test_paged_decode_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="max_batch: expected a positive integer; got 0"):
         xcp.PagedDecode(cache, max_batch=0, max_len=8)
     assert padded_sizes(6) == (1, 2, 4, 6) and padded_sizes(1) == (1,)
+
+
+# ---------------------------------------------------------------------- xcp bench --serve
+SERVE_FLAGS = ["bench", "--serve", "--device", "cpu", "--serve-requests", "5", "--serve-lengths", "8:200:400",
+               "--serve-world", "3", "--serve-block", "8", "--serve-chunk", "12", "--serve-steps", "10",
+               "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--dtype", "float64", "--warmup", "0",
+               "--reps", "1", "--quiet"]  # fmt: skip
+
+
+def test_bench_serve_checks_then_times_every_figure(tmp_path, capsys):
+    """Decode and the mixed step over 3 virtual ranks checked against the whole pool's one call and float64,
+    then timed; the memory figure's requests come and go (no memory statistics on the CPU); bytes per rank."""
+    from xcp.cli import main
+
+    path = tmp_path / "serve.json"
+    assert main([*SERVE_FLAGS, "--json", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "decode eager" in text and "mixed eager" in text and "FAIL" not in text
+    data = json.loads(path.read_text())
+    assert data["config"]["lengths"][0] == 8 and data["config"]["lengths"][-1] == 200
+    assert data["decode"]["check_ok"] and data["mixed"]["check_ok"] and data["mixed"]["chunk"] == 12
+    assert max(data["decode"]["errors"].values()) < 1e-9 and data["memory"]["requests_seen"] > 5
+    assert sum(data["decode"]["tokens_per_rank"]) == data["decode"]["tokens"] + 5  # + the one timed step
+
+
+def test_bench_serve_check_is_against_the_whole_pool(monkeypatch, capsys):
+    """A whole-pool yardstick 10% off fails the checks and the exit status is 1."""
+    from xcp.cli import main
+    from xcp.cli.bench import serve
+
+    real = serve.Whole.step
+    monkeypatch.setattr(serve.Whole, "step", lambda self, q, k, v: real(self, q, k, v) * 1.1)
+    assert main(SERVE_FLAGS) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_long_tail_spans_its_ends_and_sums_near_the_total():
+    from xcp.cli.bench.serve import long_tail
+
+    lengths = long_tail(32, 4096, 262144, 1_500_000)
+    assert lengths[0] == 4096 and lengths[-1] == 262144 and lengths == sorted(lengths)
+    assert abs(sum(lengths) - 1_500_000) < 0.02 * 1_500_000

@@ -180,10 +180,10 @@ class PagedKVCache:
         for seq_id, start, n, c0 in zip(ids, grows, (b - a for a, b in zip(cu, cu[1:])), cu):
             seq = self._seqs.setdefault(seq_id, _Sequence())
             self._grow(seq, start + n)
+            blocks, size = seq.blocks, self.block_size
             for first, count in kept(start, n, self._world, self._rank, self.interleave):
                 local0 = held(first, self._world, self._rank, self.interleave)
-                for j in range(local0, local0 + count):
-                    rows.append(seq.blocks[j // self.block_size] * self.block_size + j % self.block_size)
+                rows.extend(blocks[j // size] * size + j % size for j in range(local0, local0 + count))
                 sources.extend(range(c0 + first - start, c0 + first - start + count))
                 seq.runs = cache_plan.extend(seq.runs, first, count)
             seq.length = start + n

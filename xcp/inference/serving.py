@@ -46,6 +46,10 @@ def held(seq_len: int, world_size: int, rank: int, interleave: int = 1) -> int:
 def kept(start: int, count: int, world_size: int, rank: int, interleave: int = 1) -> Iterator[tuple[int, int]]:
     """The ``(first position, tokens)`` runs of positions ``start .. start + count - 1`` that ``rank`` keeps,
     in order: the pieces of the interleave's blocks of I positions that are the rank's."""
+    if world_size == 1:  # every position is the rank's: one run (not one per interleave block)
+        if count > 0:
+            yield start, count
+        return
     span, stop = world_size * interleave, start + count
     block0 = (start // span) * span + rank * interleave  # the rank's block in the span holding start
     while block0 < stop:

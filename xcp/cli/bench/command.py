@@ -21,7 +21,7 @@ from ..common import (
     tool_backend,
     write_json,
 )
-from . import distributed, recurrent
+from . import distributed, recurrent, serve
 from .config import HOST_MIN_REPS, REPLAY_FLAG, REPLAY_HELP, SIZE_FLAGS, BenchConfig
 from .decode import format_decode, rows_failed, run_decode
 from .dense import plot_report
@@ -113,6 +113,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(REPLAY_FLAG, action="store_true", help=REPLAY_HELP)
     p.add_argument(recurrent.FLAG, action="store_true", help=recurrent.HELP)
     p.add_argument(recurrent.STACK_FLAG, action="store_true", help=recurrent.STACK_HELP)
+    serve.add_flags(p)
     p.add_argument(
         decode_flags.FLAG, action="store_true",
         help="instead of the ring figures: a decode step over a sharded KV cache (xcp.KVCache with capacity) of L "
@@ -282,6 +283,8 @@ def command(args: argparse.Namespace) -> int:
         return recurrent.command(args)
     if args.stack:
         raise ValueError(f"{recurrent.STACK_FLAG}: expected only with {recurrent.FLAG}; got it without")
+    if args.serve:
+        return serve.command(args)
     device_note = default_device(args)
     backend, _ = tool_backend(args.device, 0)  # an unknown or unusable backend: the error and the table, first
     _decode_args(args)
