@@ -319,15 +319,19 @@ def test_generate_equals_one_device(kind, world, balance, prompt, full_precision
                     assert rel(got, expected) <= TOL
 
 
-def test_a_carried_state_is_refused_over_ranks():
-    model = xt.prepare(build(_configs()["rwkv"]())).eval()  # in eval RWKV keeps a state unless use_cache=False
+@pytest.mark.parametrize(("kind", "layer"), [("rwkv", "RwkvSelfAttention"), ("recurrent_gemma", "RecurrentGemmaRecur")])
+def test_a_carried_state_is_refused_over_ranks(kind, layer):
+    model = xt.prepare(build(_configs()[kind]())).eval()  # in eval they keep a state unless use_cache=False
     ids = torch.randint(3, VOCAB, (1, 8))
 
     def rank(group):
         with xcp.context(group), torch.no_grad():
-            model(input_ids=xcp.shard(ids, 2, group.rank()))
+            model(
+                input_ids=xcp.shard(ids, 2, group.rank()),
+                position_ids=xcp.shard(torch.arange(8)[None], 2, group.rank()),
+            )
 
-    with pytest.raises(RuntimeError, match=r"RwkvSelfAttention: state \(use_cache=True\) under an xcp.context of more"):
+    with pytest.raises(RuntimeError, match=rf"{layer}.*: state \(use_cache=True\) under an xcp.context of more than"):
         xcp.LocalWorld(2).run(rank)
 
 

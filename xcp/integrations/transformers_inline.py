@@ -220,11 +220,13 @@ def _with_halo(module: torch.nn.Module, width: int, seq_dim: int) -> None:
 
 def _recurrent_gemma(self: Any, run: Run, input_states: torch.Tensor, position_ids: torch.Tensor,
                      attention_mask: Any = None, use_cache: bool = True, **kwargs: Any) -> Any:  # fmt: skip
-    """``RecurrentGemmaRecurrentBlock.forward`` over the ranks: the block's own code, without its cache (its
-    convolution and RG-LRU states are per rank), with the scan and the convolution swapped in by
-    :func:`_adapt_recurrent_gemma` running through state passing and halos. The RG-LRU resets the state at
-    position 0, which shard_batch's global positions give only the sequence's first token."""
+    """``RecurrentGemmaRecurrentBlock.forward`` over the ranks: the block's own code without its cache (it
+    keeps its convolution and RG-LRU states in itself: refused with ``use_cache=True``), with the scan and
+    the convolution swapped in by :func:`_adapt_recurrent_gemma` running through state passing and halos.
+    The RG-LRU resets the state at position 0, which shard_batch's global positions give only the
+    sequence's first token."""
     run.refuse_documents(kwargs)
+    run.refuse_carried("state (use_cache=True)", True if use_cache else None)  # kept in the block: per rank
     with _running(run):
         return type(self).forward(self, input_states, position_ids, attention_mask, use_cache=False, **kwargs)
 
