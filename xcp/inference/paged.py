@@ -349,12 +349,21 @@ class PagedKVCache:
         cu = [0]
         for a, b, _, _ in segments:
             cu.append(cu[-1] + b - a)
-        width = max(len(blocks) for _, _, blocks, _ in segments)
-        table = [blocks + [0] * (width - len(blocks)) for _, _, blocks, _ in segments]
+        tables: dict[int, int] = {}  # a chunk's many segments share their sequence's table: uploaded once
+        distinct: list[list[int]] = []
+        for _, _, blocks, _ in segments:
+            if id(blocks) not in tables:
+                tables[id(blocks)] = len(distinct)
+                distinct.append(blocks)
+        width = max(len(blocks) for blocks in distinct)
+        table = torch.tensor([blocks + [self.sink_block] * (width - len(blocks)) for blocks in distinct],
+                             dtype=torch.int32, device=dev)  # fmt: skip
+        if len(distinct) < len(segments):
+            which = torch.tensor([tables[id(blocks)] for _, _, blocks, _ in segments], dtype=torch.int64, device=dev)
+            table = table.index_select(0, which)
         idx = torch.tensor(rows, dtype=torch.int64, device=dev)
         o, lse = backend.forward_paged(
-            q.index_select(0, idx), self._k, self._v, torch.tensor(table, dtype=torch.int32, device=dev),
-            torch.tensor(cu, dtype=torch.int32, device=dev),
+            q.index_select(0, idx), self._k, self._v, table, torch.tensor(cu, dtype=torch.int32, device=dev),
             torch.tensor([keys for *_, keys in segments], dtype=torch.int32, device=dev),
             max(b - a for a, b, _, _ in segments), max(keys for *_, keys in segments), scale, causal,
         )  # fmt: skip

@@ -13,7 +13,7 @@ attention over each request's tokens.
   graph holding every rank's work, replayed after each plan. The yardstick: one pool on one device holding every
   request's tokens, its step the new tokens written and ONE ``forward_paged`` call over the whole batch (on CUDA
   the flash varlen op with ``block_table`` and ``seqused_k``), eager and replayed likewise;
-- mixed: one request's prefill chunk of ``CHUNK`` tokens beside the others' decode steps, through
+- mixed: the longest request's next prefill chunk of ``CHUNK`` tokens beside the others' decode steps, through
   :meth:`xcp.PagedKVCache.append` and ``attention`` on every rank (eager: chunks take the host-planned path)
   against one whole-batch ``forward_paged`` call with the causal mask aligned bottom-right;
 - memory: ``STEPS`` replayed decode steps, a request leaving (its blocks freed) and another joining (a short
@@ -304,9 +304,9 @@ def run_serve(cfg: dict[str, Any], progress: bool = True) -> dict[str, Any]:
     say = print if progress else (lambda *a, **k: None)
     ranks, whole = Ranks(backend, device, p, per_rank, block), Whole(backend, whole_blocks, block)
     ids = list(range(n))
-    mid = ids[n // 2]  # the request whose prefill chunks the mixed step takes
+    chunked = ids[-1]  # the longest request: its prompt goes on in the mixed step's chunks
     for i, x in zip(ids, lengths):
-        work.new(i, x, grows + (chunk * (1 + timed) if i == mid else 0))
+        work.new(i, x, grows + (chunk * (1 + timed) if i == chunked else 0))
     say(f"serve: prefilling {sum(lengths)} tokens of {n} requests over {p} ranks and the whole pool")
     for i, x in zip(ids, lengths):  # one request at a time: the host plans of long prompts stay small
         k, v = work.tokens[i][1][1][:x], work.tokens[i][1][2][:x]
@@ -372,7 +372,7 @@ def run_serve(cfg: dict[str, Any], progress: bool = True) -> dict[str, Any]:
     report["decode"] = row
 
     # ---- mixed: one request's chunk beside the others' decodes (eager, host-planned)
-    report["mixed"] = _mixed(cfg, clock, ranks, whole, work, length, order, tol, say)
+    report["mixed"] = _mixed(cfg, clock, ranks, whole, work, length, order, chunked, tol, say)
 
     # ---- memory: replayed steps with requests coming and going
     report["memory"] = _memory(cfg, backend, device, ranks, whole, work, length, order, plan, inputs, advance, say)
@@ -445,12 +445,13 @@ def _replayed(cfg, backend, clock, ranks: Ranks, whole: Whole, plan, inputs, adv
     return out
 
 
-def _mixed(cfg, clock, ranks: Ranks, whole: Whole, work: Workload, length: dict, order: list, tol, say) -> dict:
-    """A chunk of ``cfg["chunk"]`` tokens of the middle request beside one decode token of each other, appended
-    and attended by xcp (eager, host-planned) and by one whole-batch causal ``forward_paged`` call."""
+def _mixed(cfg, clock, ranks: Ranks, whole: Whole, work: Workload, length: dict, order: list, chunked, tol,
+           say) -> dict:  # fmt: skip
+    """A chunk of ``cfg["chunk"]`` tokens of request ``chunked`` (the longest: a long prompt's next chunk) beside
+    one decode token of each other, appended and attended by xcp (eager, host-planned) and by one whole-batch
+    causal ``forward_paged`` call."""
     t = cfg["chunk"]
-    mid = order[len(order) // 2]  # the request given room for the chunks (run_serve)
-    ids = [mid] + [i for i in order if i != mid]
+    ids = [chunked] + [i for i in order if i != chunked]
     counts = [t] + [1] * (len(ids) - 1)
     cu = [0]
     for c in counts:
@@ -470,7 +471,7 @@ def _mixed(cfg, clock, ranks: Ranks, whole: Whole, work: Workload, length: dict,
     outs = ranks.attention(x[0], ids, cu)
     ref = whole.mixed(x[0], ids, cu)
     want, rows = _float64_rows(work, ids, [length[i] for i in ids], counts)
-    row: dict[str, Any] = {"chunk": t, "decodes": len(ids) - 1, "chunk_request_length": length[mid],
+    row: dict[str, Any] = {"chunk": t, "decodes": len(ids) - 1, "chunk_request_length": length[chunked],
                            "float64_rows_checked": len(rows)}  # fmt: skip
     row["errors"] = {"xcp": _worst(outs, ref), "whole_vs_float64": error(ref[rows], want).rel,
                      "xcp_vs_float64": _worst([o[rows] for o in outs], want)}  # fmt: skip
