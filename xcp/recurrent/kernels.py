@@ -96,16 +96,30 @@ def transition(recurrence: str) -> Transition:
     if recurrence in ("gated_delta_rule", "kda"):
         return DeltaRule(value=2)
     if recurrence == "simple_gla":
-        return Decay(_gla_decay)
-    return Decay(_mamba2_decay)
+        return Decay(_gla_decay, _gla_carry)
+    return Decay(_mamba2_decay, _mamba2_carry)
 
 
 def _gla_decay(q, k, v, g, **kwargs: Any) -> torch.Tensor:
     return g.float().sum(dim=1).exp()[..., None, None]
 
 
+def _gla_carry(h: torch.Tensor, q, k, v, g, scale=None, **kwargs: Any) -> torch.Tensor:
+    """What the state h [B, H, K, V] entering a stretch adds to its outputs: ``scale exp(G_t) q_t^T h``."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    weighted = q.to(h.dtype) * (scale * g.to(h.dtype).cumsum(dim=1).exp())[..., None]
+    return torch.einsum("bthk,bhkv->bthv", weighted, h)
+
+
 def _mamba2_decay(x, dt, b, c, *, A: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     return torch.exp((A.float() * dt.float()).sum(dim=1))[..., None, None]
+
+
+def _mamba2_carry(h: torch.Tensor, x, dt, b, c, *, A: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """What the state h [B, H, P, N] entering a stretch adds to its outputs: ``exp(A sum dt) (h C_t)``."""
+    c = c.to(h.dtype).repeat_interleave(x.shape[2] // c.shape[2], dim=2)  # groups to heads
+    decay = torch.exp(A.to(h.dtype) * dt.to(h.dtype).cumsum(dim=1))  # [B, T, H]
+    return torch.einsum("bthn,bhpn->bthp", c, h) * decay[..., None]
 
 
 def torch_simple_gla(q, k, v, g, initial_state=None, output_final_state=False, scale=None, chunk_size=64):

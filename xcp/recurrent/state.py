@@ -12,7 +12,7 @@ gradient.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -29,6 +29,11 @@ Kernel = Callable[..., tuple[torch.Tensor, Any]]
 """``kernel(*inputs, initial_state=None, output_final_state=False, **kwargs) -> (out, final_state)``: the
 convention transformers' and fla's recurrent kernels share; inputs and ``out`` sequence-major at
 ``seq_dim``."""
+
+
+Kept = tuple[torch.Tensor, tuple[torch.Tensor, ...], Callable[..., torch.Tensor]]
+"""A piece's outputs from a zero state, and ``(extra, carry)``: ``carry(h, *extra)`` is what an entering state
+``h`` adds to them (``extra``: tensors of pass 1 it reads)."""
 
 
 class Transition(Protocol):
@@ -68,6 +73,16 @@ class DeltaRule:
     def summarize(
         self, kernel: Kernel, inputs: Sequence[torch.Tensor], kwargs: dict[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        t, s, *_ = self.summarize_outputs(kernel, inputs, kwargs)
+        return t, s
+
+    def summarize_outputs(
+        self, kernel: Kernel, inputs: Sequence[torch.Tensor], kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], Callable[..., torch.Tensor]]:
+        """``(T, S)``, the stretch's outputs from a zero state, and ``extra, carry``: ``carry(h, *extra)`` is
+        what an entering state ``h`` adds to them. The probe's outputs give both: ``[o | q^T M]`` for the
+        values ``[v | 0]`` from ``[0 | I]``, ``M`` the map from the stretch's start to each token, so the outputs
+        from ``h`` are ``o + (q^T M) h`` (inputs and outputs ``[B, T, H, ...]``)."""
         v = inputs[self.value]
         key = inputs[1] if self.value != 1 else inputs[0]
         d_k, d_v = key.shape[-1], v.shape[-1]
@@ -78,8 +93,8 @@ class DeltaRule:
         dtype = torch.promote_types(v.dtype, torch.float32)  # the kernels keep states in float32 at least
         eye = torch.eye(d_k, dtype=dtype, device=v.device).expand(v.shape[0], heads, d_k, d_k)
         start = torch.cat((eye.new_zeros((v.shape[0], heads, d_k, d_v)), eye), dim=-1)
-        _, final = kernel(*args, initial_state=start, output_final_state=True, **kwargs)
-        return final[..., d_v:], final[..., :d_v]
+        out, final = kernel(*args, initial_state=start, output_final_state=True, **kwargs)
+        return final[..., d_v:], final[..., :d_v], out[..., :d_v], (out[..., d_v:],), _carry_map
 
     def apply(self, t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return t.to(h.dtype) @ h
@@ -91,24 +106,48 @@ class Decay:
     against the state where applied: the exchange carries ``T`` at that size, not the state's.
 
     :param decay: ``decay(*inputs, **kwargs) -> T`` for a stretch.
+    :param carry: optional ``carry(h, *inputs, **kwargs) -> what an entering state h adds to the stretch's
+        outputs`` (outputs are linear in it): where given, pass 2 of a piece is pass 1's outputs plus this,
+        not a second kernel call.
     """
 
-    def __init__(self, decay: Callable[..., torch.Tensor]) -> None:
-        self.decay = decay
+    def __init__(self, decay: Callable[..., torch.Tensor], carry: Callable[..., torch.Tensor] | None = None) -> None:
+        self.decay, self.carry = decay, carry
 
     def summarize(
         self, kernel: Kernel, inputs: Sequence[torch.Tensor], kwargs: dict[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        _, final = kernel(*inputs, initial_state=None, output_final_state=True, **kwargs)
+        t, s, _ = self._run(kernel, inputs, kwargs)
+        return t, s
+
+    def summarize_outputs(
+        self, kernel: Kernel, inputs: Sequence[torch.Tensor], kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], Callable[..., torch.Tensor]] | None:
+        """As :meth:`DeltaRule.summarize_outputs`, where a ``carry`` was given (else None)."""
+        carry = self.carry
+        if carry is None:
+            return None
+        t, s, out = self._run(kernel, inputs, kwargs)
+        return t, s, out, (), lambda h: carry(h, *inputs, **kwargs)
+
+    def _run(
+        self, kernel: Kernel, inputs: Sequence[torch.Tensor], kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, final = kernel(*inputs, initial_state=None, output_final_state=True, **kwargs)
         t = self.decay(*inputs, **kwargs).to(final.dtype)
         if not _broadcasts(t.shape, final.shape):
             raise ValueError(
                 f"decay: expected T broadcastable to the state's shape {tuple(final.shape)}; got {tuple(t.shape)}"
             )
-        return t, final  # sent in its own shape (per head or per channel), not expanded to the state's
+        return t, final, out  # T sent in its own shape (per head or per channel), not expanded to the state's
 
     def apply(self, t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return t.to(h.dtype) * h
+
+
+def _carry_map(h: torch.Tensor, mapped: torch.Tensor) -> torch.Tensor:
+    """``(q^T M) h`` per token and head: [B, T, H, 1, K] @ [B, 1, H, K, V]."""
+    return (mapped.unsqueeze(-2).to(h.dtype) @ h.unsqueeze(1)).squeeze(-2)
 
 
 def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
@@ -177,6 +216,8 @@ class Passes:
     mine: Sequence[Piece]
     seq_dim: int
     output_final_state: bool
+    kept: list[Kept | None] = field(default_factory=list)
+    """Pass 1's outputs (from a zero state) and ``carry`` of each piece where the transition gives them."""
 
     @property
     def rows(self) -> int:
@@ -185,10 +226,11 @@ class Passes:
 
     def summaries(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Pass 1 (see :func:`_summaries`)."""
-        return _summaries(
+        found, self.kept = _summaries(
             self.kernel, self.inputs, self.transition, self.kwargs, self.pieces, self.mine, self.seq_dim,
             self.output_final_state, self.comm.size(),
         )  # fmt: skip
+        return found
 
     def packed(self, summaries: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> list[torch.Tensor]:
         """The rows this rank sends: each summary flat (``T`` then ``S``), zeros for one left out."""
@@ -202,9 +244,15 @@ class Passes:
         return _fold(self.comm.rank(), self.transition, self.pieces, summaries, gathered, self.output_final_state)
 
     def outputs(self, incoming: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        """Pass 2: the kernel on each piece (segment by segment across documents) from its entering state."""
+        """Pass 2: the kernel on each piece (segment by segment across documents) from its entering state, or
+        pass 1's outputs plus what the entering state adds where pass 1 kept them."""
         outs = []
-        for piece, h in zip(self.mine, incoming):
+        kept = self.kept or [None] * len(self.mine)
+        for piece, h, done in zip(self.mine, incoming, kept):
+            if done is not None:
+                zero, extra, carry = done
+                outs.append(zero if h is None else (carry(h, *extra) + zero.to(h.dtype)).to(zero.dtype))
+                continue
             for i, segment in enumerate(piece.segments):
                 args, state = _cut(self.inputs, piece, segment, self.seq_dim), h if i == 0 else None
                 out, _ = self.kernel(*args, initial_state=state, output_final_state=False, **self.kwargs)
@@ -253,17 +301,30 @@ def _summaries(
     seq_dim: int,
     output_final_state: bool,
     world_size: int,
-) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+) -> tuple[
+    list[tuple[torch.Tensor, torch.Tensor] | None],
+    list[Kept | None],
+]:
     """Pass 1: the ``(T, S)`` of each of this rank's pieces, None for the last piece of the global order
-    unless the final state is asked (nothing after it uses its summary). A rank holding only that piece
+    unless the final state is asked (nothing after it uses its summary); and, where the transition gives
+    them (``summarize_outputs``) for a piece of one segment, its outputs from a zero state with ``carry(h)``,
+    so that pass 2 needs no kernel call there. A rank holding only that piece
     learns the summaries' shapes from a one-token stretch (its row of the exchange is zeros); in a world of
     one nothing is exchanged."""
     last = pieces[-1]
     needed = [output_final_state or (p.start, p.stop) != (last.start, last.stop) for p in mine]
-    found: list[tuple[torch.Tensor, torch.Tensor] | None] = [
-        transition.summarize(kernel, _cut(inputs, p, p.segments[-1], seq_dim), kwargs) if need else None
-        for p, need in zip(mine, needed)
-    ]
+    rich = getattr(transition, "summarize_outputs", None)
+    found: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    kept: list[Kept | None] = []
+    for p, need in zip(mine, needed):
+        args = _cut(inputs, p, p.segments[-1], seq_dim)
+        both = rich(kernel, args, kwargs) if need and rich is not None and len(p.segments) == 1 else None
+        if both is not None:  # pass 1's outputs serve pass 2 too (a piece of one segment)
+            found.append(both[:2])
+            kept.append(both[2:])
+            continue
+        found.append(transition.summarize(kernel, args, kwargs) if need else None)
+        kept.append(None)
     if not any(needed) and world_size > 1:
         p = mine[0]
         with torch.no_grad():
@@ -273,7 +334,7 @@ def _summaries(
             isinstance(x, torch.Tensor) and x.requires_grad for x in (*inputs, *kwargs.values())
         )
         found[0] = (torch.zeros_like(t), torch.zeros_like(s).requires_grad_(grad))
-    return found
+    return found, kept
 
 
 def _local_length(inputs: Sequence[torch.Tensor], seq_dim: int) -> int:
