@@ -212,6 +212,9 @@ def test_paged_decode_refuses_what_it_cannot_do():
         ValueError, match=r"k: expected \[1, 2, 8\] torch.float64 on cpu .*; got \[1, 2, 8\] torch.float32"
     ):
         decode.step(tokens[0][0][:1], tokens[0][1][:1].float(), tokens[0][2][:1])
+    decode.step(tokens[0][0][4:5], tokens[0][1][4:5], tokens[0][2][4:5])  # the refusals left the plan pending
+    with pytest.raises(RuntimeError, match=r"step: expected a plan first .* since the last step"):
+        decode.step(tokens[0][0][4:5], tokens[0][1][4:5], tokens[0][2][4:5])
     with pytest.raises(ValueError, match="max_len: expected every request to stay within PagedDecode"):
         decode.plan(["a"])  # a would reach 6 > max_len 5
     with pytest.raises(ValueError, match="sizes: expected ascending distinct sizes"):
@@ -261,3 +264,28 @@ def test_long_tail_spans_its_ends_and_sums_near_the_total():
     lengths = long_tail(32, 4096, 262144, 1_500_000)
     assert lengths[0] == 4096 and lengths[-1] == 262144 and lengths == sorted(lengths)
     assert abs(sum(lengths) - 1_500_000) < 0.02 * 1_500_000
+
+
+def test_a_plan_is_not_captured_and_values_in_keys_take_no_v(monkeypatch):
+    """A plan writes the step's metadata from the host: refused while a graph is captured. A cache keeping its
+    values in its keys' channels takes v=None, and the step matches float64 with v the keys' first channels."""
+    from xcp.backends.cpu import CPUBackend
+
+    tokens = _tokens(2, 8, seed=2)
+    cache = xcp.PagedKVCache(num_blocks=4, block_size=4, values_in_keys=D)
+    cache.append([0, 1], torch.cat([tokens[0][1][:3], tokens[1][1][:6]]), None, [0, 3, 9])
+    decode = xcp.PagedDecode(cache, max_batch=2, max_len=8)
+    with monkeypatch.context() as m:
+        m.setattr(CPUBackend, "is_capturing", lambda self: True)
+        with pytest.raises(RuntimeError, match="plan: expected no device-graph capture"):
+            decode.plan([0, 1])
+    assert cache.seq_len(0) == 3
+    assert decode.plan([1, 0]) == 2
+    q, k = (torch.stack([tokens[i][j][n] for i, n in ((1, 6), (0, 3))]) for j in (0, 1))
+    with pytest.raises(ValueError, match="v: expected None exactly where the cache keeps values_in_keys"):
+        decode.step(q, k, k)
+    out = decode.step(q, k, None)
+    for row, (i, n) in enumerate(((1, 7), (0, 4))):
+        keys = tokens[i][1][:n].repeat_interleave(H // HKV, 1)
+        p = torch.softmax(torch.einsum("hd,shd->hs", tokens[i][0][n - 1], keys) / math.sqrt(D), -1)
+        torch.testing.assert_close(out[row], torch.einsum("hs,shd->hd", p, keys), atol=1e-10, rtol=0)

@@ -79,6 +79,7 @@ class PagedDecode:
         """Blocks of a row of the device's block table: what the longest request needs on the busiest rank."""
         self.max_keys = self.width * cache.block_size
         self._buffers: dict[str, torch.Tensor] | None = None
+        self._pending = False  # a plan not yet stepped (eagerly, or by the capture of a graph)
         self.batch = 0
         """The padded size of the last :meth:`plan` (the size :meth:`step` takes)."""
 
@@ -91,6 +92,7 @@ class PagedDecode:
         requests, a request past ``max_len``, or a step some rank's pool cannot hold (ValueError naming
         ``num_blocks``, on every rank, as an append)."""
         cache = self.cache
+        cache._refuse_capture("plan", cache._k.device if cache._k is not None else torch.device("cpu"))
         if cache._k is None:
             raise ValueError("cache: expected a pool that holds tokens (append a first prefill before decoding); "
                              "got a cache with no pool yet")  # fmt: skip
@@ -119,7 +121,7 @@ class PagedDecode:
             table[i][: len(blocks)] = blocks
             used[i] = cache.local_len(seq_id)
         self._upload(slots, table, used)
-        self.batch = batch
+        self.batch, self._pending = batch, True
         return batch
 
     def _upload(self, slots: list[int], table: list[list[int]], used: list[int]) -> None:
@@ -155,8 +157,9 @@ class PagedDecode:
         Reads no tensor's value on the host; its kernels depend on ``batch``, dtypes and the cache's shapes alone,
         so a device graph captured around it replays every later step planned to the same ``batch``."""
         cache, buffers = self.cache, self._buffers
-        if buffers is None or self.batch == 0:
-            raise RuntimeError("step: expected a plan first (PagedDecode.plan(seq_ids)); got none")
+        if buffers is None or not self._pending:
+            raise RuntimeError("step: expected a plan first (PagedDecode.plan(seq_ids)); got none since the last step "
+                               "(a replayed graph of a step needs no call: plan, then replay)")  # fmt: skip
         assert cache._k is not None and cache._v is not None and cache._layout is not None
         b = self.batch
         _, hkv, d, dtype, _, dv = cache._layout
@@ -170,6 +173,7 @@ class PagedDecode:
             got = "None" if v is None else "a tensor"
             raise ValueError(f"v: expected None exactly where the cache keeps values_in_keys; got {got} with "
                              f"values_in_keys={cache.values_in_keys}")  # fmt: skip
+        self._pending = False
         slots, pool_k, pool_v = buffers["slots"][:b], cache._k, cache._v
         pool_k.view(-1, hkv, d).index_copy_(0, slots, k)  # a padded row's (or another rank's) token: the sink
         if v is not None:
