@@ -102,6 +102,43 @@ def _modeling(module: torch.nn.Module) -> Any:
     return sys.modules[type(module).__module__]
 
 
+class _Active(threading.local):
+    """The run of the mixer this thread is in (None: outside one), for the pieces swapped into its children."""
+
+    run: Run | None = None
+
+
+_active = _Active()
+
+
+@contextmanager
+def _running(run: Run) -> Iterator[None]:
+    before, _active.run = _active.run, run
+    try:
+        yield
+    finally:
+        _active.run = before
+
+
+def _with_halo(module: torch.nn.Module, width: int, seq_dim: int) -> None:
+    """Make ``module`` (a causal convolution or token shift along ``seq_dim`` over a window of ``width``
+    tokens; its output's first positions are the causal ones) take its halo under a run: its own forward
+    on each piece with the ``width - 1`` tokens before it, keeping as many outputs as it was given."""
+    forward = type(module).forward
+
+    def halo_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        run = _active.run
+        if run is None:
+            return forward(self, x)
+
+        def causal(part: torch.Tensor) -> torch.Tensor:
+            return forward(self, part).narrow(seq_dim, 0, part.shape[seq_dim])
+
+        return causal_conv(causal, x, width, group=run.group, balance=run.balance, seq_dim=seq_dim)
+
+    module.forward = types.MethodType(halo_forward, module)
+
+
 # --------------------------------------------------------------------------------------------------------
 # MiniMax: lightning attention
 
@@ -179,43 +216,6 @@ FAMILIES["MiniMaxLightningAttention"] = _minimax
 
 # --------------------------------------------------------------------------------------------------------
 # RecurrentGemma: RG-LRU and its short convolution
-
-
-class _Active(threading.local):
-    """The run of the mixer this thread is in (None: outside one), for the pieces swapped into its children."""
-
-    run: Run | None = None
-
-
-_active = _Active()
-
-
-@contextmanager
-def _running(run: Run) -> Iterator[None]:
-    before, _active.run = _active.run, run
-    try:
-        yield
-    finally:
-        _active.run = before
-
-
-def _with_halo(module: torch.nn.Module, width: int, seq_dim: int) -> None:
-    """Make ``module`` (a causal convolution or token shift along ``seq_dim`` over a window of ``width``
-    tokens; its output's first positions are the causal ones) take its halo under a run: its own forward
-    on each piece with the ``width - 1`` tokens before it, keeping as many outputs as it was given."""
-    forward = type(module).forward
-
-    def halo_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        run = _active.run
-        if run is None:
-            return forward(self, x)
-
-        def causal(part: torch.Tensor) -> torch.Tensor:
-            return forward(self, part).narrow(seq_dim, 0, part.shape[seq_dim])
-
-        return causal_conv(causal, x, width, group=run.group, balance=run.balance, seq_dim=seq_dim)
-
-    module.forward = types.MethodType(halo_forward, module)
 
 
 def _recurrent_gemma(self: Any, run: Run, input_states: torch.Tensor, position_ids: torch.Tensor,
