@@ -606,8 +606,8 @@ def flash_paged_forward(
     )  # fmt: skip
     out, lse = res[0], _packed_lse(res[1], h, t)
     blind = lse == math.inf  # a segment without keys (seqused_k 0), or a causal row before its first key
-    lse = lse.masked_fill(blind, -math.inf)
-    out = out.masked_fill(blind.transpose(0, 1).unsqueeze(-1), 0.0)
+    lse.masked_fill_(blind, -math.inf)  # both are the op's own fresh tensors
+    out.masked_fill_(blind.transpose(0, 1).unsqueeze(-1), 0.0)
     return out, lse
 
 
