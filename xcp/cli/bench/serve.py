@@ -293,7 +293,9 @@ def run_serve(cfg: dict[str, Any], progress: bool = True) -> dict[str, Any]:
     lengths = long_tail(n, lo, hi, total)
     p, block, chunk, steps = cfg["world"], cfg["block"], cfg["chunk"], cfg["steps"]
     timed = cfg["warmup"] + cfg["reps"]
-    grows = 2 + 3 * timed + steps  # decode steps a request may take beyond its length (eager, replayed, memory)
+    # decode tokens a request takes beyond its prompt: the checked step, the eager rounds, 2 checked replays, the
+    # replayed rounds, the mixed step's (checked and timed), the memory figure's steps
+    grows = 1 + timed + 2 + timed + 1 + timed + steps
     max_len = hi + grows + chunk * (1 + timed)
     per_rank = sum(-(-held(x + grows, p, 0) // block) for x in lengths) + n + chunk * (1 + timed) // block + 4
     whole_blocks = sum(-(-(x + grows) // block) for x in lengths) + n + chunk * (1 + timed) // block + 4
