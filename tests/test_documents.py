@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import re
 
+import numpy
 import pytest
 import torch
 from helpers import NAMES, allowed_pairs, independent_masked_reference, pairs_of_runs, rank_errors, ring_with_documents
@@ -76,6 +77,7 @@ def test_blocks_of_two_ranks_are_small_under_zigzag_and_contiguous():
     ("cu", "seq", "message"),
     [
         ([0, 4, 3, 8], 8, "non-decreasing boundaries (a repeat is an empty document); got cu_seqlens[1] = 4 > "),
+        ([0, -2, 8], 8, "non-decreasing boundaries (a repeat is an empty document); got cu_seqlens[0] = 0 > "),
         ([0, 0, 0], None, "expected at least one token (cu_seqlens[-1] > 0); got [0, 0, 0]"),
         ([1, 8], 8, "expected cu_seqlens[0] == 0; got 1"),
         ([0, 6], 8, "expected cu_seqlens[-1] == 8 (the global sequence length: local length x ranks); got 6"),
@@ -88,6 +90,12 @@ def test_blocks_of_two_ranks_are_small_under_zigzag_and_contiguous():
 def test_bad_boundaries_are_named(cu, seq, message):
     with pytest.raises(ValueError, match=r"^cu_seqlens: .*" + re.escape(message)):
         documents.check_cu_seqlens(cu, seq)
+
+
+def test_boundaries_of_numpy_integers_come_back_as_ints():
+    """Boundaries given as numpy integers are returned as Python ints, as a tensor's tolist() gives them."""
+    got = documents.check_cu_seqlens([0, numpy.int64(3), numpy.int32(3), numpy.uint8(8)], 8)
+    assert got == (0, 3, 8) and all(type(x) is int for x in got)
 
 
 # ---------------------------------------------------------------------------------------------- numerics

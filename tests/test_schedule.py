@@ -213,6 +213,39 @@ def test_required_multiple(p, balance, multiple):
 @pytest.mark.parametrize(
     ("args", "match"),
     [
+        ((0, "zigzag"), r"world_size: expected an integer >= 1; got 0"),
+        ((2, "ring"), r"balance: expected one of zigzag, contiguous, stripe"),
+    ],
+)
+def test_required_multiple_rejects_bad_arguments(args, match):
+    with pytest.raises(ValueError, match=match):
+        schedule.required_multiple(*args)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((7, 2, "zigzag"), r"balance 'zigzag' over 2 ranks needs a positive multiple of 4; got 7"),
+        ((2, 3, "document_zigzag"), r"balance 'document_zigzag' over 3 ranks needs at least 3 tokens"),
+        ((8, 0, "stripe"), r"world_size: expected an integer >= 1; got 0"),
+    ],
+)
+def test_shard_lengths_reject_a_length_the_balance_cannot_split(args, match):
+    with pytest.raises(ValueError, match=match):
+        schedule.shard_lengths(*args)
+    assert schedule.shard_lengths(7, 3, "document_zigzag") == (3, 2, 2)
+
+
+def test_a_plan_is_not_causal_unless_asked():
+    """plan(P, r): every block full (no mask), as plan(P, r, causal=False) gives it."""
+    default = plan(3, 1)
+    assert default == plan(3, 1, causal=False) and not default.causal
+    assert all((s.kind, s.mask, s.work) == (schedule.FULL, "none", 1.0) for s in default.steps)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
         ((0, 0), r"world_size: expected an integer >= 1; got 0"),
         ((-2, 0), r"world_size: expected an integer >= 1; got -2"),
         ((2.0, 0), r"world_size: expected an integer >= 1; got 2\.0"),

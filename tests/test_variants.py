@@ -111,6 +111,14 @@ def test_the_chunked_plan_computes_each_allowed_pair_once(balance, world, causal
         assert len(plans[0].steps) == 1, "chunks of one token need no step beyond the own shard"
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_chunks_of_one_token_are_accepted_and_each_query_sees_its_own_key(causal):
+    """chunk=1, the smallest chunk: every query sees its own key alone, so each head's output is its value."""
+    q, k, v, _ = inputs(1)
+    out = xcp.attention(q, k, v, causal=causal, chunk=1)
+    assert torch.equal(out, v.repeat_interleave(H // HKV, dim=2))
+
+
 def test_choose_balance_weighs_the_chunks():
     """Chunks aligned with contiguous shards need no exchange (one step), a chunk over two shards two steps,
     where zigzag runs all P: contiguous is chosen (as for a window); without a chunk, zigzag."""

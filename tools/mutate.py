@@ -222,7 +222,7 @@ def mutants(module: str) -> list[Mutant]:
                 binds.setdefault(id(n), names)
 
     def add(node: ast.AST, text: str, what: str) -> None:
-        m = Mutant(module, node.lineno, node.col_offset, node.end_lineno, node.end_col_offset, text, what)  # type: ignore[attr-defined, arg-type]
+        m = Mutant(module, node.lineno, node.col_offset, node.end_lineno, node.end_col_offset, text, what)  # type: ignore[attr-defined]
         m.test_line = body_line.get(id(node), m.line)
         if id(node) not in inside:
             m.at_import = binds.get(id(node), ())
@@ -277,12 +277,15 @@ def mutants(module: str) -> list[Mutant]:
 # ------------------------------------------------------------------------------------------------ line map
 
 
-def build_map(modules: list[str], tests: list[str], merge: bool) -> None:
+def build_map(modules: list[str], tests: list[str], merge: bool, named: bool = False) -> None:
     """Run ``tests`` once with line tracing of ``modules``; save which tests execute which lines. With
-    ``merge``, add them to the saved map (for tests written since), which keeps its traced modules."""
+    ``merge``, add them to the saved map (for tests written since), which keeps its traced modules; with
+    ``merge`` and modules ``named``, trace those alone and let this run's lines of them replace the map's
+    (a module changed much since the map was made, or one it did not trace), the others kept as they are."""
     STATE.mkdir(exist_ok=True)
     old = load_map() if merge else None
-    files = old["files"] if old else [str((ROOT / m).resolve()) for m in modules]
+    traced = [str((ROOT / m).resolve()) for m in modules]
+    files = traced if not old or named else old["files"]
     out = STATE / "map-new.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(TRACE), *filter(None, [env.get("PYTHONPATH")])])
@@ -294,30 +297,41 @@ def build_map(modules: list[str], tests: list[str], merge: bool) -> None:
     subprocess.run(cmd, cwd=ROOT, env=env, check=False)
     data = json.loads(out.read_text())
     if old:
-        data = _merged(old, data)
+        data = _merged(old, data, set(traced) if named else set())
     out.replace(MAP)
     MAP.write_text(json.dumps(data))
     print(f"map: {len(data['tests'])} tests ({time.time() - start:.0f} s) -> {MAP.relative_to(ROOT)}")
 
 
-def _merged(old: dict, new: dict) -> dict:
-    """``new``'s tests added to ``old`` (replacing those of the same name), lines moved to ``old``'s text."""
+def _merged(old: dict, new: dict, replaced: set[str] | None = None) -> dict:
+    """``new``'s tests added to ``old`` (replacing those of the same name), lines moved to ``old``'s text;
+    for the files in ``replaced``, ``new``'s lines and text instead of ``old``'s."""
+    replaced = replaced or set()
     names = list(old["tests"])
     keep = [i for i, n in enumerate(names) if n not in new["tests"]]
     index = {i: j for j, i in enumerate(keep)}
     tests = {names[i]: old["tests"][names[i]] for i in keep}
+    base = len(tests)
+    if replaced:  # the tests run again traced the replaced files alone: their lines of the others stay
+        again = {n: base + j for j, n in enumerate(new["tests"])}
+        index.update({i: again[n] for i, n in enumerate(names) if n in again})
     lines: dict[str, dict[str, list[int]]] = {}
     for file, by_line in old["lines"].items():
+        if file in replaced:
+            continue
         for line, idx in by_line.items():
             lines.setdefault(file, {})[line] = [index[i] for i in idx if i in index]
-    base = len(tests)
     tests.update(new["tests"])
+    sources = {f: t for f, t in old.get("sources", {}).items() if f not in replaced}
+    for file in replaced:
+        sources[file] = new.get("sources", {}).get(file, "")
     for file, by_line in new["lines"].items():
-        back = _line_translation(new.get("sources", {}).get(file), old.get("sources", {}).get(file))
+        back = _line_translation(new.get("sources", {}).get(file), sources.get(file))
         for line, idx in by_line.items():
             for old_line in back(int(line)):
                 lines.setdefault(file, {}).setdefault(str(old_line), []).extend(base + i for i in idx)
-    return {"files": old["files"], "tests": tests, "lines": lines, "sources": old.get("sources", {})}
+    files = [*old["files"], *sorted(replaced - set(old["files"]))]
+    return {"files": files, "tests": tests, "lines": lines, "sources": sources}
 
 
 def _line_translation(now: str | None, then: str | None) -> Callable[[int], list[int]]:
@@ -361,7 +375,8 @@ def covering_tests(data: dict, module: str, line: int, budget: float) -> list[st
     by_line = data["lines"].get(file, {})
     indices = {i for old in back(line) for i in by_line.get(str(old), [])}
     chosen = sorted((data["tests"][names[i]][0], names[i]) for i in indices if data["tests"][names[i]][1])
-    picked, total = [], 0.0
+    picked: list[str] = []
+    total = 0.0
     for seconds, name in chosen:
         if picked and total + seconds > budget:
             break
@@ -380,7 +395,8 @@ def _tests_of_names(data: dict, module: str, names: tuple[str, ...], budget: flo
         if uses is not None and uses.search(text):
             for t in covering_tests(data, module, number, budget):
                 chosen[t] = data["tests"][t][0]
-    picked, total = [], 0.0
+    picked: list[str] = []
+    total = 0.0
     for t in sorted(chosen, key=chosen.__getitem__):
         if picked and total + chosen[t] > budget:
             break
@@ -701,7 +717,11 @@ def main(argv: list[str] | None = None) -> int:
     p_map = sub.add_parser("map", help="run the suite once with line tracing; save .mutate/map.json")
     p_map.add_argument("modules", nargs="*", help=f"modules to trace (default: {' '.join(MODULES)})")
     p_map.add_argument("--tests", nargs="*", default=["tests"], help="pytest arguments selecting the tests")
-    p_map.add_argument("--merge", action="store_true", help="add these tests to the saved map (tests written since)")
+    p_map.add_argument(
+        "--merge",
+        action="store_true",
+        help="add these tests to the saved map (tests written since); modules named: re-traced, their lines replaced",
+    )
     p_run = sub.add_parser("run", help="make and run the mutants of each module")
     p_run.add_argument("modules", nargs="*", help="modules (default: the pure core)")
     p_run.add_argument("--line", type=int, nargs="*", help="only the mutants of these lines")
@@ -719,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "map":
-        build_map(list(iter_modules(args.modules)), args.tests, args.merge)
+        build_map(list(iter_modules(args.modules)), args.tests, args.merge, bool(args.modules))
         return 0
     if args.command == "list":
         for module in iter_modules(args.modules):

@@ -24,11 +24,24 @@ _tests: dict[str, list[Any]] = {}
 _lines: dict[str, dict[int, list[int]]] = {}
 
 
+def _clear_caches() -> None:
+    """Empty the ``lru_cache`` s of xcp's modules before each test: a result cached by an earlier test would
+    hide the lines that compute it from this one (the mutants of those lines would run without it)."""
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] in ("xcp", "xcp_cuda", "xcp_npu"):
+            for value in list(vars(module).values()):
+                if callable(getattr(value, "cache_clear", None)) and hasattr(value, "cache_info"):
+                    value.cache_clear()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: Any) -> Any:
     out = tempfile.mkdtemp(prefix="mutate-trace-")
     os.environ["MUTATE_TRACE_OUT"] = out
     _tracer.take()
+    _clear_caches()
     _tracer.start()
     start = time.perf_counter()
     _tests[item.nodeid] = [0.0, True]
