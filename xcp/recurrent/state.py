@@ -146,8 +146,8 @@ class Decay:
 
 
 def _carry_map(h: torch.Tensor, mapped: torch.Tensor) -> torch.Tensor:
-    """``(q^T M) h`` per token and head: [B, T, H, 1, K] @ [B, 1, H, K, V]."""
-    return (mapped.unsqueeze(-2).to(h.dtype) @ h.unsqueeze(1)).squeeze(-2)
+    """``(q^T M) h`` per token and head (``mapped`` [B, T, H, K], h [B, H, K, V]): one matmul per head."""
+    return torch.einsum("bthk,bhkv->bthv", mapped.to(h.dtype), h)
 
 
 def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
