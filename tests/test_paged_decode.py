@@ -289,3 +289,47 @@ def test_a_plan_is_not_captured_and_values_in_keys_take_no_v(monkeypatch):
         keys = tokens[i][1][:n].repeat_interleave(H // HKV, 1)
         p = torch.softmax(torch.einsum("hd,shd->hs", tokens[i][0][n - 1], keys) / math.sqrt(D), -1)
         torch.testing.assert_close(out[row], torch.einsum("hs,shd->hd", p, keys), atol=1e-10, rtol=0)
+
+
+def test_sanitized_serving_with_paged_decode_steps_is_clean_and_sees_a_dropped_hand_off(monkeypatch):
+    """``xcp sanitize --serve``'s workload on the simulated device with its decode steps through PagedDecode:
+    clean, exact and the pool audited after every step; without the combine's hand-off in the decode steps
+    alone, the all-gather's read of their packed partial races its write."""
+    from xcp.lifetime import RingCall
+    from xcp.testing.serve_sanitizer import sanitize_serve
+
+    plans = []
+    real = xcp.PagedDecode.plan
+    monkeypatch.setattr(xcp.PagedDecode, "plan", lambda self, ids: plans.append(ids) or real(self, ids))
+    report = sanitize_serve(requests=5, world=3, decode=True)
+    assert report.ok, report.format()
+    assert report.max_error["out"] < 1e-12 and len(plans) >= 3 * 3  # several decode steps on each rank
+    in_step = threading.local()
+    real_step, real_hand = xcp.PagedDecode.step, RingCall.hand_to_comm
+
+    def step(self, *args):
+        in_step.on = True
+        try:
+            return real_step(self, *args)
+        finally:
+            in_step.on = False
+
+    def hand(self, tensors, channel, ordered=False):  # dropped in PagedDecode's steps alone
+        return list(tensors) if getattr(in_step, "on", False) else real_hand(self, tensors, channel, ordered)
+
+    with monkeypatch.context() as m:
+        m.setattr(xcp.PagedDecode, "step", step)
+        m.setattr(RingCall, "hand_to_comm", hand)
+        report = sanitize_serve(requests=5, world=3, decode=True)
+    races = [f for f in report.findings if f.kind == "race"]
+    assert any(any("p2p combine" in a.op for a in f.accesses) for f in races), report.format()
+
+
+def test_run_serve_with_paged_decode_checks_every_step(capsys):
+    from xcp.cli import main
+
+    assert main(["run", "--serve", "4", "--world", "2", "--paged-decode"]) == 0
+    text = capsys.readouterr().out
+    assert "decode steps through PagedDecode" in text and "PASS" in text and "FAIL" not in text
+    assert main(["plan", "--serve", "3", "--world", "2", "--paged-decode"]) == 2
+    assert "--paged-decode: expected with xcp run --serve or xcp sanitize --serve" in capsys.readouterr().err

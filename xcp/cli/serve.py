@@ -39,12 +39,16 @@ def add_flags(p: argparse.ArgumentParser, what: str, seed: bool = False) -> None
     p.add_argument("--interleave", type=positive, default=1, help=f"with {FLAG}: position p on rank (p // I) %% P")
     p.add_argument("--num-blocks", type=positive, default=None,
                    help=f"with {FLAG}: each rank's pool (default: the most the workload holds at once)")  # fmt: skip
+    p.add_argument("--paged-decode", action="store_true",
+                   help=f"with {FLAG}: steps of one token for each of their requests run as xcp.PagedDecode's plan "
+                   "and step (the graph-safe decode step) instead of append and attention")  # fmt: skip
 
 
 def check_needs_serve(args: argparse.Namespace, seed: bool = False) -> None:
     """The paged cache's flags (and ``--seed`` where :func:`add_flags` declared it) mean nothing without ``--serve``."""
     flags = [("--block-size", args.block_size, 4), ("--interleave", args.interleave, 1),
-             ("--num-blocks", args.num_blocks, None), ("--seed", args.seed if seed else 0, 0)]  # fmt: skip
+             ("--num-blocks", args.num_blocks, None), ("--seed", args.seed if seed else 0, 0),
+             ("--paged-decode", args.paged_decode, False)]  # fmt: skip
     for flag, value, default in flags:
         if value != default:
             raise ValueError(f"{flag}: expected only with {FLAG}; got {value} without it")
@@ -73,13 +77,14 @@ def run_command(args: argparse.Namespace) -> int:
     data_on = [tuple(x.to(args.device or "cpu") for x in d) for d in data]
     start = time.perf_counter()
     with LocalWorld(args.world) as world:
-        outs = world.run(lambda g: serve_rank(g, steps, data_on, dtype, kwargs, problems))
+        outs = world.run(lambda g: serve_rank(g, steps, data_on, dtype, kwargs, problems, args.paged_decode))
     seconds = time.perf_counter() - start
     wants = reference(steps, data)
     tol = REL_TOLERANCE[dtype]
     print(f"xcp run: serve {args.serve} requests in {len(steps)} steps, world {args.world}, heads {args.heads}/"
           f"{args.kv_heads} kv, head_dim {args.head_dim}, {args.dtype}, blocks of {args.block_size} x {num_blocks} a "
-          f"rank, interleave {args.interleave}")  # fmt: skip
+          f"rank, interleave {args.interleave}" + (", decode steps through PagedDecode" if args.paged_decode
+                                                    else ""))  # fmt: skip
     print(f"{'step':>5} {'requests':>9} {'tokens':>7} {'rel err':>11} {'tolerance':>10}  result")
     ok = not problems
     for n, (s, want) in enumerate(zip(steps, wants)):
@@ -96,6 +101,9 @@ def run_command(args: argparse.Namespace) -> int:
 
 def plan_command(args: argparse.Namespace) -> int:
     """``xcp plan --serve N``: per step the batch, each rank's blocks and tokens, the combine's bytes."""
+    if args.paged_decode:
+        raise ValueError("--paged-decode: expected with xcp run --serve or xcp sanitize --serve (a plan's steps are "
+                         "the same either way); got it with xcp plan")  # fmt: skip
     steps, num_blocks = _steps(args)
     world, dtype = args.world, DTYPES[args.dtype]
     dims = args.value_head_dim or args.head_dim
@@ -135,6 +143,6 @@ def sanitize_command(args: argparse.Namespace) -> int:
     report = sanitize_serve(requests=args.serve, world=args.world, handoff=args.handoff, dtype=DTYPES[args.dtype],
                             heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                             block_size=args.block_size, interleave=args.interleave, num_blocks=args.num_blocks,
-                            chunk=args.chunk, seed=args.seed)  # fmt: skip
+                            chunk=args.chunk, seed=args.seed, decode=args.paged_decode)  # fmt: skip
     print(report.format())
     return 0 if report.ok else 1

@@ -21,6 +21,7 @@ import torch
 from .. import schedule
 from ..comm import LocalWorld
 from ..inference.paged import PagedKVCache
+from ..inference.paged_decode import PagedDecode, decode_padding
 from ..lifetime import check_handoff, track_buffers
 from .sanitizer import TOLERANCE, Finding, Sanitizer, SanitizerReport, gathered_findings
 
@@ -118,11 +119,14 @@ def audit(cache: PagedKVCache) -> str | None:
 
 
 def serve_rank(group: Any, steps: list[Step], data: list[tuple], dtype: torch.dtype, cache_kwargs: dict,
-               problems: list[Finding]) -> list[torch.Tensor]:  # fmt: skip
+               problems: list[Finding], decode: bool = False) -> list[torch.Tensor]:  # fmt: skip
     """Run ``steps`` on one rank: append each batch, attend, free the leaving requests; the outputs of every
-    step. Each pool audit's complaint goes to ``problems`` (a reuse), and so do blocks or requests left at the
-    end (a leak)."""
+    step. With ``decode``, a step whose every request is known and takes one token runs as
+    :class:`xcp.PagedDecode`'s plan and step instead (padded to its sizes: the padding's writes go to the sink).
+    Each pool audit's complaint goes to ``problems`` (a reuse), and so do blocks or requests left at the end
+    (a leak)."""
     cache = PagedKVCache(group, **cache_kwargs)
+    decoder: PagedDecode | None = None
     r, lengths, outs = group.rank(), dict[int, int](), list[torch.Tensor]()
     heads, dim = data[0][0].shape[1], data[0][0].shape[2]
     for n, s in enumerate(steps):
@@ -137,8 +141,14 @@ def serve_rank(group: Any, steps: list[Step], data: list[tuple], dtype: torch.dt
                 got.append(x[a : a + t])
         q, k, v = (torch.cat(p).to(dtype) if p else torch.zeros(0, h, dim, dtype=dtype)
                    for p, h in zip(pieces, (heads, data[0][1].shape[1], data[0][2].shape[1])))  # fmt: skip
-        cache.append(ids, k, v, cu)
-        out = cache.attention(q, ids, cu)
+        if decode and decoder is None and cache.seq_ids():
+            decoder = PagedDecode(cache, max_batch=len(data), max_len=max(x[0].shape[0] for x in data))
+        if decoder is not None and s.batch and all(t == 1 and lengths[i] > 1 for i, t in s.batch):
+            padded = decode_padding(decoder.plan(ids), q, k, v)
+            out = decoder.step(*padded)[: len(ids)]
+        else:
+            cache.append(ids, k, v, cu)
+            out = cache.attention(q, ids, cu)
         assert isinstance(out, torch.Tensor)  # without return_lse
         outs.append(out)
         for i in s.leaving:
@@ -175,6 +185,7 @@ def sanitize_serve(
     num_blocks: int | None = None,
     chunk: int = 8,
     seed: int = 0,
+    decode: bool = False,
 ) -> SanitizerReport:
     """Run a :func:`workload` of ``requests`` requests on ``world`` virtual ranks of the sim device, one
     :class:`xcp.PagedKVCache` per rank, under the lifetime sanitizer; findings: race, reuse and leak (the
@@ -182,6 +193,8 @@ def sanitize_serve(
     (against float64 attention over each request's history).
 
     :param num_blocks: each rank's pool; default the most the workload ever holds at once, so it always fits.
+    :param decode: the steps of single tokens of known requests through :class:`xcp.PagedDecode` (see
+        :func:`serve_rank`).
     """
     if dtype not in TOLERANCE:
         raise ValueError(f"dtype: expected one of {', '.join(map(str, TOLERANCE))}; got {dtype}")
@@ -197,14 +210,15 @@ def sanitize_serve(
               "handoff": handoff}  # fmt: skip
     config = {"requests": requests, "steps": len(steps), "world": world, "handoff": handoff or "record_stream",
               "dtype": str(dtype).replace("torch.", ""), "heads": heads, "kv_heads": kv_heads,
-              "block_size": block_size, "num_blocks": num_blocks, "interleave": interleave}  # fmt: skip
+              "block_size": block_size, "num_blocks": num_blocks, "interleave": interleave,
+              "decode": "PagedDecode" if decode else "attention"}  # fmt: skip
     problems: list[Finding] = []
     with Sanitizer() as san:
         lw = LocalWorld(world, timeout=60.0)
 
         def rank(group: Any) -> tuple:
             with san.thread(f"rank{group.rank()}"), track_buffers() as ledger:
-                return ledger, serve_rank(group, steps, data, dtype, kwargs, problems)
+                return ledger, serve_rank(group, steps, data, dtype, kwargs, problems, decode)
 
         results = lw.run(rank)
         error = largest_error([r[1] for r in results], reference(steps, data))
