@@ -145,12 +145,12 @@ def serve_rank(group: Any, steps: list[Step], data: list[tuple], dtype: torch.dt
             decoder = PagedDecode(cache, max_batch=len(data), max_len=max(x[0].shape[0] for x in data))
         if decoder is not None and s.batch and all(t == 1 and lengths[i] > 1 for i, t in s.batch):
             padded = decode_padding(decoder.plan(ids), q, k, v)
-            out = decoder.step(*padded)[: len(ids)]
+            outs.append(decoder.step(*padded)[: len(ids)])
         else:
             cache.append(ids, k, v, cu)
             out = cache.attention(q, ids, cu)
-        assert isinstance(out, torch.Tensor)  # without return_lse
-        outs.append(out)
+            assert isinstance(out, torch.Tensor)  # without return_lse
+            outs.append(out)
         for i in s.leaving:
             cache.free(i)
         wrong = audit(cache)
