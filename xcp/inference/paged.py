@@ -8,8 +8,10 @@ pool of some rank cannot hold is refused on every rank, the cache left as it was
 
 :meth:`PagedKVCache.attention` is :class:`xcp.KVCache`'s attention over a packed (THD) batch: each listed
 sequence's local partial as kernel calls over segments (:mod:`xcp.inference.plan`, on the rank's tokens of that
-sequence, read from its blocks), every sequence's rows packed in one buffer, one all-gather of it for the
-whole batch and the merge (:mod:`xcp.inference.partials`), sinks folded in once after. A row a rank sees nothing of
+sequence): where the backend reads the pool in place (:meth:`xcp.Backend.paged_in_place`), every call over a
+prefix of a sequence's rows in one :meth:`xcp.Backend.forward_paged` call for the batch, the rest on the
+sequence's rows gathered from its blocks; every sequence's rows packed in one buffer, one all-gather of it for
+the whole batch and the merge (:mod:`xcp.inference.partials`), sinks folded in once after. A row a rank sees nothing of
 weighs 0; a row no rank sees is 0 with lse -inf.
 
 Lifetimes (docs/lifetime.md): the packed partial goes to the comm stream under the hand-off policy (rule
