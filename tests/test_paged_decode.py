@@ -98,8 +98,8 @@ def _reference(tokens, plan, max_len):
     return wants
 
 
-def _rank(group, tokens, plan, *, block_size, num_blocks, max_batch, max_len, dtype, sizes=None):
-    cache = xcp.PagedKVCache(group, num_blocks=num_blocks, block_size=block_size)
+def _rank(group, tokens, plan, *, block_size, num_blocks, max_batch, max_len, dtype, sizes=None, interleave=1):
+    cache = xcp.PagedKVCache(group, num_blocks=num_blocks, block_size=block_size, interleave=interleave)
     decode = None
     lengths: dict[int, int] = {}
     outs, buffers, statics = [], None, {}
@@ -136,14 +136,15 @@ def _rank(group, tokens, plan, *, block_size, num_blocks, max_batch, max_len, dt
     return outs, cache.free_blocks + held == cache.num_blocks
 
 
-@pytest.mark.parametrize("world,block_size", [(1, 4), (3, 4), (2, 256)])
-def test_paged_decode_matches_float64_with_requests_joining_and_leaving(refuse_host_reads, world, block_size):
+@pytest.mark.parametrize("world,block_size,interleave", [(1, 4, 1), (3, 4, 1), (2, 256, 1), (3, 4, 2)])
+def test_paged_decode_matches_float64_with_requests_joining_and_leaving(refuse_host_reads, world, block_size,
+                                                                       interleave):  # fmt: skip
     steps, max_batch, max_len = 40, 6, 24
     plan, n_ids = _workload(world * 7 + block_size, steps, max_batch)
     tokens = _tokens(n_ids, max_len, seed=world)
     with LocalWorld(world) as w:
         results = w.run(lambda g: _rank(g, tokens, plan, block_size=block_size, num_blocks=64, max_batch=max_batch,
-                                        max_len=max_len, dtype=torch.float64))  # fmt: skip
+                                        max_len=max_len, dtype=torch.float64, interleave=interleave))  # fmt: skip
     wants = _reference(tokens, plan, max_len)
     for outs, pool_ok in results:
         assert pool_ok
