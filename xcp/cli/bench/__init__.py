@@ -11,9 +11,10 @@ others). Nothing here asserts anything about time.
 One module per measurement: :mod:`.dense` (the default grid, memory, graph capture), :mod:`.documents` and
 :mod:`.window` (``--documents``, ``--window``), :mod:`.hybrid` (``--ulysses``), :mod:`.replay`
 (``--replay``), :mod:`.host` (``--host``), :mod:`.world_of_one` (``--world-of-one``), :mod:`.distributed`
-(``--distributed``, real ranks under torchrun). They share :mod:`.config` (what to measure), :mod:`.virtual`
-(the virtual ranks), :mod:`.timing` (check, then time against the yardstick) and :mod:`.report`;
-:mod:`.runner` picks the mode and :mod:`.command` is the subcommand.
+(``--distributed``, real ranks under torchrun), :mod:`.decode` (``--decode``), :mod:`.recurrent`
+(``--recurrent``) and :mod:`.serve` (``--serve``: the paged, ragged decode). They share :mod:`.config` (what to
+measure), :mod:`.virtual` (the virtual ranks), :mod:`.timing` (check, then time against the yardstick) and
+:mod:`.report`; :mod:`.runner` picks the mode and :mod:`.command` is the subcommand.
 """
 
 from __future__ import annotations
