@@ -500,11 +500,16 @@ def _mixed(cfg, clock, ranks: Ranks, whole: Whole, work: Workload, length: dict,
 def _memory(cfg, backend, device, ranks: Ranks, whole: Whole, work: Workload, length: dict, order: list, plan,
             inputs, advance, say) -> dict:  # fmt: skip
     """``cfg["steps"]`` decode steps (replayed where graphs exist, one graph per padded size met), every 8th step a
-    request leaving and a new one joining with a short prompt; the device's allocated bytes after each step."""
+    request leaving and a new one joining with a short prompt; the device's allocated bytes after each step. The
+    joining requests' tokens are drawn before the first step and the leaving ones' kept to the end, so that the
+    workload's own tensors hold the same bytes throughout and only xcp's and the pools' can change."""
     rng = random.Random(cfg["seed"])
     graphs: dict[int, tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = {}
     use_graphs = cfg["graph"] and backend.new_graph() is not None
     next_id, allocated, warm = max(order) + 1, [], set()
+    joining = [rng.randint(1, max(1, cfg["lengths"][0] // 4)) for _ in range(cfg["steps"] // 8)]
+    for j, prompt in enumerate(joining):
+        work.new(next_id + j, prompt, cfg["steps"] + 2)
     active = list(order)
     replays = 0
     for step in range(cfg["steps"]):
@@ -512,9 +517,8 @@ def _memory(cfg, backend, device, ranks: Ranks, whole: Whole, work: Workload, le
             gone = active.pop(rng.randrange(len(active)))
             ranks.free(gone)
             whole.cache.free(gone)
-            del work.tokens[gone], length[gone]
-            prompt = rng.randint(1, max(1, cfg["lengths"][0] // 4))
-            work.new(next_id, prompt, cfg["steps"] + 2)
+            del length[gone]
+            prompt = joining[step // 8]
             k, v = work.tokens[next_id][1][1][:prompt], work.tokens[next_id][1][2][:prompt]
             ranks.append([next_id], k, v, [0, prompt])
             whole.cache.append([next_id], k, v, [0, prompt])
