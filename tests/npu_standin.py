@@ -28,6 +28,7 @@ import torch
 
 import xcp
 from xcp.backends.base import SynchronousBackend
+from xcp.testing.sim_backend import SimBackend
 from xcp_npu import NPUBackend
 
 NEG_INF = float("-inf")
@@ -58,6 +59,7 @@ class FakeTorchNPU(types.ModuleType):
         self.varlen_calls: list[tuple] = []  # TND: (op, qlen, kvlen, N_kv, sparse_mode, softmax_layout, pre, next)
         self.head_dims: list[tuple[int, int, int]] = []  # (Dq, Dk, Dv) of every call
         self.head_nums: list[int] = []  # head_num of every call
+        self.infer_calls: list[tuple] = []  # npu_fused_infer_attention_score: (Q_S, qlens, kvlens, N_kv, sparse, block)
         self.capturing = False  # the current stream is being captured into a graph
         self.checked_mask = None
         self.tnd_stats = tnd_stats
@@ -251,6 +253,99 @@ class FakeTorchNPU(types.ModuleType):
             dq[q0:q1], dk[k0:k1], dv[k0:k1] = gq[0], gk[0], gv[0]
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None
 
+    # ------------------------------------------------------------------ the inference op over a paged pool
+    def npu_fused_infer_attention_score(
+        self, query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
+        actual_seq_lengths_kv=None, block_table=None, query_padding_size=None, kv_padding_size=None, num_heads=1,
+        scale=1.0, pre_tokens=MAX_TOKENS, next_tokens=MAX_TOKENS, input_layout="BSH", num_key_value_heads=0,
+        sparse_mode=0, inner_precise=0, block_size=0, antiquant_mode=0, softmax_lse_flag=False,
+    ):  # fmt: skip
+        """Page attention with a BSND query, as torch_npu's page of the op states it (xcp_npu/paged.py): float16 /
+        bfloat16, contiguous, key and value of one shape (blocknum, blocksize, KV_N * D) with KV_N * D <= 65535;
+        N <= 256, D <= 512, num_heads / num_key_value_heads <= 64, B <= 65536; Q_S 1: blocks a multiple of 16, at most
+        262144 keys; Q_S > 1: blocks 128..512 in multiples of 128, D a multiple of 16, actual_seq_lengths a host list;
+        actual_seq_lengths_kv a host list (required), blocknum >= the blocks the entries read, the table [B, >= the
+        most blocks an entry reads]; sparse_mode 0 or 3 (rightDownCausal on each entry's actual lengths, the
+        compressed mask), no row without a key; an entry without queries or keys refused (the page never says one
+        may be). Computed in float32; padded query rows come back NaN (never to be read); the lse (B, N, Q_S, 1)
+        float32 with softmax_lse_flag, else a [1] zero."""
+        if self.capturing:
+            raise RuntimeError("npu_fused_infer_attention_score: called while capturing (xcp never captures it)")
+        if query.dtype not in (torch.float16, torch.bfloat16) or key.dtype != query.dtype or value.dtype != query.dtype:
+            raise RuntimeError(f"ACLNN_ERR_PARAM_INVALID: dtypes {query.dtype}/{key.dtype}/{value.dtype} not supported")
+        if input_layout != "BSND" or block_table is None:
+            raise NotImplementedError(f"only page attention with a BSND query is modelled; got {input_layout}")
+        assert pse_shift is None and query_padding_size is None and kv_padding_size is None and antiquant_mode == 0
+        assert query.is_contiguous() and key.is_contiguous() and value.is_contiguous(), "non-contiguous tensors"
+        if key.shape != value.shape or key.dim() != 3:
+            raise RuntimeError(f"ACLNN_ERR_PARAM_INVALID: key {tuple(key.shape)} / value {tuple(value.shape)}: one "
+                               "(blocknum, blocksize, H) shape")  # fmt: skip
+        b, sq, n, d = query.shape
+        n_kv = num_key_value_heads or num_heads
+        if n != num_heads or not 0 < n <= 256 or n % n_kv or n // n_kv > 64 or key.shape[2] != n_kv * d:
+            raise RuntimeError(f"ACLNN_ERR_PARAM_INVALID: heads {num_heads}/{n_kv}, query {tuple(query.shape)}, "
+                               f"key {tuple(key.shape)}")  # fmt: skip
+        if not 0 < d <= 512 or key.shape[2] > 65535 or not 0 < b <= 65536:
+            raise RuntimeError(f"ACLNN_ERR_PARAM_INVALID: D {d}, KV_N * D {key.shape[2]}, B {b}")
+        blocknum, bs = key.shape[0], key.shape[1]
+        if bs != block_size:
+            raise RuntimeError(f"ACLNN_ERR_PARAM_INVALID: block_size {block_size}; the pools' blocks hold {bs}")
+        if sq == 1:
+            if bs % 16 or inner_precise not in (0, 1):
+                raise RuntimeError(f"ACLNN_ERR_PARAM_INVALID: Q_S 1: block_size {bs} (16-aligned), inner_precise")
+            assert actual_seq_lengths is None, "xcp passes no actual_seq_lengths with one query per entry"
+            qlens = [1] * b
+        else:
+            if bs % 128 or not 128 <= bs <= 512 or d % 16:
+                raise RuntimeError(f"ACLNN_ERR_PARAM_INVALID: Q_S > 1 with page attention: block_size {bs} (128..512, "
+                                   f"multiples of 128), D {d} (16-aligned)")  # fmt: skip
+            qlens = self._host_lengths("actual_seq_lengths", actual_seq_lengths, b, sq)
+        kvlens = self._host_lengths("actual_seq_lengths_kv", actual_seq_lengths_kv, b, 262144 if sq == 1 else None)
+        assert block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == b
+        blocks = [-(-x // bs) for x in kvlens]
+        if max(blocks) > block_table.shape[1] or sum(blocks) > blocknum:
+            raise RuntimeError(f"ACLNN_ERR_PARAM_INVALID: blocks {blocks}, table {tuple(block_table.shape)}, "
+                               f"blocknum {blocknum}")  # fmt: skip
+        ids = block_table.tolist()
+        assert all(0 <= ids[e][j] < blocknum for e in range(b) for j in range(blocks[e])), "a block id outside the pool"
+        self.infer_calls.append((sq, None if sq == 1 else list(qlens), list(kvlens), n_kv, sparse_mode, bs))
+        out = torch.full((b, sq, n, d), float("nan"))
+        lse = torch.full((b, n, sq, 1), float("nan"))
+        pool_k, pool_v = (x.view(blocknum, bs, n_kv, d) for x in (key, value))
+        for e in range(b):
+            sk, sqe = kvlens[e], qlens[e]
+            rows = torch.tensor(ids[e][: blocks[e]], dtype=torch.int64)
+            k, v = (x.index_select(0, rows).flatten(0, 1)[None, :sk] for x in (pool_k, pool_v))
+            if sq == 1 or sparse_mode == 0:
+                assert sq == 1 or atten_mask is None, "sparse_mode 0: xcp passes no mask"
+                allowed = torch.ones(sqe, sk, dtype=torch.bool)
+            elif sparse_mode == 3:
+                self._check_compressed_mask(atten_mask)
+                allowed = torch.ones(sqe, sk, dtype=torch.bool).tril(sk - sqe)
+            else:
+                raise NotImplementedError(f"sparse_mode {sparse_mode} is not modelled")
+            assert allowed.any(-1).all(), "a row that sees no key"
+            o, m, total = self._block_forward(query[e : e + 1, :sqe], k, v, scale, allowed)
+            out[e, :sqe] = o[0]
+            lse[e, :, :sqe, 0] = m[0, :, :, 0] + torch.log(total[0, :, :, 0])
+        return out.to(query.dtype), lse if softmax_lse_flag else torch.zeros(1)
+
+    @staticmethod
+    def _host_lengths(name, lengths, batch, limit):
+        """The documented host list of one length per batch entry, each in 1..limit (0 is never said to be allowed)."""
+        if not isinstance(lengths, list) or not all(type(x) is int for x in lengths) or len(lengths) != batch:
+            raise RuntimeError(f"{name}: expected a host int list of {batch} lengths; got {lengths!r}")
+        if not all(0 < x <= (limit or x) for x in lengths):
+            raise RuntimeError(f"ACLNN_ERR_PARAM_INVALID: {name} {lengths} (1..{limit})")
+        return lengths
+
+
+class FakeTorchNPU6(FakeTorchNPU):
+    """torch_npu 6.0's op, whose scale is named ``scale_value``."""
+
+    def npu_fused_infer_attention_score(self, query, key, value, *, scale_value=1.0, **options):  # type: ignore[override]
+        return super().npu_fused_infer_attention_score(query, key, value, scale=scale_value, **options)
+
 
 class NPUOnCPU(NPUBackend):
     """NPUBackend's glue on CPU tensors against the stand-in, whose ``capturing`` it reports as is_capturing()."""
@@ -269,6 +364,37 @@ class NPUGlueOnCPU(SynchronousBackend, NPUOnCPU):
 
     def is_capturing(self) -> bool:
         return NPUOnCPU.is_capturing(self)
+
+
+class NPUOnSim(NPUOnCPU):
+    """NPUBackend's kernels (on the stand-in) and hand-off policy (``clone``) with the simulated device's streams,
+    events and allocator marks (:class:`xcp.testing.sim_backend.SimBackend`'s): what the lifetime sanitizer checks
+    the ring, the combine and the recurrent exchanges of the Ascend backend on. Tensors stay on the CPU."""
+
+    name = "npu-sim"
+    current_stream = SimBackend.current_stream
+    new_stream = SimBackend.new_stream
+    stream_context = SimBackend.stream_context
+    new_event = SimBackend.new_event
+    record_event = SimBackend.record_event
+    wait_event = SimBackend.wait_event
+    wait_stream = SimBackend.wait_stream
+    synchronize_event = SimBackend.synchronize_event
+    label = SimBackend.label
+    record_stream = SimBackend.record_stream
+    memory_stats = SimBackend.memory_stats
+
+    def __init__(self, model, gqa: str | None = None) -> None:
+        super().__init__(gqa)
+        self.model = model
+        cpu = torch.device("cpu")  # the causal masks made here, outside the model's threads: kept on purpose, no leak
+        self._masks[cpu] = compressed_causal_mask().to(cpu)
+
+    def synchronize(self, device=None) -> None:
+        return None
+
+    def set_device(self, device) -> None:
+        return None
 
 
 def public_attention(world, q, k, v, dout, balance="zigzag", **kwargs):

@@ -41,6 +41,9 @@ A KV cache's range (``forward_range``, the decode step of ``xcp.KVCache(capacity
 op takes its lengths only as host lists: the call reads ``lo`` / ``hi`` to the host once, so on Ascend it is not
 capturable into a graph (under capture it leaves the step to the base class's masked math).
 
+A paged cache's partial (``forward_paged``) is one npu_fused_infer_attention_score call with ``block_table`` over the
+pool in place, its lengths host lists too (one host read a call, not capturable; :mod:`xcp_npu.paged`).
+
 Values of another head dim than the queries' and keys' (MLA, Dv != Dqk; ``value_head_dims``): the op takes Dq = Dk >= Dv
 up to 768, so Dv < Dqk goes to it as is; Dv > Dqk goes with q and k padded with zero channels to Dv (dq, dk sliced
 back); dims above 768 go to the base class's math (sources in :mod:`xcp_npu.convert`).
@@ -57,7 +60,7 @@ import torch
 from xcp.backends.fused import FusedKernelBackend, repeat_kv, sum_kv_groups, widen_head_dim
 from xcp.kernels.math import math_backward, math_forward
 
-from . import convert, heads
+from . import convert, heads, paged
 from . import settings as npu_settings
 
 CAPTURE_REFUSED = (
@@ -88,7 +91,8 @@ class NPUBackend(FusedKernelBackend):
         "torch_npu.npu_fusion_attention (+ _grad), BSND; packed segments TND; causal as sparse_mode 3, "
         "windows as sparse_mode 4; KV-cache ranges TND (host lengths); v's head dim below q's as is, above it with "
         "q/k zero-padded; over 256 query heads split per GQA group; TND grads past head dim 512 per segment in BSND; "
-        "float64 and graph capture not taken by the op"
+        "float64 and graph capture not taken by the op; paged pools through npu_fused_infer_attention_score "
+        "(block_table, host lengths, lse)"
     )
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     value_head_dims = True
@@ -394,3 +398,58 @@ class NPUBackend(FusedKernelBackend):
         out, softmax_max, softmax_sum = convert.check_varlen_forward_outputs(qt, vt, outputs)
         lse = convert.lse_from_tnd_stats(softmax_max, softmax_sum, cu_q, self.tnd_stats)
         return out.reshape(b, t, n, -1), convert.range_lse(lse, b)
+
+    # ------------------------------------------------------------------ paged KV pools
+    def paged_in_place(self, q, k_pool, v_pool) -> bool:
+        """Whether :meth:`forward_paged` reads these pools in place for every call a paged cache makes (decode rows
+        and chunks): float16 / bfloat16, values of the keys' shape, both contiguous, head dims up to 512 (a multiple
+        of 16), at most 256 query heads and 64 per K/V head, blocks of 128..512 rows in multiples of 128, and
+        ``gqa="native"`` (repeating would copy the pool); see :mod:`xcp_npu.paged`."""
+        return (self.gqa == "native" or q.shape[-2] == k_pool.shape[-2]) and paged.in_place_unsupported(
+            q, k_pool, v_pool
+        ) is None
+
+    def forward_paged(self, q, k_pool, v_pool, block_table, cu_q, seqused_k, max_q, max_k, scale, causal=False):
+        """One npu_fused_infer_attention_score call over the pool's blocks (BSND query, ``block_table``,
+        ``actual_seq_lengths_kv``, ``num_key_value_heads``, ``softmax_lse_flag``): no block copied.
+
+        Not capturable; one host read per call: the op takes its lengths as host lists, so ``cu_q`` and ``seqused_k``
+        are read to the host once. Under graph capture, for pools the op does not take (:func:`paged.pool_unsupported`)
+        and for calls it does not (several queries per entry on blocks other than 128..512 rows, a causal entry
+        with more queries than keys: :func:`paged.plan`) the base class's gather runs instead. Segments without
+        queries or keys are left out of the call: their rows are 0 with lse -inf."""
+        args = (q, k_pool, v_pool, block_table, cu_q, seqused_k, max_q, max_k, scale, causal)
+        native = self.gqa == "native" or q.shape[-2] == k_pool.shape[-2]
+        if not native or paged.pool_unsupported(q, k_pool, v_pool) or self.is_capturing():
+            return super().forward_paged(*args)
+        cu, used = paged.read_lengths(cu_q, seqused_k)  # the one host read
+        n, block, hkv, d = k_pool.shape
+        call = paged.plan(cu, used, block, n, block_table.shape[1], causal, d)
+        if isinstance(call, str):
+            return super().forward_paged(*args)
+        t, h = q.shape[0], q.shape[1]
+        out = q.new_zeros((t, h, d))
+        lse = torch.full((h, t), float("-inf"), dtype=torch.float32, device=q.device)
+        if not call.segments:
+            return out, lse
+        dev = q.device
+        where = torch.tensor(call.gather(t), dtype=torch.int64, device=dev)
+        queries = torch.cat((q, q.new_zeros((1, h, d)))).index_select(0, where).view(-1, call.width, h, d)
+        table = block_table
+        if len(call.segments) != block_table.shape[0]:
+            table = block_table.index_select(0, torch.tensor(call.segments, dtype=torch.int64, device=dev))
+        op = self._op(paged.OP)
+        mask = self._causal_mask(dev) if causal else None
+        outputs = op(
+            queries,
+            k_pool.view(n, block, hkv * d),  # (blocknum, blocksize, H): what a BSND query reads
+            v_pool.view(n, block, hkv * d),
+            block_table=table.to(torch.int32).contiguous(),
+            **paged.call_args(call, h, hkv, block, causal, mask, paged.scale_keyword(op), scale),
+        )
+        o, entry_lse = paged.check_outputs(outputs, call, h, d)
+        rows = torch.tensor(call.rows, dtype=torch.int64, device=dev)
+        slots = torch.tensor(call.slots, dtype=torch.int64, device=dev)
+        out.index_copy_(0, rows, o.reshape(-1, h, d).index_select(0, slots).to(q.dtype))
+        lse.index_copy_(1, rows, entry_lse.transpose(0, 1).reshape(h, -1).index_select(1, slots))
+        return out, lse

@@ -12,18 +12,21 @@ rule 3.3), and checks every step against float64 attention over each request's w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from .. import schedule
+from .. import plugins, schedule
 from ..comm import LocalWorld
 from ..inference.paged import PagedKVCache
 from ..inference.paged_decode import PagedDecode, decode_padding
 from ..lifetime import check_handoff, track_buffers
 from .sanitizer import TOLERANCE, Finding, Sanitizer, SanitizerReport, gathered_findings
+from .sim_backend import SimPlugin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +189,7 @@ def sanitize_serve(
     chunk: int = 8,
     seed: int = 0,
     decode: bool = False,
+    backend: Callable[[Any], Any] | None = None,
 ) -> SanitizerReport:
     """Run a :func:`workload` of ``requests`` requests on ``world`` virtual ranks of the sim device, one
     :class:`xcp.PagedKVCache` per rank, under the lifetime sanitizer; findings: race, reuse and leak (the
@@ -195,6 +199,9 @@ def sanitize_serve(
     :param num_blocks: each rank's pool; default the most the workload ever holds at once, so it always fits.
     :param decode: the steps of single tokens of known requests through :class:`xcp.PagedDecode` (see
         :func:`serve_rank`).
+    :param backend: ``backend(model)`` builds a backend whose streams and events are the sanitizer's device model's,
+        registered for the run and used in place of ``sim``: the rules checked under another backend's kernels and
+        hand-off policy (tests/npu_standin.py's ``NPUOnSim``: Ascend's).
     """
     if dtype not in TOLERANCE:
         raise ValueError(f"dtype: expected one of {', '.join(map(str, TOLERANCE))}; got {dtype}")
@@ -206,14 +213,15 @@ def sanitize_serve(
     data = workload_data(steps, heads, kv_heads, head_dim, seed)
     if num_blocks is None:
         num_blocks = max(1, max_blocks(steps, world, block_size, interleave))
-    kwargs = {"num_blocks": num_blocks, "block_size": block_size, "interleave": interleave, "device": "sim",
-              "handoff": handoff}  # fmt: skip
-    config = {"requests": requests, "steps": len(steps), "world": world, "handoff": handoff or "record_stream",
+    kwargs = {"num_blocks": num_blocks, "block_size": block_size, "interleave": interleave, "handoff": handoff}
+    config = {"requests": requests, "steps": len(steps), "world": world, "handoff": handoff,
               "dtype": str(dtype).replace("torch.", ""), "heads": heads, "kv_heads": kv_heads,
               "block_size": block_size, "num_blocks": num_blocks, "interleave": interleave,
               "decode": "PagedDecode" if decode else "attention"}  # fmt: skip
     problems: list[Finding] = []
-    with Sanitizer() as san:
+    with Sanitizer() as san, _on_model(san, backend) as used:
+        kwargs["device"] = used.name
+        config["handoff"] = handoff or used.handoff_policy
         lw = LocalWorld(world, timeout=60.0)
 
         def rank(group: Any) -> tuple:
@@ -234,6 +242,21 @@ def sanitize_serve(
         )
     return SanitizerReport(config, findings, peak_kv_shards={}, peak_bytes={}, peak_comm_bytes={}, bound_shards=0,
                            bound_comm_bytes=0, max_error={"out": error}, set_aside=set_aside)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _on_model(san: Sanitizer, backend: Callable[[Any], Any] | None) -> Iterator[Any]:
+    """The backend a run uses: the sanitizer's ``sim``, or ``backend(model)`` registered for the block."""
+    if backend is None:
+        yield san.backend
+        return
+    built = backend(san.model)
+    plugin = SimPlugin(built)
+    plugins.register_plugin(plugin, name=f"xcp-sanitizer-{built.name}")
+    try:
+        yield built
+    finally:
+        plugins.unregister_plugin(plugin)
 
 
 def max_blocks(steps: list[Step], world: int, block_size: int, interleave: int) -> int:
