@@ -452,7 +452,9 @@ class Backend:
         :param seqused_k: int32 [B] on the device: segment i sees its first ``seqused_k[i]`` key rows; 0 gives
             its rows out 0 and lse -inf, never NaN.
         :param max_q: host int >= every segment's query count; ``max_k``: host int >= every ``seqused_k[i]``
-            and <= ``max_blocks * block_size`` (bounds fixed at capture: the host never reads the lengths).
+            and <= ``max_blocks * block_size`` (bounds fixed at capture: the host never reads the lengths; an
+            op that takes them only as host lists may read them where nothing is captured, and under
+            :meth:`is_capturing` returns this default).
         :param causal: False: every query of a segment sees all its keys; True: bottom-right aligned, query m
             of a segment of sq queries and sk keys sees keys ``0 .. sk - sq + m``.
         :returns: ``(out [T, H, Dv], lse [H, T])``: out in q's dtype (or float32), lse float32 (float64 for
