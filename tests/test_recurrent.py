@@ -213,6 +213,8 @@ def test_pieces_in_global_order_with_resets():
 def test_stripe_and_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="balance: expected one of zigzag, contiguous, document_zigzag.*got 'stripe'"):
         plan_pieces(8, 2, "stripe")
+    with pytest.raises(ValueError, match="the state would cross ranks at every token"):  # says why
+        plan_pieces(8, 2, "stripe")
     q, k, v, a = inputs_for("decay", 8)
     with pytest.raises(ValueError, match="initial_state: expected none"):
         state_passing(decay_kernel, q, k, v, a, transition=Decay(decay_product), initial_state=q)
@@ -220,6 +222,11 @@ def test_stripe_and_bad_arguments_are_refused():
         state_passing(decay_kernel, q, k[:, :4], v, a, transition=Decay(decay_product))
     with pytest.raises(ValueError, match="width: expected an integer >= 1"):
         causal_conv(depthwise(torch.ones(C, 1, dtype=torch.float64)), q, 0)
+    # a shard that is not the rank's share of the documents' sequence is named with both lengths
+    with pytest.raises(ValueError, match=r"inputs: expected 10 tokens at dim 1 \(rank 0's shard of 10 under .*got 8"):
+        state_passing(decay_kernel, q, k, v, a, transition=Decay(decay_product), cu_seqlens=[0, 4, 10])
+    with pytest.raises(ValueError, match=r"x: expected 10 tokens at dim 1 .*got 8"):
+        causal_conv(depthwise(torch.ones(C, 1, dtype=torch.float64)), q, 2, cu_seqlens=[0, 4, 10])
 
 
 def test_a_decay_is_exchanged_in_its_own_shape():
@@ -232,3 +239,46 @@ def test_a_decay_is_exchanged_in_its_own_shape():
     assert tuple(per_head.summarize(decay_kernel, [q, k, v, a], {})[0].shape) == (B, H, 1, 1)
     with pytest.raises(ValueError, match=r"decay: expected T broadcastable to the state's shape \(2, 2, 3, 4\); got"):
         Decay(lambda q, k, v, a: a.prod(dim=1)).summarize(decay_kernel, [q, k, v, a], {})
+
+
+def test_the_exchange_on_a_world_of_one_holds_the_rank_own_parts():
+    """gather / scatter_sum (as the benchmark calls them, on any world): a world of one gets its parts back
+    at [0], zero-padded to ``rows``, and its gradients back unsummed, with nothing sent."""
+    from xcp.backends.cpu import CPUBackend
+    from xcp.comm.protocol import SingleRank
+    from xcp.recurrent.exchange import gather, scatter_sum
+
+    parts = [torch.randn(2, 3, dtype=torch.float64) for _ in range(2)]
+    got = gather(SingleRank(), CPUBackend(), None, parts, 3, "state")
+    assert got.shape == (1, 3, 2, 3)
+    assert torch.equal(got[0], torch.stack([*parts, torch.zeros(2, 3, dtype=torch.float64)]))
+    grads = torch.randn(1, 3, 2, 3, dtype=torch.float64)
+    assert torch.equal(scatter_sum(SingleRank(), CPUBackend(), None, grads, "dstate"), grads[0])
+
+
+def test_a_backward_outside_the_rank_thread_is_refused_rather_than_hanging():
+    """A LocalWorld rank's exchange must run its backward in the rank's thread (the peers' all-to-all waits
+    there); autograd run from another thread is told so at once, naming the exchange, for any P >= 2."""
+    from xcp.backends.cpu import CPUBackend
+    from xcp.recurrent.exchange import gather_differentiable
+
+    def fn(group):
+        x = torch.randn(2, dtype=torch.float64, requires_grad=True)
+        return gather_differentiable(group, CPUBackend(), None, [x], 1, "state")
+
+    out = xcp.LocalWorld(2, timeout=5).run(fn)[0]
+    with pytest.raises(RuntimeError, match=r"backward of LocalWorld rank 0's state exchange outside its thread"):
+        out.sum().backward()
+
+
+def test_a_convolution_of_width_one_is_accepted_and_needs_no_halo():
+    """width=1, the smallest kernel: each output reads its own input alone, so every rank's result is its
+    shard of the whole sequence's, with nothing exchanged."""
+    x = torch.randn(B, 8, C, dtype=torch.float64)
+    weight = torch.randn(C, 1, dtype=torch.float64)
+    want, _ = whole(lambda xs: (depthwise(weight)(xs[0]), None), [x], [0, 8])
+
+    def rank_fn(group):
+        return causal_conv(depthwise(weight), xcp.shard(x, 2, group.rank()), 1, group=group)
+
+    close("out", xcp.unshard(xcp.LocalWorld(2, timeout=30).run(rank_fn)), want)

@@ -680,6 +680,8 @@ def run_module(module: str, data: dict, args: argparse.Namespace, known: dict) -
         else:
             limit = args.timeout_factor * seconds + args.timeout_extra
             verdict = run_one(module, m.apply(source), tests, limit, args.cold or m.at_import is not None)
+            if verdict == "error" and run_one(module, source, tests, limit, True) == "survived":
+                verdict = "killed"  # the tests run on the real code: the mutant broke them (an import, say)
         if verdict in ("survived", "uncovered"):
             if ident in known:
                 used.add(ident)
