@@ -376,3 +376,80 @@ def test_generate_over_ranks_is_refused_for_xlstm():
     ids = torch.randint(3, VOCAB, (1, 8))
     with pytest.raises(RuntimeError, match="xLSTMModel: xcp.integrations.transformers.generate over more than one"):
         xcp.LocalWorld(2).run(lambda group: xt.generate(model, ids, group=group, max_new_tokens=2, do_sample=False))
+
+
+DOCUMENTS = [
+    ("qwen3_next", 2, "contiguous"),
+    ("qwen3_next", 3, "zigzag"),
+    ("mamba2", 4, "contiguous"),
+    ("jamba", 3, "zigzag"),
+    ("zamba", 4, "contiguous"),
+    ("lfm2_moe", 2, "zigzag"),
+    ("kimi_linear", 2, "contiguous"),
+    ("falcon_h1", 4, "zigzag"),
+]
+"""xcp.context places a packed sequence by zigzag or contiguous (document_zigzag is xcp.shard's and
+xcp.attention's: state passing under it is tested in tests/test_recurrent.py)."""
+
+UNSEEN = {"mamba2", "mamba", "falcon_mamba", "jamba"}
+"""Families whose recurrent layers are never handed the documents (Mamba, Mamba2, Falcon-Mamba: their
+ForCausalLM.forward drops cu_seq_lens_q/k; Jamba: its decoder layer calls the Mamba mixer without them): on
+one device their state runs across the boundaries (Jamba's attention does not: it reads the positions), and
+so under xcp; the reference is the packed sequence on one device."""
+
+
+@pytest.mark.parametrize(("kind", "world", "balance"), DOCUMENTS, ids=[f"{k}-P{w}-{b}" for k, w, b in DOCUMENTS])
+def test_packed_documents_equal_each_document_alone(kind, world, balance, full_precision):
+    """Packed documents (shard_batch(..., cu_seqlens=): cu_seq_lens_q/k to the model) over LocalWorld: the
+    recurrent layers restart their state and convolutions at every boundary, so logits, loss and every
+    parameter gradient equal those of each document run alone on one device (transformers' torch kernels
+    ignore the boundaries on one device, so the packed one-device model is not the reference). A family that
+    never passes the boundaries to its layers (:data:`UNSEEN`) equals the packed sequence run as one."""
+    full_precision(kind)
+    config = _configs()[kind]()
+    model = xt.prepare(build(config))
+    reference = build(config, "eager")
+    reference.load_state_dict(model.state_dict())
+    seq = 8 * world
+    cu = [0, 5, seq - 6, seq]  # a short document, a long one, and one cut by every balance's pieces
+    ids = torch.randint(3, VOCAB, (1, seq), generator=torch.Generator().manual_seed(world))
+    labels = ids.clone()
+    labels[0, cu[:-1]] = -100  # no label across a boundary
+    if kind in UNSEEN:
+        positions = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])])[None]
+        logits = reference(input_ids=ids, position_ids=positions, use_cache=False).logits
+    else:
+        logits = torch.cat([reference(input_ids=ids[:, a:b], use_cache=False).logits for a, b in zip(cu, cu[1:])], 1)
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100)
+    loss.backward()
+
+    def rank(group):
+        with xcp.context(group, balance=balance):
+            out = model(**xt.shard_batch(ids, labels=labels, cu_seqlens=cu).model_kwargs())
+            out.loss.backward()
+            return out.logits.detach(), out.loss.detach()
+
+    results = xcp.LocalWorld(world).run(rank)
+    got = xcp.unshard([r[0] for r in results], balance=balance)
+    assert rel(got, logits.detach()) <= TOL
+    assert rel(sum(r[1] for r in results), loss.detach()) <= TOL
+    grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    scale = max(float(g.abs().max()) for g in grads.values())
+    assert grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    for name, p in model.named_parameters():
+        if name in grads:
+            err = float((p.grad - grads[name]).abs().max())
+            assert err <= TOL * max(float(grads[name].abs().max()), 1e-6 * scale), name
+
+
+def test_seq_idx_is_refused_over_ranks():
+    """mamba_ssm's per-token document index is a shard's: the layer asks for the global boundaries."""
+    model = xt.prepare(build(_configs()["lfm2_moe"]()))
+    ids = torch.randint(3, VOCAB, (1, 8))
+
+    def rank(group):
+        with xcp.context(group), torch.no_grad():
+            model(**xt.shard_batch(ids).model_kwargs(), seq_idx=torch.zeros(1, 4, dtype=torch.int32))
+
+    with pytest.raises(RuntimeError, match="Lfm2MoeShortConv: seq_idx under an xcp.context .*expected the documents"):
+        xcp.LocalWorld(2).run(rank)

@@ -34,6 +34,8 @@ class _Run:
     group: Any
     balance: str
     layer: str
+    documents: tuple[int, ...] | None = None
+    """The packed documents' GLOBAL boundaries the mixer was called with (None: one sequence)."""
 
 
 _active = threading.local()
@@ -63,13 +65,49 @@ def _no_carry(run: _Run, name: str, value: Any) -> None:
         )
 
 
-def _cu(run: _Run, kwargs: dict[str, Any]) -> None:
-    for name in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k"):
-        if kwargs.pop(name, None) is not None:
-            raise NotImplementedError(
-                f"{run.layer}: packed documents ({name}) through a recurrent layer under an xcp.context are not "
-                "supported yet"
-            )
+_DOCUMENTS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")
+"""The names packed documents' boundaries reach a mixer's kernels under: the model's forward passes
+``cu_seq_lens_q/k`` (``shard_batch(..., cu_seqlens=).model_kwargs()``) on to the mixer and its kernels; the gated
+delta families hand ``cu_seq_lens_q`` to their kernel as ``cu_seqlens``."""
+
+
+def _documents(layer: str, kwargs: dict[str, Any]) -> tuple[int, ...] | None:
+    """The documents' GLOBAL boundaries a mixer's call carries (None: one sequence): every kernel of the mixer
+    restarts its state at each and its convolutions never cross one, also a kernel the mixer does not hand
+    them to (Jamba's scan gets none, its convolution does). ``seq_idx`` (the mamba_ssm kernels' per-token
+    document index, of a shard: a document starting at a shard's start cannot be told from one going on) is
+    refused."""
+    if kwargs.get("seq_idx") is not None:
+        raise NotImplementedError(
+            f"{layer}: seq_idx under an xcp.context of more than one rank: expected the documents as "
+            "cu_seq_lens_q/cu_seq_lens_k (the global boundaries, shard_batch(..., cu_seqlens=).model_kwargs()); "
+            "got seq_idx"
+        )
+    found: dict[str, tuple[int, ...]] = {}
+    for name in _DOCUMENTS:
+        value = kwargs.get(name)
+        if value is not None:
+            found[name] = tuple(int(x) for x in (value.tolist() if isinstance(value, torch.Tensor) else value))
+    if len(set(found.values())) > 1:
+        raise ValueError(
+            f"{layer}: cu_seq_lens_k: expected the boundaries of cu_seq_lens_q (one sequence of packed documents); "
+            f"got {found}"
+        )
+    return next(iter(found.values()), None)
+
+
+def _cu(run: _Run, kwargs: dict[str, Any]) -> tuple[int, ...] | None:
+    """The documents a kernel call runs over: the mixer's (:func:`_documents`), checked against any the call
+    carries itself, which are taken out of ``kwargs`` (the kernel runs on pieces cut at them)."""
+    carried = _documents(run.layer, kwargs)
+    for name in (*_DOCUMENTS, "seq_idx"):
+        kwargs.pop(name, None)
+    if carried is not None and carried != run.documents:
+        raise ValueError(
+            f"{run.layer}: cu_seqlens: expected the documents the layer was called with ({run.documents}); got "
+            f"{carried}"
+        )
+    return run.documents
 
 
 _TORCH_DELTA = ("chunk_size", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
@@ -84,7 +122,7 @@ def _delta(original: Callable[..., Any], run: _Run, query, key, value, g, beta, 
     :data:`_FLA_DELTA`), through state passing. fla's state is [N, H, K, V] float32, DeltaRule's layout."""
     kwargs.update(zip(_names, args))
     _no_carry(run, "initial_state", kwargs.pop("initial_state", None))
-    _cu(run, kwargs)
+    cu = _cu(run, kwargs)
     final = bool(kwargs.pop("output_final_state", False))
 
     def kernel(q, k, v, g_, b_, initial_state=None, output_final_state=False):
@@ -101,6 +139,7 @@ def _delta(original: Callable[..., Any], run: _Run, query, key, value, g, beta, 
         transition=DeltaRule(value=2),
         group=run.group,
         balance=run.balance,
+        cu_seqlens=cu,
         output_final_state=final,
     )
     return out, state
@@ -113,7 +152,7 @@ def _mamba2(original: Callable[..., Any], run: _Run, hidden_states, dt, A, B, C,
     names = ("chunk_size", "D", "dt_bias", "initial_states", "dt_softplus", "dt_limit", "return_final_states")
     kwargs.update(zip(names, args))
     _no_carry(run, "initial_states", kwargs.pop("initial_states", None))
-    _cu(run, kwargs)
+    cu = _cu(run, kwargs)
     final = bool(kwargs.pop("return_final_states", False))
     dt_bias, softplus = kwargs.get("dt_bias"), bool(kwargs.get("dt_softplus", False))
     low, high = kwargs.get("dt_limit", (0.0, float("inf")))
@@ -137,6 +176,7 @@ def _mamba2(original: Callable[..., Any], run: _Run, hidden_states, dt, A, B, C,
         transition=Decay(decay),
         group=run.group,
         balance=run.balance,
+        cu_seqlens=cu,
         output_final_state=final,
     )
     return (out, state) if final else out
@@ -150,7 +190,7 @@ def _selective_scan(original: Callable[..., Any], run: _Run, hidden_states, dt, 
     ``exp(A * dt)`` at every token."""
     names = ("D", "z", "delta_bias", "delta_softplus", "return_last_state")
     kwargs.update(zip(names, args))
-    _cu(run, kwargs)
+    cu = _cu(run, kwargs)
     final = bool(kwargs.pop("return_last_state", False))
     bias, softplus = kwargs.get("delta_bias"), bool(kwargs.get("delta_softplus", False))
 
@@ -176,20 +216,22 @@ def _selective_scan(original: Callable[..., Any], run: _Run, hidden_states, dt, 
     inputs = (hidden_states, dt, B, C) + (() if z is None else (z,))
     out, state = state_passing(
         kernel, *inputs, transition=Decay(decay), group=run.group, balance=run.balance, seq_dim=2,
-        output_final_state=final,
+        cu_seqlens=cu, output_final_state=final,
     )  # fmt: skip
     return (out, state) if final else out
 
 
 def _conv(original: Callable[..., Any], run: _Run, hidden_states, weight, bias=None, activation=None, **kwargs):
-    """``causal_conv1d_fn(x [B, C, L], weight [C, w], bias, activation)`` with its halo."""
-    _cu(run, kwargs)
+    """``causal_conv1d_fn(x [B, C, L], weight [C, w], bias, activation)`` with its halo (none across a document
+    boundary)."""
+    cu = _cu(run, kwargs)
     _no_carry(run, "initial_states", kwargs.pop("initial_states", None))
 
     def conv(x):
         return original(x, weight, bias, activation=activation, **kwargs)
 
-    return causal_conv(conv, hidden_states, int(weight.shape[-1]), group=run.group, balance=run.balance, seq_dim=2)
+    width = int(weight.shape[-1])
+    return causal_conv(conv, hidden_states, width, group=run.group, balance=run.balance, cu_seqlens=cu, seq_dim=2)
 
 
 def _unfused(original: Callable[..., Any], run: _Run, *args, **kwargs):
@@ -257,7 +299,7 @@ def _cp_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return out
     if ctx.ulysses != 1:
         raise NotImplementedError(f"{layer}: ulysses > 1 with recurrent layers is not supported; got {ctx.ulysses}")
-    with _running(_Run(ctx.group, check_recurrent_balance(ctx.balance), layer)):
+    with _running(_Run(ctx.group, check_recurrent_balance(ctx.balance), layer, _documents(layer, kwargs))):
         out = forward(self, *args, **kwargs)
     if cache is not None:  # the prompt's ring prefix: the states kept are the whole sequence's (final, last inputs)
         cache.advance(self.layer_idx, _tokens(layer, args, kwargs) * ctx.world_size)
