@@ -8,7 +8,7 @@ Families: Qwen3-Next (gated delta), Mamba2, Mamba and Jamba (selective scan), Ki
 and Zamba2 (Mamba2 mixers beside attention), Zamba (a selective scan per Mamba head), LFM2-MoE and LFM3 (short
 convolutions), MiniMax (lightning attention), RecurrentGemma (RG-LRU), RWKV (WKV, token shift), Zaya (CCA's
 convolution and delayed values) and xLSTM (mLSTM), inline in their mixers (xcp/integrations/transformers_inline.py).
-Generation (xt.generate) against the model's own: Qwen3-Next, Mamba2, Mamba, LFM2-MoE, Zaya.
+Generation (xt.generate) against the model's own: Qwen3-Next, Mamba2, Mamba, LFM2-MoE, Zaya, RecurrentGemma.
 """
 
 from __future__ import annotations
@@ -248,9 +248,9 @@ def test_stripe_and_ulysses_are_refused_by_the_layer():
 
 
 def test_generate_over_ranks_is_refused_for_an_inline_recurrence():
-    model = xt.prepare(build(_configs()["recurrent_gemma"]())).eval()
+    model = xt.prepare(build(_configs()["rwkv"]())).eval()
     ids = torch.randint(3, VOCAB, (1, 8))
-    with pytest.raises(RuntimeError, match="RecurrentGemmaRecurrentBlock: xcp.integrations.transformers.generate over"):
+    with pytest.raises(RuntimeError, match="RwkvSelfAttention: xcp.integrations.transformers.generate over more than"):
         xcp.LocalWorld(2).run(lambda group: xt.generate(model, ids, group=group, max_new_tokens=2, do_sample=False))
 
 
@@ -263,6 +263,7 @@ GENERATE = [
     ("lfm2_moe", 2, "zigzag", 11),
     ("mamba2", 1, "zigzag", 9),  # a world of one: the cache counts the prompt's tokens (no attention layer does)
     ("zaya", 3, "zigzag", 14),
+    ("recurrent_gemma", 2, "zigzag", 11),
 ]
 
 

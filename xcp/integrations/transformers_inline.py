@@ -19,7 +19,7 @@ import threading
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ class Run:
     group: Any
     balance: str
     layer: str
+    final: bool = False  # the state after the sequence wanted too (xcp's generate, the prompt's ring prefix)
 
     def refuse_documents(self, kwargs: dict[str, Any]) -> None:
         """Packed documents (``cu_seq_lens_*``) are not served by these layers yet."""
@@ -80,7 +81,7 @@ def _forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     cache = next((a for a in (*args, *kwargs.values()) if type(a).__name__ == "ShardedCache"), None)
     if cache is not None and layer in GENERATES and not cache.ring:
         # xcp's generate after the prompt's ring prefix: the same tokens on every rank, the states whole
-        return type(self).forward(self, *args, **kwargs)
+        return GENERATES[layer](self, cache, *args, **kwargs)
     if decoding.current() is not None and (cache is None or layer not in GENERATES):
         raise NotImplementedError(
             f"{layer}: xcp.integrations.transformers.generate over more than one rank does not serve this "
@@ -226,9 +227,36 @@ def _recurrent_gemma(self: Any, run: Run, input_states: torch.Tensor, position_i
     The RG-LRU resets the state at position 0, which shard_batch's global positions give only the
     sequence's first token."""
     run.refuse_documents(kwargs)
-    run.refuse_carried("state (use_cache=True)", True if use_cache else None)  # kept in the block: per rank
-    with _running(run):
-        return type(self).forward(self, input_states, position_ids, attention_mask, use_cache=False, **kwargs)
+    cache = kwargs.get("cache")
+    prompt = _prompt(cache)
+    if not prompt:
+        run.refuse_carried("state (use_cache=True)", True if use_cache else None)  # kept in the block: per rank
+    with _running(replace(run, final=prompt)):
+        out = type(self).forward(self, input_states, position_ids, attention_mask, use_cache=False, **kwargs)
+    if prompt:  # xcp's generate: the whole prompt's states, on every rank (the RG-LRU's kept by its forward)
+        inputs = self.linear_x(input_states).transpose(1, 2)
+        self.conv1d_state = last_inputs(inputs, self.conv1d_width - 1, group=run.group, balance=run.balance, seq_dim=2)
+        _count(cache, input_states.shape[1] * current().world_size)  # the ring prefix: P equal shards
+    return out
+
+
+def _count(cache: Any, seen: int) -> None:
+    """Tell xcp's generate cache that its recurrent layers have seen ``seen`` tokens of the sequence (how much of
+    the prompt it holds): RecurrentGemma's blocks keep no layer index, and every one sees the same tokens."""
+    for index, layer in enumerate(cache.layers):
+        if type(layer).__name__ == "ShardedStates" and seen > layer.get_seq_length():
+            cache.advance(index, seen - layer.get_seq_length())
+
+
+def _recurrent_gemma_step(self: Any, sharded: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """The block after the prompt's ring prefix under xcp's generate: its own forward (its states, in itself,
+    are the whole sequence's on every rank), and the tokens counted (``position_ids`` are global)."""
+    position_ids = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
+    if int(position_ids.min()) == 0:  # a prompt too short for the ring: a new sequence, not an earlier one's
+        self.conv1d_state = None  # (the block then starts its states from zeros)
+    out = type(self).forward(self, *args, **kwargs)
+    _count(sharded, int(position_ids.max()) + 1)
+    return out
 
 
 def _rg_lru_scan(self: Any, hidden_states: torch.Tensor, recurrent_gate: torch.Tensor, reset: torch.Tensor,
@@ -247,8 +275,9 @@ def _rg_lru_scan(self: Any, hidden_states: torch.Tensor, recurrent_gate: torch.T
         return (a * ~r).prod(dim=1)
 
     return state_passing(
-        kernel, hidden_states, recurrent_gate, reset, transition=Decay(decay), group=run.group, balance=run.balance
-    )
+        kernel, hidden_states, recurrent_gate, reset, transition=Decay(decay), group=run.group, balance=run.balance,
+        output_final_state=run.final,
+    )  # fmt: skip
 
 
 def _adapt_recurrent_gemma(module: torch.nn.Module) -> None:
@@ -399,10 +428,14 @@ def _zaya_cca(self: Any, run: Run, hidden_states: torch.Tensor, cache: Any = Non
 
 FAMILIES["ZayaCCAProjection"] = _zaya_cca
 
-GENERATES = frozenset({"ZayaCCAProjection"})
-"""The families whose states xcp's generate keeps whole on every rank (in its cache, as transformers' own
-cache layers keep them): their forward fills them from the prompt's ring prefix; after it they run their
-own forward on every rank."""
+GENERATES: dict[str, Callable[..., Any]] = {
+    "ZayaCCAProjection": lambda self, sharded, /, *args, **kwargs: type(self).forward(self, *args, **kwargs),
+    "RecurrentGemmaRecurrentBlock": _recurrent_gemma_step,
+}
+"""The families whose states xcp's generate keeps whole on every rank (ZAYA in its cache, as transformers' own
+cache layers keep them; RecurrentGemma in its blocks, as on one device): their forward fills them from the
+prompt's ring prefix; after it, ``step(module, cache, /, *args, **kwargs)`` runs their own forward on every
+rank."""
 
 # --------------------------------------------------------------------------------------------------------
 # xLSTM: the mLSTM's memory and normalizer under a running maximum
