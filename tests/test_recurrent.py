@@ -282,3 +282,67 @@ def test_a_convolution_of_width_one_is_accepted_and_needs_no_halo():
         return causal_conv(depthwise(weight), xcp.shard(x, 2, group.rank()), 1, group=group)
 
     close("out", xcp.unshard(xcp.LocalWorld(2, timeout=30).run(rank_fn)), want)
+
+
+def test_pieces_under_ulysses_follow_xcp_shard():
+    """With ulysses U, rank r holds the (r % U)-th of U parts of ring shard r // U: each piece is the tokens
+    xcp.shard(..., ulysses=U) gives it, and a part may span a zigzag shard's two chunks (two pieces)."""
+    for world, ulysses, balance, seq in [(4, 2, "zigzag", 16), (6, 3, "zigzag", 24), (4, 2, "contiguous", 8)]:
+        pieces = plan_pieces(seq, world, balance, ulysses=ulysses)
+        ids = torch.arange(seq)[None]
+        for r in range(world):
+            held = torch.cat([ids[0, p.start : p.stop] for p in pieces if p.owner == r])
+            assert torch.equal(held, xcp.shard(ids, world, r, balance=balance, ulysses=ulysses)[0]), (world, r)
+    spanning = [(p.start, p.stop) for p in plan_pieces(24, 6, "zigzag", ulysses=3) if p.owner == 1]
+    assert spanning == [(4, 6), (18, 20)]  # ring shard 0 is chunks [0, 6) and [18, 24): rank 1 its tokens 4..8
+    with pytest.raises(ValueError, match="ulysses: expected a divisor of the world size 4"):
+        plan_pieces(16, 4, "zigzag", ulysses=3)
+
+
+ULYSSES = [
+    (4, 2, "zigzag", None),
+    (4, 2, "contiguous", "docs"),
+    (6, 3, "zigzag", "docs"),
+    (4, 2, "document_zigzag", "docs"),
+]
+
+
+@pytest.mark.parametrize(
+    ("world", "ulysses", "balance", "cu"), ULYSSES, ids=[f"P{w}-U{u}-{b}-{c}" for w, u, b, c in ULYSSES]
+)
+def test_state_passing_and_halos_under_ulysses(world, ulysses, balance, cu):
+    """A gated delta rule after a causal convolution, the tokens placed as xcp.shard(..., ulysses=U) places
+    them: outputs, the final state and every gradient equal the whole sequence's."""
+    seq = 4 * world
+    cu = documents(seq) if cu else [0, seq]
+    q, k, v, g, beta = inputs_for("delta", seq)
+    weight = torch.randn(H * DK, W, dtype=torch.float64)
+    dout = torch.randn(B, seq, H, DV, dtype=torch.float64)
+    ref = [x.clone().requires_grad_() for x in (q, k, v, g, beta, weight)]
+
+    def conv(w):  # depthwise over the heads' channels of [B, L, H, DK]
+        return lambda x: depthwise(w)(x.flatten(2)).view(x.shape)
+
+    mixed, _ = whole(lambda xs: (conv(ref[5])(xs[0]), None), ref[:1], cu)
+    out, final = whole(lambda xs: delta_kernel(*xs, output_final_state=True), [mixed, *ref[1:5]], cu)
+    ((out * dout).sum() + final.sum()).backward()
+    place = {"balance": balance, "ulysses": ulysses, "cu_seqlens": cu if balance == "document_zigzag" else None}
+    docs = cu if len(cu) > 2 else None
+
+    def rank_fn(group):
+        r = group.rank()
+        local = [xcp.shard(x, world, r, **place).requires_grad_() for x in (q, k, v, g, beta)]
+        w = weight.clone().requires_grad_()
+        opts = {"group": group, "balance": balance, "cu_seqlens": docs, "ulysses": ulysses}
+        mixed = causal_conv(conv(w), local[0], W, **opts)
+        o, f = state_passing(delta_kernel, mixed, *local[1:], transition=DeltaRule(), output_final_state=True, **opts)
+        ((o * xcp.shard(dout, world, r, **place)).sum() + f.sum() * (r == 0)).backward()
+        return o.detach(), f.detach(), [x.grad for x in local], w.grad
+
+    results = xcp.LocalWorld(world, timeout=30).run(rank_fn)
+    close("out", xcp.unshard([res[0] for res in results], **place), out.detach())
+    for res in results:
+        close("final state", res[1], final.detach())
+    for i in range(5):
+        close(f"grad of input {i}", xcp.unshard([res[2][i] for res in results], **place), ref[i].grad)
+    close("grad of weight", sum(res[3] for res in results), ref[5].grad)

@@ -206,6 +206,12 @@ def test_training_matches_one_device(kind, world, balance, full_precision):
     results = xcp.LocalWorld(world).run(rank)
     assert rel(xcp.unshard([r[0] for r in results], balance=balance), expected.logits.detach()) <= TOL
     assert rel(sum(r[1] for r in results), expected.loss.detach()) <= TOL
+    _same_gradients(model, reference)
+
+
+def _same_gradients(model, reference):
+    """Every parameter's gradient (summed over the ranks) within TOL of the reference's, relative to the largest
+    of each (floored at 1e-6 of the largest of all)."""
     grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     scale = max(float(g.abs().max()) for g in grads.values())
     assert grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
@@ -233,18 +239,45 @@ def test_a_deep_copy_of_a_prepared_model_runs_its_own_layers(full_precision):
     assert rel(xcp.unshard(xcp.LocalWorld(2).run(rank)), want) <= TOL
 
 
-def test_stripe_and_ulysses_are_refused_by_the_layer():
+def test_stripe_is_refused_by_the_layer():
     model = xt.prepare(build(_configs()["mamba2"]()))
     ids = torch.randint(3, VOCAB, (1, 8))
 
-    def rank(group, balance, ulysses):
-        with xcp.context(group, balance=balance, ulysses=ulysses), torch.no_grad():
+    def rank(group):
+        with xcp.context(group, balance="stripe"), torch.no_grad():
             model(**xt.shard_batch(ids).model_kwargs())
 
     with pytest.raises(RuntimeError, match="balance: expected one of zigzag, contiguous, document_zigzag.*'stripe'"):
-        xcp.LocalWorld(2).run(rank, "stripe", 1)
-    with pytest.raises(RuntimeError, match="Mamba2Mixer: ulysses > 1 with recurrent layers is not supported"):
-        xcp.LocalWorld(2).run(rank, "zigzag", 2)
+        xcp.LocalWorld(2).run(rank)
+
+
+ULYSSES = [("qwen3_next", "zigzag"), ("falcon_h1", "contiguous"), ("mamba2", "zigzag"), ("jamba", "contiguous")]
+
+
+@pytest.mark.parametrize(("kind", "balance"), ULYSSES, ids=[f"{k}-P4-U2-{b}" for k, b in ULYSSES])
+def test_training_under_ulysses_matches_one_device(kind, balance, full_precision):
+    """A hybrid all-to-all + ring context (P 4, ulysses 2): the recurrent layers pass the state along the
+    tokens as xcp.shard(..., ulysses=2) places them, over the whole group; logits, loss and every parameter
+    gradient equal one device's."""
+    full_precision(kind)
+    config = _configs()[kind]()
+    model = xt.prepare(build(config))
+    reference = build(config, "eager")
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(3, VOCAB, (1, 32), generator=torch.Generator().manual_seed(4))
+    expected = reference(input_ids=ids, labels=ids, use_cache=False)
+    expected.loss.backward()
+
+    def rank(group):
+        with xcp.context(group, balance=balance, ulysses=2):
+            out = model(**xt.shard_batch(ids, labels=ids).model_kwargs())
+            out.loss.backward()
+            return out.logits.detach(), out.loss.detach()
+
+    results = xcp.LocalWorld(4).run(rank)
+    assert rel(xcp.unshard([r[0] for r in results], balance=balance, ulysses=2), expected.logits.detach()) <= TOL
+    assert rel(sum(r[1] for r in results), expected.loss.detach()) <= TOL
+    _same_gradients(model, reference)
 
 
 def test_generate_over_ranks_is_refused_for_an_inline_recurrence():
@@ -434,13 +467,7 @@ def test_packed_documents_equal_each_document_alone(kind, world, balance, full_p
     got = xcp.unshard([r[0] for r in results], balance=balance)
     assert rel(got, logits.detach()) <= TOL
     assert rel(sum(r[1] for r in results), loss.detach()) <= TOL
-    grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
-    scale = max(float(g.abs().max()) for g in grads.values())
-    assert grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
-    for name, p in model.named_parameters():
-        if name in grads:
-            err = float((p.grad - grads[name]).abs().max())
-            assert err <= TOL * max(float(grads[name].abs().max()), 1e-6 * scale), name
+    _same_gradients(model, reference)
 
 
 def test_seq_idx_is_refused_over_ranks():

@@ -36,6 +36,8 @@ class _Run:
     layer: str
     documents: tuple[int, ...] | None = None
     """The packed documents' GLOBAL boundaries the mixer was called with (None: one sequence)."""
+    ulysses: int = 1
+    """The context's U: the tokens are placed as ``xcp.shard(..., ulysses=U)`` places them."""
 
 
 _active = threading.local()
@@ -140,6 +142,7 @@ def _delta(original: Callable[..., Any], run: _Run, query, key, value, g, beta, 
         group=run.group,
         balance=run.balance,
         cu_seqlens=cu,
+        ulysses=run.ulysses,
         output_final_state=final,
     )
     return out, state
@@ -177,6 +180,7 @@ def _mamba2(original: Callable[..., Any], run: _Run, hidden_states, dt, A, B, C,
         group=run.group,
         balance=run.balance,
         cu_seqlens=cu,
+        ulysses=run.ulysses,
         output_final_state=final,
     )
     return (out, state) if final else out
@@ -216,7 +220,7 @@ def _selective_scan(original: Callable[..., Any], run: _Run, hidden_states, dt, 
     inputs = (hidden_states, dt, B, C) + (() if z is None else (z,))
     out, state = state_passing(
         kernel, *inputs, transition=Decay(decay), group=run.group, balance=run.balance, seq_dim=2,
-        cu_seqlens=cu, output_final_state=final,
+        cu_seqlens=cu, ulysses=run.ulysses, output_final_state=final,
     )  # fmt: skip
     return (out, state) if final else out
 
@@ -231,7 +235,9 @@ def _conv(original: Callable[..., Any], run: _Run, hidden_states, weight, bias=N
         return original(x, weight, bias, activation=activation, **kwargs)
 
     width = int(weight.shape[-1])
-    return causal_conv(conv, hidden_states, width, group=run.group, balance=run.balance, cu_seqlens=cu, seq_dim=2)
+    return causal_conv(
+        conv, hidden_states, width, group=run.group, balance=run.balance, cu_seqlens=cu, seq_dim=2, ulysses=run.ulysses
+    )
 
 
 def _unfused(original: Callable[..., Any], run: _Run, *args, **kwargs):
@@ -297,9 +303,8 @@ def _cp_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if cache is not None:  # xcp's generate cache counts the tokens its recurrent layers have seen
             cache.advance(self.layer_idx, _tokens(layer, args, kwargs))
         return out
-    if ctx.ulysses != 1:
-        raise NotImplementedError(f"{layer}: ulysses > 1 with recurrent layers is not supported; got {ctx.ulysses}")
-    with _running(_Run(ctx.group, check_recurrent_balance(ctx.balance), layer, _documents(layer, kwargs))):
+    balance = check_recurrent_balance(ctx.balance)
+    with _running(_Run(ctx.group, balance, layer, _documents(layer, kwargs), ctx.ulysses)):
         out = forward(self, *args, **kwargs)
     if cache is not None:  # the prompt's ring prefix: the states kept are the whole sequence's (final, last inputs)
         cache.advance(self.layer_idx, _tokens(layer, args, kwargs) * ctx.world_size)

@@ -33,19 +33,22 @@ def causal_conv(
     seq_dim: int = 1,
     device: str | None = None,
     handoff: str | None = None,
+    ulysses: int = 1,
 ) -> torch.Tensor:
     """``conv`` (a causal convolution of kernel ``width``, any activation after it) over this rank's shard
     ``x`` of a sequence sharded by ``balance``, as if run on the whole sequence.
 
     ``conv`` is called on each stretch with its halo before it (sequence-major at ``seq_dim``, zeros where
     the halo would cross the start of the sequence or of a document) and must return as many positions as
-    it was given; the halo's positions are dropped from its result. ``device`` and ``handoff`` as
-    :func:`xcp.recurrent.state_passing`'s.
+    it was given; the halo's positions are dropped from its result. ``device``, ``handoff`` and ``ulysses``
+    as :func:`xcp.recurrent.state_passing`'s.
     """
     if not isinstance(width, int) or isinstance(width, bool) or width < 1:
         raise ValueError(f"width: expected an integer >= 1 (the convolution's kernel size); got {width!r}")
     halo = width - 1
-    xs, pieces, mine, rank, gathered = _exchange_tails(x, halo, group, balance, cu_seqlens, seq_dim, device, handoff)
+    xs, pieces, mine, rank, gathered = _exchange_tails(
+        x, halo, group, balance, cu_seqlens, seq_dim, device, handoff, ulysses
+    )
     starts = sorted(set(cu_seqlens) if cu_seqlens is not None else {0})
     outs = []
     for piece in mine:
@@ -74,14 +77,16 @@ def last_inputs(
     seq_dim: int = 1,
     device: str | None = None,
     handoff: str | None = None,
+    ulysses: int = 1,
 ) -> torch.Tensor:
     """The last ``count`` inputs of the whole sequence whose shard ``x`` is (zeros before its start), on every
     rank: what a causal convolution's cache keeps after a prompt, to go on one token at a time. They live on
     the owners of the last pieces (contiguous: the last rank; zigzag: rank 0's second chunk); every piece's
-    last ``count`` inputs travel in one all-gather. ``device`` and ``handoff`` as :func:`causal_conv`'s."""
+    last ``count`` inputs travel in one all-gather. ``device``, ``handoff`` and ``ulysses`` as
+    :func:`causal_conv`'s."""
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise ValueError(f"count: expected an integer >= 1 (how many of the last inputs); got {count!r}")
-    xs, pieces, _, rank, gathered = _exchange_tails(x, count, group, balance, None, seq_dim, device, handoff)
+    xs, pieces, _, rank, gathered = _exchange_tails(x, count, group, balance, None, seq_dim, device, handoff, ulysses)
     out = _halo(xs, gathered, pieces, rank, pieces[-1].stop, count, [0]).movedim(0, seq_dim)
     return out if gathered is None else tie(out, gathered)
 
@@ -95,13 +100,14 @@ def _exchange_tails(
     seq_dim: int,
     device: str | None,
     handoff: str | None,
+    ulysses: int,
 ) -> tuple[torch.Tensor, Sequence[Piece], list[Piece], int, torch.Tensor | None]:
     """``x`` sequence-first, the pieces (all, this rank's), this rank, and every rank's pieces' last ``count``
     inputs gathered in one all-gather (None: nothing to exchange, ``count`` 0 or a world of one)."""
     comm = resolve_group(group)
     size, rank = comm.size(), comm.rank()
     check_world(size, rank)
-    pieces, mine = held_pieces("x", x.shape[seq_dim], seq_dim, size, rank, balance, cu_seqlens)
+    pieces, mine = held_pieces("x", x.shape[seq_dim], seq_dim, size, rank, balance, cu_seqlens, ulysses)
     xs = x.movedim(seq_dim, 0)
     if not count or size == 1:
         return xs, pieces, mine, rank, None

@@ -52,26 +52,54 @@ def check_recurrent_balance(balance: object) -> str:
 
 
 def plan_pieces(
-    seq_len: int, world_size: int, balance: str = schedule.DEFAULT_BALANCE, cu_seqlens: Sequence[int] | None = None
+    seq_len: int,
+    world_size: int,
+    balance: str = schedule.DEFAULT_BALANCE,
+    cu_seqlens: Sequence[int] | None = None,
+    ulysses: int = 1,
 ) -> tuple[Piece, ...]:
     """Every rank's pieces of a sequence of ``seq_len`` tokens, in global order (see :class:`Piece`).
 
     :param cu_seqlens: the documents' boundaries ``(0, ..., seq_len)`` (None: one document); every balance
         takes them, document_zigzag needs them.
+    :param ulysses: U, as ``xcp.shard(..., ulysses=U)`` places the tokens: the balance shards the sequence
+        over the P / U ring positions and rank r holds the ``r % U``-th of U equal contiguous parts of ring
+        shard ``r // U`` (a part may span the two chunks of a zigzag shard: two pieces).
     """
     check_recurrent_balance(balance)
+    u = schedule.check_ulysses(ulysses)
+    schedule.check_ulysses_divides(u, int(world_size))
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, seq_len)
-    return _plan(int(seq_len), int(world_size), str(balance), cu)
+    return _plan(int(seq_len), int(world_size), str(balance), cu, u)
+
+
+def _stretches(
+    seq_len: int, world: int, rank: int, balance: str, placed: tuple[int, ...] | None, ulysses: int
+) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` global stretches ``rank`` holds, in its local order (``xcp.shard``'s placement)."""
+    if ulysses == 1:
+        return [(a, b) for a, b, _ in schedule.chunk_slices(seq_len, world, rank, balance, placed)]
+    rings = world // ulysses
+    part = seq_len // world  # xcp.shard with ulysses: S a multiple of P, every part S / P tokens
+    lo, hi = (rank % ulysses) * part, (rank % ulysses + 1) * part  # local range within the ring shard
+    held: list[tuple[int, int]] = []
+    local = 0
+    for a, b, _ in schedule.chunk_slices(seq_len, rings, rank // ulysses, balance, placed):
+        x, y = max(lo, local), min(hi, local + b - a)
+        if x < y:
+            held.append((a + x - local, a + y - local))
+        local += b - a
+    return held
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(seq_len: int, world: int, balance: str, cu: tuple[int, ...] | None) -> tuple[Piece, ...]:
+def _plan(seq_len: int, world: int, balance: str, cu: tuple[int, ...] | None, ulysses: int) -> tuple[Piece, ...]:
     placed = cu if balance in schedule.DOCUMENT_BALANCES else None
     starts = set(cu) if cu is not None else {0}
     found: list[tuple[int, int, int, int, int]] = []
     for rank in range(world):
         local = 0
-        for index, (a, b, _) in enumerate(schedule.chunk_slices(seq_len, world, rank, balance, placed)):
+        for index, (a, b) in enumerate(_stretches(seq_len, world, rank, balance, placed, ulysses)):
             found.append((a, b, rank, index, local))
             local += b - a
     pieces = []
@@ -100,11 +128,12 @@ def held_pieces(
     rank: int,
     balance: str,
     cu_seqlens: Sequence[int] | None,
+    ulysses: int = 1,
 ) -> tuple[tuple[Piece, ...], list[Piece]]:
     """Every rank's pieces and this rank's, checked against the ``local_len`` tokens the rank's argument
     ``name`` holds at ``seq_dim`` (the whole sequence is ``cu_seqlens[-1]`` tokens, else ``local_len`` a rank)."""
     seq_len = int(cu_seqlens[-1]) if cu_seqlens is not None else local_len * world_size
-    pieces = plan_pieces(seq_len, world_size, balance, cu_seqlens)
+    pieces = plan_pieces(seq_len, world_size, balance, cu_seqlens, ulysses)
     mine = rank_pieces(pieces, rank)
     held = sum(p.stop - p.start for p in mine)
     if held != local_len:

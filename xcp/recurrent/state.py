@@ -168,6 +168,7 @@ def state_passing(
     output_final_state: bool = False,
     device: str | None = None,
     handoff: str | None = None,
+    ulysses: int = 1,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run a recurrent layer's chunk ``kernel`` over a sequence sharded by ``balance``, exactly.
@@ -181,12 +182,14 @@ def state_passing(
     :param device: the backend whose streams the exchange runs on (as :func:`xcp.attention`'s; default the
         tensors' device type).
     :param handoff: the hand-off policy of the summaries sent (docs/lifetime.md rule 3; default the backend's).
+    :param ulysses: the tokens are placed as ``xcp.shard(..., ulysses=U)`` places them (the layout of a hybrid
+        all-to-all + ring context): the state passes along the pieces of that placement over the whole group.
     :returns: ``(out, final_state)``: this rank's outputs (sequence-major at ``seq_dim``) and the final
         state or None.
     """
     passes = prepare_passes(
         kernel, *inputs, transition=transition, group=group, balance=balance, cu_seqlens=cu_seqlens,
-        seq_dim=seq_dim, output_final_state=output_final_state, **kwargs,
+        seq_dim=seq_dim, output_final_state=output_final_state, ulysses=ulysses, **kwargs,
     )  # fmt: skip
     backend = select_backend(device, inputs[0].device.type)
     if handoff is not None:
@@ -269,6 +272,7 @@ def prepare_passes(
     cu_seqlens: Sequence[int] | None = None,
     seq_dim: int = 1,
     output_final_state: bool = False,
+    ulysses: int = 1,
     **kwargs: Any,
 ) -> Passes:
     """The arguments of :func:`state_passing` checked, and this rank's :class:`Passes`."""
@@ -287,7 +291,8 @@ def prepare_passes(
     comm = resolve_group(group)
     size, rank = comm.size(), comm.rank()
     check_world(size, rank)
-    pieces, mine = held_pieces("inputs", _local_length(inputs, seq_dim), seq_dim, size, rank, balance, cu_seqlens)
+    length = _local_length(inputs, seq_dim)
+    pieces, mine = held_pieces("inputs", length, seq_dim, size, rank, balance, cu_seqlens, ulysses)
     return Passes(comm, kernel, inputs, transition, kwargs, pieces, mine, seq_dim, output_final_state)
 
 
