@@ -200,6 +200,9 @@ def test_last_inputs_are_the_whole_sequences_on_every_rank(world, balance):
             assert torch.equal(got, want), count
     with pytest.raises(ValueError, match="count: expected an integer >= 1"):
         last_inputs(x, 0)
+    # sequence-major at dim 1 unless told: a world of one's last inputs are its own
+    y = torch.randn(B, 5, C, dtype=torch.float64)
+    assert torch.equal(last_inputs(y, 2), y[:, -2:])
 
 
 def test_pieces_in_global_order_with_resets():
@@ -271,9 +274,14 @@ def test_a_backward_outside_the_rank_thread_is_refused_rather_than_hanging():
         out.sum().backward()
 
 
-def test_a_convolution_of_width_one_is_accepted_and_needs_no_halo():
+def test_a_convolution_of_width_one_is_accepted_and_needs_no_halo(monkeypatch):
     """width=1, the smallest kernel: each output reads its own input alone, so every rank's result is its
-    shard of the whole sequence's, with nothing exchanged."""
+    shard of the whole sequence's, with no collective issued (no halo to send)."""
+    import xcp.recurrent.conv as conv_module
+
+    exchanged = []
+    real = conv_module.gather_differentiable
+    monkeypatch.setattr(conv_module, "gather_differentiable", lambda *a: exchanged.append(a[-1]) or real(*a))
     x = torch.randn(B, 8, C, dtype=torch.float64)
     weight = torch.randn(C, 1, dtype=torch.float64)
     want, _ = whole(lambda xs: (depthwise(weight)(xs[0]), None), [x], [0, 8])
@@ -282,6 +290,7 @@ def test_a_convolution_of_width_one_is_accepted_and_needs_no_halo():
         return causal_conv(depthwise(weight), xcp.shard(x, 2, group.rank()), 1, group=group)
 
     close("out", xcp.unshard(xcp.LocalWorld(2, timeout=30).run(rank_fn)), want)
+    assert exchanged == []
 
 
 def test_pieces_under_ulysses_follow_xcp_shard():
