@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import importlib
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,24 +123,25 @@ class _Float64Torch(types.ModuleType):
         return getattr(torch, name)
 
 
-@pytest.fixture
-def full_precision(monkeypatch):
-    """Make the float32 casts of a family's kernels keep float64 (in both the model and its reference)."""
+def keep_float64(monkeypatch, kind):
+    """Make the float32 casts of family ``kind``'s kernels keep float64 (in both the model and its reference)."""
     to_float = torch.Tensor.float
     keep64 = lambda x, *a, **k: x if x.dtype == torch.float64 else to_float(x, *a, **k)  # noqa: E731
     monkeypatch.setattr(torch.Tensor, "float", keep64)
+    module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    monkeypatch.setattr(module, "torch", _Float64Torch("torch"))
+    for cls in [c for c in vars(module).values() if isinstance(c, type) and c.__module__ == module.__name__]:
+        for method in vars(cls).values():  # float32 as a default argument (RG-LRU's acc_dtype)
+            defaults = getattr(method, "__defaults__", None) or ()
+            if any(d is torch.float32 for d in defaults):
+                kept = tuple(torch.float64 if d is torch.float32 else d for d in defaults)
+                monkeypatch.setattr(method, "__defaults__", kept)
 
-    def patch(kind):
-        module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
-        monkeypatch.setattr(module, "torch", _Float64Torch("torch"))
-        for cls in [c for c in vars(module).values() if isinstance(c, type) and c.__module__ == module.__name__]:
-            for method in vars(cls).values():  # float32 as a default argument (RG-LRU's acc_dtype)
-                defaults = getattr(method, "__defaults__", None) or ()
-                if any(d is torch.float32 for d in defaults):
-                    kept = tuple(torch.float64 if d is torch.float32 else d for d in defaults)
-                    monkeypatch.setattr(method, "__defaults__", kept)
 
-    return patch
+@pytest.fixture
+def full_precision(monkeypatch):
+    """``patch(kind)``: :func:`keep_float64` for the test."""
+    return lambda kind: keep_float64(monkeypatch, kind)
 
 
 PERTURBED = {"zaya"}
@@ -481,3 +483,49 @@ def test_seq_idx_is_refused_over_ranks():
 
     with pytest.raises(RuntimeError, match="Lfm2MoeShortConv: seq_idx under an xcp.context .*expected the documents"):
         xcp.LocalWorld(2).run(rank)
+
+
+GLOO_WORKER = """
+import pytest, xcp
+sys.path.insert(0, {tests!r})
+import test_recurrent_transformers as T
+from xcp.integrations import transformers as xt
+
+xt.register()
+T.keep_float64(pytest.MonkeyPatch(), "qwen3_next")
+case = torch.load(f"{{workdir}}/case.pt")
+model = xt.prepare(T.build(T._configs()["qwen3_next"]()))
+model.load_state_dict(case["state"])
+with xcp.context(None, balance="zigzag"):  # None: the default process group, as under torchrun
+    out = model(**xt.shard_batch(case["ids"], labels=case["ids"]).model_kwargs())
+    out.loss.backward()
+grads = {{n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
+torch.save({{"logits": out.logits.detach(), "loss": out.loss.detach(), "grads": grads}}, f"{{workdir}}/rank{{rank}}.pt")
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_gloo_processes_match_one_device(tmp_path):
+    """Qwen3-Next (a gated delta layer and an attention layer) in two processes over gloo, the default process
+    group: logits, loss and every parameter gradient (summed over the ranks) equal one device's."""
+    from helpers import finish_ranks, gloo_worker, start_ranks
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        keep_float64(monkeypatch, "qwen3_next")
+        config = _configs()["qwen3_next"]()
+        reference = build(config, "eager")
+        ids = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(2))
+        expected = reference(input_ids=ids, labels=ids, use_cache=False)
+        expected.loss.backward()
+    torch.save({"state": reference.state_dict(), "ids": ids}, tmp_path / "case.pt")
+    worker = gloo_worker(GLOO_WORKER.format(tests=str(Path(__file__).parent)))
+    finish_ranks(start_ranks(worker, 2, tmp_path), timeout=120)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert rel(xcp.unshard([r["logits"] for r in ranks]), expected.logits.detach()) <= TOL
+    assert rel(sum(r["loss"] for r in ranks), expected.loss.detach()) <= TOL
+    model = build(config)  # the ranks' gradients summed, as reduce_gradients would
+    for name, p in model.named_parameters():
+        found = [r["grads"][name] for r in ranks if name in r["grads"]]
+        p.grad = sum(found) if found else None
+    _same_gradients(model, reference)
