@@ -24,7 +24,7 @@ from ..api import shard, unshard
 from ..comm import LocalWorld
 from ..lifetime import check_handoff, track_buffers
 from ..recurrent import DeltaRule, causal_conv, state_passing
-from .sanitizer import Finding, Sanitizer, SanitizerReport, gathered_findings, peers_rows
+from .sanitizer import Finding, Sanitizer, SanitizerReport, gathered_findings, on_model, peers_rows
 
 
 class RecurrentReport(SanitizerReport):
@@ -103,12 +103,15 @@ def sanitize_recurrent(
     value_head_dim: int = 4,
     width: int = 4,
     seed: int = 0,
+    backend: Callable[[Any], Any] | None = None,
 ) -> SanitizerReport:
     """State passing and halos on ``world`` virtual ranks of the sim device, forward and backward.
 
     :param handoff: the hand-off policy of the summaries and halos sent (None: the sim backend's default).
     :param seq: the sequence's tokens (default: 3 per rank, rounded up to what the balance splits).
     :param documents: packed documents' boundaries ``(0, ..., seq)`` (needed by ``document_zigzag``).
+    :param backend: ``backend(model)``: another backend on the sim device's streams, used in place of ``sim``
+        (:func:`xcp.testing.sanitizer.on_model`; tests/npu_standin.py's ``NPUOnSim``: Ascend's kernels and hand-off).
     :returns: a :class:`xcp.testing.sanitizer.SanitizerReport`; findings of kind race, reuse, leak or numerics.
     """
     for name, value in (("world", world), ("heads", heads), ("head_dim", head_dim),
@@ -125,7 +128,7 @@ def sanitize_recurrent(
     place: dict[str, Any] = {"balance": balance, "cu_seqlens": cu if balance in schedule.DOCUMENT_BALANCES else None}
     docs = None if documents is None else cu
     data = _inputs(1, seq, heads, head_dim, value_head_dim, 5, width, seed)
-    config = {"world": world, "balance": balance, "handoff": handoff or "record_stream", "seq": seq,
+    config = {"world": world, "balance": balance, "handoff": handoff, "seq": seq,
               "heads": heads, "head_dim": f"{head_dim}/{value_head_dim}", "width": width}  # fmt: skip
     if documents is not None:
         config["documents"] = ",".join(map(str, cu))
@@ -136,7 +139,8 @@ def sanitize_recurrent(
     conv, _ = per_document(lambda xs: (short_conv(weight)(xs[0]), None), ref_in[5:], cu)
     ((out * data["dout"]).sum() + (conv * data["dconv"]).sum()).backward()
 
-    with Sanitizer() as san:
+    with Sanitizer() as san, on_model(san, backend) as used:
+        config["handoff"] = handoff or used.handoff_policy
         lw = LocalWorld(world, timeout=60.0)
 
         def rank(group: Any) -> tuple:
@@ -144,7 +148,13 @@ def sanitize_recurrent(
             with san.thread(f"rank{r}"), track_buffers() as ledger:
                 local = [shard(x, world, r, **place).requires_grad_() for x in data["seq"]]
                 gs, w = data["gscale"].clone().requires_grad_(), data["weight"].clone().requires_grad_()
-                options = {"group": group, "balance": balance, "cu_seqlens": docs, "device": "sim", "handoff": handoff}
+                options = {
+                    "group": group,
+                    "balance": balance,
+                    "cu_seqlens": docs,
+                    "device": used.name,
+                    "handoff": handoff,
+                }
                 o, _ = state_passing(delta_rule, *local[:5], transition=DeltaRule(value=2), gscale=gs, **options)
                 c = causal_conv(short_conv(w), local[5], width, **options)
                 loss = (o * shard(data["dout"], world, r, **place)).sum()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -90,6 +91,23 @@ class Sanitizer:
         rank's receive slots between calls on purpose, and they would be counted here."""
         gc.collect()
         return [Finding("leak", f"{st.owner}: a buffer of {st.info} was never released") for st in self.model.live()]
+
+
+@contextlib.contextmanager
+def on_model(san: Sanitizer, backend: Callable[[Any], Any] | None) -> Iterator[Any]:
+    """The backend a sanitized run uses: the session's ``sim``, or ``backend(model)`` (a backend whose streams and
+    events are the session's device model's, e.g. another backend's kernels and hand-off policy on simulated streams)
+    registered for the block."""
+    if backend is None:
+        yield san.backend
+        return
+    built = backend(san.model)
+    plugin = SimPlugin(built)
+    plugins.register_plugin(plugin, name=f"xcp-sanitizer-{built.name}")
+    try:
+        yield built
+    finally:
+        plugins.unregister_plugin(plugin)
 
 
 @dataclass

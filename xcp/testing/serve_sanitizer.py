@@ -12,21 +12,19 @@ rule 3.3), and checks every step against float64 attention over each request's w
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .. import plugins, schedule
+from .. import schedule
 from ..comm import LocalWorld
 from ..inference.paged import PagedKVCache
 from ..inference.paged_decode import PagedDecode, decode_padding
 from ..lifetime import check_handoff, track_buffers
-from .sanitizer import TOLERANCE, Finding, Sanitizer, SanitizerReport, gathered_findings
-from .sim_backend import SimPlugin
+from .sanitizer import TOLERANCE, Finding, Sanitizer, SanitizerReport, gathered_findings, on_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +217,7 @@ def sanitize_serve(
               "block_size": block_size, "num_blocks": num_blocks, "interleave": interleave,
               "decode": "PagedDecode" if decode else "attention"}  # fmt: skip
     problems: list[Finding] = []
-    with Sanitizer() as san, _on_model(san, backend) as used:
+    with Sanitizer() as san, on_model(san, backend) as used:
         kwargs["device"] = used.name
         config["handoff"] = handoff or used.handoff_policy
         lw = LocalWorld(world, timeout=60.0)
@@ -242,21 +240,6 @@ def sanitize_serve(
         )
     return SanitizerReport(config, findings, peak_kv_shards={}, peak_bytes={}, peak_comm_bytes={}, bound_shards=0,
                            bound_comm_bytes=0, max_error={"out": error}, set_aside=set_aside)  # fmt: skip
-
-
-@contextlib.contextmanager
-def _on_model(san: Sanitizer, backend: Callable[[Any], Any] | None) -> Iterator[Any]:
-    """The backend a run uses: the sanitizer's ``sim``, or ``backend(model)`` registered for the block."""
-    if backend is None:
-        yield san.backend
-        return
-    built = backend(san.model)
-    plugin = SimPlugin(built)
-    plugins.register_plugin(plugin, name=f"xcp-sanitizer-{built.name}")
-    try:
-        yield built
-    finally:
-        plugins.unregister_plugin(plugin)
 
 
 def max_blocks(steps: list[Step], world: int, block_size: int, interleave: int) -> int:
