@@ -253,7 +253,11 @@ def test_stripe_is_refused_by_the_layer():
         xcp.LocalWorld(2).run(rank)
 
 
-ULYSSES = [("qwen3_next", "zigzag"), ("falcon_h1", "contiguous"), ("mamba2", "zigzag"), ("jamba", "contiguous")]
+ULYSSES = [
+    ("qwen3_next", "zigzag"), ("falcon_h1", "contiguous"), ("mamba2", "zigzag"), ("jamba", "contiguous"),
+    ("minimax", "zigzag"), ("recurrent_gemma", "contiguous"), ("rwkv", "zigzag"), ("zaya", "contiguous"),
+    ("xlstm", "zigzag"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("kind", "balance"), ULYSSES, ids=[f"{k}-P4-U2-{b}" for k, b in ULYSSES])

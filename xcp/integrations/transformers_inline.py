@@ -39,6 +39,12 @@ class Run:
     balance: str
     layer: str
     final: bool = False  # the state after the sequence wanted too (xcp's generate, the prompt's ring prefix)
+    ulysses: int = 1  # the context's U: the tokens placed as xcp.shard(..., ulysses=U) places them
+
+    @property
+    def where(self) -> dict[str, Any]:
+        """The layout keywords of :func:`xcp.recurrent.state_passing` and its kin: group, balance, ulysses."""
+        return {"group": self.group, "balance": self.balance, "ulysses": self.ulysses}
 
     def refuse_documents(self, kwargs: dict[str, Any]) -> None:
         """Packed documents (``cu_seq_lens_*``) are not served by these layers yet."""
@@ -88,9 +94,7 @@ def _forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             "recurrent layer yet (its state would have to be kept whole on every rank after the prompt); "
             "generate on one rank"
         )
-    if ctx.ulysses != 1:
-        raise NotImplementedError(f"{layer}: ulysses > 1 with recurrent layers is not supported; got {ctx.ulysses}")
-    run = Run(ctx.group, check_recurrent_balance(ctx.balance), layer)
+    run = Run(ctx.group, check_recurrent_balance(ctx.balance), layer, ulysses=ctx.ulysses)
     return FAMILIES[layer](self, run, *args, **kwargs)
 
 
@@ -135,7 +139,7 @@ def _with_halo(module: torch.nn.Module, width: int, seq_dim: int) -> None:
         def causal(part: torch.Tensor) -> torch.Tensor:
             return forward(self, part).narrow(seq_dim, 0, part.shape[seq_dim])
 
-        return causal_conv(causal, x, width, group=run.group, balance=run.balance, seq_dim=seq_dim)
+        return causal_conv(causal, x, width, **run.where, seq_dim=seq_dim)
 
     module.forward = types.MethodType(halo_forward, module)
 
@@ -202,7 +206,7 @@ def _minimax(self: Any, run: Run, hidden_states: torch.Tensor, position_embeddin
         return torch.exp(-slope * q.shape[1])
 
     out, state = state_passing(
-        kernel, q, k, v, transition=Decay(decay), group=run.group, balance=run.balance,
+        kernel, q, k, v, transition=Decay(decay), **run.where,
         output_final_state=cache is not None,
     )  # fmt: skip
     out = self.norm(out.reshape(batch, length, heads * dim))
@@ -235,7 +239,7 @@ def _recurrent_gemma(self: Any, run: Run, input_states: torch.Tensor, position_i
         out = type(self).forward(self, input_states, position_ids, attention_mask, use_cache=False, **kwargs)
     if prompt:  # xcp's generate: the whole prompt's states, on every rank (the RG-LRU's kept by its forward)
         inputs = self.linear_x(input_states).transpose(1, 2)
-        self.conv1d_state = last_inputs(inputs, self.conv1d_width - 1, group=run.group, balance=run.balance, seq_dim=2)
+        self.conv1d_state = last_inputs(inputs, self.conv1d_width - 1, **run.where, seq_dim=2)
         _count(cache, input_states.shape[1] * current().world_size)  # the ring prefix: P equal shards
     return out
 
@@ -275,7 +279,7 @@ def _rg_lru_scan(self: Any, hidden_states: torch.Tensor, recurrent_gate: torch.T
         return (a * ~r).prod(dim=1)
 
     return state_passing(
-        kernel, hidden_states, recurrent_gate, reset, transition=Decay(decay), group=run.group, balance=run.balance,
+        kernel, hidden_states, recurrent_gate, reset, transition=Decay(decay), **run.where,
         output_final_state=run.final,
     )  # fmt: skip
 
@@ -344,7 +348,7 @@ def _rwkv_attention(self: Any, run: Run, hidden: torch.Tensor, state: Any = None
     def log_decay(k, v):
         return (-torch.exp(decay.to(k.dtype)) * k.shape[1])[:, None]
 
-    out, _ = state_passing(kernel, key, value, transition=RunningMax(log_decay), group=run.group, balance=run.balance)
+    out, _ = state_passing(kernel, key, value, transition=RunningMax(log_decay), **run.where)
     return self.output(receptance * out), None
 
 
@@ -416,12 +420,12 @@ def _zaya_cca(self: Any, run: Run, hidden_states: torch.Tensor, cache: Any = Non
         out = torch.cat([o.flatten(2) for o in outs], dim=-1)
         return torch.cat((out.new_zeros((out.shape[0], halo, out.shape[-1])), out), dim=1)
 
-    out = causal_conv(conv, x, halo + 1, group=run.group, balance=run.balance)
+    out = causal_conv(conv, x, halo + 1, **run.where)
     parts = out.split([shape.numel() for shape in shapes], dim=-1)
     if cache is not None:  # xcp's generate, the prompt's ring prefix: the whole sequence's states, on every rank
         if taps:
             cache.update_conv_state(qk.transpose(1, 2), self.layer_idx, conv_kernel_size=taps)
-        last = last_inputs(self.v_proj_delayed(hidden_states), 1, group=run.group, balance=run.balance)
+        last = last_inputs(self.v_proj_delayed(hidden_states), 1, **run.where)
         cache.update_recurrent_state(last[:, 0], self.layer_idx)
     return tuple(p.reshape(*p.shape[:2], *shape) for p, shape in zip(parts, shapes))
 
@@ -487,8 +491,8 @@ def _mlstm(self: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         return torch.cat((zeros, zeros.new_full((*q.shape[:2], 1), -1e30)), dim=-1)
 
     out, _ = state_passing(
-        kernel, query, key, value, igate, fgate, transition=RunningMax(log_decay, identity), group=run.group,
-        balance=run.balance, seq_dim=2,
+        kernel, query, key, value, igate, fgate, transition=RunningMax(log_decay, identity), **run.where,
+        seq_dim=2,
     )  # fmt: skip
     return out, None
 
