@@ -321,7 +321,7 @@ fillers)
   ;;
 recurrent)
   section "fla-core and einops from the carried wheels into /tmp/site"
-  python3 -m pip install -q --no-deps --target /tmp/site "${WHEELS:-.whl}"/fla_core-*.whl "${WHEELS:-.whl}"/einops-*.whl \
+  python3 -m pip install -q --no-deps --upgrade --target /tmp/site "${WHEELS:-.whl}"/fla_core-*.whl "${WHEELS:-.whl}"/einops-*.whl \
     >>"$out/install.txt" 2>&1 || { tail -5 "$out/install.txt"; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   python3 -m xcp backends 2>&1 | grep "^cuda recurrent" | tee "$out/recurrent_kernels.txt"
