@@ -141,8 +141,8 @@ def _fallback(case, monkeypatch, fake):
     elif case == "capturing":
         fake.capturing = True
         monkeypatch.setattr(paged, "read_lengths", lambda *a: pytest.fail("read the lengths on the host"))
-    elif case == "pool too small":
-        segments, kwargs = [(1, 300, (0, 1, 2)), (1, 300, (0, 1, 2))], {"blocks": 4}
+    elif case == "an entry reading more blocks than the pool":
+        segments, kwargs = [(1, 600, (0, 1, 2, 3, 0))], {"blocks": 4}
     args = list(_problem(segments, block, **kwargs))
     if case == "values in keys":
         args[2] = args[1][..., :16]
@@ -152,20 +152,39 @@ def _fallback(case, monkeypatch, fake):
 @pytest.mark.parametrize(
     "case",
     ["float32", "chunk on blocks of 16", "causal rows without a key", "head dim 24", "gqa repeat", "capturing",
-     "values in keys", "pool too small"],
+     "values in keys", "an entry reading more blocks than the pool"],
 )  # fmt: skip
 def test_calls_the_op_does_not_take_go_to_the_gather(fake, monkeypatch, case):
     """What the page refuses (float32; several queries on blocks other than 128..512; head dims not a multiple of 16
-    there; values of another shape than the keys; a pool smaller than the blocks the entries read), what xcp keeps off
+    there; values of another shape than the keys; an entry reading more blocks than the pool holds), what xcp keeps off
     the op (rows that see no key; repeated K/V would copy the pool) and graph capture (host lengths) run the base
     class's gather instead: no op call, the same result."""
     backend, args, causal = _fallback(case, monkeypatch, fake)
-    assert not backend.paged_in_place(*args[:3]) or case in ("causal rows without a key", "capturing", "pool too small")
+    served_pools = ("causal rows without a key", "capturing", "an entry reading more blocks than the pool")
+    assert not backend.paged_in_place(*args[:3]) or case in served_pools
     out, lse = backend.forward_paged(*args, 0.2, causal)
     want_out, want_lse = Backend.forward_paged(backend, *args, 0.2, causal)
     torch.testing.assert_close(out, want_out, atol=0, rtol=0)
     torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
     assert fake.infer_calls == []
+
+
+SHARED = [(1, 300, (0, 1, 2)), (2, 300, (0, 1, 2)), (1, 100, (3,)), (3, 200, (0, 1))]
+"""Segments of one sequence sharing its blocks (a chunk's groups of queries on a rank of an interleaved world),
+reading 3 + 3 + 1 + 2 blocks of a pool of 4."""
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_entries_reading_more_blocks_than_the_pool_are_cut_into_calls(fake, causal):
+    """The op needs a pool of at least the blocks its entries read together: the entries are cut, in order, into as
+    few calls as keep each within the pool, each reading it in place (a call of one-query entries takes the decode
+    branch); exact."""
+    args = _problem(SHARED, 128, blocks=4)
+    out, lse = NPUOnCPU().forward_paged(*args, 0.2, causal)
+    _assert_matches(out, lse, *_reference(args[0], args[1], args[2], SHARED, causal, 0.2), args[0])
+    sparse = 3 if causal else 0
+    assert fake.infer_calls == [(1, None, [300], 2, 0, 128), (2, [2, 1], [300, 100], 2, sparse, 128),
+                                (3, [3], [200], 2, sparse, 128)]  # fmt: skip
 
 
 def test_paged_in_place_names_the_pools_the_op_reads(fake):
@@ -248,11 +267,13 @@ STEPS = [  # (sequence, new tokens) of each step: prefill chunks beside decode r
 
 def test_paged_cache_over_ranks_reads_its_pool_through_the_op(fake, monkeypatch):
     """xcp.PagedKVCache on the ``npu-glue`` backend over 2 virtual ranks, float16, blocks of 128 rows: every step's
-    output equals float64 attention over each sequence's whole history; no sequence's rows are gathered (every call
-    is a prefix: chunks causal through sparse_mode 3, decode rows one query per entry)."""
+    output equals float64 attention over each sequence's whole history; no sequence's rows are gathered, neither by
+    the cache nor by the base class (every call is a prefix: chunks through sparse_mode 3 or as groups of queries over
+    one prefix, cut into calls within the pool, decode rows one query per entry)."""
     from xcp.inference.paged import PagedKVCache
 
     monkeypatch.setattr(PagedKVCache, "_rows", lambda self, seq: pytest.fail("gathered a sequence's rows"))
+    monkeypatch.setattr(Backend, "forward_paged", lambda *a, **k: pytest.fail("the base class's gather ran"))
     h, hkv, d = 4, 2, 16
     g = torch.Generator().manual_seed(7)
     data = {s: [torch.randn(400, n, d, generator=g, dtype=torch.float64) for n in (h, hkv, hkv)] for s in "abc"}

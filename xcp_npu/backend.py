@@ -410,8 +410,10 @@ class NPUBackend(FusedKernelBackend):
         ) is None
 
     def forward_paged(self, q, k_pool, v_pool, block_table, cu_q, seqused_k, max_q, max_k, scale, causal=False):
-        """One npu_fused_infer_attention_score call over the pool's blocks (BSND query, ``block_table``,
-        ``actual_seq_lengths_kv``, ``num_key_value_heads``, ``softmax_lse_flag``): no block copied.
+        """npu_fused_infer_attention_score over the pool's blocks (BSND query, ``block_table``,
+        ``actual_seq_lengths_kv``, ``num_key_value_heads``, ``softmax_lse_flag``): no block copied. One call, or as
+        few as keep the blocks each call reads within the pool (the op's limit; segments of one sequence share its
+        blocks): :func:`paged.plan`.
 
         Not capturable; one host read per call: the op takes its lengths as host lists, so ``cu_q`` and ``seqused_k``
         are read to the host once. Under graph capture, for pools the op does not take (:func:`paged.pool_unsupported`)
@@ -424,21 +426,27 @@ class NPUBackend(FusedKernelBackend):
             return super().forward_paged(*args)
         cu, used = paged.read_lengths(cu_q, seqused_k)  # the one host read
         n, block, hkv, d = k_pool.shape
-        call = paged.plan(cu, used, block, n, block_table.shape[1], causal, d)
-        if isinstance(call, str):
+        calls = paged.plan(cu, used, block, n, block_table.shape[1], causal, d)
+        if isinstance(calls, str):
             return super().forward_paged(*args)
         t, h = q.shape[0], q.shape[1]
         out = q.new_zeros((t, h, d))
         lse = torch.full((h, t), float("-inf"), dtype=torch.float32, device=q.device)
-        if not call.segments:
-            return out, lse
-        dev = q.device
-        where = torch.tensor(call.gather(t), dtype=torch.int64, device=dev)
-        queries = torch.cat((q, q.new_zeros((1, h, d)))).index_select(0, where).view(-1, call.width, h, d)
-        table = block_table
-        if len(call.segments) != block_table.shape[0]:
-            table = block_table.index_select(0, torch.tensor(call.segments, dtype=torch.int64, device=dev))
-        op = self._op(paged.OP)
+        if calls:
+            padded = torch.cat((q, q.new_zeros((1, h, d))))  # a zero row for the padded query slots
+            op = self._op(paged.OP)
+            for call in calls:
+                self._paged_call(op, call, padded, k_pool, v_pool, block_table, scale, causal, out, lse)
+        return out, lse
+
+    def _paged_call(self, op, call: paged.Call, padded, k_pool, v_pool, block_table, scale: float, causal: bool,
+                    out: torch.Tensor, lse: torch.Tensor) -> None:  # fmt: skip
+        """One op call over ``call``'s entries, its rows written into ``out`` [T, H, D] and ``lse`` [H, T]."""
+        n, block, hkv, d = k_pool.shape
+        h, dev = out.shape[1], out.device
+        where = torch.tensor(call.gather(padded.shape[0] - 1), dtype=torch.int64, device=dev)
+        queries = padded.index_select(0, where).view(-1, call.width, h, d)
+        table = block_table.index_select(0, torch.tensor(call.segments, dtype=torch.int64, device=dev))
         mask = self._causal_mask(dev) if causal else None
         outputs = op(
             queries,
@@ -450,6 +458,5 @@ class NPUBackend(FusedKernelBackend):
         o, entry_lse = paged.check_outputs(outputs, call, h, d)
         rows = torch.tensor(call.rows, dtype=torch.int64, device=dev)
         slots = torch.tensor(call.slots, dtype=torch.int64, device=dev)
-        out.index_copy_(0, rows, o.reshape(-1, h, d).index_select(0, slots).to(q.dtype))
+        out.index_copy_(0, rows, o.reshape(-1, h, d).index_select(0, slots).to(out.dtype))
         lse.index_copy_(1, rows, entry_lse.transpose(0, 1).reshape(h, -1).index_select(1, slots))
-        return out, lse

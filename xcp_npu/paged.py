@@ -134,28 +134,38 @@ class Call:
 
 
 def plan(cu: list[int], used: list[int], block_size: int, num_blocks: int, table_width: int,
-         causal: bool, head_dim: int) -> Call | str:  # fmt: skip
-    """The call for segments ``cu`` (cumulative queries) with ``used`` keys each, or why the op cannot take it."""
+         causal: bool, head_dim: int) -> list[Call] | str:  # fmt: skip
+    """The calls for segments ``cu`` (cumulative queries) with ``used`` keys each, or why the op cannot take them.
+
+    The op needs a pool of at least the blocks its entries read together; segments of one sequence that share its
+    blocks (a chunk's groups of queries on a rank of an interleaved world) may read more than the pool holds, so the
+    entries are cut, in order, into as few calls as keep each within the pool (and :data:`MAX_BATCH`): every call
+    reads the pool in place. A call whose entries have one query each takes the decode branch."""
     segments = [i for i in range(len(used)) if cu[i + 1] > cu[i] and used[i] > 0]
-    queries = [cu[i + 1] - cu[i] for i in segments]
-    keys = [used[i] for i in segments]
-    width = max(queries, default=1)
-    if len(segments) > MAX_BATCH:
-        return f"{len(segments)} batch entries (at most {MAX_BATCH})"
-    if width > 1:
-        why = prompt_unsupported(block_size, head_dim)
+    if causal and any(cu[i + 1] - cu[i] > used[i] for i in segments):
+        return "a causal entry with more queries than keys (rows that see no key)"
+    blocks = {i: -(-used[i] // block_size) for i in segments}
+    if max(blocks.values(), default=0) > min(num_blocks, table_width):
+        return f"an entry reading {max(blocks.values())} blocks (the pool holds {num_blocks}, the table {table_width})"
+    groups: list[list[int]] = [[]]
+    for i in segments:
+        if groups[-1] and (sum(blocks[j] for j in groups[-1]) + blocks[i] > num_blocks or len(groups[-1]) == MAX_BATCH):
+            groups.append([])
+        groups[-1].append(i)
+    calls = []
+    for group in groups if segments else []:
+        queries = [cu[i + 1] - cu[i] for i in group]
+        keys = [used[i] for i in group]
+        width = max(queries)
+        why = prompt_unsupported(block_size, head_dim) if width > 1 else None
+        if width == 1 and max(keys) > DECODE_MAX_KEYS:
+            why = f"{max(keys)} keys in one entry (one query per entry: at most {DECODE_MAX_KEYS})"
         if why is not None:
             return why
-    elif max(keys, default=0) > DECODE_MAX_KEYS:
-        return f"{max(keys)} keys in one entry (one query per entry: at most {DECODE_MAX_KEYS})"
-    if causal and any(n > k for n, k in zip(queries, keys)):
-        return "a causal entry with more queries than keys (rows that see no key)"
-    blocks = [-(-k // block_size) for k in keys]
-    if sum(blocks) > num_blocks or max(blocks, default=0) > table_width:
-        return f"blocks read {sum(blocks)} of a pool of {num_blocks} (the op needs blocknum >= their sum)"
-    rows = [cu[i] + m for i in segments for m in range(cu[i + 1] - cu[i])]
-    slots = [e * width + m for e, n in enumerate(queries) for m in range(n)]
-    return Call(tuple(segments), tuple(queries), tuple(keys), width, tuple(rows), tuple(slots))
+        rows = [cu[i] + m for i in group for m in range(cu[i + 1] - cu[i])]
+        slots = [e * width + m for e, n in enumerate(queries) for m in range(n)]
+        calls.append(Call(tuple(group), tuple(queries), tuple(keys), width, tuple(rows), tuple(slots)))
+    return calls
 
 
 def argument_names(op: Any) -> frozenset[str]:
