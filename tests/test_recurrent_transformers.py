@@ -427,13 +427,17 @@ DOCUMENTS = [
     ("lfm2_moe", 2, "zigzag"),
     ("kimi_linear", 2, "contiguous"),
     ("falcon_h1", 4, "zigzag"),
+    ("minimax", 3, "contiguous"),
+    ("recurrent_gemma", 2, "zigzag"),
+    ("zaya", 2, "contiguous"),
 ]
 """xcp.context places a packed sequence by zigzag or contiguous (document_zigzag is xcp.shard's and
 xcp.attention's: state passing under it is tested in tests/test_recurrent.py)."""
 
-UNSEEN = {"mamba2", "mamba", "falcon_mamba", "jamba"}
+UNSEEN = {"mamba2", "mamba", "falcon_mamba", "jamba", "zaya"}
 """Families whose recurrent layers are never handed the documents (Mamba, Mamba2, Falcon-Mamba: their
-ForCausalLM.forward drops cu_seq_lens_q/k; Jamba: its decoder layer calls the Mamba mixer without them): on
+ForCausalLM.forward drops cu_seq_lens_q/k; Jamba: its decoder layer calls the Mamba mixer without them; Zaya:
+its attention calls the CCA projection without them): on
 one device their state runs across the boundaries (Jamba's attention does not: it reads the positions), and
 so under xcp; the reference is the packed sequence on one device."""
 

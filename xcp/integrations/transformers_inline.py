@@ -28,6 +28,7 @@ from ..context import current
 from ..recurrent import Decay, causal_conv, check_recurrent_balance, last_inputs, state_passing
 from . import decoding
 from .transformers_prepare import register_layer
+from .transformers_recurrent import mixer_documents
 
 
 @dataclass(frozen=True)
@@ -40,20 +41,17 @@ class Run:
     layer: str
     final: bool = False  # the state after the sequence wanted too (xcp's generate, the prompt's ring prefix)
     ulysses: int = 1  # the context's U: the tokens placed as xcp.shard(..., ulysses=U) places them
+    documents: tuple[int, ...] | None = None  # the packed documents' GLOBAL boundaries (None: one sequence)
 
     @property
     def where(self) -> dict[str, Any]:
         """The layout keywords of :func:`xcp.recurrent.state_passing` and its kin: group, balance, ulysses."""
         return {"group": self.group, "balance": self.balance, "ulysses": self.ulysses}
 
-    def refuse_documents(self, kwargs: dict[str, Any]) -> None:
-        """Packed documents (``cu_seq_lens_*``) are not served by these layers yet."""
-        for name in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k"):
-            if kwargs.get(name) is not None:
-                raise NotImplementedError(
-                    f"{self.layer}: packed documents ({name}) through a recurrent layer under an xcp.context are "
-                    "not supported yet"
-                )
+    def with_documents(self, kwargs: dict[str, Any]) -> Run:
+        """This run with the packed documents the mixer was called with (``cu_seq_lens_q/k``): its recurrence
+        restarts and its convolution's halo stops at each (:func:`mixer_documents`)."""
+        return replace(self, documents=mixer_documents(self.layer, kwargs))
 
     def refuse_carried(self, what: str, value: Any) -> None:
         """A state from a cache (a continued sequence) has no place in state passing, which starts at zero."""
@@ -139,7 +137,7 @@ def _with_halo(module: torch.nn.Module, width: int, seq_dim: int) -> None:
         def causal(part: torch.Tensor) -> torch.Tensor:
             return forward(self, part).narrow(seq_dim, 0, part.shape[seq_dim])
 
-        return causal_conv(causal, x, width, **run.where, seq_dim=seq_dim)
+        return causal_conv(causal, x, width, **run.where, cu_seqlens=run.documents, seq_dim=seq_dim)
 
     module.forward = types.MethodType(halo_forward, module)
 
@@ -187,7 +185,7 @@ def _minimax(self: Any, run: Run, hidden_states: torch.Tensor, position_embeddin
              attention_mask: torch.Tensor | None = None, cache: Any = None, **kwargs: Any) -> Any:  # fmt: skip
     """``MiniMaxLightningAttention.forward`` over the ranks: its projections, output norm and gate as the
     mixer's own; the recurrence through state passing (the state decays by ``exp(-slope)`` per token)."""
-    run.refuse_documents(kwargs)
+    run = run.with_documents(kwargs)
     if cache is not None:
         run.refuse_carried("a linear attention state from the cache", cache.get_linear_cache(self.layer_idx))
     batch, length, _ = hidden_states.shape
@@ -206,7 +204,7 @@ def _minimax(self: Any, run: Run, hidden_states: torch.Tensor, position_embeddin
         return torch.exp(-slope * q.shape[1])
 
     out, state = state_passing(
-        kernel, q, k, v, transition=Decay(decay), **run.where,
+        kernel, q, k, v, transition=Decay(decay), **run.where, cu_seqlens=run.documents,
         output_final_state=cache is not None,
     )  # fmt: skip
     out = self.norm(out.reshape(batch, length, heads * dim))
@@ -230,7 +228,7 @@ def _recurrent_gemma(self: Any, run: Run, input_states: torch.Tensor, position_i
     the convolution swapped in by :func:`_adapt_recurrent_gemma` running through state passing and halos.
     The RG-LRU resets the state at position 0, which shard_batch's global positions give only the
     sequence's first token."""
-    run.refuse_documents(kwargs)
+    run = run.with_documents(kwargs)
     cache = kwargs.get("cache")
     prompt = _prompt(cache)
     if not prompt:
@@ -280,7 +278,7 @@ def _rg_lru_scan(self: Any, hidden_states: torch.Tensor, recurrent_gate: torch.T
 
     return state_passing(
         kernel, hidden_states, recurrent_gate, reset, transition=Decay(decay), **run.where,
-        output_final_state=run.final,
+        cu_seqlens=run.documents, output_final_state=run.final,
     )  # fmt: skip
 
 

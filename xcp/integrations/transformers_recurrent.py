@@ -73,7 +73,7 @@ _DOCUMENTS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")
 delta families hand ``cu_seq_lens_q`` to their kernel as ``cu_seqlens``."""
 
 
-def _documents(layer: str, kwargs: dict[str, Any]) -> tuple[int, ...] | None:
+def mixer_documents(layer: str, kwargs: dict[str, Any]) -> tuple[int, ...] | None:
     """The documents' GLOBAL boundaries a mixer's call carries (None: one sequence): every kernel of the mixer
     restarts its state at each and its convolutions never cross one, also a kernel the mixer does not hand
     them to (Jamba's scan gets none, its convolution does). ``seq_idx`` (the mamba_ssm kernels' per-token
@@ -99,9 +99,9 @@ def _documents(layer: str, kwargs: dict[str, Any]) -> tuple[int, ...] | None:
 
 
 def _cu(run: _Run, kwargs: dict[str, Any]) -> tuple[int, ...] | None:
-    """The documents a kernel call runs over: the mixer's (:func:`_documents`), checked against any the call
+    """The documents a kernel call runs over: the mixer's (:func:`mixer_documents`), checked against any the call
     carries itself, which are taken out of ``kwargs`` (the kernel runs on pieces cut at them)."""
-    carried = _documents(run.layer, kwargs)
+    carried = mixer_documents(run.layer, kwargs)
     for name in (*_DOCUMENTS, "seq_idx"):
         kwargs.pop(name, None)
     if carried is not None and carried != run.documents:
@@ -304,7 +304,7 @@ def _cp_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             cache.advance(self.layer_idx, _tokens(layer, args, kwargs))
         return out
     balance = check_recurrent_balance(ctx.balance)
-    with _running(_Run(ctx.group, balance, layer, _documents(layer, kwargs), ctx.ulysses)):
+    with _running(_Run(ctx.group, balance, layer, mixer_documents(layer, kwargs), ctx.ulysses)):
         out = forward(self, *args, **kwargs)
     if cache is not None:  # the prompt's ring prefix: the states kept are the whole sequence's (final, last inputs)
         cache.advance(self.layer_idx, _tokens(layer, args, kwargs) * ctx.world_size)
