@@ -9,6 +9,8 @@ and Zamba2 (Mamba2 mixers beside attention), Zamba (a selective scan per Mamba h
 convolutions), MiniMax (lightning attention), RecurrentGemma (RG-LRU), RWKV (WKV, token shift), Zaya (CCA's
 convolution and delayed values) and xLSTM (mLSTM), inline in their mixers (xcp/integrations/transformers_inline.py).
 Generation (xt.generate) against the model's own: Qwen3-Next, Mamba2, Mamba, LFM2-MoE, Zaya, RecurrentGemma.
+Packed documents (against each document alone, or the packed one-device model where the family never hands its
+layers the boundaries), a hybrid all-to-all + ring context (P 4, ulysses 2) and two gloo processes.
 """
 
 from __future__ import annotations
