@@ -355,3 +355,23 @@ def test_state_passing_and_halos_under_ulysses(world, ulysses, balance, cu):
     for i in range(5):
         close(f"grad of input {i}", xcp.unshard([res[2][i] for res in results], **place), ref[i].grad)
     close("grad of weight", sum(res[3] for res in results), ref[5].grad)
+
+
+def test_a_delta_rule_with_its_values_at_another_position():
+    """DeltaRule(value=1): a kernel taking (k, v, q, ...) has its keys first; the state's d_k comes from
+    them, not from the values, and state passing stays exact (outputs and final state, 2 ranks)."""
+
+    def kv_first(k, v, q, g, beta, **kwargs):
+        return delta_kernel(q, k, v, g, beta, **kwargs)
+
+    q, k, v, g, beta = inputs_for("delta", 8)
+    want, want_final = whole(lambda xs: kv_first(*xs, output_final_state=True), [k, v, q, g, beta], [0, 8])
+
+    def rank_fn(group):
+        local = [xcp.shard(x, 2, group.rank()) for x in (k, v, q, g, beta)]
+        return state_passing(kv_first, *local, transition=DeltaRule(value=1), group=group, output_final_state=True)
+
+    results = xcp.LocalWorld(2, timeout=30).run(rank_fn)
+    close("out", xcp.unshard([r[0] for r in results]), want)
+    for r in results:
+        close("final state", r[1], want_final)

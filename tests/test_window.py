@@ -41,6 +41,10 @@ def test_the_plan_computes_each_allowed_pair_once_and_runs_the_fewest_steps(case
             got = pairs_of_runs(plan.steps[i])
             assert len(got) == len(set(got)), "no pair is computed twice"
             assert set(got) == want
+            spans = [
+                (r.cu_q[a + 1] - r.cu_q[a], r.cu_k[a + 1] - r.cu_k[a]) for r in plan.steps[i] for a in range(r.segments)
+            ]
+            assert all(sq > 0 and sk > 0 for sq, sk in spans), "no kernel segment without queries or keys"
             assert sorted(pairs_of_runs(documents.join_runs(plan.steps[i]))) == sorted(got)
             assert plan.pairs[i] == len(want)
     assert {len(p.steps) for p in plans} == {max(needed, 1)}, "every rank runs the fewest steps that serve all"
