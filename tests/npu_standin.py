@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import importlib.machinery
+import threading
 import types
 
 import torch
@@ -60,10 +61,19 @@ class FakeTorchNPU(types.ModuleType):
         self.head_dims: list[tuple[int, int, int]] = []  # (Dq, Dk, Dv) of every call
         self.head_nums: list[int] = []  # head_num of every call
         self.infer_calls: list[tuple] = []  # npu_fused_infer_attention_score: (Q_S, qlens, kvlens, N_kv, sparse, block)
-        self.capturing = False  # the current stream is being captured into a graph
+        self._capture = threading.local()  # ``capturing``: per thread, as the current stream is (virtual ranks)
         self.checked_mask = None
         self.tnd_stats = tnd_stats
         self.band_origin = band_origin
+
+    @property
+    def capturing(self) -> bool:
+        """Whether this thread's current stream is being captured into a graph (set by the tests)."""
+        return getattr(self._capture, "on", False)
+
+    @capturing.setter
+    def capturing(self, value: bool) -> None:
+        self._capture.on = bool(value)
 
     # ------------------------------------------------------------------ what every call must satisfy
     def _check_call(self, query, key, value, head_num, grad_tnd=False):

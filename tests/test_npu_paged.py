@@ -22,6 +22,7 @@ import xcp
 from xcp import lifetime
 from xcp.backends.base import Backend
 from xcp.comm import LocalWorld
+from xcp.inference.paged_decode import PagedDecode, decode_padding
 from xcp.testing import conformance
 from xcp.testing.serve_sanitizer import sanitize_serve
 from xcp_npu import NPUBackend, paged
@@ -307,6 +308,58 @@ def test_paged_cache_over_ranks_reads_its_pool_through_the_op(fake, monkeypatch)
             assert_close_to(f"step {i}", outs[i], want, TOL)
     branches = {call[0] > 1 for call in fake.infer_calls}
     assert branches == {True, False}  # chunks (Q_S > 1) and decode rows (Q_S 1) both through the op
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+def test_paged_decode_steps_on_blocks_of_16(fake, capturing):
+    """xcp.PagedDecode over 2 virtual ranks on ``npu-glue``, float16, blocks of 16 rows: 3 requests (prompts of 20,
+    5, 33 tokens) decode 4 steps, one leaving after 2, a batch of 3 padded to 4 (a padded row sees no key: left out
+    of the call, exactly 0). Eager, every step is one op call of the decode branch (Q_S 1) reading the pool in place;
+    with the stream reported as captured (the op's host lengths would be frozen) the base class's gather runs, never
+    the op. Outputs equal float64 attention over each request's history."""
+    h, hkv, d = 4, 2, 16
+    g = torch.Generator().manual_seed(5)
+    data = [[torch.randn(40, n, d, generator=g, dtype=torch.float64) for n in (h, hkv, hkv)] for _ in range(3)]
+    prompts = [20, 5, 33]
+    steps = [[0, 1, 2], [2, 0, 1], [0, 2], [2, 0]]
+
+    def rank(group):
+        cache = xcp.PagedKVCache(group, num_blocks=12, block_size=16, device="npu-glue")
+        cu = torch.tensor([0, *torch.tensor(prompts).cumsum(0).tolist()])
+        cache.append([0, 1, 2], *(torch.cat([x[j][:n] for x, n in zip(data, prompts)]).half() for j in (1, 2)), cu)
+        decode = PagedDecode(cache, max_batch=4, max_len=40)
+        lengths, outs = list(prompts), []
+        for ids in steps:
+            batch = decode.plan(ids)
+            fake.capturing = capturing  # (this rank's thread) a captured step: the op refuses any call
+            q, k, v = decode_padding(batch, *(torch.stack([data[i][j][lengths[i]] for i in ids]).half()
+                                              for j in range(3)))  # fmt: skip
+            out = decode.step(q, k, v)
+            fake.capturing = False
+            assert out.shape == (batch, h, d) and (out[len(ids) :] == 0).all() and not out.isnan().any()
+            outs.append(out[: len(ids)])
+            for i in ids:
+                lengths[i] += 1
+            if ids == [2, 0, 1]:
+                cache.free(1)
+        return outs
+
+    with installed(NPUGlueOnCPU()), LocalWorld(2) as world:
+        results = world.run(rank)
+    lengths = list(prompts)
+    for n, ids in enumerate(steps):
+        rows = []
+        for i in ids:
+            end = lengths[i] = lengths[i] + 1
+            q, k, v = (x[:end].half().double() for x in data[i])
+            p = torch.softmax(torch.einsum("hd,shd->hs", q[end - 1], k.repeat_interleave(h // hkv, 1)) / d**0.5, -1)
+            rows.append(torch.einsum("hs,shd->hd", p, v.repeat_interleave(h // hkv, 1)))
+        for outs in results:
+            assert_close_to(f"step {n}", outs[n], torch.stack(rows), TOL)
+    if capturing:
+        assert fake.infer_calls == []
+    else:
+        assert len(fake.infer_calls) == 2 * len(steps) and {(c[0], c[5]) for c in fake.infer_calls} == {(1, 16)}
 
 
 # ---------------------------------------------------------------------------------------------- the combine
