@@ -375,3 +375,8 @@ def test_a_delta_rule_with_its_values_at_another_position():
     close("out", xcp.unshard([r[0] for r in results]), want)
     for r in results:
         close("final state", r[1], want_final)
+    alone = state_passing(kv_first, k, v, q, g, beta, transition=DeltaRule(value=1))  # a world of one
+    close("out of one rank", alone[0], want)
+    assert alone[1] is None  # no final state unless asked
+    with pytest.raises(ValueError, match="handoff: expected one of"):  # checked on a world of one too
+        state_passing(kv_first, k, v, q, g, beta, transition=DeltaRule(value=1), handoff="later")
