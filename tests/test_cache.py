@@ -733,3 +733,25 @@ def test_every_local_call_goes_in_varlen_form_one_segment_included():
     assert backend.forms[0] == "varlen" and rows == slice(0, 1)  # (the CPU's varlen kernel runs dense inside)
     want, want_lse = CPUBackend().forward(q, k, v, "none", 0.5)
     assert torch.allclose(out, want) and torch.allclose(lse, want_lse)
+
+
+@pytest.mark.parametrize("rows", [(), ((1, 3),), ((0, 2),), ((0, 3),)], ids=["none", "late", "early", "all"])
+def test_a_local_partial_has_a_row_for_every_query(rows):
+    """local_partial of T = 3 queries (2 heads) whose calls cover none, the last two, the first two or all
+    of them: the covered rows are their call's attention, the others see nothing (out 0, lse -inf); the
+    shape is always the queries'."""
+    from xcp.backends.cpu import CPUBackend
+    from xcp.documents import Segment, runs
+    from xcp.inference import partials
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, n, 2, 4, generator=gen, dtype=torch.float64) for n in (3, 5, 5))
+    calls = runs([Segment(q0, q1, 0, 5, False) for q0, q1 in rows])
+    out, lse = partials.local_partial(CPUBackend(), calls, q, k, v, 0.5, torch.float64)
+    assert out.shape == (1, 3, 2, 4) and lse.shape == (1, 2, 3)
+    want, want_lse = CPUBackend().forward(q, k, v, "none", 0.5)
+    for i in range(3):
+        if any(q0 <= i < q1 for q0, q1 in rows):
+            assert torch.allclose(out[:, i], want[:, i]) and torch.allclose(lse[:, :, i], want_lse[:, :, i])
+        else:
+            assert torch.equal(out[:, i], torch.zeros_like(out[:, i])) and torch.isneginf(lse[:, :, i]).all()
