@@ -11,6 +11,11 @@ For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` that builds tin
 - **generate**: ``xt.generate`` on the same ranks against the reference's own greedy ``generate``: the
   same tokens, and every step's logits within ``--tol``.
 
+With ``--documents``, instead: packed documents (``shard_batch(..., cu_seqlens=)``) through the ranks' forward,
+whose logits are compared with each document run alone on one device and with the packed sequence on one
+device (restarting positions); the family passes where one of them is within ``--tol``, and says which
+(docs/hybrid.md, "Packed documents").
+
 A refusal (``prepare``, the build, or a ValueError of xcp at run time) is printed with its reason; anything
 else that differs or raises is a FAIL. Not part of CI (minutes on 2 cores): run it in batches::
 
@@ -315,6 +320,29 @@ def train_check(model: Any, reference: Any, ids: torch.Tensor) -> str | None:
     return None if not bad else "train " + ", ".join(f"{k} {v:.2g}" for k, v in bad.items())
 
 
+def documents_check(model: Any, reference: Any, vocab: int) -> tuple[str | None, str]:
+    """(None, which reference the ranks' logits of a packed sequence equal) or (what differs, the errors)."""
+    from xcp.integrations import transformers as xt
+
+    seq = S * ARGS.world
+    cu = [0, 5, seq - 6, seq]  # a short document, a long one, and one every balance's pieces cut
+    ids = torch.randint(3, vocab, (1, seq), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])])[None]
+    with torch.no_grad():
+        alone = torch.cat([reference(input_ids=ids[:, a:b], use_cache=False).logits for a, b in zip(cu, cu[1:])], 1)
+        packed = reference(input_ids=ids, position_ids=positions, use_cache=False).logits
+
+    def rank(group):
+        with xcp.context(group, balance=ARGS.balance), torch.no_grad():
+            return model(**xt.shard_batch(ids, cu_seqlens=cu).model_kwargs()).logits
+
+    got = xcp.unshard(xcp.LocalWorld(ARGS.world).run(rank), balance=ARGS.balance)
+    errors = {"each document alone": rel(got, alone), "packed on one device": rel(got, packed)}
+    detail = ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
+    matched = [k for k, v in errors.items() if v <= ARGS.tol]
+    return (None, f"equals {matched[0]} ({detail})") if matched else (f"documents: {detail}", detail)
+
+
 def generate_check(model: Any, reference: Any, vocab: int) -> str | None:
     from xcp.integrations import transformers as xt
 
@@ -392,6 +420,10 @@ def survey(model_type: str) -> tuple[str, str]:
         reference.load_state_dict(model.state_dict())
         torch.manual_seed(2)
         ids = torch.randint(3, vocab, (1, S * ARGS.world))  # split by every balance over --world ranks
+        if ARGS.documents:
+            stage = "documents"
+            problem, detail = documents_check(model, reference, vocab)
+            return ("FAIL", problem) if problem is not None else ("pass", detail)
         stage = "train"
         problem = train_check(model, reference, ids)
         if problem is not None:
@@ -463,6 +495,10 @@ def _args() -> argparse.Namespace:
         "--full-precision", action="store_true",
         help="make the float32 casts of the models' own kernels keep float64 (recurrent families compute their scans "
         "in float32 whatever the model's dtype; without this their gradients differ by float32 rounding)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--documents", action="store_true",
+        help="packed documents through the ranks' forward instead, against each document alone and the packed sequence",
     )  # fmt: skip
     parser.add_argument("--width", type=int, default=400, help="characters of each detail printed")
     parser.add_argument("--memory", type=int, default=8, help="GiB of address space at most (a MemoryError beyond)")
