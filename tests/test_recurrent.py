@@ -359,7 +359,8 @@ def test_state_passing_and_halos_under_ulysses(world, ulysses, balance, cu):
 
 def test_a_delta_rule_with_its_values_at_another_position():
     """DeltaRule(value=1): a kernel taking (k, v, q, ...) has its keys first; the state's d_k comes from
-    them, not from the values, and state passing stays exact (outputs and final state, 2 ranks)."""
+    them, not from the values, and state passing stays exact (outputs and final state, 2 ranks; a world of
+    one too). On a world of one, where nothing is exchanged, the arguments are still checked."""
 
     def kv_first(k, v, q, g, beta, **kwargs):
         return delta_kernel(q, k, v, g, beta, **kwargs)
@@ -380,3 +381,12 @@ def test_a_delta_rule_with_its_values_at_another_position():
     assert alone[1] is None  # no final state unless asked
     with pytest.raises(ValueError, match="handoff: expected one of"):  # checked on a world of one too
         state_passing(kv_first, k, v, q, g, beta, transition=DeltaRule(value=1), handoff="later")
+    from xcp.recurrent.state import prepare_passes
+
+    assert prepare_passes(kv_first, k, v, q, g, beta, transition=DeltaRule(value=1)).output_final_state is False
+    with pytest.raises(ValueError, match="inputs: expected at least one per-token tensor; got none"):
+        state_passing(kv_first, transition=DeltaRule(value=1))
+    own_start = DeltaRule(value=1)
+    own_start.start = torch.zeros(B, H, DK, DV, dtype=torch.float64)  # sequences that start from a state of their own
+    with pytest.raises(ValueError, match=r"cu_seqlens: expected None with a transition whose sequences start from"):
+        state_passing(kv_first, k, v, q, g, beta, transition=own_start, cu_seqlens=[0, 3, 8])

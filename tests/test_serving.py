@@ -468,3 +468,23 @@ def test_one_collective_per_attention_call_once_the_ranks_agreed(monkeypatch):
     with pytest.raises(RuntimeError, match="ValueError"):
         with LocalWorld(2) as w:
             w.run(disagree)
+
+
+def test_a_paged_cache_defaults_to_blocks_of_16_and_says_what_it_holds():
+    """docs/serving.md: block_size=16 by default; repr names the rank, the sequences and the free blocks."""
+    cache = xcp.PagedKVCache(num_blocks=4)
+    assert cache.block_size == 16
+    assert repr(cache) == "<PagedKVCache rank 0 of 1: 0 sequences, 4 of 4 blocks of 16 free, interleave 1>"
+
+
+def test_a_combine_over_a_communicator_without_the_collective_is_refused_by_name():
+    from xcp.backends.cpu import CPUBackend
+    from xcp.inference.partials import exchange
+
+    class PointToPointOnly:  # a third-party communicator of exchange() alone
+        def size(self):
+            return 2
+
+    recv = torch.empty(2, 3)
+    with pytest.raises(TypeError, match=r"group: a combine over 2 ranks needs a communicator with all_gather\(\)"):
+        exchange(PointToPointOnly(), CPUBackend(), None, "all_gather", lambda: torch.ones(3), recv, "combine")
