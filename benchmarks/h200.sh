@@ -26,7 +26,8 @@
 #                               # stripe) and the hybrid (U = 4, 8) over 8 ranks, the 32/8 x 128 ring, a profile (~6 min)
 #   benchmarks/h200.sh recurrent  # hybrid layers: fla from the carried wheels (WHEELS, default .whl) into /tmp/site,
 #                               # the recurrent cuda tests (fla vs torch kernels, state passing, CSAN), xcp bench
-#                               # --recurrent at 256K (with the block stack) and 1M, bf16, P 8 (about 6 minutes)
+#                               # --recurrent at 256K (with the block stack) and 1M, bf16, P 8 (about 8 minutes with
+#                               # a cold Triton cache: fla's kernels compile and autotune on first use)
 #   benchmarks/h200.sh mla-error  # 192/128 bf16 error against float64 beside SDPA's, with and without the causal
 #                               # backward of unmasked blocks (8K over 2 ranks: its squares of 2048 rows)
 #   benchmarks/h200.sh fillers  # varlen calls with filler segments: cuda tests, conformance varlen cases, the 128K
@@ -326,13 +327,13 @@ recurrent)
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   python3 -m xcp backends 2>&1 | grep "^cuda recurrent" | tee "$out/recurrent_kernels.txt"
   section "recurrent cuda tests: fla vs the torch kernels, state passing with them, CSAN on the summaries and halos"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short -rs tests/test_recurrent_cuda.py \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=short -rs tests/test_recurrent_cuda.py \
     tests/test_recurrent_kernels.py 2>&1 | tail -15 | tee "$out/recurrent_tests.txt"
   section "xcp bench --recurrent: 256K over 8 ranks, bf16, gated delta (16 x 128) and Mamba2, and the block stack"
-  timeout 240 xcp bench --recurrent --seqs 262144 --worlds 8 --reps 3 --warmup 1 --stack 2>&1 \
+  timeout 180 xcp bench --recurrent --seqs 262144 --worlds 8 --reps 3 --warmup 1 --stack 2>&1 \
     | tee "$out/recurrent_256k.txt"
   section "xcp bench --recurrent: 1M over 8 ranks"
-  timeout 180 xcp bench --recurrent --seqs 1048576 --worlds 8 --reps 2 --warmup 1 2>&1 | tee "$out/recurrent_1m.txt"
+  timeout 100 xcp bench --recurrent --seqs 1048576 --worlds 8 --reps 2 --warmup 1 2>&1 | tee "$out/recurrent_1m.txt"
   ;;
 serve)
   section "paged decode tests: CPU stand-ins (forward_paged, PagedDecode) and cuda (replayed = eager, allocations, CSAN)"

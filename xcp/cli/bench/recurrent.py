@@ -6,9 +6,10 @@ kernels where installed; else the models' own torch kernels): a gated delta rule
 Mamba2 SSD scan. With ``--stack``, also a Qwen3-Next-shaped block stack: three gated-delta layers to one
 causal attention layer (16 query heads, 2 KV heads, head dim 256) through xcp's ring.
 
-The ranks run as :class:`xcp.cli.bench.virtual.VirtualRing`'s do: one thread and stream each on one device
-(the CPU: one rank at a time), so the world's wall time over the whole-sequence kernel's is the cost of the
-P ranks' work beside one device doing all of it (1.0: no overhead). The exchange runs outside autograd
+The ranks run in a cooperative LocalWorld (one rank's host code at a time), each on its own stream: on a
+GPU their kernels, launched asynchronously, overlap as the ring bench's ranks' do. The world's wall time over
+the whole-sequence kernel's is the cost of the P ranks' work beside one device doing all of it (1.0: no
+overhead). The exchange runs outside autograd
 (:class:`xcp.recurrent.state.Passes`): on a GPU, virtual ranks cannot run a collective inside autograd's
 backward (one device thread for all ranks); real ranks run :func:`xcp.recurrent.state_passing` as it is.
 The breakdown (pass 1, pass 2, their backwards, the exchanges) is a second run, one rank at a time with the
@@ -90,14 +91,16 @@ def _mamba2(seq: int, heads: int, dim: int, dtype: torch.dtype, device: torch.de
 
 
 class VirtualStates:
-    """P virtual ranks running one layer's state passing, each a thread with its own stream (the CPU: one
-    rank at a time), on pre-sharded inputs; the exchange outside autograd (see the module's docstring)."""
+    """P virtual ranks running one layer's state passing, each a thread with its own stream, one rank's host
+    code at a time, on pre-sharded inputs; the exchange outside autograd (see the module's docstring)."""
 
     def __init__(self, backend: Any, layer: Layer, world: int, dout: torch.Tensor) -> None:
         self.backend, self.layer, self.world_size = backend, layer, world
         self.device = layer.inputs[0].device
-        self.cooperative = self.device.type == "cpu"
-        self.world = LocalWorld(world, device=self.device, cooperative=self.cooperative)
+        # one rank's host code at a time: Triton's autotuner (fla's kernels) keeps per-call state on the kernel
+        # object, so two threads launching one kernel at once can break it ("'NoneType' object is not a mapping");
+        # the launches are asynchronous, so on a GPU the ranks' kernels still overlap, each on its own stream
+        self.world = LocalWorld(world, device=self.device, cooperative=True)
         self.shards = [[shard(x, world, r) for x in layer.inputs] for r in range(world)]
         self.douts = [shard(dout, world, r) for r in range(world)]
         self.streams = [backend.new_stream(self.device) for _ in range(world)]
@@ -109,16 +112,10 @@ class VirtualStates:
         """One forward (and backward) of every rank; with ``steps``, one rank at a time, each step's time
         (the device drained around it) added into ``steps``."""
         main = self.backend.current_stream(self.device)
-        world = self.world
         if steps is not None:
-            world = LocalWorld(self.world_size, device=self.device, cooperative=True)
             self.backend.synchronize(self.device)
             start = time.perf_counter()
-        try:
-            results = world.run(self._rank, backward, main, steps)
-        finally:
-            if world is not self.world:
-                world.close()
+        results = self.world.run(self._rank, backward, main, steps)
         for stream, _, _ in results:
             self.backend.wait_stream(main, stream)
         if steps is not None:
