@@ -488,3 +488,22 @@ def test_a_combine_over_a_communicator_without_the_collective_is_refused_by_name
     recv = torch.empty(2, 3)
     with pytest.raises(TypeError, match=r"group: a combine over 2 ranks needs a communicator with all_gather\(\)"):
         exchange(PointToPointOnly(), CPUBackend(), None, "all_gather", lambda: torch.ones(3), recv, "combine")
+
+
+def test_combine_over_two_ranks_and_alone():
+    """Two ranks' float64 partials merge to the logsumexp-weighted sum on both; a world of one returns its own
+    partial as a new tensor (the caller's is never aliased), and checks its handoff like any world."""
+    g = torch.Generator().manual_seed(2)
+    outs = [torch.randn(1, 3, 2, 4, generator=g, dtype=torch.float64) for _ in range(2)]
+    lses = [torch.randn(1, 2, 3, generator=g, dtype=torch.float64) for _ in range(2)]
+    merged = torch.logsumexp(torch.stack(lses), 0)
+    want = sum(torch.exp(lse - merged).transpose(-1, -2).unsqueeze(-1) * out for out, lse in zip(outs, lses))
+    with LocalWorld(2) as w:
+        results = w.run(lambda group: xcp.combine(outs[group.rank()], lses[group.rank()], group))
+    for out, lse in results:
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(lse, merged)
+    out, lse = xcp.combine(outs[0], lses[0])
+    assert torch.equal(out, outs[0]) and out.untyped_storage().data_ptr() != outs[0].untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="handoff: expected one of"):
+        xcp.combine(outs[0], lses[0], handoff="later")
