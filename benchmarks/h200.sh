@@ -328,7 +328,7 @@ recurrent)
   python3 -m xcp backends 2>&1 | grep "^cuda recurrent" | tee "$out/recurrent_kernels.txt"
   section "recurrent cuda tests: fla vs the torch kernels, state passing with them, CSAN on the summaries and halos"
   timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=short -rs tests/test_recurrent_cuda.py \
-    tests/test_recurrent_kernels.py 2>&1 | tail -15 | tee "$out/recurrent_tests.txt"
+    tests/test_recurrent_kernels.py 2>&1 | tee "$out/recurrent_tests.txt" | tail -15
   section "xcp bench --recurrent: 256K over 8 ranks, bf16, gated delta (16 x 128) and Mamba2, and the block stack"
   timeout 180 xcp bench --recurrent --seqs 262144 --worlds 8 --reps 3 --warmup 1 --stack 2>&1 \
     | tee "$out/recurrent_256k.txt"

@@ -72,10 +72,12 @@ def test_the_device_kernel_matches_the_torch_kernel(recurrence):
         (out.float().sum() + final.float().square().sum()).backward()
         results.append((out.detach(), final.detach(), [x.grad for x in leaves]))
     (out, final, grads), (ref_out, ref_final, ref_grads) = results
-    # Triton's float32 dots run in TF32 (10-bit mantissa, ~5e-4 a product), summed over chunks of 64
-    assert rel(out, ref_out) < 5e-3 and rel(final, ref_final) < 5e-3, (rel(out, ref_out), rel(final, ref_final))
-    for i, (g, want) in enumerate(zip(grads, ref_grads)):
-        assert rel(g, want) < 1e-2, f"grad of input {i}: {rel(g, want):.2e}"
+    errors = {"out": rel(out, ref_out), "final state": rel(final, ref_final)}
+    errors.update({f"grad of input {i}": rel(g, want) for i, (g, want) in enumerate(zip(grads, ref_grads))})
+    # Triton's float32 dots run in TF32 (10-bit mantissa, ~5e-4 a product), summed over chunks of 64; the
+    # gradients go through one more such product
+    bounds = {name: (5e-3 if name in ("out", "final state") else 1e-2) for name in errors}
+    assert all(errors[n] < bounds[n] for n in errors), f"{kernel.label} against {reference.label}: {errors}"
 
 
 @pytest.mark.parametrize("recurrence", ["gated_delta_rule", "mamba2"])
