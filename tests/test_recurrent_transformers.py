@@ -495,6 +495,19 @@ def test_seq_idx_is_refused_over_ranks():
         xcp.LocalWorld(2).run(rank)
 
 
+def test_documents_of_q_and_k_that_differ_are_refused_by_the_layer():
+    model = xt.prepare(build(_configs()["lfm2_moe"]()))  # its first layer is a short convolution
+    ids = torch.randint(3, VOCAB, (1, 8))
+
+    def rank(group):
+        with xcp.context(group), torch.no_grad():
+            kw = xt.shard_batch(ids, cu_seqlens=[0, 3, 8]).model_kwargs()
+            model(**{**kw, "cu_seq_lens_k": torch.tensor([0, 4, 8])})
+
+    with pytest.raises(RuntimeError, match="Lfm2MoeShortConv: cu_seq_lens_k: expected the boundaries of cu_seq_lens_q"):
+        xcp.LocalWorld(2).run(rank)
+
+
 GLOO_WORKER = """
 import pytest, xcp
 sys.path.insert(0, {tests!r})

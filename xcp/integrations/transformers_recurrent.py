@@ -99,16 +99,10 @@ def mixer_documents(layer: str, kwargs: dict[str, Any]) -> tuple[int, ...] | Non
 
 
 def _cu(run: _Run, kwargs: dict[str, Any]) -> tuple[int, ...] | None:
-    """The documents a kernel call runs over: the mixer's (:func:`mixer_documents`), checked against any the call
-    carries itself, which are taken out of ``kwargs`` (the kernel runs on pieces cut at them)."""
-    carried = mixer_documents(run.layer, kwargs)
+    """The documents a kernel call runs over: the mixer's (:func:`mixer_documents`; transformers' mixers hand
+    their kernels the same ones, taken out of ``kwargs`` here: the kernel runs on pieces cut at them)."""
     for name in (*_DOCUMENTS, "seq_idx"):
         kwargs.pop(name, None)
-    if carried is not None and carried != run.documents:
-        raise ValueError(
-            f"{run.layer}: cu_seqlens: expected the documents the layer was called with ({run.documents}); got "
-            f"{carried}"
-        )
     return run.documents
 
 
