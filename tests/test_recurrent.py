@@ -390,3 +390,21 @@ def test_a_delta_rule_with_its_values_at_another_position():
     own_start.start = torch.zeros(B, H, DK, DV, dtype=torch.float64)  # sequences that start from a state of their own
     with pytest.raises(ValueError, match=r"cu_seqlens: expected None with a transition whose sequences start from"):
         state_passing(kv_first, k, v, q, g, beta, transition=own_start, cu_seqlens=[0, 3, 8])
+
+
+def test_inference_outputs_need_no_gradient_on_a_rank_that_summarises_nothing():
+    """Contiguous over 2 ranks without the final state: rank 1 holds only the last piece, whose summary is
+    never used, and sends zeros instead. With inputs that need no gradient its outputs need none either
+    (no graph kept for an exchange's backward that nothing will run), and they stay exact."""
+    inputs = inputs_for("decay", 8)
+    want, _ = whole(lambda xs: decay_kernel(*xs), inputs, [0, 8])
+
+    def rank_fn(group):
+        local = [xcp.shard(x, 2, group.rank(), balance="contiguous") for x in inputs]
+        out, final = state_passing(decay_kernel, *local, transition=Decay(decay_product), group=group,
+                                   balance="contiguous")  # fmt: skip
+        return out, final
+
+    results = xcp.LocalWorld(2, timeout=30).run(rank_fn)
+    assert [(out.requires_grad, final) for out, final in results] == [(False, None), (False, None)]
+    close("out", xcp.unshard([r[0] for r in results], balance="contiguous"), want)

@@ -492,7 +492,8 @@ def test_a_combine_over_a_communicator_without_the_collective_is_refused_by_name
 
 def test_combine_over_two_ranks_and_alone():
     """Two ranks' float64 partials merge to the logsumexp-weighted sum on both; a world of one returns its own
-    partial as a new tensor (the caller's is never aliased), and checks its handoff like any world."""
+    partial as a new tensor (the caller's is never aliased), a NaN lse as -inf (that row weighs 0), and checks
+    its arguments like any world."""
     g = torch.Generator().manual_seed(2)
     outs = [torch.randn(1, 3, 2, 4, generator=g, dtype=torch.float64) for _ in range(2)]
     lses = [torch.randn(1, 2, 3, generator=g, dtype=torch.float64) for _ in range(2)]
@@ -507,3 +508,15 @@ def test_combine_over_two_ranks_and_alone():
     assert torch.equal(out, outs[0]) and out.untyped_storage().data_ptr() != outs[0].untyped_storage().data_ptr()
     with pytest.raises(ValueError, match="handoff: expected one of"):
         xcp.combine(outs[0], lses[0], handoff="later")
+    nan_lse = lses[0].clone()
+    nan_lse[0, 1, 2] = math.nan  # a kernel that divided 0 by 0 where the rank saw nothing
+    out, lse = xcp.combine(outs[0], nan_lse)
+    assert lse[0, 1, 2] == -math.inf and torch.equal(out[0, 2, 1], torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(TypeError, match="out: expected a floating-point tensor; got dtype torch.int64"):
+        xcp.combine(outs[0].long(), lses[0])
+    with pytest.raises(TypeError, match="lse: expected a floating-point tensor; got list"):
+        xcp.combine(outs[0], [0.0])
+    with pytest.raises(ValueError, match=r"out: expected \[\.\.\., S, H, Dv\] \(at least 3 dims\); got shape \(3, 8\)"):
+        xcp.combine(torch.zeros(3, 8), torch.zeros(8, 3))
+    with pytest.raises(ValueError, match="lse: expected a tensor on out's device cpu; got meta"):
+        xcp.combine(outs[0], lses[0].to("meta"))
