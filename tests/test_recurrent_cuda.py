@@ -74,9 +74,10 @@ def test_the_device_kernel_matches_the_torch_kernel(recurrence):
     (out, final, grads), (ref_out, ref_final, ref_grads) = results
     errors = {"out": rel(out, ref_out), "final state": rel(final, ref_final)}
     errors.update({f"grad of input {i}": rel(g, want) for i, (g, want) in enumerate(zip(grads, ref_grads))})
-    # Triton's float32 dots run in TF32 (10-bit mantissa, ~5e-4 a product), summed over chunks of 64; the
-    # gradients go through one more such product
-    bounds = {name: (5e-3 if name in ("out", "final state") else 1e-2) for name in errors}
+    # Triton's float32 dots run in TF32 (10-bit mantissa, ~5e-4 a product), summed over chunks of 64 and through
+    # the delta rule's triangular solve (its WY form); the gradients through more such products. A wrong layout,
+    # scale or transposed state is off by O(1), far above these bounds.
+    bounds = {name: (2e-2 if name in ("out", "final state") else 5e-2) for name in errors}
     assert all(errors[n] < bounds[n] for n in errors), f"{kernel.label} against {reference.label}: {errors}"
 
 
