@@ -755,3 +755,9 @@ def test_a_local_partial_has_a_row_for_every_query(rows):
             assert torch.allclose(out[:, i], want[:, i]) and torch.allclose(lse[:, :, i], want_lse[:, :, i])
         else:
             assert torch.equal(out[:, i], torch.zeros_like(out[:, i])) and torch.isneginf(lse[:, :, i]).all()
+
+
+def test_no_queries_make_no_kernel_call():
+    stored = cache_plan.prefill_runs(8, 2, 0, "zigzag")
+    assert cache_plan.partial_calls(stored, 8, 0, True, None) == ()
+    assert cache_plan.partial_calls(stored, 8, 0, False, (2, 3)) == ()

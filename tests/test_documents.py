@@ -272,6 +272,8 @@ def test_ranks_with_different_documents_all_raise():
     assert messages[0] == messages[1] and "cu_seqlens (rank 0: '2 documents (crc32 " in messages[0]
 
 
-def test_a_document_plan_names_a_rank_outside_the_world():
+def test_a_document_plan_names_a_rank_outside_the_world_and_a_length_the_balance_cannot_split():
     with pytest.raises(ValueError, match=r"rank: expected an integer in \[0, 2\); got 5"):
         documents.document_plan((0, 3, 8), 2, 5, True, "document_zigzag")
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]: balance 'zigzag' over 2 ranks needs a positive multiple"):
+        documents.document_plan((0, 3, 7), 2, 0, True, "zigzag")
