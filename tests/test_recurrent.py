@@ -306,6 +306,8 @@ def test_pieces_under_ulysses_follow_xcp_shard():
     assert spanning == [(4, 6), (18, 20)]  # ring shard 0 is chunks [0, 6) and [18, 24): rank 1 its tokens 4..8
     with pytest.raises(ValueError, match="ulysses: expected a divisor of the world size 4"):
         plan_pieces(16, 4, "zigzag", ulysses=3)
+    with pytest.raises(ValueError, match="seq_len: expected a multiple of the world size 4 with ulysses 2 .*got 10"):
+        plan_pieces(10, 4, "contiguous", ulysses=2)
 
 
 ULYSSES = [

@@ -63,6 +63,15 @@ def test_plan_recurrent_bytes_do_not_grow_with_the_sequence(capsys):
     assert first == second and "state 1.5 KiB" in first and "halo 1.7 KiB" in first, first
 
 
+def test_plan_recurrent_under_ulysses_shows_the_hybrid_placement(capsys):
+    sizes = ["--heads", "2", "--kv-heads", "2"]
+    assert main(["plan", "--recurrent", "--world", "4", "--ulysses", "2", "--seq", "16", *sizes]) == 0
+    out = capsys.readouterr().out
+    # ring shards of zigzag over 2 positions: [0, 4) + [12, 16) and [4, 12), each cut in two
+    assert "P=4 ulysses=2" in out and "rank 0: [0, 4)" in out and "rank 1: [12, 16)" in out, out
+    assert "rank 2: [4, 8)" in out and "rank 3: [8, 12)" in out, out
+
+
 def test_plan_recurrent_describes_a_mamba2_layer(capsys):
     sizes = ["--heads", "2", "--kv-heads", "2", "--head-dim", "4", "--state-dim", "8", "--dtype", "bfloat16"]
     assert main(["plan", "--recurrent", "--layer", "mamba2", "--world", "4", "--seq", "64", *sizes]) == 0

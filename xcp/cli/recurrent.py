@@ -65,7 +65,7 @@ def plan_command(args: argparse.Namespace) -> int:
         lengths, _ = packing.resolve_lengths(args.documents, args.seq, args.world, args.balance)
         cu = list(packing.boundaries(lengths))
     seq = cu[-1] if cu is not None else args.seq
-    pieces = plan_pieces(seq, args.world, args.balance, cu)
+    pieces = plan_pieces(seq, args.world, args.balance, cu, args.ulysses)
     itemsize = DTYPES[args.dtype].itemsize
     h, d, layer = args.heads, args.head_dim, args.layer or "gated-delta"
     if layer == "mamba2":
@@ -78,7 +78,8 @@ def plan_command(args: argparse.Namespace) -> int:
         v = args.value_head_dim or d
         shape = f"d_k={d} d_v={v} (state {d} x {v} per head, T {d} x {d})"
         state, transition, channels = d * v, d * d, h * (2 * d + v)  # the conv runs over q, k and v
-    print(f"xcp plan {FLAG} --layer {layer}: S={seq} P={args.world} balance={args.balance} heads={h} "
+    hybrid = f" ulysses={args.ulysses}" if args.ulysses != 1 else ""
+    print(f"xcp plan {FLAG} --layer {layer}: S={seq} P={args.world}{hybrid} balance={args.balance} heads={h} "
           f"{shape} {args.dtype}")  # fmt: skip
     print("pieces in global order (rank: [start, stop), * where a document starts inside, | where one starts at it):")
     for p in pieces:
@@ -98,7 +99,7 @@ def sanitize_command(args: argparse.Namespace) -> int:
 
     if args.ulysses != 1:
         raise ValueError(
-            f"{FLAG}: expected no --ulysses (recurrent layers run over the ring's ranks); got {args.ulysses}"
+            f"{FLAG}: expected no --ulysses (the sanitizer runs the ring's layout alone); got {args.ulysses}"
         )
     documents = None
     if args.documents is not None:

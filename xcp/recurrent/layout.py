@@ -69,6 +69,11 @@ def plan_pieces(
     check_recurrent_balance(balance)
     u = schedule.check_ulysses(ulysses)
     schedule.check_ulysses_divides(u, int(world_size))
+    if u != 1 and seq_len % world_size:
+        raise ValueError(
+            f"seq_len: expected a multiple of the world size {world_size} with ulysses {u} (each ring shard splits "
+            f"into {u} equal parts); got {seq_len}"
+        )
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, seq_len)
     return _plan(int(seq_len), int(world_size), str(balance), cu, u)
 
