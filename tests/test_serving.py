@@ -520,3 +520,19 @@ def test_combine_over_two_ranks_and_alone():
         xcp.combine(torch.zeros(3, 8), torch.zeros(8, 3))
     with pytest.raises(ValueError, match="lse: expected a tensor on out's device cpu; got meta"):
         xcp.combine(outs[0], lses[0].to("meta"))
+
+
+@pytest.mark.parametrize(
+    "options, error, name",
+    [
+        ({"causal": "yes"}, TypeError, "causal"),
+        ({"window": (-1, 0)}, ValueError, "window"),
+        ({"sinks": torch.zeros(3)}, ValueError, "sinks"),
+        ({"softcap": -1.0}, ValueError, "softcap"),
+    ],
+)
+def test_paged_attention_names_a_bad_argument(options, error, name):
+    cache = xcp.PagedKVCache(num_blocks=4)
+    cache.append(["a"], torch.randn(3, HKV, D), torch.randn(3, HKV, D), [0, 3])
+    with pytest.raises(error, match=rf"^{name}: expected"):
+        cache.attention(torch.randn(1, H, D), ["a"], [0, 1], **options)

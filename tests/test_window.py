@@ -204,3 +204,15 @@ def test_choose_balance_when_the_sequence_is_one_token_a_rank():
     # S == P: contiguous and stripe split it (zigzag needs 2P), cost the same in 2 steps; contiguous first
     assert [c.balance for c in documents.balance_costs((0, 4), 4, True, (1, 0))] == ["contiguous", "stripe"]
     assert xcp.choose_balance(4, causal=True, window=(1, 0), seq_len=4) == "contiguous"
+
+
+def test_choose_balance_at_its_edges():
+    """Not causal unless told (a two-sided window is then allowed); zigzag where nothing needs weighing;
+    a sequence of one token weighed like any; world_size and seq_len named when wrong."""
+    assert xcp.choose_balance(4) == "zigzag"
+    assert xcp.choose_balance(2, window=(1, 1), seq_len=8) in ("zigzag", "contiguous", "stripe")
+    assert xcp.choose_balance(1, causal=True, window=(1, 0), seq_len=1) in ("zigzag", "contiguous", "stripe")
+    with pytest.raises(ValueError, match="world_size: expected an integer >= 1; got 0"):
+        xcp.choose_balance(0)
+    with pytest.raises(ValueError, match="seq_len: expected the global sequence length"):
+        xcp.choose_balance(2, window=(1, 0), seq_len=0)
