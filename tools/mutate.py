@@ -374,7 +374,9 @@ def covering_tests(data: dict, module: str, line: int, budget: float) -> list[st
         back = _translations[file] = _line_translation((ROOT / module).read_text(), data.get("sources", {}).get(file))
     by_line = data["lines"].get(file, {})
     indices = {i for old in back(line) for i in by_line.get(str(old), [])}
-    chosen = sorted((data["tests"][names[i]][0], names[i]) for i in indices if data["tests"][names[i]][1])
+    chosen = sorted(
+        (data["tests"][names[i]][0], names[i]) for i in indices if data["tests"][names[i]][1] and _selectable(names[i])
+    )
     picked: list[str] = []
     total = 0.0
     for seconds, name in chosen:
@@ -419,7 +421,15 @@ def _fastest(data: dict, module: str, n: int) -> list[str]:
     """The ``n`` fastest passing tests that execute any line of ``module``."""
     names = list(data["tests"])
     indices = {i for tests in data["lines"].get(str((ROOT / module).resolve()), {}).values() for i in tests}
-    return [name for _, name in sorted((data["tests"][names[i]][0], names[i]) for i in indices)][:n]
+    ranked = sorted((data["tests"][names[i]][0], names[i]) for i in indices if _selectable(names[i]))
+    return [name for _, name in ranked][:n]
+
+
+def _selectable(nodeid: str) -> bool:
+    """Whether pytest can select ``nodeid`` from its command line: not a parameter id holding brackets
+    (``test[cu-expected cu_seqlens[0] == 0]`` matches nothing there)."""
+    params = nodeid.partition("[")[2]
+    return not any(c in params[:-1] for c in "[]")
 
 
 # ------------------------------------------------------------------------------------------------ running
