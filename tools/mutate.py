@@ -683,7 +683,8 @@ def run_module(module: str, data: dict, args: argparse.Namespace, known: dict) -
         check = args.tests
     else:  # the five fastest the map names that pytest still collects
         fastest = _fastest(data, module, 50)
-        check = [t for t in fastest if t in _collected(set(fastest))][:5]
+        collected = _collected(set(fastest))
+        check = [t for t in fastest if t in collected][:5]
     if check and run_one(module, source, check, 600) != "survived":
         sys.exit(f"{module}: the unmutated code fails {' '.join(check)} in the mutant harness; fix that first")
     print(f"{module}: {len(found)} mutants", flush=True)
