@@ -1065,6 +1065,42 @@ def test_forward_paged_gathers_where_flash_paged_does_not_serve(monkeypatch, why
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and fake.calls == []
 
 
+class FakeAtenOfTorch211(FakeAten):
+    """torch 2.11's flash varlen op: its schema ends ``seqused_k, alibi_slopes`` (no ``block_table``)."""
+
+    def _flash_attention_forward(
+        self, q, k, v, cq, ck, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None,
+        window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None,
+    ):  # fmt: skip
+        return super()._flash_attention_forward(
+            q, k, v, cq, ck, max_q, max_k, dropout_p, is_causal, return_debug_mask, scale=scale,
+            window_size_left=window_size_left, window_size_right=window_size_right, seqused_k=seqused_k,
+            alibi_slopes=alibi_slopes,
+        )  # fmt: skip
+
+
+def test_forward_paged_gathers_on_a_torch_whose_flash_op_has_no_block_table(monkeypatch):
+    """Blocks of 256 rows in bf16 would go in place, but torch 2.11's op refuses ``block_table``: the gather."""
+    backend, _ = _cpu_backend(monkeypatch)
+    fake = FakeAtenOfTorch211()
+    monkeypatch.setattr(kernels, "ATEN", fake)
+    args, (max_q, max_k) = _paged_inputs(256, 4, 2, [(1, 20, [1, 3]), (2, 5, [0])], torch.bfloat16)
+    assert kernels.flash_takes_block_table() is False
+    assert not backend.paged_in_place(*args[:3])
+    got = backend.forward_paged(*args, max_q, max_k, 0.3)
+    want = xcp.Backend.forward_paged(backend, *args, max_q, max_k, 0.3)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and fake.calls == []
+    monkeypatch.setattr(kernels, "ATEN", FakeAten())
+    assert kernels.flash_takes_block_table() and backend.paged_in_place(*args[:3])
+
+
+def test_the_installed_torch_flash_op_is_asked_for_block_table():
+    """The real op answers from its schema, whatever this torch's version."""
+    names = [a.name for a in torch.ops.aten._flash_attention_forward.default._schema.arguments]
+    assert kernels._takes_argument(torch.ops.aten._flash_attention_forward, "block_table") == ("block_table" in names)
+    assert kernels._takes_argument(torch.ops.aten._flash_attention_forward, "seqused_k")
+
+
 def test_forward_paged_keeps_flash_off_its_one_query_path_when_a_segment_has_no_query(monkeypatch):
     """max_q 1 with a segment without queries (T < B): flash's GQA path would read q as one query per segment,
     so the call goes with max_q 2 (the stand-in asserts T == B on that path)."""

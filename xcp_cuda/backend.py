@@ -442,8 +442,9 @@ class CUDABackend(FusedKernelBackend):
     def paged_in_place(self, q, k_pool, v_pool) -> bool:
         """Whether :meth:`forward_paged` reads these pools in place: the flash op serves q (fp16/bf16, head dim a
         multiple of 8 up to 256, sm80+), v has q's head dim, the blocks hold a multiple of 256 rows
-        (:data:`kernels.PAGED_BLOCK_MULTIPLE`) and GQA is native (``gqa="repeat"`` would copy the pool)."""
-        if q.dim() != 3 or k_pool.dim() != 4 or v_pool.dim() != 4:
+        (:data:`kernels.PAGED_BLOCK_MULTIPLE`), GQA is native (``gqa="repeat"`` would copy the pool) and this
+        torch's flash op has the paged form (:func:`kernels.flash_takes_block_table`: torch 2.11's has not)."""
+        if q.dim() != 3 or k_pool.dim() != 4 or v_pool.dim() != 4 or not kernels.flash_takes_block_table():
             return False
         native = self.gqa == "native" or q.shape[1] == k_pool.shape[2]
         return (

@@ -76,6 +76,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import math
 import threading
 from collections import OrderedDict
@@ -582,6 +583,26 @@ own ``csrc/flash_attn/flash_api.cpp`` does; it also requires v of k's head dim a
 def paged_block_served(block_size: int) -> bool:
     """Whether the flash op's paged form takes blocks of ``block_size`` rows (:data:`PAGED_BLOCK_MULTIPLE`)."""
     return block_size > 0 and block_size % PAGED_BLOCK_MULTIPLE == 0
+
+
+def flash_takes_block_table() -> bool:
+    """Whether this torch's ``aten._flash_attention_forward`` has the paged form at all: torch 2.13's schema ends
+    ``seqused_k, alibi_slopes, block_table, num_splits``; torch 2.11's (checked on an H100 with torch 2.11+cu130)
+    ends ``seqused_k, alibi_slopes`` and refuses ``block_table`` as an unexpected keyword. Asked of the op
+    itself, not of torch's version, so a build that backports the argument is served."""
+    return _takes_argument(ATEN._flash_attention_forward, "block_table")
+
+
+@functools.lru_cache(maxsize=8)
+def _takes_argument(op: Any, name: str) -> bool:
+    """Whether ``op`` (an aten overload packet, or a plain callable standing in for one) takes ``name``."""
+    schema = getattr(getattr(op, "default", None), "_schema", None)
+    if schema is not None:
+        return any(argument.name == name for argument in schema.arguments)
+    try:
+        return name in inspect.signature(op).parameters
+    except (TypeError, ValueError):  # a callable without a readable signature: assume the op does not
+        return False
 
 
 def flash_paged_forward(
