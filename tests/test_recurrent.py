@@ -251,12 +251,37 @@ def test_the_exchange_on_a_world_of_one_holds_the_rank_own_parts():
     from xcp.comm.protocol import SingleRank
     from xcp.recurrent.exchange import gather, scatter_sum
 
+    class Counted(SingleRank):
+        issued: list[str] = []
+
+        def all_gather(self, send, recv, tag, backend, step=None):
+            self.issued.append(tag)
+            return super().all_gather(send, recv, tag, backend, step)
+
     parts = [torch.randn(2, 3, dtype=torch.float64) for _ in range(2)]
-    got = gather(SingleRank(), CPUBackend(), None, parts, 3, "state")
+    got = gather(Counted(), CPUBackend(), None, parts, 3, "state")
     assert got.shape == (1, 3, 2, 3)
     assert torch.equal(got[0], torch.stack([*parts, torch.zeros(2, 3, dtype=torch.float64)]))
     grads = torch.randn(1, 3, 2, 3, dtype=torch.float64)
-    assert torch.equal(scatter_sum(SingleRank(), CPUBackend(), None, grads, "dstate"), grads[0])
+    assert torch.equal(scatter_sum(Counted(), CPUBackend(), None, grads, "dstate"), grads[0])
+    assert Counted.issued == []  # no collective, no comm stream
+
+
+def test_tie_with_nothing_to_tie_is_x_itself():
+    """tie records an autograd node only where some other tensor needs a gradient and autograd records:
+    else it returns ``x`` itself (no view, no node in an inference step's graph)."""
+    from xcp.recurrent.exchange import tie
+
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    plain, needing = torch.randn(2, dtype=torch.float64), torch.randn(2, dtype=torch.float64, requires_grad=True)
+    assert tie(x) is x and tie(x, plain) is x
+    with torch.no_grad():
+        assert tie(x, needing) is x
+    tied = tie(x, needing)
+    assert tied is not x and torch.equal(tied, x)
+    tied.sum().backward()
+    assert torch.equal(x.grad, torch.ones(3, dtype=torch.float64))
+    assert torch.equal(needing.grad, torch.zeros(2, dtype=torch.float64))
 
 
 def test_a_backward_outside_the_rank_thread_is_refused_rather_than_hanging():
