@@ -266,13 +266,23 @@ def test_paged_cache_matches_float64_over_a_changing_batch(world, options):
     _assert_paged(results, wants, return_lse=options.get("return_lse", False))
 
 
-@pytest.mark.parametrize("world,options,gathers", [(3, {}, False), (2, {"interleave": 2, "window": (5, 0)}, True)])
+@pytest.mark.parametrize(
+    "world,options,pages,gathers",
+    [
+        (3, {}, True, False),
+        (2, {"interleave": 2, "window": (5, 0)}, True, True),
+        (2, {"causal": False, "window": (60, 2)}, True, False),
+        (2, {"variants": {"softcap": 1.5}}, False, True),
+    ],
+)
 def test_a_backend_that_reads_the_pool_in_place_gets_every_prefix_call_and_no_block_is_copied(
-    monkeypatch, world, options, gathers
+    monkeypatch, world, options, pages, gathers
 ):
     """With ``paged_in_place`` the decode rows and the chunks' prefix groups go to ONE ``forward_paged`` call per
     step (here the base class's, the math over the table): exact, and with interleave 1 and no window no
-    sequence's rows are gathered on the host path at all; the windowed calls keep the gathered path."""
+    sequence's rows are gathered on the host path at all; the windowed calls keep the gathered path (a band
+    goes to the paged call only where it is causal from row 0; a window open to the right over the whole
+    prefix is a prefix per row), and a softcap keeps every call there (forward_paged serves no softcap)."""
     from xcp.backends.cpu import CPUBackend
     from xcp.inference.paged import PagedKVCache
 
@@ -292,8 +302,35 @@ def test_a_backend_that_reads_the_pool_in_place_gets_every_prefix_call_and_no_bl
     monkeypatch.setattr(PagedKVCache, "_rows", counted_rows)
     results, wants = _run_paged(world, seed=11, **options)
     _assert_paged(results, wants)
-    assert calls["paged"] > 0
+    assert (calls["paged"] > 0) == pages
     assert (calls["gathered"] > 0) == gathers
+
+
+def test_a_call_goes_to_the_paged_kernel_only_under_the_mask_it_computes():
+    """``_paged_mask`` against brute force over every small call from key row 0: where it sends a call to
+    forward_paged without a mask (False) the call's pairs are all of them, where causal bottom-right (True)
+    exactly those; and a band ``(left, 0)`` reaching key 0 from every query is always sent (causal)."""
+    from xcp.documents import Run
+    from xcp.inference.paged import _paged_mask
+
+    for sq in range(1, 5):
+        for sk in range(1, 8):
+            off = sk - sq
+            everything = {(m, j) for m in range(sq) for j in range(sk)}
+            bottom_right = {(m, j) for m, j in everything if j <= m + off}
+            calls = [(False, None, everything)] + ([(True, None, bottom_right)] if sq == sk else [])
+            for left in range(sk + sq + 1):
+                for right in range(sk + sq + 1):
+                    pairs = {(m, j) for m, j in everything if m + off - left <= j <= m + off + right}
+                    calls.append((False, (left, right), pairs))
+            for causal, band, pairs in calls:
+                mask = _paged_mask(Run(0, sq, 0, sk, causal, (0, sq), (0, sk), band))
+                if mask is not None:
+                    assert pairs == (bottom_right if mask else everything), (sq, sk, causal, band, mask)
+                if band is not None and band[1] == 0 and band[0] >= sk - 1:
+                    assert mask is True, (sq, sk, band)
+    assert _paged_mask(Run(0, 2, 1, 3, False, (0, 2), (0, 2))) is None  # not from key row 0
+    assert _paged_mask(Run(0, 2, 0, 2, False, (0, 1, 2), (0, 1, 2))) is None  # two segments
 
 
 def test_paged_cache_bf16_matches_float64():
