@@ -1464,7 +1464,7 @@ def test_every_setting_is_read_when_the_backend_is_built_and_a_constructor_argum
         CUDABackend()
     assert {s.name for s in CUDABackend.settings} == {
         "XCP_CUDA_GQA", "XCP_CUDA_FLASH_ATTN", "XCP_CUDA_CUDNN", "XCP_CUDA_FUSED_MERGE", "XCP_CUDA_PAIR_MERGE",
-        "XCP_CUDA_FAST_LAUNCH", "XCP_CUDA_CAUSAL_BACKWARD", "XCP_CUDA_FLA",
+        "XCP_CUDA_FAST_LAUNCH", "XCP_CUDA_CAUSAL_BACKWARD", "XCP_CUDA_FLA", "XCP_CUDA_TRITON_DECODE",
     }  # fmt: skip
 
 

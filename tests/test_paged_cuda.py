@@ -1,6 +1,7 @@
-"""Paged, ragged decode on a real CUDA device: the flash op's paged form, xcp.PagedDecode captured per padded
-batch size and replayed against the same steps run eagerly, the allocator's counts, PyTorch's CUDA sanitizer on
-the combine. The workload and the float64 reference are tests/test_paged_decode.py's."""
+"""Paged, ragged decode on a real CUDA device: the flash op's paged form and xcp's Triton paged decode against
+float64, xcp.PagedDecode captured per padded batch size and replayed against the same steps run eagerly, the
+allocator's counts, PyTorch's CUDA sanitizer on the combine. The workload and the float64 reference are
+tests/test_paged_decode.py's."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import xcp
 from xcp.cli.bench.serve import Ranks
 from xcp.inference.paged import PagedKVCache
 from xcp.inference.paged_decode import decode_padding
+from xcp_cuda import CUDABackend, kernels
+from xcp_cuda import paged as cuda_paged
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -100,9 +103,11 @@ def test_replayed_ragged_decode_equals_eager_and_float64_and_allocates_nothing()
 
 
 def test_paged_attention_reads_the_pool_in_place_on_cuda(monkeypatch):
-    """A chunk beside decodes through PagedKVCache.attention over 2 ranks with blocks of 256 rows: no sequence's
-    rows gathered (the flash paged form reads the pool), against float64."""
-    monkeypatch.setattr(PagedKVCache, "_rows", lambda self, seq: pytest.fail("a sequence's rows were gathered"))
+    """A chunk beside decodes through PagedKVCache.attention over 2 ranks with blocks of 256 rows, against float64:
+    where this torch's flash op has the paged form, no sequence's rows gathered (it reads the pool); where it has
+    not (torch 2.11), each sequence's rows gathered and run on the flash block kernel."""
+    if kernels.flash_takes_block_table():
+        monkeypatch.setattr(PagedKVCache, "_rows", lambda self, seq: pytest.fail("a sequence's rows were gathered"))
     dev = torch.device("cuda")
     tokens = [[x.to(dev, torch.bfloat16) for x in t] for t in _tokens(3, 900, 5)]
 
@@ -168,3 +173,100 @@ def test_pytorch_cuda_sanitizer_sees_the_paged_combine_without_its_hand_off():
     report = done.stderr
     assert "CSAN detected a possible data race" in report, done.stdout + report
     assert "/xcp/" in report.split("Previous access")[0]
+
+
+# ---------------------------------------------------------------------------------------------- Triton paged decode
+DECODE_LENGTHS = [0, 1, 15, 16, 17, 255, 257, 4096, 9000, 40000]  # lengths of the target's long tail, cut down
+
+
+def _tables(segments, block, n_blocks, width, g):
+    """Each segment's blocks drawn shuffled from a pool of ``n_blocks`` (the spare ones fill the rows' ends): the
+    int32 table [B, width], cu_q and seqused_k on the device."""
+    order = torch.randperm(n_blocks, generator=g, device="cuda").to(torch.int32)
+    table = torch.full((len(segments), width), int(order[-1]), dtype=torch.int32, device="cuda")
+    at = 0
+    for i, (_, keys) in enumerate(segments):
+        count = -(-keys // block)
+        table[i, :count] = order[at : at + count]
+        at += count
+    assert at < n_blocks
+    cu = torch.tensor([0] + [sum(nq for nq, _ in segments[: i + 1]) for i in range(len(segments))],
+                      dtype=torch.int32, device="cuda")  # fmt: skip
+    return table, cu, torch.tensor([n for _, n in segments], dtype=torch.int32, device="cuda")
+
+
+def _decode_batch(block, lengths, seed, h=32, hkv=8, d=128, dtype=torch.bfloat16):
+    """The target's decode shapes (32/8 heads, D 128, bf16): one query per segment but one segment without a
+    query (its keys 300), the pool random with spare blocks, the tables shuffled."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    segments = [(1, n) for n in lengths] + [(0, 300)]
+    need = [-(-n // block) for _, n in segments]
+    n_blocks = sum(need) + 4
+    q = torch.randn(len(lengths), h, d, generator=g, device="cuda").to(dtype)
+    k_pool, v_pool = (torch.randn(n_blocks, block, hkv, d, generator=g, device="cuda").to(dtype) for _ in range(2))
+    return (q, k_pool, v_pool, *_tables(segments, block, n_blocks, max(need), g)), segments
+
+
+def _decode_reference(q, k_pool, v_pool, table, segments, scale):
+    """float64 attention of each segment's query over its rows gathered by hand (GQA by head index)."""
+    h, hkv = q.shape[1], k_pool.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full((h, q.shape[0]), float("-inf"), dtype=torch.float64, device=q.device)
+    row = 0
+    for i, (nq, keys) in enumerate(segments):
+        if nq == 0:
+            continue
+        if keys:
+            blocks = table[i, : -(-keys // k_pool.shape[1])].long()
+            k, v = (x[blocks].flatten(0, 1)[:keys].double().repeat_interleave(h // hkv, 1) for x in (k_pool, v_pool))
+            s = torch.einsum("hd,khd->hk", q[row].double(), k) * scale
+            lse[:, row] = torch.logsumexp(s, -1)
+            out[row] = torch.einsum("hk,khd->hd", torch.softmax(s, -1), v)
+        row += 1
+    return out, lse
+
+
+def _check_decode(out, lse, want_out, want_lse):
+    blind = torch.isinf(want_lse)
+    assert not out.isnan().any() and torch.equal(torch.isneginf(lse), blind)
+    assert (out.transpose(0, 1)[blind] == 0).all()
+    err = (out.double() - want_out).abs().max().item() / want_out.abs().max().item()
+    assert err < 1e-2, err  # bf16: the probabilities and the out rounded once each (2^-9), sums in float32
+    assert (lse.double() - want_lse)[~blind].abs().max().item() < 1e-3  # float32 sums over up to 40K keys
+
+
+@pytest.mark.parametrize("block", [16, 256])
+def test_the_triton_paged_decode_equals_float64_on_the_target_shapes(block):
+    """xcp's Triton paged decode (through CUDABackend.forward_paged, triton_decode="triton") on 32/8 heads, D 128,
+    bf16, blocks of 16 and 256 rows, lengths 0 to 40000 (several splits, most segments filling few), a segment
+    without a query, the table shuffled: against float64; a segment without keys out 0, lse -inf."""
+    backend = CUDABackend(triton_decode="triton")
+    args, segments = _decode_batch(block, DECODE_LENGTHS, seed=block)
+    assert backend.paged_kernel(*args[:3], 1) == "triton"
+    out, lse = backend.forward_paged(*args, 1, max(DECODE_LENGTHS), 0.088)
+    _check_decode(out, lse, *_decode_reference(*args[:4], segments, 0.088))
+
+
+def test_the_triton_paged_decode_replays_with_other_tables_and_lengths():
+    """Captured once (max_k fixed) and replayed after the queries, the table, cu_q and the lengths changed in place
+    (the segment without a query moved first, every block drawn again): each replay equals the eager call on the
+    same inputs bit for bit, and float64."""
+    args, _ = _decode_batch(16, DECODE_LENGTHS, seed=3)
+    q, k_pool, v_pool, table, cu, used = args
+    max_k = max(DECODE_LENGTHS)
+    run = lambda: cuda_paged.paged_decode(q, k_pool, v_pool, table, cu, used, max_k, 0.088)  # noqa: E731
+    run()  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for segments in ([(0, 300)] + [(1, n) for n in DECODE_LENGTHS[::-1]],
+                     [(1, n) for n in (max_k, 9000, 4096, 0, 1, 2, 3, 4, 5, 6)] + [(0, 5)]):  # fmt: skip
+        for x, new in zip((table, cu, used), _tables(segments, 16, k_pool.shape[0], table.shape[1], g)):
+            x.copy_(new)
+        q.copy_(torch.randn(q.shape, generator=g, device="cuda"))
+        graph.replay()
+        eager = run()
+        assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+        _check_decode(captured[0], captured[1], *_decode_reference(q, k_pool, v_pool, table, segments, 0.088))

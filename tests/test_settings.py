@@ -128,7 +128,7 @@ def test_the_repositorys_backends_declare_their_settings_under_their_prefix():
         assert cls.settings and all(s.name.startswith(prefix) for s in cls.settings), cls
         assert cls.gqa_setting in cls.settings
         assert all(s.read_when == READ_AT_CONSTRUCTION for s in cls.settings)
-    assert len(declared(REPOSITORY_BACKENDS)) == len(settings.CORE) + 10
+    assert len(declared(REPOSITORY_BACKENDS)) == len(settings.CORE) + 11
 
 
 # ---------------------------------------------------------------------------------------------- the CLI table

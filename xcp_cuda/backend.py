@@ -22,7 +22,7 @@ from xcp.kernels.math import math_backward, math_forward
 from xcp.kernels.recurrent import RecurrentKernel
 from xcp.settings import Setting
 
-from . import kernels, recurrent
+from . import kernels, paged, recurrent
 from . import settings as cuda_settings
 
 
@@ -68,6 +68,11 @@ CAUSAL_BACKWARD_MIN = 8192
 """The fewest rows of the squares an unmasked block's backward is cut into before it runs as causal calls."""
 
 
+PAGED_FLASH, PAGED_TRITON, PAGED_GATHER = "flash", "triton", "gather"
+"""The kernels of :meth:`CUDABackend.forward_paged`: flash's paged form, xcp's Triton paged decode
+(:mod:`xcp_cuda.paged`), the base class's gather and math."""
+
+
 def _one_row(x: torch.Tensor) -> torch.Tensor:
     """[B, S, ...] as one batch row [1, B * S, ...] (a copy where the rows are strided)."""
     return x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:])
@@ -101,6 +106,8 @@ class CUDABackend(FusedKernelBackend):
         where its squares have at least :data:`CAUSAL_BACKWARD_MIN` rows (default True).
     :param use_fla: run recurrent layers on fla's Triton kernels where fla is installed
         (:meth:`recurrent_kernels`, :mod:`xcp_cuda.recurrent`; default True).
+    :param triton_decode: which kernel runs a paged decode call (:meth:`paged_kernel`): ``auto`` (default), ``triton``
+        or ``off``, see :data:`xcp_cuda.settings.TRITON_DECODE`.
     """
 
     name = "cuda"
@@ -109,7 +116,8 @@ class CUDABackend(FusedKernelBackend):
     handoff_policy = "record_stream"
     kernel = (
         "fp16/bf16: aten cuDNN where SDPA picks it, else aten flash (flash-attn's fwd if installed) | "
-        "fp32: mem-efficient | float64, odd head dims: math | one rank: torch SDPA"
+        "fp32: mem-efficient | float64, odd head dims: math | one rank: torch SDPA | "
+        "paged decode: flash's paged form (block_table), else xcp's Triton paged decode"
     )
     dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
     value_head_dims = True  # cuDNN and efficient take them; flash calls run padded (kernels.with_common_head_dim)
@@ -127,6 +135,7 @@ class CUDABackend(FusedKernelBackend):
         fast_launch: bool | None = None,
         causal_backward: bool | None = None,
         use_fla: bool | None = None,
+        triton_decode: str | None = None,
     ) -> None:
         super().__init__(gqa)
         self.use_fla = _given(use_fla, cuda_settings.FLA)
@@ -137,6 +146,10 @@ class CUDABackend(FusedKernelBackend):
         self.folds_pairs = self.fused_merge and _given(pair_merge, cuda_settings.PAIR_MERGE)
         self.launcher = kernels.Launcher(fast=_given(fast_launch, cuda_settings.FAST_LAUNCH))
         self.causal_backward = _given(causal_backward, cuda_settings.CAUSAL_BACKWARD)
+        self.triton_decode = cuda_settings.TRITON_DECODE.read() if triton_decode is None else triton_decode
+        if self.triton_decode not in cuda_settings.TRITON_DECODES:
+            raise ValueError(f"triton_decode: expected one of {', '.join(cuda_settings.TRITON_DECODES)}; got "
+                             f"{self.triton_decode!r}")  # fmt: skip
         self._cudnn_blocks: dict[tuple, bool] = {}  # block signature -> SDPA's answer (asked once each)
         self._flash_attn: Any = None
         self._flash_attn_error: str | None = None
@@ -440,8 +453,14 @@ class CUDABackend(FusedKernelBackend):
         return op(q, k, v, lo, hi, scale, self._range_launcher(q))
 
     def paged_in_place(self, q, k_pool, v_pool) -> bool:
-        """Whether :meth:`forward_paged` reads these pools in place: the flash op serves q (fp16/bf16, head dim a
-        multiple of 8 up to 256, sm80+), v has q's head dim, the blocks hold a multiple of 256 rows
+        """Whether :meth:`forward_paged` reads these pools in place for every call (chunks of many queries too):
+        where flash's paged form serves them (:meth:`_flash_paged`). A decode call (one query per segment) may
+        still read them in place where this is False: :meth:`paged_kernel` says which kernel runs a call."""
+        return self._flash_paged(q, k_pool, v_pool)
+
+    def _flash_paged(self, q, k_pool, v_pool) -> bool:
+        """Whether flash's paged form serves these pools: the flash op serves q (fp16/bf16, head dim a multiple of
+        8 up to 256, sm80+), v has q's head dim, the blocks hold a multiple of 256 rows
         (:data:`kernels.PAGED_BLOCK_MULTIPLE`), GQA is native (``gqa="repeat"`` would copy the pool) and this
         torch's flash op has the paged form (:func:`kernels.flash_takes_block_table`: torch 2.11's has not)."""
         if q.dim() != 3 or k_pool.dim() != 4 or v_pool.dim() != 4 or not kernels.flash_takes_block_table():
@@ -456,12 +475,39 @@ class CUDABackend(FusedKernelBackend):
             and self.kernel_for(q, v_pool) == kernels.FLASH
         )
 
+    def _triton_decode_serves(self, q, k_pool, v_pool) -> bool:
+        """Whether xcp's Triton paged decode (:mod:`xcp_cuda.paged`) serves these tensors: triton importable, q
+        on this backend's device type, an sm80+ GPU, and :func:`paged.unsupported` finds nothing (bf16, fp16 or
+        fp32; one head dim up to 256; GQA read as it is, whatever ``gqa`` says: nothing is repeated)."""
+        return (
+            q.device.type == self.device_type
+            and kernels.triton_importable()
+            and paged.unsupported(q, k_pool, v_pool) is None
+            and self._capability(q.device) >= (8, 0)
+        )
+
+    def paged_kernel(self, q, k_pool, v_pool, max_q: int) -> str:
+        """The kernel :meth:`forward_paged` runs for a call like this: ``flash`` (flash's paged form), ``triton``
+        (xcp's Triton paged decode, for one query per segment, ``max_q == 1``) or ``gather`` (the base class's
+        gather and math). With ``triton_decode="auto"`` a decode call takes flash's paged form where it serves,
+        else the Triton kernel where that serves; ``triton``: the Triton kernel first; ``off``: never it. A
+        function of shapes, dtypes, the GPU and ``max_q`` alone (never of the lengths or the tables), so a captured
+        graph replays the same kernels whatever they hold."""
+        flash = self._flash_paged(q, k_pool, v_pool)
+        decode = max_q == 1 and self.triton_decode != "off" and not (flash and self.triton_decode == "auto")
+        if decode and self._triton_decode_serves(q, k_pool, v_pool):
+            return PAGED_TRITON
+        return PAGED_FLASH if flash else PAGED_GATHER
+
     def forward_paged(self, q, k_pool, v_pool, block_table, cu_q, seqused_k, max_q, max_k, scale, causal=False):
-        """One aten flash varlen call with ``block_table`` and ``seqused_k`` where :meth:`paged_in_place` holds
-        (:func:`kernels.flash_paged_forward`: no block copied, GQA native, nothing read on the host, capturable);
-        else the base class's gather and math. The choice depends on shapes, dtypes and the GPU alone, so a
-        captured graph replays the same kernels whatever the lengths."""
-        if not self.paged_in_place(q, k_pool, v_pool):
+        """The kernel :meth:`paged_kernel` names: one aten flash varlen call with ``block_table`` and ``seqused_k``
+        (:func:`kernels.flash_paged_forward`), or two Triton launches (:func:`paged.paged_decode`: any block size;
+        causal or not alike, one query seeing all its keys); both read the blocks in place, GQA native, nothing
+        read on the host, capturable. Else the base class's gather and math."""
+        kind = self.paged_kernel(q, k_pool, v_pool, max_q)
+        if kind == PAGED_TRITON:
+            return paged.paged_decode(q, k_pool, v_pool, block_table, cu_q, seqused_k, max_k, scale, self.launcher)
+        if kind == PAGED_GATHER:
             return super().forward_paged(q, k_pool, v_pool, block_table, cu_q, seqused_k, max_q, max_k, scale, causal)
         return kernels.flash_paged_forward(q, k_pool, v_pool, block_table, cu_q, seqused_k, max_q, max_k, scale,
                                            causal)  # fmt: skip

@@ -715,6 +715,11 @@ def _range_kernels() -> Any:
     return importlib.import_module("xcp_cuda.range_kernels")
 
 
+def _paged_kernels() -> Any:
+    """:mod:`xcp_cuda.paged_kernels`, imported at the first launch (it imports triton)."""
+    return importlib.import_module("xcp_cuda.paged_kernels")
+
+
 BUILDERS: dict[str, Callable[[], Any]] = {
     "merge": lambda: _triton_kernels().merge_kernel,
     "pair": lambda: _triton_kernels().merge_pair_kernel,
@@ -722,6 +727,8 @@ BUILDERS: dict[str, Callable[[], Any]] = {
     "partials": lambda: _triton_kernels().merge_partials_kernel,
     "range_lengths": lambda: _range_kernels().range_lengths_kernel,
     "range_blind": lambda: _range_kernels().range_blind_rows_kernel,
+    "paged_split": lambda: _paged_kernels().paged_decode_split_kernel,
+    "paged_combine": lambda: _paged_kernels().paged_decode_combine_kernel,
 }
 """The Triton kernels by name, each returned by a function called at its first launch."""
 _CONSTEXPRS = {
@@ -731,9 +738,20 @@ _CONSTEXPRS = {
     "partials": ("BLOCK_R", "BLOCK_D", "N_PARTS", "UNROLL", "LSE_WORDS"),
     "range_lengths": ("BLOCK",),
     "range_blind": ("BLOCK_R", "BLOCK_D"),
+    "paged_split": ("GROUP", "BLOCK_G", "BLOCK_N", "BLOCK_D", "PAGE", "IEEE"),
+    "paged_combine": ("BLOCK_S", "BLOCK_D"),
 }
 """Each kernel's constexpr parameters, last in its launch arguments."""
-_TENSORS = {"merge": 4, "pair": 6, "add_pair": 3, "partials": 4, "range_lengths": 5, "range_blind": 4}
+_TENSORS = {
+    "merge": 4,
+    "pair": 6,
+    "add_pair": 3,
+    "partials": 4,
+    "range_lengths": 5,
+    "range_blind": 4,
+    "paged_split": 8,
+    "paged_combine": 5,
+}
 """How many tensors each kernel's launch arguments start with."""
 
 
@@ -761,10 +779,11 @@ class Launcher:
         self.compiled: dict[tuple, Any] = {}
         """The kernels as Triton compiled them, per launch signature."""
 
-    def __call__(self, kind: str, grid: tuple[int], args: tuple) -> None:
+    def __call__(self, kind: str, grid: tuple[int, ...], args: tuple) -> None:
         """Launch the kernel ``kind`` (``merge``, ``pair``, ``add_pair``, ``partials``, ``range_lengths``,
-        ``range_blind``) on ``args``: its parameters in order, then its constexprs (the block sizes; FRESH for
-        ``pair``, N_PARTS, UNROLL and LSE_WORDS for ``partials``)."""
+        ``range_blind``, ``paged_split``, ``paged_combine``) on ``args`` over ``grid`` (one to three dims): its
+        parameters in order, then its constexprs (the block sizes; FRESH for ``pair``, N_PARTS, UNROLL and
+        LSE_WORDS for ``partials``, ...: :data:`_CONSTEXPRS`)."""
         n_tensors = _TENSORS[kind]
         tensors = args[:n_tensors]
         key = (
@@ -776,7 +795,7 @@ class Launcher:
         )
         compiled = self.compiled.get(key) if self.fast else None
         if compiled is not None:
-            compiled[(grid[0], 1, 1)](*args)  # a compiled kernel takes the grid in three dims
+            compiled[(*grid, 1, 1)[:3]](*args)  # a compiled kernel takes the grid in three dims
             return
         kernel = self.jit.get(kind)
         if kernel is None:

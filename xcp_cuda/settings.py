@@ -67,5 +67,21 @@ FLA = Setting(
     READ_AT_CONSTRUCTION,
 )
 
-ALL: tuple[Setting, ...] = (GQA, FLASH_ATTN, CUDNN, FUSED_MERGE, PAIR_MERGE, FAST_LAUNCH, CAUSAL_BACKWARD, FLA)
+TRITON_DECODES = ("auto", "triton", "off")
+"""The values of :data:`TRITON_DECODE`."""
+TRITON_DECODE = Setting(
+    "XCP_CUDA_TRITON_DECODE",
+    "choice",
+    "auto",
+    "which kernel runs a paged decode call (forward_paged with one query per segment): auto (flash's paged form "
+    "where this torch's flash op takes block_table and the blocks hold a multiple of 256 rows, else xcp's Triton "
+    "paged decode), triton (the Triton kernel wherever it serves), off (never the Triton kernel: flash's paged form "
+    "or the gather, for comparisons); constructor argument triton_decode=",
+    READ_AT_CONSTRUCTION,
+    TRITON_DECODES,
+)
+
+ALL: tuple[Setting, ...] = (
+    GQA, FLASH_ATTN, CUDNN, FUSED_MERGE, PAIR_MERGE, FAST_LAUNCH, CAUSAL_BACKWARD, FLA, TRITON_DECODE
+)  # fmt: skip
 """Every setting of the CUDA backend, in the order ``xcp backends --settings`` lists them."""
