@@ -206,6 +206,32 @@ def test_choose_balance_when_the_sequence_is_one_token_a_rank():
     assert xcp.choose_balance(4, causal=True, window=(1, 0), seq_len=4) == "contiguous"
 
 
+def test_choose_balance_follows_its_rule_over_small_sequences():
+    """choose_balance(seq_len=S) is balance_costs((0, S))'s least by (cost in whole steps of 10% of the even
+    share, steps, then zigzag, contiguous, stripe), over small sequences where the buckets' edges and the
+    first token matter; a tiny balanced split weighs busiest 1.0; a length no balance splits is named."""
+    order = ("zigzag", "contiguous", "stripe")
+    for world in (2, 3):
+        for seq_len in range(world, 19):
+            for causal, window in [(True, (1, 0)), (True, (2, 0)), (True, (3, 0)), (False, (2, 1)), (False, (3, 2))]:
+                costs = documents.balance_costs((0, seq_len), world, causal, window)
+                if not costs:
+                    with pytest.raises(ValueError, match=f"^seq_len: no balance can split {seq_len} tokens over"):
+                        xcp.choose_balance(world, causal=causal, window=window, seq_len=seq_len)
+                    continue
+                rule = min(costs, key=lambda c: (int(round(c.cost * 10, 6)), c.steps, order.index(c.balance)))
+                assert xcp.choose_balance(world, causal=causal, window=window, seq_len=seq_len) == rule.balance
+    assert [c.busiest for c in documents.balance_costs((0, 2), 2, True, (0, 0))] == [1.0, 1.0]  # 1 pair a rank
+
+
+def test_a_document_plan_names_a_rank_outside_the_world():
+    """A rank past the world, and a bool (never a rank, though Python counts it an int), named at once."""
+    with pytest.raises(ValueError, match=r"^rank: expected an integer in \[0, 2\); got 2"):
+        documents.document_plan((0, 8), 2, 2, True, "document_zigzag")
+    with pytest.raises(ValueError, match=r"^rank: expected an integer in \[0, 2\); got True \(bool\)"):
+        documents.document_plan((0, 8), 2, True, True, "stripe")
+
+
 def test_choose_balance_at_its_edges():
     """Not causal unless told (a two-sided window is then allowed); zigzag where nothing needs weighing;
     a sequence of one token weighed like any; world_size and seq_len named when wrong."""
