@@ -101,7 +101,7 @@ def local_partial(
     t, d = q.shape[1], v.shape[3]
     if len(calls) == 1 and calls[0].q0 == 0 and calls[0].q1 == t:  # one call covers every row (decode)
         _, out, lse = next(run_calls(backend, calls, q, k, v, scale, mods))
-        return out.to(acc, copy=True), lse.to(acc, copy=True)
+        return out.to(acc), lse.to(acc)  # the kernel's own tensors (fresh: a caller may write them in place)
     packed = packed_partial(backend, calls, q, k, v, scale, acc, mods)  # in acc: a world of one keeps its precision
     return unpack(packed, d)
 
@@ -215,7 +215,7 @@ def combine(
     comm = resolve_group(group, timeout)
     lead, (s, h, d) = out.shape[:-3], out.shape[-3:]
     if comm.size() == 1:
-        merged, merged_lse = o.to(acc, copy=True), l64
+        merged, merged_lse = o.to(acc), l64
     else:
         backend = select_backend(None, out.device.type)
         b = o.shape[0]
