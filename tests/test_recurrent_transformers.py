@@ -8,7 +8,8 @@ Families: Qwen3-Next (gated delta), Mamba2, Mamba and Jamba (selective scan), Ki
 and Zamba2 (Mamba2 mixers beside attention), Zamba (a selective scan per Mamba head), LFM2-MoE and LFM3 (short
 convolutions), MiniMax (lightning attention), RecurrentGemma (RG-LRU), RWKV (WKV, token shift), Zaya (CCA's
 convolution and delayed values) and xLSTM (mLSTM), inline in their mixers (xcp/integrations/transformers_inline.py).
-Generation (xt.generate) against the model's own: Qwen3-Next, Mamba2, Mamba, LFM2-MoE, Zaya, RecurrentGemma.
+Generation (xt.generate) against the model's own: Qwen3-Next, Mamba2, Mamba, LFM2-MoE, Zaya, RecurrentGemma, MiniMax,
+RWKV and xLSTM.
 Packed documents (against each document alone, or the packed one-device model where the family never hands its
 layers the boundaries), a hybrid all-to-all + ring context (P 4, ulysses 2) and two gloo processes.
 """
@@ -95,7 +96,9 @@ def _configs():
         "xlstm": lambda: t.xLSTMConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=4, chunk_size=4, ffn_proj_factor=2.0,
             ffn_round_up_to_multiple_of=16, autocast_kernel_dtype="float32", inference_state_dtype="float32",
-        ),  # float32: float64 under full_precision; chunks of 4 within zigzag's pieces (a remainder: step by step)
+            qk_dim_factor=2.0, v_dim_factor=2.0,
+        ),  # float32: float64 under full_precision; chunks of 4 within zigzag's pieces (a remainder: step by step);
+        # q/k and v dims of 64 (xLSTMCache sizes its states by the dims rounded up to 64, the layers do not round)
         "mamba": lambda: t.MambaConfig(
             vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4
         ),
@@ -288,10 +291,11 @@ def test_training_under_ulysses_matches_one_device(kind, balance, full_precision
     _same_gradients(model, reference)
 
 
-def test_generate_over_ranks_is_refused_for_an_inline_recurrence():
+def test_generate_refuses_a_batch_for_rwkv():
+    """transformers' RWKV mixes a batch's rows in its one-token step (its own generate too): one prompt only."""
     model = xt.prepare(build(_configs()["rwkv"]())).eval()
-    ids = torch.randint(3, VOCAB, (1, 8))
-    with pytest.raises(RuntimeError, match="RwkvSelfAttention: xcp.integrations.transformers.generate over more than"):
+    ids = torch.randint(3, VOCAB, (2, 8))
+    with pytest.raises(RuntimeError, match="input_ids: expected one prompt for RwkvModel under xcp's generate; got a"):
         xcp.LocalWorld(2).run(lambda group: xt.generate(model, ids, group=group, max_new_tokens=2, do_sample=False))
 
 
@@ -305,7 +309,11 @@ GENERATE = [
     ("mamba2", 1, "zigzag", 9),  # a world of one: the cache counts the prompt's tokens (no attention layer does)
     ("zaya", 3, "zigzag", 14),
     ("recurrent_gemma", 2, "zigzag", 11),
+    ("minimax", 2, "zigzag", 11),
+    ("rwkv", 2, "zigzag", 11),
+    ("xlstm", 2, "zigzag", 11),
 ]
+ONE_PROMPT = {"rwkv"}  # test_generate_refuses_a_batch_for_rwkv
 
 
 def _recording(model):
@@ -316,13 +324,24 @@ def _recording(model):
 
 
 def _states(cache):
-    """Every recurrent layer's (conv states, recurrent states) in a transformers cache."""
+    """Every recurrent layer's states in a generate cache, in order (None where the layer keeps none): the conv
+    and recurrent states of transformers' cache layers; MiniMax's linear cache (no conv state); RWKV's state list
+    and xLSTM's ``xLSTMCache``, which xcp's cache keeps."""
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+    if isinstance(cache, list):
+        return list(cache)
+    if hasattr(cache, "rnn_state"):
+        return [s for layer in cache.rnn_state.values() for s in layer]
+    if hasattr(cache, "linear_cache"):
+        return [s for state in cache.linear_cache if isinstance(state, torch.Tensor) for s in (None, state)]
+    if getattr(cache, "kept", None):
+        return _states(*cache.kept.values())
     return [
-        (layer.conv_states, layer.recurrent_states)
+        s
         for layer in cache.layers
         if isinstance(layer, LinearAttentionCacheLayerMixin)
+        for s in (*layer.conv_states.values(), *layer.recurrent_states.values())
     ]
 
 
@@ -338,7 +357,8 @@ def test_generate_equals_one_device(kind, world, balance, prompt, full_precision
     model = build(config).eval()
     reference, want_steps = _recording(build(config, "eager").eval())
     reference.load_state_dict(model.state_dict())
-    ids = torch.randint(3, VOCAB, (2, prompt), generator=torch.Generator().manual_seed(prompt))  # a batch of two
+    batch = 1 if kind in ONE_PROMPT else 2
+    ids = torch.randint(3, VOCAB, (batch, prompt), generator=torch.Generator().manual_seed(prompt))
     kw = dict(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_logits=True)
     want = reference.generate(ids, **kw)
     copies = [_recording(xt.prepare(copy.deepcopy(model))) for _ in range(world)]
@@ -354,11 +374,10 @@ def test_generate_equals_one_device(kind, world, balance, prompt, full_precision
         got_steps = steps[-len(want_steps) :]  # the prompt's ring prefix and its tokens one at a time before
         assert max(rel(a, b) for a, b in zip(got_steps, want_steps)) <= TOL
         assert all(torch.allclose(a, b, rtol=1e-6) for a, b in zip(out.logits, want.logits))
-        for (conv, state), (want_conv, want_state) in zip(_states(out.cache), expected_states, strict=True):
-            for got, expected in [*zip(conv.values(), want_conv.values()), *zip(state.values(), want_state.values())]:
-                assert (got is None) == (expected is None)
-                if got is not None:
-                    assert rel(got, expected) <= TOL
+        for got, expected in zip(_states(out.cache), expected_states, strict=True):
+            assert (got is None) == (expected is None)
+            if got is not None:
+                assert rel(got, expected) <= TOL
 
 
 @pytest.mark.parametrize(("kind", "layer"), [("rwkv", "RwkvSelfAttention"), ("recurrent_gemma", "RecurrentGemmaRecur")])
@@ -411,13 +430,6 @@ def test_the_generate_cache_of_recurrent_layers_refuses_what_it_cannot_follow():
         cache.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), 0)
     hybrid = ShardedCache(_configs()["falcon_h1"](), None, "zigzag")  # Mamba beside attention in every layer
     assert [type(layer).__name__ for layer in hybrid.layers] == ["ShardedHybrid", "ShardedHybrid"]
-
-
-def test_generate_over_ranks_is_refused_for_xlstm():
-    model = xt.prepare(build(_configs()["xlstm"]())).eval()
-    ids = torch.randint(3, VOCAB, (1, 8))
-    with pytest.raises(RuntimeError, match="xLSTMModel: xcp.integrations.transformers.generate over more than one"):
-        xcp.LocalWorld(2).run(lambda group: xt.generate(model, ids, group=group, max_new_tokens=2, do_sample=False))
 
 
 DOCUMENTS = [

@@ -35,6 +35,12 @@ def current() -> Decoder | None:
     return getattr(_local, "decoder", None)
 
 
+def cache() -> object | None:
+    """The object whose method this thread's decoder is (``xt.generate``'s sharded cache), else None: where a
+    recurrent layer whose model hands it no cache (RWKV, xLSTM) finds the states that generate keeps."""
+    return getattr(current(), "__self__", None)
+
+
 @contextmanager
 def using(decoder: Decoder) -> Iterator[Decoder]:
     """Set ``decoder`` for this thread while the block runs (the one before it afterwards)."""

@@ -297,6 +297,11 @@ STATES = ("linear_attention", "conv")
 HYBRID = ("hybrid", "hybrid_sliding")
 """transformers' layer types of a recurrent mixer beside attention (:class:`ShardedHybrid`)."""
 
+RECURRENT_ONLY = ("rwkv", "xlstm")
+"""transformers' model types whose every layer is recurrent and whose config names no layer types: every slot
+of their cache counts the tokens seen (:class:`ShardedStates`); the states live in the model's own objects
+(:attr:`ShardedCache.kept`)."""
+
 
 class ShardedCache(Cache):
     r"""A transformers ``Cache`` holding :class:`ShardedLayer`\ s, one per layer of ``config``; its
@@ -308,8 +313,9 @@ class ShardedCache(Cache):
 
     def __init__(self, config: Any, group: Any, balance: str, capacity: int | None = None, model: Any = None) -> None:
         text = config.get_text_config(decoder=True)
+        alone = "linear_attention" if getattr(text, "model_type", None) in RECURRENT_ONLY else None
         types = getattr(text, "layer_types", None) or (
-            ["sliding_attention" if getattr(text, "sliding_window", None) else "full_attention"]
+            [alone or ("sliding_attention" if getattr(text, "sliding_window", None) else "full_attention")]
             * text.num_hidden_layers
         )
         latents = Latent.of(model)
@@ -327,6 +333,7 @@ class ShardedCache(Cache):
                 self.sharded.append(ShardedLayer(make, t == "sliding_attention", latent))
         super().__init__(layers=list(self.sharded))
         self.ring = False
+        self.kept: dict[str, Any] = {}  # a family's state object its model keeps outside cache layers (RWKV's list)
         # a slot past the config's layers (HRM writes layer_idx + an offset per cycle): transformers' Cache
         # appends layers made by this until the slot exists
         more = functools.partial(self._more, functools.partial(KVCache, group, balance, capacity))
@@ -531,8 +538,10 @@ def _check_model(model: Any) -> None:
 
 
 def _cache_name(model: Any) -> str:
-    """The keyword the model takes its cache by (``cache`` since transformers 5.x, ``past_key_values`` before)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    """The keyword the model takes its cache by (``cache`` since transformers 5.x, ``past_key_values`` before;
+    ``cache`` where the forward names neither, as RWKV's, whose generate takes ``cache``)."""
+    names = inspect.signature(model.forward).parameters
+    return "past_key_values" if "past_key_values" in names and "cache" not in names else "cache"
 
 
 def _decoder_of(model: Any) -> Any:

@@ -68,6 +68,13 @@ def _prompt(cache: Any) -> bool:
     return cache is not None and type(cache).__name__ == "ShardedCache" and bool(cache.ring)
 
 
+def _generating() -> Any:
+    """xcp's generate cache of this thread (None outside ``xt.generate``): found through the decoder generate
+    set, since RWKV's and xLSTM's layers are handed no cache."""
+    cache = decoding.cache()
+    return cache if type(cache).__name__ == "ShardedCache" else None
+
+
 ContextParallel = Callable[..., Any]
 """``forward(module, run, *args, **kwargs)``: a mixer's forward over the context's ranks."""
 
@@ -79,13 +86,13 @@ def _forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """An adapted mixer's forward (bound to the instance): its class's forward on one rank, the family's
     context-parallel forward under a context of more than one rank."""
     ctx = current()
-    if ctx.world_size == 1:
-        return type(self).forward(self, *args, **kwargs)
     layer = type(self).__name__
-    cache = next((a for a in (*args, *kwargs.values()) if type(a).__name__ == "ShardedCache"), None)
+    cache = _generating()
     if cache is not None and layer in GENERATES and not cache.ring:
         # xcp's generate after the prompt's ring prefix: the same tokens on every rank, the states whole
         return GENERATES[layer](self, cache, *args, **kwargs)
+    if ctx.world_size == 1 and not (cache is not None and layer in GENERATES):  # (the ring prefix of one rank
+        return type(self).forward(self, *args, **kwargs)  # fills xcp's cache as that of several does)
     if decoding.current() is not None and (cache is None or layer not in GENERATES):
         raise NotImplementedError(
             f"{layer}: xcp.integrations.transformers.generate over more than one rank does not serve this "
@@ -186,6 +193,9 @@ def _minimax(self: Any, run: Run, hidden_states: torch.Tensor, position_embeddin
     """``MiniMaxLightningAttention.forward`` over the ranks: its projections, output norm and gate as the
     mixer's own; the recurrence through state passing (the state decays by ``exp(-slope)`` per token)."""
     run = run.with_documents(kwargs)
+    prompt = _prompt(cache)
+    if prompt:  # xcp's generate: the whole prompt's state into its slot of xcp's cache, on every rank
+        cache = _LinearStates(cache)
     if cache is not None:
         run.refuse_carried("a linear attention state from the cache", cache.get_linear_cache(self.layer_idx))
     batch, length, _ = hidden_states.shape
@@ -211,7 +221,40 @@ def _minimax(self: Any, run: Run, hidden_states: torch.Tensor, position_embeddin
     out = self.out_proj(torch.sigmoid(self.output_gate(hidden_states)) * out)
     if cache is not None:
         cache.set_linear_cache(self.layer_idx, state)
+    if prompt:
+        cache.sharded.advance(self.layer_idx, length * current().world_size)  # the ring prefix: P equal shards
     return out, state
+
+
+class _LinearStates:
+    """MiniMax's cache interface (its ``MiniMaxCache``'s ``get_linear_cache`` / ``set_linear_cache``) over xcp's
+    generate cache: a lightning attention layer's state ``[B, H, D, D]`` is the recurrent state of its slot."""
+
+    def __init__(self, sharded: Any) -> None:
+        self.sharded = sharded
+
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+        layer = self.sharded.layers[layer_idx]
+        return layer.recurrent_states[0] if layer.is_recurrent_states_initialized[0] else None
+
+    def set_linear_cache(self, layer_idx: int, state: torch.Tensor) -> None:
+        self.sharded.layers[layer_idx].update_recurrent_state(state, 0)
+
+
+def _minimax_step(self: Any, sharded: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """The mixer after the prompt's ring prefix under xcp's generate: its own forward over its state in xcp's
+    cache (the same tokens on every rank; its decoder layer hands it the cache by keyword), the tokens counted."""
+    out = type(self).forward(self, *args, **{**kwargs, "cache": _LinearStates(sharded)})
+    sharded.advance(self.layer_idx, out[0].shape[1])
+    return out
+
+
+def _minimax_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``MiniMaxModel.forward``; under xcp's generate with ``use_cache`` off (MiniMax refuses any cache but its
+    own while it is on, and its layers read and write the cache they are handed either way)."""
+    if _generating() is not None and type(kwargs.get("cache")).__name__ == "ShardedCache":
+        kwargs["use_cache"] = False
+    return type(self).forward(self, *args, **kwargs)
 
 
 FAMILIES["MiniMaxLightningAttention"] = _minimax
@@ -331,8 +374,10 @@ class RunningMax:
 def _rwkv_attention(self: Any, run: Run, hidden: torch.Tensor, state: Any = None, use_cache: bool = False) -> Any:
     """``RwkvSelfAttention.forward`` over the ranks: its own token shift (with its halo) and projections, the
     WKV recurrence through state passing with its module's torch kernel (``rwkv_linear_attention_cpu``:
-    the CUDA kernel's backward drops the initial state's gradient), the state ``[..., (num, den, max)]``."""
-    run.refuse_carried("state (use_cache=True)", state)
+    the CUDA kernel's backward drops the initial state's gradient), the state ``[..., (num, den, max)]``.
+    Under xcp's generate (the prompt's ring prefix) it writes the whole sequence's states into the model's
+    ``state`` list, as the layer does on one device: its last input (the token shift's) and the WKV state."""
+    prompt = _rwkv_prompt(run, state)
     with _running(run):
         receptance, key, value, _ = self.extract_key_value(hidden)
     wkv = _modeling(self).rwkv_linear_attention_cpu
@@ -346,15 +391,72 @@ def _rwkv_attention(self: Any, run: Run, hidden: torch.Tensor, state: Any = None
     def log_decay(k, v):
         return (-torch.exp(decay.to(k.dtype)) * k.shape[1])[:, None]
 
-    out, _ = state_passing(kernel, key, value, transition=RunningMax(log_decay), **run.where)
-    return self.output(receptance * out), None
+    out, final = state_passing(
+        kernel, key, value, transition=RunningMax(log_decay), **run.where, output_final_state=prompt
+    )  # fmt: skip
+    if prompt:
+        assert final is not None
+        state[1][:, :, self.layer_id] = last_inputs(hidden, 1, **run.where)[:, 0]
+        for slot, part in zip(state[2:], final.unbind(-1)):
+            slot[:, :, self.layer_id] = part
+    return self.output(receptance * out), state if prompt else None
+
+
+def _rwkv_prompt(run: Run, state: Any) -> bool:
+    """Whether the layer runs the prompt's ring prefix of xcp's generate (the model's fresh ``state`` list to
+    fill); else a state given is a carried one, refused."""
+    if _prompt(_generating()):
+        return True
+    run.refuse_carried("state (use_cache=True)", state)
+    return False
 
 
 def _rwkv_feed_forward(self: Any, run: Run, hidden: torch.Tensor, state: Any = None) -> Any:
-    """``RwkvFeedForward.forward`` over the ranks: its own code, its token shift taking its halo."""
-    run.refuse_carried("state (use_cache=True)", state)
+    """``RwkvFeedForward.forward`` over the ranks: its own code, its token shift taking its halo; under the
+    prompt's ring prefix of xcp's generate, its last input (the token shift's state) into the model's state."""
+    prompt = _rwkv_prompt(run, state)
     with _running(run):
-        return type(self).forward(self, hidden)
+        out, _ = type(self).forward(self, hidden)
+    if prompt:
+        state[0][:, :, self.layer_id] = last_inputs(hidden, 1, **run.where)[:, 0]
+    return out, state if prompt else None
+
+
+def _own_step(self: Any, sharded: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """A mixer after the prompt's ring prefix under xcp's generate whose states its model or cache hands it
+    (ZAYA's from xcp's cache; RWKV's and xLSTM's from their model's own objects, which xcp's cache keeps): its
+    own forward."""
+    return type(self).forward(self, *args, **kwargs)
+
+
+def _seen(sharded: Any, tokens: int) -> None:
+    """Count ``tokens`` more tokens of the sequence in xcp's generate cache (the ring prefix's P equal shards)."""
+    _count(sharded, sharded.get_seq_length() + tokens * (current().world_size if sharded.ring else 1))
+
+
+def _rwkv_model(self: Any, input_ids: Any = None, attention_mask: Any = None, inputs_embeds: Any = None,
+                state: Any = None, use_cache: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+    """``RwkvModel.forward``; under xcp's generate its ``state`` list is kept in xcp's cache (generate hands the
+    model its own state only from the second new token on, and the model hands its blocks no cache): the
+    prompt's ring prefix fills a fresh one with the whole sequence's states, later calls go on from it, and
+    the tokens are counted."""
+    sharded = _generating()
+    if sharded is None:
+        return type(self).forward(self, input_ids, attention_mask, inputs_embeds, state=state, use_cache=use_cache,
+                                  **kwargs)  # fmt: skip
+    batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+    if batch > 1:
+        raise ValueError(
+            f"input_ids: expected one prompt for {type(self).__name__} under xcp's generate; got a batch of {batch} "
+            "(transformers' RWKV mixes the rows of a batch in its one-token step, [B, 1, H] + [B, H], its own "
+            "generate too): generate one prompt at a time"
+        )
+    if state is None and not sharded.ring:
+        state = sharded.kept.get("rwkv")
+    out = type(self).forward(self, input_ids, attention_mask, inputs_embeds, state=state, use_cache=True, **kwargs)
+    sharded.kept["rwkv"] = out.state if hasattr(out, "state") else out[1]
+    _seen(sharded, (input_ids if input_ids is not None else inputs_embeds).shape[1])
+    return out
 
 
 def _adapt_rwkv(module: torch.nn.Module) -> None:
@@ -431,13 +533,17 @@ def _zaya_cca(self: Any, run: Run, hidden_states: torch.Tensor, cache: Any = Non
 FAMILIES["ZayaCCAProjection"] = _zaya_cca
 
 GENERATES: dict[str, Callable[..., Any]] = {
-    "ZayaCCAProjection": lambda self, sharded, /, *args, **kwargs: type(self).forward(self, *args, **kwargs),
+    "ZayaCCAProjection": _own_step,
     "RecurrentGemmaRecurrentBlock": _recurrent_gemma_step,
+    "MiniMaxLightningAttention": _minimax_step,
+    "RwkvSelfAttention": _own_step,
+    "RwkvFeedForward": _own_step,
+    "xLSTMLayer": _own_step,
 }
-"""The families whose states xcp's generate keeps whole on every rank (ZAYA in its cache, as transformers' own
-cache layers keep them; RecurrentGemma in its blocks, as on one device): their forward fills them from the
-prompt's ring prefix; after it, ``step(module, cache, /, *args, **kwargs)`` runs their own forward on every
-rank."""
+"""The families whose states xcp's generate keeps whole on every rank (ZAYA and MiniMax in its cache, as
+transformers' own cache layers keep them; RecurrentGemma in its blocks, as on one device; RWKV and xLSTM in
+their model's own state objects, which xcp's cache keeps): their forward fills them from the prompt's ring
+prefix; after it, ``step(module, cache, /, *args, **kwargs)`` runs their own forward on every rank."""
 
 # --------------------------------------------------------------------------------------------------------
 # xLSTM: the mLSTM's memory and normalizer under a running maximum
@@ -445,9 +551,13 @@ rank."""
 
 def _xlstm(self: Any, run: Run, x: torch.Tensor, state: Any = None) -> Any:
     """``xLSTMLayer.forward`` over the ranks: its own code, its backend's kernel (swapped in by
-    :func:`_adapt_xlstm`) through state passing."""
-    run.refuse_carried("state (use_cache=True)", state)
-    with _running(run):
+    :func:`_adapt_xlstm`) through state passing. Under the prompt's ring prefix of xcp's generate the model
+    hands it the fresh zeros of its cache (the kernel's own start) and it returns the whole sequence's state
+    ``(C, n, m)`` on every rank, as the layer does on one device."""
+    prompt = _prompt(_generating())
+    if not prompt:
+        run.refuse_carried("state (use_cache=True)", state)
+    with _running(replace(run, final=prompt)):
         return type(self).forward(self, x)
 
 
@@ -488,11 +598,14 @@ def _mlstm(self: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         zeros = q.new_zeros((*q.shape[:2], d_qk * d_v + d_qk))
         return torch.cat((zeros, zeros.new_full((*q.shape[:2], 1), -1e30)), dim=-1)
 
-    out, _ = state_passing(
+    out, final = state_passing(
         kernel, query, key, value, igate, fgate, transition=RunningMax(log_decay, identity), **run.where,
-        seq_dim=2,
+        seq_dim=2, output_final_state=run.final,
     )  # fmt: skip
-    return out, None
+    if final is None:
+        return out, None
+    c, n, m = final.split([d_qk * d_v, d_qk, 1], dim=-1)
+    return out, (c.unflatten(-1, (d_qk, d_v)), n, m)
 
 
 def _adapt_xlstm(module: torch.nn.Module) -> None:
@@ -501,23 +614,53 @@ def _adapt_xlstm(module: torch.nn.Module) -> None:
     backend.forward = types.MethodType(_mlstm, backend)  # type: ignore[union-attr]
 
 
-def _xlstm_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-    """``xLSTMModel.forward``, refused under xcp's generate over more than one rank (it reads its states from
-    an ``xLSTMCache`` of its own before any layer runs); elsewhere the class's own."""
-    if current().world_size > 1 and decoding.current() is not None:
-        raise NotImplementedError(
-            f"{type(self).__name__}: xcp.integrations.transformers.generate over more than one rank does not serve "
-            "xLSTM (its mLSTM states live in an xLSTMCache of its own, outside xcp's cache); generate on one rank"
-        )
-    return type(self).forward(self, *args, **kwargs)
+def _xlstm_model(self: Any, input_ids: Any = None, inputs_embeds: Any = None, cache: Any = None,
+                 use_cache: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+    """``xLSTMModel.forward``; under xcp's generate (handed xcp's cache) over an ``xLSTMCache`` of its own that
+    xcp's cache keeps: a fresh one for the prompt's ring prefix (its layers fill it with the whole sequence's
+    states), the same one after it; the tokens counted, and xcp's cache handed back as the model's cache.
+    generate hands the whole prompt to the first step (it finds what a cache holds through the attention mask,
+    which xLSTM takes none of): the model runs the tokens its cache has not seen. The
+    ring prefix runs the shard at once (the model would run a shard longer than ``max_inference_chunksize``
+    chunk by chunk, each from the state after the last, which state passing does not take: it collects the
+    hidden states instead, whose branch runs whole)."""
+    sharded = _generating()
+    if sharded is None or type(cache).__name__ != "ShardedCache":  # (by keyword: its decorators add use_cache)
+        return type(self).forward(self, input_ids=input_ids, inputs_embeds=inputs_embeds, cache=cache,
+                                  use_cache=use_cache, **kwargs)  # fmt: skip
+    tokens = input_ids if input_ids is not None else inputs_embeds
+    seen = sharded.get_seq_length()
+    if not sharded.ring and seen and tokens.shape[1] > seen:  # generate's first step: the whole prompt again
+        tokens = tokens[:, seen:]  # (it slices by the mask, which xLSTM takes none of): the tokens not yet seen
+        input_ids, inputs_embeds = (tokens, None) if input_ids is not None else (None, tokens)
+    own = None if sharded.ring else sharded.kept.get("xlstm")
+    if own is None:
+        weight = self.embeddings.weight
+        own = _modeling(self).xLSTMCache(self.config, tokens.shape[0], dtype=weight.dtype, device=weight.device)
+    if sharded.ring and tokens.shape[1] > self.config.max_inference_chunksize:
+        kwargs["output_hidden_states"] = True
+    out = type(self).forward(self, input_ids=input_ids, inputs_embeds=inputs_embeds, cache=own, use_cache=True,
+                             **kwargs)  # fmt: skip
+    if sharded.ring:
+        own.seqlen_offset += tokens.shape[1] * (current().world_size - 1)  # the whole prefix's count
+    sharded.kept["xlstm"] = own
+    _seen(sharded, tokens.shape[1])
+    out.cache = sharded
+    return out
 
 
-def _adapt_xlstm_model(module: torch.nn.Module) -> None:
-    """The model (to refuse xcp's generate clearly) and, as its children are its adapter's, its layers."""
-    for layer in module.modules():
-        if type(layer).__name__ == "xLSTMLayer":
-            _adapt_xlstm(layer)
-    module.forward = types.MethodType(_xlstm_model, module)
+def _adapt_model(forward: Callable[..., Any]) -> Callable[[torch.nn.Module], None]:
+    """An adapter of a model class whose forward xcp's generate needs changed (``forward``, bound to the
+    instance): its mixers adapted too, as its children are its adapter's."""
+
+    def adapt(module: torch.nn.Module) -> None:
+        for layer in module.modules():
+            name = type(layer).__name__
+            if name in FAMILIES:
+                ADAPTERS.get(name, _adapt)(layer)
+        module.forward = types.MethodType(forward, module)
+
+    return adapt
 
 
 FAMILIES["xLSTMLayer"] = _xlstm
@@ -531,6 +674,15 @@ ADAPTERS = {
 """Families whose adapter does more than bind the forward (pieces swapped into the mixer's children)."""
 
 
-register_layer("xLSTMModel", _adapt_xlstm_model, name="recurrent (inline): xLSTMModel")
+MODELS: dict[str, Callable[..., Any]] = {
+    "MiniMaxModel": _minimax_model,
+    "RwkvModel": _rwkv_model,
+    "xLSTMModel": _xlstm_model,
+}
+"""Model classes whose forward xcp's generate needs changed: MiniMax's refuses any cache but its own, RWKV's and
+xLSTM's keep their states in objects of their own (kept in xcp's cache)."""
+
+for _name, _model_forward in MODELS.items():
+    register_layer(_name, _adapt_model(_model_forward), name=f"recurrent (inline): {_name}")
 for _name in FAMILIES:
     register_layer(_name, ADAPTERS.get(_name, _adapt), name=f"recurrent (inline): {_name}")
