@@ -206,6 +206,8 @@ def test_a_ragged_batch_and_what_the_sharded_cache_cannot_do_are_named():
         xt.generate(model, ids, attention_mask=mask, do_sample=True)
     with pytest.raises(ValueError, match=r"num_beams: not supported by xcp's generate \(beam search"):
         xt.generate(model, ids, num_beams=2)
+    with pytest.raises(ValueError, match=r"ulysses: expected 1 under generate \(the sharded KV cache .*got 2"):
+        xt.generate(model, ids, ulysses=2)
     with pytest.raises(ValueError, match="max_new_tokens: expected a positive integer; got 0"):
         xt.generate(model, ids, max_new_tokens=0)
     with pytest.raises(ValueError, match=r"input_ids: expected at least one prompt of at least one token"):

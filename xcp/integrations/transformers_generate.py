@@ -309,6 +309,9 @@ class ShardedCache(Cache):
 
     :param model: the model whose cache it is (optional): its multi-head latent attention modules
         (:meth:`Latent.of`) make their layers keep latents.
+
+    ``kept`` holds the state objects a family's model keeps outside cache layers (RWKV's ``state`` list,
+    xLSTM's ``xLSTMCache``: :mod:`xcp.integrations.transformers_inline`), whole on every rank.
     """
 
     def __init__(self, config: Any, group: Any, balance: str, capacity: int | None = None, model: Any = None) -> None:
@@ -499,6 +502,12 @@ def _check(input_ids: Any, max_new_tokens: Any, kwargs: dict[str, Any]) -> None:
         raise ValueError(f"input_ids: expected at least one prompt of at least one token; got {tuple(input_ids.shape)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected a positive integer; got {max_new_tokens!r}")
+    ulysses = kwargs.pop("ulysses", 1)  # a context's keyword, not the model's: named here, not by transformers
+    if isinstance(ulysses, bool) or ulysses != 1:
+        raise ValueError(
+            f"ulysses: expected 1 under generate (the sharded KV cache keeps the ring's layout, every head of a "
+            f"token on the rank that holds it; the prompt's prefix goes through the ring alone); got {ulysses!r}"
+        )
     for name in ("cache", "past_key_values"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}: expected None (xcp makes the sharded cache); got {type(kwargs[name]).__name__}")
