@@ -34,7 +34,7 @@
 #                               # longtail documents over 8 ranks, document_zigzag (one call a step) beside zigzag
 #   benchmarks/h200.sh serve    # paged, ragged decode: the paged tests (CPU stand-ins and cuda: PagedDecode replayed
 #                               # 200 steps = eager, allocations, CSAN on the combine), the paged conformance cases, the
-#                               # flash paged form probed at blocks of 16, 64, 256, 512, xcp bench --serve at the targets
+#                               # Triton paged decode, flash paged form probed at blocks of 16, 64, 256, 512, xcp bench --serve at the targets
 #                               # (32 requests 4K..256K, ~1.5M tokens, P 8, 32/8 heads, D 128, bf16; ~6 min)
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail

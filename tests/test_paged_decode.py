@@ -259,6 +259,54 @@ def test_bench_serve_check_is_against_the_whole_pool(monkeypatch, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
+def _flat_yardstick(monkeypatch, wrong=False):
+    """The bench with its CUDA yardstick (contiguous K/V, one flash varlen call with seqused_k) on the CPU: the op
+    a stand-in of the aten flash varlen op (tests/test_cuda_backend.py's FakeAten: float64 math per segment, bf16 or
+    fp16 only, its arguments checked as flash's); ``wrong``: the yardstick 10% off."""
+    from test_cuda_backend import FakeAten
+
+    from xcp.cli.bench import serve, serve_yardstick
+
+    fake = FakeAten()
+    monkeypatch.setattr(serve, "choose", lambda *a: serve_yardstick.FLAT)
+    monkeypatch.setattr(serve_yardstick, "_flash_op", lambda: fake._flash_attention_forward)
+    if wrong:
+        real = serve.Flat.step
+        monkeypatch.setattr(serve.Flat, "step", lambda self, q, k, v: real(self, q, k, v) * 1.1)
+    return fake
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_bench_serve_yardstick_is_one_flash_varlen_call_over_contiguous_tokens(tmp_path, monkeypatch, capsys, wrong):
+    """Every request's tokens in one contiguous buffer and ONE flash varlen call with cum_seq_k the regions' starts
+    and seqused_k the lengths, a decode step and the mixed step's causal chunk alike, requests joining into regions
+    reserved for them: xcp checked against it and it against float64 (bf16); one 10% off fails (exit 1)."""
+    from xcp.cli import main
+
+    fake = _flat_yardstick(monkeypatch, wrong)
+    path = tmp_path / "serve.json"
+    flags = [
+        *SERVE_FLAGS[: SERVE_FLAGS.index("--dtype") + 1],
+        "bfloat16",
+        *SERVE_FLAGS[SERVE_FLAGS.index("--dtype") + 2 :],
+    ]
+    assert main([*flags, "--json", str(path)]) == (1 if wrong else 0)
+    text = capsys.readouterr().out
+    assert "flash varlen with seqused_k over contiguous K/V" in text and ("FAIL" in text) == wrong
+    data = json.loads(path.read_text())
+    assert data["config"]["yardstick"] == "flash varlen with seqused_k over contiguous K/V"
+    decodes = [c for c in fake.calls if c[0] == "flash_varlen_fwd" and not c[4]]
+    chunks = [c for c in fake.calls if c[0] == "flash_varlen_fwd" and c[4]]
+    assert len(decodes) == 2 and len(chunks) == 2  # the checked step and the timed one, of each figure
+    cu_q, cu_k, used, max_q, _ = fake.lengths[0]  # the checked decode step: every request one token over its regions
+    assert cu_q == list(range(6)) and max_q == 1 and cu_k[:5] == sorted(set(cu_k[:5]))
+    assert used == [n + 1 for n in data["config"]["lengths"]]
+    if not wrong:
+        assert (
+            data["decode"]["errors"]["whole_vs_float64"] < 2e-2 and data["mixed"]["errors"]["whole_vs_float64"] < 2e-2
+        )
+
+
 def test_long_tail_spans_its_ends_and_sums_near_the_total():
     from xcp.cli.bench.serve import long_tail
 

@@ -12,9 +12,10 @@ One module per measurement: :mod:`.dense` (the default grid, memory, graph captu
 :mod:`.window` (``--documents``, ``--window``), :mod:`.hybrid` (``--ulysses``), :mod:`.replay`
 (``--replay``), :mod:`.host` (``--host``), :mod:`.world_of_one` (``--world-of-one``), :mod:`.distributed`
 (``--distributed``, real ranks under torchrun), :mod:`.decode` (``--decode``), :mod:`.recurrent`
-(``--recurrent``) and :mod:`.serve` (``--serve``: the paged, ragged decode). They share :mod:`.config` (what to
-measure), :mod:`.virtual` (the virtual ranks), :mod:`.timing` (check, then time against the yardstick) and
-:mod:`.report`; :mod:`.runner` picks the mode and :mod:`.command` is the subcommand.
+(``--recurrent``) and :mod:`.serve` (``--serve``: the paged, ragged decode; its yardstick in
+:mod:`.serve_yardstick`). They share :mod:`.config` (what to measure), :mod:`.virtual` (the virtual ranks),
+:mod:`.timing` (check, then time against the yardstick) and :mod:`.report`; :mod:`.runner` picks the mode and
+:mod:`.command` is the subcommand.
 """
 
 from __future__ import annotations

@@ -10,12 +10,14 @@ attention over each request's tokens.
 - decode: every request appends one token and attends over its history. xcp: :class:`xcp.PagedDecode` on every
   rank (its step planned on the host into buffers on the device; the slots written, the rank's partial through
   the backend's ``forward_paged``, the combine), eager, and captured once per padded batch size into ONE device
-  graph holding every rank's work, replayed after each plan. The yardstick: one pool on one device holding every
-  request's tokens, its step the new tokens written and ONE ``forward_paged`` call over the whole batch (on CUDA
-  the flash varlen op with ``block_table`` and ``seqused_k``), eager and replayed likewise;
+  graph holding every rank's work, replayed after each plan. The yardstick (:mod:`.serve_yardstick`): what a user
+  would call instead, every request's tokens on one device, its step the new tokens written and ONE whole-batch
+  call: on CUDA the aten flash varlen op with ``seqused_k`` over the tokens stored contiguously, or its paged form
+  (``block_table``) where this torch has it and the blocks hold a multiple of 256 rows; elsewhere the backend's
+  ``forward_paged`` over one pool; eager and replayed likewise;
 - mixed: the longest request's next prefill chunk of ``CHUNK`` tokens beside the others' decode steps, through
   :meth:`xcp.PagedKVCache.append` and ``attention`` on every rank (eager: chunks take the host-planned path)
-  against one whole-batch ``forward_paged`` call with the causal mask aligned bottom-right;
+  against one whole-batch call of the yardstick with the causal mask aligned bottom-right;
 - memory: ``STEPS`` replayed decode steps, a request leaving (its blocks freed) and another joining (a short
   prompt appended) every few steps; the device's allocated bytes after each, flat when graph replays and the
   fixed pools allocate nothing.
@@ -41,13 +43,17 @@ from ...inference.serving import held
 from ...kernels.merge import packed_layout
 from ..common import DTYPES, Clock, default_device, error, human_bytes, median, tool_backend, write_json
 from .report import wrap
+from .serve_yardstick import FLASH_PAGED, FLAT, Flat, Whole, choose
+
+__all__ = ["Whole", "Flat", "Ranks", "run_serve", "format_serve", "command"]
 
 FLAG = "--serve"
 HELP = (
     "instead of the ring figures: a ragged decode step of --serve-requests requests (lengths a long tail "
     "--serve-lengths MIN:MAX:TOTAL) over xcp.PagedKVCache on --serve-world virtual ranks (xcp.PagedDecode, eager "
-    "and replayed as one device graph per padded batch size) against one whole-batch paged forward_paged call over "
-    "the same tokens on one device (flash varlen with block_table and seqused_k on CUDA); a step mixing a "
+    "and replayed as one device graph per padded batch size) against one whole-batch call over the same tokens on "
+    "one device (on CUDA flash varlen with seqused_k over contiguous K/V, or its block_table form where torch has "
+    "it and blocks are a multiple of 256 rows; elsewhere forward_paged over one pool); a step mixing a "
     "--serve-chunk prefill chunk with the other requests' decodes; device memory over --serve-steps replayed steps "
     "with requests coming and going; bytes per rank; every output checked first"
 )
@@ -181,44 +187,6 @@ class Ranks:
         self.world.close()
 
 
-class Whole:
-    """The yardstick: one pool on one device holding every request's tokens (a world of one's cache, planned by
-    :class:`xcp.PagedDecode`), its decode step the new tokens written and ONE ``forward_paged`` call."""
-
-    def __init__(self, backend, num_blocks: int, block: int) -> None:
-        self.backend = backend
-        self.cache = PagedKVCache(None, num_blocks=num_blocks, block_size=block, device=backend.name)
-        self.decode: PagedDecode | None = None
-
-    def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The planned step (:meth:`xcp.PagedDecode.plan` of :attr:`decode`): write, then one paged call."""
-        d, c = self.decode, self.cache
-        assert d is not None and d._buffers is not None and c._k is not None and c._v is not None
-        b, buf = d.batch, d._buffers
-        hkv, dim = c._k.shape[2], c._k.shape[3]
-        c._k.view(-1, hkv, dim).index_copy_(0, buf["slots"][:b], k)
-        c._v.view(-1, hkv, c._v.shape[3]).index_copy_(0, buf["slots"][:b], v)
-        out, _ = self.backend.forward_paged(q, c._k, c._v, buf["table"][:b], buf["cu_q"][: b + 1], buf["used"][:b], 1,
-                                            d.max_keys, 1.0 / math.sqrt(dim))  # fmt: skip
-        return out
-
-    def mixed(self, q: torch.Tensor, ids: list, cu: list[int]) -> torch.Tensor:
-        """One ``forward_paged`` call, causal aligned bottom-right, of the packed queries of ``ids`` (each its
-        newest ``cu[i+1] - cu[i]``) over their tokens (the table built on the host)."""
-        c = self.cache
-        assert c._k is not None and c._v is not None
-        tables = [c.block_table(i) for i in ids]
-        width = max(len(t) for t in tables)
-        dev = q.device
-        table = torch.tensor([t + [c.sink_block] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
-        used = torch.tensor([c.seq_len(i) for i in ids], dtype=torch.int32, device=dev)
-        out, _ = self.backend.forward_paged(
-            q, c._k, c._v, table, torch.tensor(cu, dtype=torch.int32, device=dev), used,
-            max(b - a for a, b in zip(cu, cu[1:])), width * c.block_size, 1.0 / math.sqrt(q.shape[-1]), True,
-        )  # fmt: skip
-        return out
-
-
 # ---------------------------------------------------------------------------------------------- the figures
 class Workload:
     """The requests' tokens, drawn on the device from one generator: each request's keys and values for every
@@ -304,18 +272,29 @@ def run_serve(cfg: dict[str, Any], progress: bool = True) -> dict[str, Any]:
     report: dict[str, Any] = {"config": {**cfg, "lengths": lengths, "tokens": sum(lengths), "backend": backend.name,
                                          "device_name": _device_name(device), "torch": torch.__version__}}  # fmt: skip
     say = print if progress else (lambda *a, **k: None)
-    ranks, whole = Ranks(backend, device, p, per_rank, block), Whole(backend, whole_blocks, block)
+    ranks = Ranks(backend, device, p, per_rank, block)
+    kind = choose(device, dtype, cfg["head_dim"], block)
+    whole: Whole | Flat
+    if kind != FLAT:
+        whole = Whole(backend, whole_blocks, block, flash_paged=kind == FLASH_PAGED)
+    else:  # every request's region, the chunks', and the memory figure's joining requests' (at most)
+        joining = (steps // 8) * (max(1, lo // 4) + steps + 2)
+        whole = Flat(sum(x + grows for x in lengths) + chunk * (1 + timed) + joining, cfg["kv_heads"],
+                     cfg["head_dim"], dtype, device)  # fmt: skip
+    report["config"]["yardstick"] = whole.label
     ids = list(range(n))
     chunked = ids[-1]  # the longest request: its prompt goes on in the mixed step's chunks
     for i, x in zip(ids, lengths):
-        work.new(i, x, grows + (chunk * (1 + timed) if i == chunked else 0))
-    say(f"serve: prefilling {sum(lengths)} tokens of {n} requests over {p} ranks and the whole pool")
+        extra = grows + (chunk * (1 + timed) if i == chunked else 0)
+        work.new(i, x, extra)
+        whole.reserve(i, x + extra)
+    say(f"serve: prefilling {sum(lengths)} tokens of {n} requests over {p} ranks and the yardstick ({whole.label})")
     for i, x in zip(ids, lengths):  # one request at a time: the host plans of long prompts stay small
         k, v = work.tokens[i][1][1][:x], work.tokens[i][1][2][:x]
         ranks.append([i], k, v, [0, x])
-        whole.cache.append([i], k, v, [0, x])
+        whole.append([i], k, v, [0, x])
     ranks.start_decoding(n, max_len)
-    whole.decode = PagedDecode(whole.cache, max_batch=n, max_len=max_len)
+    whole.start_decoding(n, max_len)
     length = dict(zip(ids, lengths))
     graphs = cfg["graph"] and backend.new_graph() is not None
 
@@ -325,7 +304,7 @@ def run_serve(cfg: dict[str, Any], progress: bool = True) -> dict[str, Any]:
 
     def plan(order: list) -> int:
         b = ranks.plan(order)
-        assert whole.decode is not None and whole.decode.plan(order) == b
+        whole.plan(order, b)
         return b
 
     def advance(order: list) -> None:
@@ -369,7 +348,7 @@ def run_serve(cfg: dict[str, Any], progress: bool = True) -> dict[str, Any]:
     row["combine_sent_per_rank"], row["combine_received_per_rank"] = (combine_bytes(p - 1, *shape),
                                                                       combine_bytes(p, *shape))  # fmt: skip
     row["pool_bytes_per_rank"] = [_pool_bytes(c) for c in ranks.caches]
-    row["whole_pool_bytes"] = _pool_bytes(whole.cache)
+    row["whole_pool_bytes"] = whole.nbytes()
     row["tokens_per_rank"] = [sum(c.local_len(i) for i in c.seq_ids()) for c in ranks.caches]
     report["decode"] = row
 
@@ -410,7 +389,7 @@ def _timed(cfg: dict[str, Any], clock: Clock, pair: dict[str, Callable[[], Any]]
     return {f"{run}_whole_s": whole_s, f"{run}_xcp_s": xcp_s, f"{run}_ratio": xcp_s / whole_s}
 
 
-def _replayed(cfg, backend, clock, ranks: Ranks, whole: Whole, plan, inputs, advance, order, work, length, tol):
+def _replayed(cfg, backend, clock, ranks: Ranks, whole: Whole | Flat, plan, inputs, advance, order, work, length, tol):
     """xcp's step (every rank's) and the yardstick's captured once at this padded size and replayed: checked on
     two replays (new tokens each, against float64), then timed interleaved."""
     b = plan(order)
@@ -447,7 +426,7 @@ def _replayed(cfg, backend, clock, ranks: Ranks, whole: Whole, plan, inputs, adv
     return out
 
 
-def _mixed(cfg, clock, ranks: Ranks, whole: Whole, work: Workload, length: dict, order: list, chunked, tol,
+def _mixed(cfg, clock, ranks: Ranks, whole: Whole | Flat, work: Workload, length: dict, order: list, chunked, tol,
            say) -> dict:  # fmt: skip
     """A chunk of ``cfg["chunk"]`` tokens of request ``chunked`` (the longest: a long prompt's next chunk) beside
     one decode token of each other, appended and attended by xcp (eager, host-planned) and by one whole-batch
@@ -464,7 +443,7 @@ def _mixed(cfg, clock, ranks: Ranks, whole: Whole, work: Workload, length: dict,
 
     def append_both(q_k_v: list[torch.Tensor]) -> None:
         ranks.append(ids, q_k_v[1], q_k_v[2], cu)
-        whole.cache.append(ids, q_k_v[1], q_k_v[2], cu)
+        whole.append(ids, q_k_v[1], q_k_v[2], cu)
         for i, c in zip(ids, counts):
             length[i] += c
 
@@ -485,7 +464,7 @@ def _mixed(cfg, clock, ranks: Ranks, whole: Whole, work: Workload, length: dict,
     def prepare() -> None:
         state["x"] = tensors()
         ranks.append(ids, state["x"][1], state["x"][2], cu)
-        whole.cache.append(ids, state["x"][1], state["x"][2], cu)
+        whole.append(ids, state["x"][1], state["x"][2], cu)
 
     def after() -> None:
         for i, c in zip(ids, counts):
@@ -497,7 +476,7 @@ def _mixed(cfg, clock, ranks: Ranks, whole: Whole, work: Workload, length: dict,
     return row
 
 
-def _memory(cfg, backend, device, ranks: Ranks, whole: Whole, work: Workload, length: dict, order: list, plan,
+def _memory(cfg, backend, device, ranks: Ranks, whole: Whole | Flat, work: Workload, length: dict, order: list, plan,
             inputs, advance, say) -> dict:  # fmt: skip
     """``cfg["steps"]`` decode steps (replayed where graphs exist, one graph per padded size met), every 8th step a
     request leaving and a new one joining with a short prompt; the device's allocated bytes after each step. The
@@ -510,18 +489,19 @@ def _memory(cfg, backend, device, ranks: Ranks, whole: Whole, work: Workload, le
     joining = [rng.randint(1, max(1, cfg["lengths"][0] // 4)) for _ in range(cfg["steps"] // 8)]
     for j, prompt in enumerate(joining):
         work.new(next_id + j, prompt, cfg["steps"] + 2)
+        whole.reserve(next_id + j, prompt + cfg["steps"] + 2)
     active = list(order)
     replays = 0
     for step in range(cfg["steps"]):
         if step % 8 == 7 and len(active) > 1:  # one leaves, one joins
             gone = active.pop(rng.randrange(len(active)))
             ranks.free(gone)
-            whole.cache.free(gone)
+            whole.free(gone)
             del length[gone]
             prompt = joining[step // 8]
             k, v = work.tokens[next_id][1][1][:prompt], work.tokens[next_id][1][2][:prompt]
             ranks.append([next_id], k, v, [0, prompt])
-            whole.cache.append([next_id], k, v, [0, prompt])
+            whole.append([next_id], k, v, [0, prompt])
             length[next_id] = prompt
             active.append(next_id)
             next_id += 1
@@ -568,8 +548,9 @@ def format_serve(report: dict[str, Any]) -> str:
         f"ranks, heads {c['heads']}/{c['kv_heads']}, D {c['head_dim']}, {c['dtype']}, blocks of {c['block']} rows",
         *wrap(
             "decode: every request appends one token and attends over its history; xcp = xcp.PagedDecode on every "
-            "rank (the slots written, forward_paged over the rank's blocks, the combine); whole = one pool on one "
-            "device, the tokens written and ONE forward_paged call over the batch. Checked first (relative error; "
+            "rank (the slots written, forward_paged over the rank's blocks, the combine); whole = every request's "
+            f"tokens on one device, the new ones written and ONE call over the batch: {c.get('yardstick', '?')}. "
+            "Checked first (relative error; "
             "padded rows must be 0); medians of device-drained wall time, interleaved; replayed: each captured once "
             "as a device graph (xcp's holds every rank's work)"
         ),
@@ -588,7 +569,7 @@ def format_serve(report: dict[str, Any]) -> str:
                  f"{m['decodes']} decodes)")  # fmt: skip
     lines += [
         "",
-        f"bytes per rank: pool {human_bytes(max(d['pool_bytes_per_rank']))} (whole pool "
+        f"bytes per rank: pool {human_bytes(max(d['pool_bytes_per_rank']))} (the yardstick's K/V "
         f"{human_bytes(d['whole_pool_bytes'])} / {c['world']} = {human_bytes(d['whole_pool_bytes'] / c['world'])}); "
         f"tokens per rank {min(d['tokens_per_rank'])}..{max(d['tokens_per_rank'])}; a decode step's combine sends "
         f"{human_bytes(d['combine_sent_per_rank'])} and gathers {human_bytes(d['combine_received_per_rank'])}",
