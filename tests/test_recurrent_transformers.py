@@ -312,6 +312,7 @@ GENERATE = [
     ("minimax", 2, "zigzag", 11),
     ("rwkv", 2, "zigzag", 11),
     ("xlstm", 2, "zigzag", 11),
+    ("minimax", 1, "zigzag", 9),  # a world of one: its ring prefix fills xcp's cache too
 ]
 ONE_PROMPT = {"rwkv"}  # test_generate_refuses_a_batch_for_rwkv
 
@@ -378,6 +379,25 @@ def test_generate_equals_one_device(kind, world, balance, prompt, full_precision
             assert (got is None) == (expected is None)
             if got is not None:
                 assert rel(got, expected) <= TOL
+
+
+def test_xlstm_generate_runs_a_shard_longer_than_its_inference_chunks_whole(full_precision):
+    """xLSTM runs a sequence longer than ``max_inference_chunksize`` chunk by chunk from the state after the last,
+    which state passing does not take: the prompt's ring prefix runs each shard whole. Against the model's own
+    generate with chunks longer than the prompt (the same math)."""
+    full_precision("xlstm")
+    config = _configs()["xlstm"]()
+    model = build(config).eval()
+    reference = build(config, "eager").eval()
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(3, VOCAB, (2, 14), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    want = reference.generate(ids, **kw)
+    model.config.max_inference_chunksize = 3  # the ring prefix's shards: 6 tokens each
+    copies = [xt.prepare(copy.deepcopy(model)) for _ in range(2)]
+    for out in xcp.LocalWorld(2).run(lambda group: xt.generate(copies[group.rank()], ids, group=group, **kw)):
+        assert torch.equal(out.sequences, want.sequences)
+        assert max(rel(a, b) for a, b in zip(out.logits, want.logits)) <= TOL
 
 
 @pytest.mark.parametrize(("kind", "layer"), [("rwkv", "RwkvSelfAttention"), ("recurrent_gemma", "RecurrentGemmaRecur")])

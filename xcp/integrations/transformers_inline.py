@@ -8,8 +8,9 @@ kernel of the ``initial_state`` / ``output_final_state`` convention (its own met
 with an initial state) and a forward that runs the mixer's own code around it, the kernel through
 :func:`xcp.recurrent.state_passing` (and short convolutions through :func:`xcp.recurrent.causal_conv`). The
 adapter binds a forward to each mixer instance that takes this path only under an :func:`xcp.context` of more
-than one rank; anywhere else the mixer's own forward runs unchanged. tests/test_recurrent_transformers.py checks
-each family against the model on one device.
+than one rank; anywhere else the mixer's own forward runs unchanged. Under xcp's generate every family keeps
+its states whole on every rank where its own generate keeps them (:data:`GENERATES`; RWKV's and xLSTM's models
+through :data:`MODELS`). tests/test_recurrent_transformers.py checks each family against the model on one device.
 """
 
 from __future__ import annotations
