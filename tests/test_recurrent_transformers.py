@@ -381,6 +381,17 @@ def test_generate_equals_one_device(kind, world, balance, prompt, full_precision
                 assert rel(got, expected) <= TOL
 
 
+def test_generate_refuses_an_inline_family_without_a_generate_step(monkeypatch):
+    """A family whose states generate does not keep (a mixer added to FAMILIES alone) is refused, naming it."""
+    from xcp.integrations import transformers_inline
+
+    monkeypatch.delitem(transformers_inline.GENERATES, "MiniMaxLightningAttention")
+    model = xt.prepare(build(_configs()["minimax"]())).eval()
+    ids = torch.randint(3, VOCAB, (1, 8))
+    with pytest.raises(RuntimeError, match="MiniMaxLightningAttention: xcp.integrations.transformers.generate over"):
+        xcp.LocalWorld(2).run(lambda group: xt.generate(model, ids, group=group, max_new_tokens=2, do_sample=False))
+
+
 def test_xlstm_generate_runs_a_shard_longer_than_its_inference_chunks_whole(full_precision):
     """xLSTM runs a sequence longer than ``max_inference_chunksize`` chunk by chunk from the state after the last,
     which state passing does not take: the prompt's ring prefix runs each shard whole. Against the model's own

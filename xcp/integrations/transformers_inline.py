@@ -85,7 +85,8 @@ FAMILIES: dict[str, ContextParallel] = {}
 
 def _forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """An adapted mixer's forward (bound to the instance): its class's forward on one rank, the family's
-    context-parallel forward under a context of more than one rank."""
+    context-parallel forward under a context of more than one rank; under xcp's generate the family's forward
+    for the prompt's ring prefix (on any number of ranks: it fills xcp's cache), its step after it."""
     ctx = current()
     layer = type(self).__name__
     cache = _generating()
