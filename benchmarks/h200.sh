@@ -33,9 +33,11 @@
 #   benchmarks/h200.sh fillers  # varlen calls with filler segments: cuda tests, conformance varlen cases, the 128K
 #                               # longtail documents over 8 ranks, document_zigzag (one call a step) beside zigzag
 #   benchmarks/h200.sh serve    # paged, ragged decode: the paged tests (CPU stand-ins and cuda: PagedDecode replayed
-#                               # 200 steps = eager, allocations, CSAN on the combine), the paged conformance cases, the
-#                               # Triton paged decode, flash paged form probed at blocks of 16, 64, 256, 512, xcp bench --serve at the targets
-#                               # (32 requests 4K..256K, ~1.5M tokens, P 8, 32/8 heads, D 128, bf16; ~6 min)
+#                               # 200 steps = eager, allocations, CSAN on the combine, the Triton paged decode against
+#                               # float64 and replayed), the paged conformance cases, the flash paged form probed at
+#                               # blocks of 16, 64, 256, 512, the decode kernels timed side by side at the targets'
+#                               # shapes (benchmarks/paged_decode_probe.py), xcp bench --serve at the targets
+#                               # (32 requests 4K..256K, ~1.5M tokens, P 8, 32/8 heads, D 128, bf16; ~6-7 min)
 # Output goes to $OUT (the device tool's return folder) or ./out.
 set -uo pipefail
 out=${OUT:-out}
@@ -338,11 +340,14 @@ recurrent)
 serve)
   section "paged decode tests: CPU stand-ins (forward_paged, PagedDecode) and cuda (replayed = eager, allocations, CSAN)"
   timeout 180 python3 -m pytest -q -p no:cacheprovider --tb=short -rs tests/test_paged_cuda.py tests/test_paged_decode.py \
-    tests/test_cuda_backend.py -k "paged or Paged or sanitizer" 2>&1 | tail -25 | tee "$out/serve_tests.txt"
+    tests/test_paged_triton.py tests/test_cuda_backend.py -k "paged or Paged or sanitizer" 2>&1 | tail -25 \
+    | tee "$out/serve_tests.txt"
   timeout 60 python3 -m xcp.testing --xcp-backend cuda -q -p no:cacheprovider -k paged 2>&1 | tail -3 \
     | tee -a "$out/serve_tests.txt"
   section "the flash varlen op's paged form: block sizes 16, 64, 256, 512 accepted? exact against float64?"
   timeout 60 python3 benchmarks/paged_probe.py --blocks 16,64,256,512 2>&1 | tee "$out/serve_probe.txt"
+  section "the decode kernels at the target's shapes: flash varlen seqused_k (the yardstick), Triton paged, flash paged"
+  timeout 60 python3 benchmarks/paged_decode_probe.py --world 8 2>&1 | tee "$out/serve_decode_probe.txt"
   section "xcp bench --serve: 32 requests 4K..256K (~1.5M tokens) over 8 ranks, 32/8 heads, D 128, bf16, blocks of 256"
   timeout 300 xcp bench --serve --serve-requests 32 --serve-lengths 4096:262144:1500000 --serve-world 8 \
     --serve-block 256 --serve-chunk 4096 --serve-steps 1000 --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 \

@@ -17,7 +17,8 @@ import torch
 from . import kernels
 
 TILE = 64
-"""Keys a program reads at a time (BLOCK_N)."""
+"""Keys a program reads at a time (BLOCK_N) up to head dim 128; half as many above (:func:`keys_per_tile`), so that
+the pipelined K and V tiles of head dim 256 stay within a Hopper SM's shared memory. Splits are multiples of it."""
 MIN_SPLIT = 512
 """The fewest keys of a split: shorter ones would spend more on the combine than they save."""
 MAX_SPLITS = 64
@@ -61,6 +62,11 @@ def unsupported(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> 
     return None
 
 
+def keys_per_tile(block_d: int) -> int:
+    """BLOCK_N for a head-dim tile of ``block_d``: :data:`TILE`, or half of it above 128."""
+    return TILE if block_d <= 128 else TILE // 2
+
+
 def _pow2(n: int, least: int = 16) -> int:
     """The next power of 2 from ``n``, at least ``least`` (tl.dot's smallest side)."""
     return max(least, 1 << (max(n, 1) - 1).bit_length())
@@ -91,7 +97,7 @@ def paged_decode(
         scale * math.log2(math.e), d, split,
         q.stride(0), q.stride(1), *k_pool.stride()[:3], *v_pool.stride()[:3], block_table.stride(0),
         *part_out.stride()[:3], *part_lse.stride()[:2],
-        group, _pow2(group), TILE, block_d, k_pool.shape[1], q.dtype == torch.float32,
+        group, _pow2(group), keys_per_tile(block_d), block_d, k_pool.shape[1], q.dtype == torch.float32,
     ))  # fmt: skip
     run("paged_combine", (b, h), (
         part_out, part_lse, cu_q, out, lse,
