@@ -171,6 +171,10 @@ def _zaya(kw: dict[str, Any]) -> None:  # ZAYA routes each token to one expert o
     kw.update(num_experts_per_tok=1)
 
 
+def _recurrent_gemma(kw: dict[str, Any]) -> None:  # a recurrent block, then attention (its own generate needs one)
+    kw.update(block_types=["recurrent", "attention"], num_hidden_layers=2)
+
+
 def _xlstm(kw: dict[str, Any]) -> None:
     """xLSTMCache sizes its states by the q/k and v dims rounded up to 64, the layers by the unrounded: equal
     here (else its own generate fails), 4 heads of 16; its kernels in float32 (float64 under --full-precision),
@@ -194,6 +198,7 @@ FIXUPS = {
     "zamba": _zamba,
     "zaya": _zaya,
     "xlstm": _xlstm,
+    "recurrent_gemma": _recurrent_gemma,
     "bamba": _bamba,
     "mamba2": _mamba2,
     "falcon_h1": _falcon_h1,

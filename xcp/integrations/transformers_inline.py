@@ -115,9 +115,11 @@ def _modeling(module: torch.nn.Module) -> Any:
 
 
 class _Active(threading.local):
-    """The run of the mixer this thread is in (None: outside one), for the pieces swapped into its children."""
+    """The run of the mixer this thread is in (None: outside one), for the pieces swapped into its children;
+    the final state its scan handed back last (RecurrentGemma's RG-LRU under xcp's generate)."""
 
     run: Run | None = None
+    final: Any = None
 
 
 _active = _Active()
@@ -280,11 +282,23 @@ def _recurrent_gemma(self: Any, run: Run, input_states: torch.Tensor, position_i
         run.refuse_carried("state (use_cache=True)", True if use_cache else None)  # kept in the block: per rank
     with _running(replace(run, final=prompt)):
         out = type(self).forward(self, input_states, position_ids, attention_mask, use_cache=False, **kwargs)
-    if prompt:  # xcp's generate: the whole prompt's states, on every rank (the RG-LRU's kept by its forward)
+    if prompt:  # xcp's generate: the whole prompt's states, on every rank, in this rank's cache
         inputs = self.linear_x(input_states).transpose(1, 2)
-        self.conv1d_state = last_inputs(inputs, self.conv1d_width - 1, **run.where, seq_dim=2)
+        conv = last_inputs(inputs, self.conv1d_width - 1, **run.where, seq_dim=2)
+        _block_states(cache)[self] = (conv, _active.final)  # the RG-LRU's final state, as its scan handed it
         _count(cache, input_states.shape[1] * current().world_size)  # the ring prefix: P equal shards
     return out
+
+
+def _block_states(sharded: Any) -> dict[Any, tuple[Any, Any]]:
+    """RecurrentGemma's states in xcp's generate cache, per block: ``(conv1d_state, the RG-LRU's
+    recurrent_states)``. The blocks keep them in attributes of their own, which virtual ranks sharing one model
+    would share: each rank keeps its own here and hands them to a block only while it runs (:data:`_STEP`)."""
+    return sharded.kept.setdefault("recurrent_gemma", {})
+
+
+_STEP = threading.Lock()
+"""Held while a RecurrentGemma block runs a step over one rank's states (the step sends nothing)."""
 
 
 def _count(cache: Any, seen: int) -> None:
@@ -296,12 +310,15 @@ def _count(cache: Any, seen: int) -> None:
 
 
 def _recurrent_gemma_step(self: Any, sharded: Any, /, *args: Any, **kwargs: Any) -> Any:
-    """The block after the prompt's ring prefix under xcp's generate: its own forward (its states, in itself,
-    are the whole sequence's on every rank), and the tokens counted (``position_ids`` are global)."""
+    """The block after the prompt's ring prefix under xcp's generate: its own forward over this rank's states
+    (the whole sequence's, :func:`_block_states`; none yet where the prompt was too short for the ring: the
+    block starts from zeros), and the tokens counted (``position_ids`` are global)."""
     position_ids = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
-    if int(position_ids.min()) == 0:  # a prompt too short for the ring: a new sequence, not an earlier one's
-        self.conv1d_state = None  # (the block then starts its states from zeros)
-    out = type(self).forward(self, *args, **kwargs)
+    states = _block_states(sharded)
+    with _STEP:
+        self.conv1d_state, self.rg_lru.recurrent_states = states.get(self, (None, None))
+        out = type(self).forward(self, *args, **kwargs)
+        states[self] = (self.conv1d_state, self.rg_lru.recurrent_states)
     _count(sharded, int(position_ids.max()) + 1)
     return out
 
@@ -321,10 +338,11 @@ def _rg_lru_scan(self: Any, hidden_states: torch.Tensor, recurrent_gate: torch.T
     def decay(x, a, r):
         return (a * ~r).prod(dim=1)
 
-    return state_passing(
+    out, _active.final = state_passing(
         kernel, hidden_states, recurrent_gate, reset, transition=Decay(decay), **run.where,
         cu_seqlens=run.documents, output_final_state=run.final,
     )  # fmt: skip
+    return out, _active.final
 
 
 def _adapt_recurrent_gemma(module: torch.nn.Module) -> None:
