@@ -64,6 +64,8 @@ def test_which_kernel_a_paged_call_takes(monkeypatch, block, takes_table, mode, 
     assert backend.paged_kernel(*args[:3], 1) == decode
     assert backend.paged_kernel(*args[:3], 2) == chunk
     assert backend.paged_in_place(*args[:3]) == (chunk == "flash")
+    assert backend.paged_in_place(*args[:3], max_q=1) == (decode != "gather")
+    assert backend.paged_in_place(*args[:3], max_q=2) == (chunk == "flash")
     recorder = _Recorder(backend)
     monkeypatch.setattr(paged, "paged_decode", recorder)
     out, lse = backend.forward_paged(*args, 1, 20, 0.3)

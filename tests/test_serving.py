@@ -306,6 +306,39 @@ def test_a_backend_that_reads_the_pool_in_place_gets_every_prefix_call_and_no_bl
     assert (calls["gathered"] > 0) == gathers
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_backend_that_reads_only_decode_calls_in_place_gets_the_one_query_calls(monkeypatch, world):
+    """A backend whose ``paged_in_place`` is False for every call and True for ``max_q=1`` (CUDA's Triton paged
+    decode on torch 2.11 or blocks of 16): the one-query calls (decode rows) go to ``forward_paged`` with max_q 1,
+    the chunks' calls are gathered per sequence; exact. One whose ``paged_in_place`` takes no ``max_q`` is asked for
+    every call only (here False: everything gathered, nothing paged)."""
+    from xcp.backends.cpu import CPUBackend
+    from xcp.inference.paged import PagedKVCache
+
+    calls = {"paged": [], "gathered": 0}
+    paged, rows = CPUBackend.forward_paged, PagedKVCache._rows
+
+    def counted_paged(self, q, k_pool, v_pool, table, cu_q, used, max_q, *args, **kwargs):
+        calls["paged"].append(max_q)
+        return paged(self, q, k_pool, v_pool, table, cu_q, used, max_q, *args, **kwargs)
+
+    def counted_rows(self, seq):
+        calls["gathered"] += 1
+        return rows(self, seq)
+
+    monkeypatch.setattr(CPUBackend, "paged_in_place", lambda self, q, k, v, max_q=None: max_q == 1)
+    monkeypatch.setattr(CPUBackend, "forward_paged", counted_paged)
+    monkeypatch.setattr(PagedKVCache, "_rows", counted_rows)
+    results, wants = _run_paged(world, seed=11)
+    _assert_paged(results, wants)
+    assert calls["paged"] and set(calls["paged"]) == {1} and calls["gathered"] > 0
+    calls["paged"], calls["gathered"] = [], 0
+    monkeypatch.setattr(CPUBackend, "paged_in_place", lambda self, q, k, v: False)
+    results, wants = _run_paged(world, seed=11)
+    _assert_paged(results, wants)
+    assert not calls["paged"] and calls["gathered"] > 0
+
+
 def test_a_call_goes_to_the_paged_kernel_only_under_the_mask_it_computes():
     """``_paged_mask`` against brute force over every small call from key row 0: where it sends a call to
     forward_paged without a mask (False) the call's pairs are all of them, where causal bottom-right (True)

@@ -452,11 +452,13 @@ class CUDABackend(FusedKernelBackend):
             op = kernels.with_repeated_kv(op)
         return op(q, k, v, lo, hi, scale, self._range_launcher(q))
 
-    def paged_in_place(self, q, k_pool, v_pool) -> bool:
-        """Whether :meth:`forward_paged` reads these pools in place for every call (chunks of many queries too):
-        where flash's paged form serves them (:meth:`_flash_paged`). A decode call (one query per segment) may
-        still read them in place where this is False: :meth:`paged_kernel` says which kernel runs a call."""
-        return self._flash_paged(q, k_pool, v_pool)
+    def paged_in_place(self, q, k_pool, v_pool, max_q: int | None = None) -> bool:
+        """Whether :meth:`forward_paged` reads these pools in place for every call (``max_q`` None: chunks of many
+        queries too; where flash's paged form serves them, :meth:`_flash_paged`), or for calls of at most ``max_q``
+        queries per segment (:meth:`paged_kernel` names flash's paged form or the Triton paged decode)."""
+        if max_q is None:
+            return self._flash_paged(q, k_pool, v_pool)
+        return self.paged_kernel(q, k_pool, v_pool, max_q) != PAGED_GATHER
 
     def _flash_paged(self, q, k_pool, v_pool) -> bool:
         """Whether flash's paged form serves these pools: the flash op serves q (fp16/bf16, head dim a multiple of

@@ -400,11 +400,12 @@ class NPUBackend(FusedKernelBackend):
         return out.reshape(b, t, n, -1), convert.range_lse(lse, b)
 
     # ------------------------------------------------------------------ paged KV pools
-    def paged_in_place(self, q, k_pool, v_pool) -> bool:
+    def paged_in_place(self, q, k_pool, v_pool, max_q: int | None = None) -> bool:
         """Whether :meth:`forward_paged` reads these pools in place for every call a paged cache makes (decode rows
-        and chunks): float16 / bfloat16, values of the keys' shape, both contiguous, head dims up to 512 (a multiple
-        of 16), at most 256 query heads and 64 per K/V head, blocks of 128..512 rows in multiples of 128, and
-        ``gqa="native"`` (repeating would copy the pool); see :mod:`xcp_npu.paged`."""
+        and chunks; the same answer for any ``max_q``): float16 / bfloat16, values of the keys' shape, both
+        contiguous, head dims up to 512 (a multiple of 16), at most 256 query heads and 64 per K/V head, blocks of
+        128..512 rows in multiples of 128, and ``gqa="native"`` (repeating would copy the pool); see
+        :mod:`xcp_npu.paged`."""
         return (self.gqa == "native" or q.shape[-2] == k_pool.shape[-2]) and paged.in_place_unsupported(
             q, k_pool, v_pool
         ) is None

@@ -464,10 +464,13 @@ class Backend:
         out, lse = math_forward_paged(q, k_pool, v_pool, block_table, cu_q, seqused_k, max_q, max_k, scale, causal)
         return (out.to(q.dtype) if q.dtype != torch.float64 else out), lse
 
-    def paged_in_place(self, q: Tensor, k_pool: Tensor, v_pool: Tensor) -> bool:
+    def paged_in_place(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, max_q: int | None = None) -> bool:
         """Whether :meth:`forward_paged` reads these pools in place for queries like ``q`` (its own kernel, no
-        copy of any block). False (the default): a paged cache gathers each sequence's blocks once itself on the
-        host-planned path, and calls :meth:`forward_paged` only where the lengths must stay on the device."""
+        copy of any block): for every call (``max_q`` None), or for calls of at most ``max_q`` queries per segment
+        (a paged cache asks ``max_q=1`` for its decode rows where the answer for every call is False). False (the
+        default): a paged cache gathers each sequence's blocks once itself on the host-planned path, and calls
+        :meth:`forward_paged` only where the lengths must stay on the device. An override written without
+        ``max_q`` is asked for every call only."""
         return False
 
     def fused_merge_(

@@ -9,8 +9,9 @@ pool of some rank cannot hold is refused on every rank, the cache left as it was
 :meth:`PagedKVCache.attention` is :class:`xcp.KVCache`'s attention over a packed (THD) batch: each listed
 sequence's local partial as kernel calls over segments (:mod:`xcp.inference.plan`, on the rank's tokens of that
 sequence): where the backend reads the pool in place (:meth:`xcp.Backend.paged_in_place`), every call over a
-prefix of a sequence's rows in one :meth:`xcp.Backend.forward_paged` call for the batch, the rest on the
-sequence's rows gathered from its blocks; every sequence's rows packed in one buffer, one all-gather of it for
+prefix of a sequence's rows in one :meth:`xcp.Backend.forward_paged` call for the batch (where it reads it in place
+only for one query per segment, ``max_q=1``, those calls: the decode rows), the rest on the sequence's rows
+gathered from its blocks; every sequence's rows packed in one buffer, one all-gather of it for
 the whole batch and the merge (:mod:`xcp.inference.partials`), sinks folded in once after. A row a rank sees nothing of
 weighs 0; a row no rank sees is 0 with lse -inf.
 
@@ -23,6 +24,8 @@ a block freed and handed to another sequence is rewritten only after every read 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -293,7 +296,9 @@ class PagedKVCache:
         t, h, dv = q.shape[0], q.shape[1], self._layout[5]
         acc = accumulator_dtype(q.dtype)
 
-        in_place = softcap is None and alibi_slopes is None and backend.paged_in_place(q, self._k, self._v)
+        plain = softcap is None and alibi_slopes is None  # forward_paged takes no score modifier
+        in_place = plain and backend.paged_in_place(q, self._k, self._v)
+        one_query = in_place or (plain and _reads_decode_in_place(backend, q, self._k, self._v))
 
         def packed(dtype: torch.dtype) -> torch.Tensor:
             """This rank's partial of every row, packed for inputs of ``dtype``: where the backend reads the pool
@@ -305,8 +310,8 @@ class PagedKVCache:
                 calls = (
                     cache_plan.chunked_calls(seq.runs, seq.length, c1 - c0, causal, window, chunk) if c1 > c0 else ()
                 )
-                if in_place:
-                    masks = [_paged_mask(c) for c in calls]
+                if one_query:  # every prefix call where the backend reads the pool in place, else its one-query ones
+                    masks = [_paged_mask(c) if in_place or c.q1 - c.q0 == 1 else None for c in calls]
                     for c, m in zip(calls, masks):
                         if m is not None:
                             paged[m].append((c0 + c.q0, c0 + c.q1, seq.blocks, c.k1))
@@ -399,6 +404,21 @@ class PagedKVCache:
         compared = lambda: values(q.unsqueeze(0), sum(lengths), (*cu, *lengths))  # noqa: E731
         key_q = torch.empty((1, 0, *q.shape[1:]), dtype=q.dtype, device="meta")
         agree(self._comm, backend, compared, q.device, ("paged", self.interleave, *values(key_q, 0, None)))
+
+
+def _reads_decode_in_place(backend: Any, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """Whether the backend's ``forward_paged`` reads these pools in place for calls of one query per segment
+    (``paged_in_place(..., max_q=1)``; False for a backend whose ``paged_in_place`` takes no ``max_q``)."""
+    return _takes_max_q(type(backend).paged_in_place) and bool(backend.paged_in_place(q, k_pool, v_pool, max_q=1))
+
+
+@functools.lru_cache(maxsize=64)
+def _takes_max_q(method: Any) -> bool:
+    """Whether a ``paged_in_place`` takes ``max_q`` (one written before it was added does not)."""
+    try:
+        return "max_q" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _paged_mask(call: Any) -> bool | None:
