@@ -196,6 +196,10 @@ for case, (block, h, hkv, d, dtype, segments) in enumerate(CASES):
     assert paged.decode_splits(max_k)[0] == (3 if max_k > 1024 else 2 if max_k > 512 else 1)
     for x, y in zip(args, before):
         assert torch.equal(x, y)
+strided = table.t().contiguous().t()  # a table whose rows are not contiguous: read as its values say
+assert not strided.is_contiguous()
+got, want = (paged.paged_decode(q, k_pool, v_pool, x, cu, used, max_k, 0.3) for x in (strided, table))
+assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 empty = paged.paged_decode(q[:0], k_pool, v_pool, table[:0], cu[:1], used[:0], 0, 0.3)
 assert empty[0].shape == (0, q.shape[1], q.shape[2]) and empty[1].shape == (q.shape[1], 0)
 print("interpreted ok")
@@ -210,7 +214,7 @@ def test_the_triton_paged_decode_under_tritons_interpreter_equals_float64():
     and float32,
     tables shuffled, lengths not multiples of the block, 1 to 3 splits (segments filling fewer than the call has,
     one exactly a split's keys + 1), a segment without keys (out 0, lse -inf, no NaN), segments without a query,
-    max_k above the longest; inputs untouched; an empty batch."""
+    max_k above the longest; inputs untouched; a table of strided rows; an empty batch."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0 and "interpreted ok" in run.stdout, run.stdout + run.stderr

@@ -86,7 +86,7 @@ def paged_decode(
     lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
     if t == 0 or b == 0:
         return out, lse
-    q = q.contiguous()
+    q, block_table, cu_q, seqused_k = (x.contiguous() for x in (q, block_table, cu_q, seqused_k))  # unit strides
     n_splits, split = decode_splits(max_k)
     part_out = torch.empty((b, h, n_splits, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((b, h, n_splits), dtype=torch.float32, device=q.device)
