@@ -36,8 +36,8 @@ def paged_decode_split_kernel(
     heads = g * GROUP + heads
     d = tl.arange(0, BLOCK_D)
     dmask = d < dim
-    q = tl.load(q_ptr + row * q_st + heads[:, None] * q_sh + d[None, :], mask=hmask[:, None] & dmask[None, :],
-                other=0.0)  # fmt: skip
+    qmask = hmask[:, None] & dmask[None, :] & (end > start)  # a split past its segment's keys reads nothing
+    q = tl.load(q_ptr + row * q_st + heads[:, None] * q_sh + d[None, :], mask=qmask, other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
