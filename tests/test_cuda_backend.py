@@ -543,6 +543,7 @@ def _cpu_backend(monkeypatch, **kwargs):
     monkeypatch.setattr(kernels, "ATEN", fake)
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # importing it raises ImportError
     kwargs.setdefault("fused_merge", False)  # the Triton merge takes CUDA tensors only (a GPU machine has triton)
+    kwargs.setdefault("triton_decode", "off")  # so does the Triton paged decode (tests/test_paged_triton.py: its own)
     backend = CUDABackend(**kwargs)
     backend.device_type = "cpu"  # run the glue on CPU tensors
     monkeypatch.setattr(backend, "_capability", lambda device: (9, 0))

@@ -23,7 +23,7 @@ DECODES = [(1, 20, [1, 3]), (0, 5, [0]), (1, 0, []), (1, 7, [2])]  # (queries, k
 
 def _backend(monkeypatch, aten, triton=True, **kwargs):
     """The CPU stand-in backend over ``aten`` (a flash op with or without block_table), triton importable or not."""
-    backend, _ = _cpu_backend(monkeypatch, **kwargs)
+    backend, _ = _cpu_backend(monkeypatch, **{"triton_decode": "auto", **kwargs})
     monkeypatch.setattr(kernels, "ATEN", aten)
     monkeypatch.setattr(kernels, "triton_importable", lambda: triton)
     return backend

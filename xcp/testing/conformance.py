@@ -69,6 +69,18 @@ PAGED_SEGMENTS = (  # (queries, key rows, blocks of the table): a decode row, an
 )
 """The segments of the ``paged-*`` checks over a pool of 6 blocks (block 5 never listed: random tokens a kernel
 must not read); table entries past a segment's blocks hold block 5."""
+PAGED_DECODE_BLOCK = 16
+"""Rows of a block of the ``paged-*-decode`` check's pool: PagedKVCache's default block size."""
+PAGED_DECODE_SEGMENTS = (  # one query per segment (max_q 1), one without a query, one without keys
+    (1, 40, (2, 0, 4)),
+    (0, 7, (1,)),
+    (1, 0, ()),
+    (1, 33, (5, 3, 6)),
+)
+"""The segments of the ``paged-*-decode`` check (a decode step's call) over a pool of 8 blocks of 16 rows (block 7
+never listed), lengths not multiples of the block, tables out of order."""
+PAGED_LAYOUTS = {"chunk": (PAGED_BLOCK, 6, PAGED_SEGMENTS), "decode": (PAGED_DECODE_BLOCK, 8, PAGED_DECODE_SEGMENTS)}
+"""The ``paged-*`` checks' pools: (rows of a block, blocks, segments)."""
 
 RANGE_ROOM = 13
 """Rows of the KV storage the ``range-*`` checks give ``forward_range``; those outside the range hold
@@ -595,33 +607,33 @@ def check_forward_range(backend: Backend, dtype: torch.dtype, ends: str, heads: 
 # ---------------------------------------------------------------------------------------------- paged
 
 
-def check_forward_paged(backend: Backend, dtype: torch.dtype, causal: bool, heads: str) -> None:
-    """``forward_paged`` of packed queries of :data:`PAGED_SEGMENTS` against their blocks of a paged pool, the
-    block table and lengths int32 on the device, against the reference on each segment's rows gathered by hand
-    (causal: bottom-right aligned, each row on its own keys); out [T, H, D] and lse [H, T]; the empty segment's
-    rows 0 and -inf; the inputs unchanged."""
+def check_forward_paged(backend: Backend, dtype: torch.dtype, causal: bool, heads: str, layout: str = "chunk") -> None:
+    """``forward_paged`` of packed queries of a layout of :data:`PAGED_LAYOUTS` (``chunk``: :data:`PAGED_SEGMENTS`;
+    ``decode``: :data:`PAGED_DECODE_SEGMENTS`, one query per segment, max_q 1) against their blocks of a paged
+    pool, the block table and lengths int32 on the device, against the reference on each segment's rows gathered
+    by hand (causal: bottom-right aligned, each row on its own keys); out [T, H, D] and lse [H, T]; the rows of a
+    segment without keys 0 and -inf; the inputs unchanged."""
+    block, n_blocks, segments = PAGED_LAYOUTS[layout]
     h, hkv = HEADS[heads]
     dev = _device(backend)
-    t = sum(n for n, _, _ in PAGED_SEGMENTS)
+    t = sum(n for n, _, _ in segments)
     q = _random((t, h, HEAD_DIM), dtype, dev, 91)
-    k_pool = _random((6, PAGED_BLOCK, hkv, HEAD_DIM), dtype, dev, 92)
-    v_pool = _random((6, PAGED_BLOCK, hkv, HEAD_DIM), dtype, dev, 93)
-    width = max(len(blocks) for _, _, blocks in PAGED_SEGMENTS)
-    table = [list(blocks) + [5] * (width - len(blocks)) for _, _, blocks in PAGED_SEGMENTS]
+    k_pool = _random((n_blocks, block, hkv, HEAD_DIM), dtype, dev, 92)
+    v_pool = _random((n_blocks, block, hkv, HEAD_DIM), dtype, dev, 93)
+    width = max(len(blocks) for _, _, blocks in segments)
+    table = [list(blocks) + [n_blocks - 1] * (width - len(blocks)) for _, _, blocks in segments]
     cu = [0]
-    for n, _, _ in PAGED_SEGMENTS:
+    for n, _, _ in segments:
         cu.append(cu[-1] + n)
-    tab, cu_t, used = (
-        torch.tensor(x, dtype=torch.int32, device=dev) for x in (table, cu, [k for _, k, _ in PAGED_SEGMENTS])
-    )
+    tab, cu_t, used = (torch.tensor(x, dtype=torch.int32, device=dev) for x in (table, cu, [k for _, k, _ in segments]))
     inputs = [x.clone() for x in (q, k_pool, v_pool, tab, cu_t, used)]
-    max_q, max_k = max(n for n, _, _ in PAGED_SEGMENTS), max(k for _, k, _ in PAGED_SEGMENTS)
+    max_q, max_k = max(n for n, _, _ in segments), max(k for _, k, _ in segments)
     out, lse = backend.forward_paged(q, k_pool, v_pool, tab, cu_t, used, max_q, max_k, SCALE, causal)
     _assert_result("paged forward out", out, q, (t, h, HEAD_DIM), _value_dtypes(dtype))
     _assert_result("paged forward lse", lse, q, (h, t), (accumulator_dtype(dtype),))
     ref_out = torch.zeros((t, h, HEAD_DIM), dtype=torch.float64)
     ref_lse = torch.full((h, t), -math.inf, dtype=torch.float64)
-    for (n, keys, blocks), c0 in zip(PAGED_SEGMENTS, cu):
+    for (n, keys, blocks), c0 in zip(segments, cu):
         if keys == 0:
             continue
         k_rows, v_rows = (x[list(blocks)].flatten(0, 1)[None, :keys] for x in (k_pool, v_pool))
@@ -630,13 +642,13 @@ def check_forward_paged(backend: Backend, dtype: torch.dtype, causal: bool, head
             row = q[None, c0 + m : c0 + m + 1]
             o, lrow = reference_attention(row, k_rows[:, :seen], v_rows[:, :seen], "none", SCALE)
             ref_out[c0 + m], ref_lse[:, c0 + m] = o[0, 0], lrow[0, :, 0]
-    what = f"({'causal' if causal else 'full'}, {heads}, segments {PAGED_SEGMENTS})"
+    what = f"({'causal' if causal else 'full'}, {heads}, blocks of {block}, segments {segments})"
     assert_close(f"paged forward out {what}", out, ref_out, dtype)
     assert_natural_log("paged forward lse", lse, ref_lse)
     assert_close(f"paged forward lse {what}", lse, ref_lse, dtype)
-    empty = slice(cu[1], cu[2])
-    if out[empty].count_nonzero() > 0:
-        raise AssertionError("paged forward out: a segment without keys must give an all-zero output")
+    for (_, keys, _), c0, c1 in zip(segments, cu, cu[1:]):
+        if keys == 0 and out[c0:c1].count_nonzero() > 0:
+            raise AssertionError("paged forward out: a segment without keys must give an all-zero output")
     _assert_unchanged("paged forward", inputs, [q, k_pool, v_pool, tab, cu_t, used])
 
 
@@ -798,6 +810,9 @@ def cases(backend: Backend) -> list[Case]:
         for causal, heads in ((False, "mha"), (False, "gqa"), (True, "gqa")):
             kind = "causal" if causal else "full"
             out.append(_case(f"paged-{d}-{kind}-{heads}", check_forward_paged, dtype=dtype, causal=causal, heads=heads))
+        # ... and a decode step's call: one query per segment, blocks of 16 rows.
+        out.append(_case(f"paged-{d}-decode-gqa", check_forward_paged, dtype=dtype, causal=False, heads="gqa",
+                         layout="decode"))  # fmt: skip
         for world_size in (2, 3):
             for causal, balance, needs in RING_LAYOUTS:
                 if all(m in backend.masks for m in needs):
