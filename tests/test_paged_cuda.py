@@ -85,21 +85,36 @@ def _rel(got, want):
     return ((got.double() - want).norm() / want.norm()).item()
 
 
-def test_replayed_ragged_decode_equals_eager_and_float64_and_allocates_nothing():
-    """200 steps over 4 virtual ranks with requests joining and leaving: every replayed step equals the same
-    step run eagerly (the same kernels on the same inputs), holds against float64, makes no device allocation
-    in its replay and leaves the allocated bytes as they were; padded rows are 0."""
-    eager, pad_eager, _, plan = run_paged_world(4, 200, graphs=False)
-    replayed, pad_replayed, replays, _ = run_paged_world(4, 200, graphs=True)
-    assert len(replays) > 150  # most steps replay a captured graph
+def _replayed_equals_eager(world, steps, block):
+    """``steps`` steps over ``world`` virtual ranks, eager and replayed: every replayed step equals the same step run
+    eagerly, holds against float64, makes no device allocation in its replay and leaves the allocated bytes as they
+    were; padded rows are 0. Returns how many steps replayed a captured graph."""
+    eager, pad_eager, _, plan = run_paged_world(world, steps, graphs=False, block=block)
+    replayed, pad_replayed, replays, _ = run_paged_world(world, steps, graphs=True, block=block)
     assert all(counts == (0, 0) for counts in replays), replays[:10]
     assert pad_eager == 0.0 and pad_replayed == 0.0
     tokens = _tokens(len({i for _, join, _ in plan for i, _ in join}), 700, 0)
     wants = _reference([[x.to(torch.bfloat16).double() for x in t] for t in tokens], plan, 700)
     for step, (e, r, want) in enumerate(zip(eager, replayed, wants)):
-        for a, b in zip(e, r):
-            assert torch.equal(a, b), f"step {step}: replayed differs from eager"
+        for x, y in zip(e, r):
+            assert torch.equal(x, y), f"step {step}: replayed differs from eager"
         assert max(_rel(o, want) for o in r) < BF16_TOL, f"step {step}"
+    return len(replays)
+
+
+def test_replayed_ragged_decode_equals_eager_and_float64_and_allocates_nothing():
+    """200 steps over 4 virtual ranks with requests joining and leaving, blocks of 256 rows
+    (``_replayed_equals_eager``); most steps replay a captured graph."""
+    assert _replayed_equals_eager(4, 200, 256) > 150
+
+
+def test_replayed_ragged_decode_on_blocks_of_16_equals_eager_and_float64():
+    """The same over 3 virtual ranks and 60 steps with PagedKVCache's default blocks of 16 rows (flash's paged form
+    refuses them: the decode steps read the pools through the Triton paged decode)."""
+    shapes = ((2, 4, 16), (3, 16, 2, 16), (3, 16, 2, 16))  # q, the pools
+    q_and_pools = (torch.empty(s, dtype=torch.bfloat16, device="cuda") for s in shapes)
+    assert CUDABackend().paged_kernel(*q_and_pools, 1) == "triton"
+    assert _replayed_equals_eager(3, 60, 16) > 0
 
 
 def test_paged_attention_reads_the_pool_in_place_on_cuda(monkeypatch):
