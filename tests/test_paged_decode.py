@@ -243,6 +243,7 @@ def test_bench_serve_checks_then_times_every_figure(tmp_path, capsys):
     assert "decode eager" in text and "mixed eager" in text and "FAIL" not in text
     data = json.loads(path.read_text())
     assert data["config"]["lengths"][0] == 8 and data["config"]["lengths"][-1] == 200
+    assert data["config"]["xcp_pools"] == "gathered" and "xcp's pools gathered" in text  # the CPU: the math kernel
     assert data["decode"]["check_ok"] and data["mixed"]["check_ok"] and data["mixed"]["chunk"] == 12
     assert max(data["decode"]["errors"].values()) < 1e-9 and data["memory"]["requests_seen"] > 5
     assert sum(data["decode"]["tokens_per_rank"]) == data["decode"]["tokens"] + 5  # + the one timed step
@@ -305,6 +306,23 @@ def test_bench_serve_yardstick_is_one_flash_varlen_call_over_contiguous_tokens(t
         assert (
             data["decode"]["errors"]["whole_vs_float64"] < 2e-2 and data["mixed"]["errors"]["whole_vs_float64"] < 2e-2
         )
+
+
+def test_bench_serve_says_how_xcps_pools_are_read(monkeypatch):
+    """In place for every call, for the decode calls alone (``paged_in_place(..., max_q=1)``), or gathered."""
+    from xcp.backends.cpu import CPUBackend
+    from xcp.cli.bench.serve import _pools_read
+
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(3, HKV, D, generator=g, dtype=torch.float64) for _ in range(2))
+    cache = xcp.PagedKVCache(num_blocks=4, block_size=4)
+    cache.append([0], k, v, [0, 3])
+    q = torch.randn(1, H, D, generator=g, dtype=torch.float64)
+    assert _pools_read(CPUBackend(), cache, q) == "gathered"
+    monkeypatch.setattr(CPUBackend, "paged_in_place", lambda self, q, k, v, max_q=None: max_q == 1)
+    assert _pools_read(CPUBackend(), cache, q).startswith("in place for decode calls")
+    monkeypatch.setattr(CPUBackend, "paged_in_place", lambda self, q, k, v: True)
+    assert _pools_read(CPUBackend(), cache, q) == "in place (every call)"
 
 
 def test_long_tail_spans_its_ends_and_sums_near_the_total():

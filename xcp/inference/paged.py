@@ -298,7 +298,7 @@ class PagedKVCache:
 
         plain = softcap is None and alibi_slopes is None  # forward_paged takes no score modifier
         in_place = plain and backend.paged_in_place(q, self._k, self._v)
-        one_query = in_place or (plain and _reads_decode_in_place(backend, q, self._k, self._v))
+        one_query = in_place or (plain and reads_decode_in_place(backend, q, self._k, self._v))
 
         def packed(dtype: torch.dtype) -> torch.Tensor:
             """This rank's partial of every row, packed for inputs of ``dtype``: where the backend reads the pool
@@ -406,7 +406,7 @@ class PagedKVCache:
         agree(self._comm, backend, compared, q.device, ("paged", self.interleave, *values(key_q, 0, None)))
 
 
-def _reads_decode_in_place(backend: Any, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+def reads_decode_in_place(backend: Any, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
     """Whether the backend's ``forward_paged`` reads these pools in place for calls of one query per segment
     (``paged_in_place(..., max_q=1)``; False for a backend whose ``paged_in_place`` takes no ``max_q``)."""
     return _takes_max_q(type(backend).paged_in_place) and bool(backend.paged_in_place(q, k_pool, v_pool, max_q=1))

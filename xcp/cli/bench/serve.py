@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ...comm import LocalWorld
-from ...inference.paged import PagedKVCache
+from ...inference.paged import PagedKVCache, reads_decode_in_place
 from ...inference.paged_decode import PagedDecode, decode_padding
 from ...inference.plan import combine_bytes
 from ...inference.serving import held
@@ -294,6 +294,7 @@ def run_serve(cfg: dict[str, Any], progress: bool = True) -> dict[str, Any]:
         ranks.append([i], k, v, [0, x])
         whole.append([i], k, v, [0, x])
     ranks.start_decoding(n, max_len)
+    report["config"]["xcp_pools"] = _pools_read(backend, ranks.caches[0], work.tokens[ids[0]][1][0][:1])
     whole.start_decoding(n, max_len)
     length = dict(zip(ids, lengths))
     graphs = cfg["graph"] and backend.new_graph() is not None
@@ -359,6 +360,17 @@ def run_serve(cfg: dict[str, Any], progress: bool = True) -> dict[str, Any]:
     report["memory"] = _memory(cfg, backend, device, ranks, whole, work, length, order, plan, inputs, advance, say)
     ranks.close()
     return report
+
+
+def _pools_read(backend, cache: PagedKVCache, q: torch.Tensor) -> str:
+    """How a rank's partial reads its pool: in place for every call, for the decode calls alone, or gathered."""
+    k, v = cache._k, cache._v
+    assert k is not None and v is not None
+    if backend.paged_in_place(q, k, v):
+        return "in place (every call)"
+    if reads_decode_in_place(backend, q, k, v):
+        return "in place for decode calls (one query per segment); a chunk's sequence gathered"
+    return "gathered"
 
 
 def _pool_bytes(cache: PagedKVCache) -> int:
@@ -545,7 +557,8 @@ def format_serve(report: dict[str, Any]) -> str:
     lines = [
         f"xcp bench --serve on {c['device_name']} (backend {c['backend']}, torch {c['torch']}): {c['requests']} "
         f"requests, {c['tokens']} tokens (long tail {min(c['lengths'])}..{max(c['lengths'])}), {c['world']} virtual "
-        f"ranks, heads {c['heads']}/{c['kv_heads']}, D {c['head_dim']}, {c['dtype']}, blocks of {c['block']} rows",
+        f"ranks, heads {c['heads']}/{c['kv_heads']}, D {c['head_dim']}, {c['dtype']}, blocks of {c['block']} rows; "
+        f"xcp's pools {c.get('xcp_pools', '?')}",
         *wrap(
             "decode: every request appends one token and attends over its history; xcp = xcp.PagedDecode on every "
             "rank (the slots written, forward_paged over the rank's blocks, the combine); whole = every request's "
