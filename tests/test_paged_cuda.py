@@ -245,8 +245,9 @@ def _check_decode(out, lse, want_out, want_lse):
     blind = torch.isinf(want_lse)
     assert not out.isnan().any() and torch.equal(torch.isneginf(lse), blind)
     assert (out.transpose(0, 1)[blind] == 0).all()
-    err = (out.double() - want_out).abs().max().item() / want_out.abs().max().item()
-    assert err < 1e-2, err  # bf16: the probabilities and the out rounded once each (2^-9), sums in float32
+    seen = ~blind.transpose(0, 1)  # [T, H]: each row against its own size (long segments' outs are small)
+    err = ((out.double() - want_out).norm(dim=-1)[seen] / want_out.norm(dim=-1)[seen]).max().item()
+    assert err < 2e-2, err  # bf16: the probabilities and the out rounded once each (2^-9), sums in float32
     assert (lse.double() - want_lse)[~blind].abs().max().item() < 1e-3  # float32 sums over up to 40K keys
 
 

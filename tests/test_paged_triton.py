@@ -148,7 +148,7 @@ from xcp_cuda import CUDABackend, paged
 backend = CUDABackend(triton_decode="triton")
 backend.device_type = "cpu"
 backend._capability = lambda device: (9, 0)
-TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}  # of the largest |out|; lse: float32 sums
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}  # relative, per row; lse: float32 sums
 CASES = [  # block, H, Hkv, D, dtype, [(queries, keys)]
     (16, 4, 1, 64, torch.float32, [(1, 40), (0, 5), (1, 0), (1, 1300), (1, 16)]),
     (16, 8, 2, 128, torch.bfloat16, [(1, 1100), (1, 3), (0, 0), (1, 0), (1, 513)]),
@@ -188,7 +188,8 @@ for case, (block, h, hkv, d, dtype, segments) in enumerate(CASES):
         blind = torch.isinf(want_lse)
         assert torch.equal(torch.isinf(lse), blind) and (lse[blind] < 0).all(), (case, causal)
         assert torch.equal(out.transpose(0, 1)[blind], torch.zeros_like(out.transpose(0, 1)[blind]))
-        err = (out.double() - want_out).abs().max().item() / want_out.abs().max().item()
+        seen = ~blind.transpose(0, 1)  # [T, H]: each row against its own size (long segments' outs are small)
+        err = ((out.double() - want_out).norm(dim=-1)[seen] / want_out.norm(dim=-1)[seen]).max().item()
         assert err < TOL[dtype], (case, causal, err)
         assert (lse.double() - want_lse)[~blind].abs().max().item() < 1e-4, (case, causal)
         gathered = xcp.Backend.forward_paged(backend, *args, 1, max_k, 0.3, causal)
