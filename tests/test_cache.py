@@ -171,11 +171,16 @@ def test_placement_rule():
     causal=st.booleans(),
     left=st.one_of(st.none(), st.integers(0, 10)),
     right=st.one_of(st.none(), st.integers(0, 4)),
+    chunk=st.one_of(st.none(), st.integers(1, 7)),
+    decoded=st.integers(0, 3),
 )
-def test_partial_calls_compute_exactly_the_visible_pairs(world, balance, chunks, steps, queries, causal, left, right):
-    """Brute force over the plan: every (query, stored key) pair the mask allows, once, and nothing else."""
+def test_partial_calls_compute_exactly_the_visible_pairs(
+    world, balance, chunks, steps, queries, causal, left, right, chunk, decoded
+):
+    """Brute force over the plan: every (query, stored key) pair the mask allows, once, and nothing else; the
+    chunked plan (a query sees its own chunk of ``chunk`` positions) too, over decoded tokens (runs of stride P)."""
     prompt = chunks * xcp.schedule.required_multiple(world, balance)
-    seq = prompt + sum(steps)
+    seq = prompt + sum(steps) + decoded
     if seq == 0:
         return
     window = xcp.documents.check_window((left, 0 if causal else right), causal)
@@ -187,6 +192,7 @@ def test_partial_calls_compute_exactly_the_visible_pairs(world, balance, chunks,
             first, count = cache_plan.chunk_pieces(s, t, world)[r]
             stored = cache_plan.extend(stored, first, count)
             s += t
+        stored = cache_plan.extend_decoded(stored, s, s + decoded, world, r)
         positions = [p.global0 + p.stride * i for p in stored for i in range(p.count)]
         assert positions == sorted(positions)
         want = []
@@ -195,9 +201,9 @@ def test_partial_calls_compute_exactly_the_visible_pairs(world, balance, chunks,
             for j, p in enumerate(positions):
                 lo = window is None or window[0] is None or p >= at - window[0]
                 hi = (p <= at if causal else True) and (window is None or window[1] is None or p <= at + window[1])
-                if lo and hi:
+                if lo and hi and (chunk is None or p // chunk == at // chunk):
                     want.append((i, j))
-        got = pairs_of_runs(cache_plan.partial_calls(stored, seq, queries, causal, window))
+        got = pairs_of_runs(cache_plan.chunked_calls(stored, seq, queries, causal, window, chunk))
         assert sorted(got) == want
 
 

@@ -242,9 +242,9 @@ def partial_calls(
                 if width > 0:
                     r0, first, rising_lo, rising_hi, flat_hi = i, (lo, hi), False, False, False
                     n = 0
-                else:  # rows that see nothing, until the width comes back above 0
-                    r0 = None
-                    n = end - i - 1 if slope <= 0 else min(end - i - 1, -width)
+                else:  # a row that sees nothing: width 0 and a slope <= 0 (the row before saw >= 0 rows), so
+                    r0 = None  # the rest of the stretch sees nothing either
+                    n = end - i - 1
             lo, hi, i = lo + n * dlo, hi + n * dhi, i + 1 + n
     if r0 is not None:
         segs.append(_segment(first, (lo, hi), r0, queries))
