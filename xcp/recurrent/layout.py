@@ -133,7 +133,7 @@ def held_pieces(
     rank: int,
     balance: str,
     cu_seqlens: Sequence[int] | None,
-    ulysses: int = 1,
+    ulysses: int,
 ) -> tuple[tuple[Piece, ...], list[Piece]]:
     """Every rank's pieces and this rank's, checked against the ``local_len`` tokens the rank's argument
     ``name`` holds at ``seq_dim`` (the whole sequence is ``cu_seqlens[-1]`` tokens, else ``local_len`` a rank)."""
