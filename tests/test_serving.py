@@ -288,10 +288,12 @@ def test_a_backend_that_reads_the_pool_in_place_gets_every_prefix_call_and_no_bl
 
     calls = {"paged": 0, "gathered": 0}
     paged, rows = CPUBackend.forward_paged, PagedKVCache._rows
+    pools = set()
 
-    def counted_paged(self, *args, **kwargs):
+    def counted_paged(self, q, k_pool, *args, **kwargs):
         calls["paged"] += 1
-        return paged(self, *args, **kwargs)
+        pools.add(k_pool.shape[0])
+        return paged(self, q, k_pool, *args, **kwargs)
 
     def counted_rows(self, seq):
         calls["gathered"] += 1
@@ -304,6 +306,7 @@ def test_a_backend_that_reads_the_pool_in_place_gets_every_prefix_call_and_no_bl
     _assert_paged(results, wants)
     assert (calls["paged"] > 0) == pages
     assert (calls["gathered"] > 0) == gathers
+    assert pools == ({64 + 1} if pages else set())  # the pool the kernel reads: num_blocks and the sink block
 
 
 @pytest.mark.parametrize("world", [1, 2])
