@@ -342,6 +342,39 @@ def test_a_backend_that_reads_only_decode_calls_in_place_gets_the_one_query_call
     assert not calls["paged"] and calls["gathered"] > 0
 
 
+def test_a_chunk_one_query_calls_go_to_a_decode_only_paged_kernel_too(monkeypatch):
+    """Over two ranks, the last 3 of 5 tokens as queries: on each rank the plan ends with a call of the last row
+    alone from key row 0 (rank 0: rows 0-1 see positions 0 and 2, row 2 also 4; rank 1: row 0 sees 1, rows 1-2
+    see 1 and 3). A backend that reads only one-query calls in place gets that call (query row 2, max_q 1);
+    the rest is gathered; exact against the gathered path."""
+    from xcp.backends.cpu import CPUBackend
+
+    seen = []
+    paged = CPUBackend.forward_paged
+
+    def counted_paged(self, q, k_pool, v_pool, table, cu_q, used, max_q, *args, **kwargs):
+        seen.append((q.shape[0], cu_q.tolist(), max_q))
+        return paged(self, q, k_pool, v_pool, table, cu_q, used, max_q, *args, **kwargs)
+
+    g = torch.Generator().manual_seed(3)
+    k, v, q = (torch.randn(5, n, D, generator=g, dtype=torch.float64) for n in (HKV, HKV, H))
+
+    def rank(group):
+        cache = xcp.PagedKVCache(group, num_blocks=4, block_size=2)
+        cache.append(["a"], k, v, [0, 5])
+        return cache.attention(q[2:], ["a"], [0, 3])
+
+    with LocalWorld(2) as w:
+        want = w.run(rank)[0]
+    monkeypatch.setattr(CPUBackend, "paged_in_place", lambda self, q, k, v, max_q=None: max_q == 1)
+    monkeypatch.setattr(CPUBackend, "forward_paged", counted_paged)
+    with LocalWorld(2) as w:
+        got = w.run(rank)
+    assert seen == [(1, [0, 1], 1)] * 2  # one paged call on each rank: the last row alone
+    for out in got:
+        torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+
+
 def test_a_call_goes_to_the_paged_kernel_only_under_the_mask_it_computes():
     """``_paged_mask`` against brute force over every small call from key row 0: where it sends a call to
     forward_paged without a mask (False) the call's pairs are all of them, where causal bottom-right (True)

@@ -330,8 +330,7 @@ class PagedKVCache:
         else:
             out, lse = partials.gather_merge(self._comm, backend, self._handoff, lambda: packed(q.dtype),
                                              (1, t, h, dv), q.dtype, q.device)  # fmt: skip
-        if sinks is not None:
-            out, lse = out.to(acc), lse.to(acc, copy=True)
+        if sinks is not None:  # out and lse are this call's own, in acc (unpack's or the merge's): written in place
             apply_sinks_(out, lse, sinks)
         result = out[0].to(q.dtype)
         return (result, lse[0].to(acc)) if return_lse else result
