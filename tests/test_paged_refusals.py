@@ -93,3 +93,16 @@ def test_ranks_whose_caches_hold_different_lengths_are_told_the_keys_shapes():
 
     with pytest.raises(RuntimeError, match=r"k\.shape \(rank 0: \(1, 4, 2, 8\); rank 1: \(1, 5, 2, 8\)\)"):
         _two_ranks(rank)
+
+
+def test_a_paged_in_place_whose_signature_cannot_be_read_is_not_asked_for_decode_calls():
+    """reads_decode_in_place asks ``paged_in_place(..., max_q=1)`` only where the method takes ``max_q``; one whose
+    signature Python cannot read (a builtin) counts as one written before ``max_q``: False, nothing called."""
+    from xcp.inference.paged import reads_decode_in_place
+
+    class Opaque(CPUBackend):
+        name = "paged-opaque"
+        paged_in_place = max  # a builtin: no readable signature (and calling it here would raise)
+
+    pool = torch.zeros(2, 2, HKV, D)
+    assert reads_decode_in_place(Opaque(), torch.zeros(1, H, D), pool, pool) is False
