@@ -338,6 +338,7 @@ recurrent)
   timeout 100 xcp bench --recurrent --seqs 1048576 --worlds 8 --reps 2 --warmup 1 2>&1 | tee "$out/recurrent_1m.txt"
   ;;
 serve)
+  export XCP_CUDA_TRITON_DECODE=auto  # the Triton paged decode: off by default until this mode has checked it
   section "paged decode tests: CPU stand-ins (forward_paged, PagedDecode) and cuda (replayed = eager, allocations, CSAN)"
   timeout 180 python3 -m pytest -q -p no:cacheprovider --tb=short -rs tests/test_paged_cuda.py tests/test_paged_decode.py \
     tests/test_paged_triton.py tests/test_cuda_backend.py -k "paged or Paged or sanitizer" 2>&1 | tail -25 \

@@ -106,8 +106,9 @@ class CUDABackend(FusedKernelBackend):
         where its squares have at least :data:`CAUSAL_BACKWARD_MIN` rows (default True).
     :param use_fla: run recurrent layers on fla's Triton kernels where fla is installed
         (:meth:`recurrent_kernels`, :mod:`xcp_cuda.recurrent`; default True).
-    :param triton_decode: which kernel runs a paged decode call (:meth:`paged_kernel`): ``auto`` (default), ``triton``
-        or ``off``, see :data:`xcp_cuda.settings.TRITON_DECODE`.
+    :param triton_decode: which kernel runs a paged decode call (:meth:`paged_kernel`): ``auto``, ``triton``
+        or ``off`` (default: the Triton kernel has run only under Triton's interpreter so far), see
+        :data:`xcp_cuda.settings.TRITON_DECODE`.
     """
 
     name = "cuda"

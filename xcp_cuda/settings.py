@@ -72,11 +72,12 @@ TRITON_DECODES = ("auto", "triton", "off")
 TRITON_DECODE = Setting(
     "XCP_CUDA_TRITON_DECODE",
     "choice",
-    "auto",
+    "off",
     "which kernel runs a paged decode call (forward_paged with one query per segment): auto (flash's paged form "
     "where this torch's flash op takes block_table and the blocks hold a multiple of 256 rows, else xcp's Triton "
     "paged decode), triton (the Triton kernel wherever it serves), off (never the Triton kernel: flash's paged form "
-    "or the gather, for comparisons); constructor argument triton_decode=",
+    "or the gather; the default until the Triton kernel has run on a GPU: only Triton's interpreter has run it); "
+    "constructor argument triton_decode=",
     READ_AT_CONSTRUCTION,
     TRITON_DECODES,
 )
