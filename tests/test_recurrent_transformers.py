@@ -168,6 +168,21 @@ def build(config, impl="xcp"):
     return model
 
 
+def twins(full_precision, kind, prepared=True, evaluating=False):
+    """The model of ``kind`` in float64 (through ``xt.prepare`` where ``prepared``) and transformers' eager
+    reference holding its weights, both in eval mode where ``evaluating``."""
+    full_precision(kind)
+    config = _configs()[kind]()
+    model, reference = build(config), build(config, "eager")
+    if prepared:
+        model = xt.prepare(model)
+    reference.load_state_dict(model.state_dict())
+    if evaluating:
+        model.eval()
+        reference.eval()
+    return model, reference
+
+
 def rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
@@ -195,11 +210,7 @@ CASES = [
 
 @pytest.mark.parametrize(("kind", "world", "balance"), CASES, ids=[f"{k}-P{w}-{b}" for k, w, b in CASES])
 def test_training_matches_one_device(kind, world, balance, full_precision):
-    full_precision(kind)
-    config = _configs()[kind]()
-    model = xt.prepare(build(config))
-    reference = build(config, "eager")  # its softmax's float32 is float64 too (full_precision)
-    reference.load_state_dict(model.state_dict())
+    model, reference = twins(full_precision, kind)  # the reference's softmax's float32 is float64 too
     ids = torch.randint(3, VOCAB, (1, 8 * world), generator=torch.Generator().manual_seed(world))
     expected = reference(input_ids=ids, labels=ids, use_cache=False)
     expected.loss.backward()
@@ -270,11 +281,7 @@ def test_training_under_ulysses_matches_one_device(kind, balance, full_precision
     """A hybrid all-to-all + ring context (P 4, ulysses 2): the recurrent layers pass the state along the
     tokens as xcp.shard(..., ulysses=2) places them, over the whole group; logits, loss and every parameter
     gradient equal one device's."""
-    full_precision(kind)
-    config = _configs()[kind]()
-    model = xt.prepare(build(config))
-    reference = build(config, "eager")
-    reference.load_state_dict(model.state_dict())
+    model, reference = twins(full_precision, kind)
     ids = torch.randint(3, VOCAB, (1, 32), generator=torch.Generator().manual_seed(4))
     expected = reference(input_ids=ids, labels=ids, use_cache=False)
     expected.loss.backward()
@@ -354,11 +361,8 @@ def test_generate_equals_one_device(kind, world, balance, prompt, full_precision
     """xt.generate over ``world`` virtual ranks against the model's own generate (greedy): tokens equal, every
     step's float64 logits and every recurrent layer's conv and recurrent state (whole, on every rank) to 1e-9.
     The prompt: a ring prefix the balance splits, then tokens one at a time."""
-    full_precision(kind)
-    config = _configs()[kind]()
-    model = build(config).eval()
-    reference, want_steps = _recording(build(config, "eager").eval())
-    reference.load_state_dict(model.state_dict())
+    model, reference = twins(full_precision, kind, prepared=False, evaluating=True)
+    reference, want_steps = _recording(reference)
     batch = 1 if kind in ONE_PROMPT else 2
     ids = torch.randint(3, VOCAB, (batch, prompt), generator=torch.Generator().manual_seed(prompt))
     kw = dict(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_logits=True)
@@ -385,11 +389,7 @@ def test_generate_equals_one_device(kind, world, balance, prompt, full_precision
 def test_recurrent_gemma_generates_with_one_model_shared_by_the_ranks(full_precision):
     """Virtual ranks may share one model: RecurrentGemma's blocks keep their states in attributes of their own,
     so each rank keeps its own in its cache and hands them to a block only while it runs."""
-    full_precision("recurrent_gemma")
-    config = _configs()["recurrent_gemma"]()
-    model = xt.prepare(build(config)).eval()
-    reference = build(config, "eager").eval()
-    reference.load_state_dict(model.state_dict())
+    model, reference = twins(full_precision, "recurrent_gemma", evaluating=True)
     ids = torch.randint(3, VOCAB, (1, 14), generator=torch.Generator().manual_seed(5))
     kw = dict(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_logits=True)
     want = reference.generate(ids, **kw)
@@ -413,11 +413,7 @@ def test_xlstm_generate_runs_a_shard_longer_than_its_inference_chunks_whole(full
     """xLSTM runs a sequence longer than ``max_inference_chunksize`` chunk by chunk from the state after the last,
     which state passing does not take: the prompt's ring prefix runs each shard whole. Against the model's own
     generate with chunks longer than the prompt (the same math)."""
-    full_precision("xlstm")
-    config = _configs()["xlstm"]()
-    model = build(config).eval()
-    reference = build(config, "eager").eval()
-    reference.load_state_dict(model.state_dict())
+    model, reference = twins(full_precision, "xlstm", prepared=False, evaluating=True)
     ids = torch.randint(3, VOCAB, (2, 14), generator=torch.Generator().manual_seed(3))
     kw = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_logits=True)
     want = reference.generate(ids, **kw)
@@ -447,11 +443,7 @@ def test_a_carried_state_is_refused_over_ranks(kind, layer):
 def test_generate_of_a_left_padded_batch_equals_one_device(full_precision):
     """A ragged batch (left padding) through xt.generate (its rows one at a time) against the model's own
     generate with the mask, which keeps the padding out of the recurrent states."""
-    full_precision("qwen3_next")
-    config = _configs()["qwen3_next"]()
-    model = build(config).eval()
-    reference = build(config, "eager").eval()
-    reference.load_state_dict(model.state_dict())
+    model, reference = twins(full_precision, "qwen3_next", prepared=False, evaluating=True)
     ids = torch.randint(3, VOCAB, (2, 13), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
@@ -511,11 +503,7 @@ def test_packed_documents_equal_each_document_alone(kind, world, balance, full_p
     parameter gradient equal those of each document run alone on one device (transformers' torch kernels
     ignore the boundaries on one device, so the packed one-device model is not the reference). A family that
     never passes the boundaries to its layers (:data:`UNSEEN`) equals the packed sequence run as one."""
-    full_precision(kind)
-    config = _configs()[kind]()
-    model = xt.prepare(build(config))
-    reference = build(config, "eager")
-    reference.load_state_dict(model.state_dict())
+    model, reference = twins(full_precision, kind)
     seq = 8 * world
     cu = [0, 5, seq - 6, seq]  # a short document, a long one, and one cut by every balance's pieces
     ids = torch.randint(3, VOCAB, (1, seq), generator=torch.Generator().manual_seed(world))
