@@ -1098,8 +1098,8 @@ def test_forward_paged_gathers_on_a_torch_whose_flash_op_has_no_block_table(monk
 def test_the_installed_torch_flash_op_is_asked_for_block_table():
     """The real op answers from its schema, whatever this torch's version."""
     names = [a.name for a in torch.ops.aten._flash_attention_forward.default._schema.arguments]
-    assert kernels._takes_argument(torch.ops.aten._flash_attention_forward, "block_table") == ("block_table" in names)
-    assert kernels._takes_argument(torch.ops.aten._flash_attention_forward, "seqused_k")
+    assert fused.op_takes_argument(torch.ops.aten._flash_attention_forward, "block_table") == ("block_table" in names)
+    assert fused.op_takes_argument(torch.ops.aten._flash_attention_forward, "seqused_k")
 
 
 def test_forward_paged_keeps_flash_off_its_one_query_path_when_a_segment_has_no_query(monkeypatch):

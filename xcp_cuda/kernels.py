@@ -76,7 +76,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import inspect
 import math
 import threading
 from collections import OrderedDict
@@ -86,7 +85,7 @@ from typing import Any
 import torch
 
 from xcp.backends.base import Block
-from xcp.backends.fused import repeat_kv, sum_kv_groups, widen_head_dim
+from xcp.backends.fused import op_takes_argument, repeat_kv, sum_kv_groups, widen_head_dim
 
 ATEN: Any = torch.ops.aten
 """The op namespace the wrappers call (tests on CPU substitute a stand-in with the same signatures)."""
@@ -589,20 +588,8 @@ def flash_takes_block_table() -> bool:
     """Whether this torch's ``aten._flash_attention_forward`` has the paged form at all: torch 2.13's schema ends
     ``seqused_k, alibi_slopes, block_table, num_splits``; torch 2.11's (checked on an H100 with torch 2.11+cu130)
     ends ``seqused_k, alibi_slopes`` and refuses ``block_table`` as an unexpected keyword. Asked of the op
-    itself, not of torch's version, so a build that backports the argument is served."""
-    return _takes_argument(ATEN._flash_attention_forward, "block_table")
-
-
-@functools.lru_cache(maxsize=8)
-def _takes_argument(op: Any, name: str) -> bool:
-    """Whether ``op`` (an aten overload packet, or a plain callable standing in for one) takes ``name``."""
-    schema = getattr(getattr(op, "default", None), "_schema", None)
-    if schema is not None:
-        return any(argument.name == name for argument in schema.arguments)
-    try:
-        return name in inspect.signature(op).parameters
-    except (TypeError, ValueError):  # a callable without a readable signature: assume the op does not
-        return False
+    itself (:func:`xcp.backends.fused.op_takes_argument`)."""
+    return op_takes_argument(ATEN._flash_attention_forward, "block_table")
 
 
 def flash_paged_forward(

@@ -28,8 +28,11 @@ piece does not cover get zero gradient. The ring itself only asks for ``none`` o
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,6 +47,20 @@ SquareForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float]
 
 SquareBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 """``kernel(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``; same promise as the forward."""
+
+
+@functools.lru_cache(maxsize=16)
+def op_takes_argument(op: Any, name: str) -> bool:
+    """Whether a fused op takes the argument ``name``: an aten overload packet answers from its default overload's
+    schema (asked of the op itself, not of torch's version, so a build that backports an argument is served), a
+    plain callable standing in for one from its signature; one with neither readable does not."""
+    schema = getattr(getattr(op, "default", None), "_schema", None)
+    if schema is not None:
+        return any(argument.name == name for argument in schema.arguments)
+    try:
+        return name in inspect.signature(op).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ...backends.fused import op_takes_argument
 from ...inference.paged import PagedKVCache
 from ...inference.paged_decode import PagedDecode
 from .decode import flash_serves
@@ -38,8 +39,7 @@ def _flash_op() -> Any:
 def flash_takes_block_table(op: Any = None) -> bool:
     """Whether this torch's flash varlen op has the paged form (torch 2.11's schema ends ``seqused_k, alibi_slopes``:
     no)."""
-    schema = getattr(getattr(op or _flash_op(), "default", None), "_schema", None)
-    return schema is not None and any(a.name == "block_table" for a in schema.arguments)
+    return op_takes_argument(op or _flash_op(), "block_table")
 
 
 def choose(device: torch.device, dtype: torch.dtype, head_dim: int, block: int) -> str:
